@@ -1,0 +1,92 @@
+//! Hugging Face model directories: load `config.json` + safetensors into a `CausalLm`, and
+//! save a model so `AutoModelForCausalLM.from_pretrained(dir)` loads it unchanged.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+
+use super::error::CheckpointError;
+use super::safetensors_io::{StorageDtype, save_sharded};
+use super::weights::Weights;
+use crate::models::{CausalLm, ModelArgs, ModelError, build, build::ignorable_tensor};
+
+/// Files copied next to saved weights so the output directory is a complete model.
+pub const COMPANION_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Default shard size, as transformers' `max_shard_size="5GB"`.
+pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
+
+pub struct LoadedModel<B: Backend> {
+    pub model: CausalLm<B>,
+    pub storage_dtype: StorageDtype,
+}
+
+pub fn load_args(dir: &Path) -> Result<ModelArgs, ModelError> {
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        return Err(ModelError::BadConfig {
+            path: config,
+            message: "missing: a Hugging Face checkpoint directory needs its config.json".into(),
+        });
+    }
+    ModelArgs::from_file(&config)
+}
+
+/// Loads a model; `files` overrides the safetensors files to read (torchtune's
+/// `checkpoint_files`), otherwise the index or `model.safetensors` decides.
+pub fn load_model<B: Backend>(dir: &Path, files: Option<&[String]>, device: &B::Device) -> Result<LoadedModel<B>, ModelError> {
+    let args = load_args(dir)?;
+    let mut weights = Weights::open(dir, files)?;
+    let storage_dtype = weights.storage_dtype;
+    let model = build::<B>(&args, &mut weights, device)?;
+    weights.finish(|name| ignorable_tensor(&args, name))?;
+    Ok(LoadedModel { model, storage_dtype })
+}
+
+/// Saves the base model (adapters excluded: merge them first to export a merged model).
+pub fn save_model<B: Backend>(
+    model: &CausalLm<B>,
+    dir: &Path,
+    source_dir: Option<&Path>,
+    dtype: StorageDtype,
+    max_shard_bytes: usize,
+) -> Result<Vec<String>, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
+    let mut files = save_sharded(dir, &model.hf_state_dict(), dtype, max_shard_bytes)?;
+    let mut config = model.args.raw.clone();
+    if let Some(obj) = config.as_object_mut() {
+        // Keep whichever dtype key the source used (transformers 5 writes `dtype`).
+        let key = if obj.contains_key("dtype") { "dtype" } else { "torch_dtype" };
+        obj.insert(key.into(), dtype.torch_name().into());
+    }
+    let path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&config).unwrap_or_default();
+    std::fs::write(&path, text + "\n").map_err(CheckpointError::io(&path))?;
+    files.push("config.json".into());
+    if let Some(src) = source_dir {
+        files.extend(copy_companions(src, dir)?);
+    }
+    Ok(files)
+}
+
+pub fn copy_companions(src: &Path, dst: &Path) -> Result<Vec<String>, CheckpointError> {
+    let mut copied = Vec::new();
+    for name in COMPANION_FILES {
+        let from = src.join(name);
+        if from.is_file() {
+            let to = dst.join(name);
+            std::fs::copy(&from, &to).map_err(CheckpointError::io(&to))?;
+            copied.push(name.to_string());
+        }
+    }
+    Ok(copied)
+}

@@ -1,0 +1,240 @@
+//! PEFT LoRA adapters: attach fresh adapters to a model, load `adapter_model.safetensors` +
+//! `adapter_config.json` as `peft` saves them, and save them back in the same layout so
+//! `PeftModel.from_pretrained(base, dir)` loads what tune writes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::module::Param;
+use burn::tensor::backend::Backend;
+use serde::{Deserialize, Serialize};
+
+use super::error::CheckpointError;
+use super::host::HostTensor;
+use super::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
+use crate::models::CausalLm;
+use crate::modules::{Lora, LoraSettings, lora};
+
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// `adapter_config.json` as peft writes it; unknown keys are kept so a round trip loses nothing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdapterConfig {
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+    pub r: usize,
+    pub lora_alpha: f64,
+    #[serde(default)]
+    pub lora_dropout: f64,
+    pub target_modules: TargetModules,
+    #[serde(default = "causal_lm")]
+    pub task_type: Option<String>,
+    #[serde(default = "lora_type")]
+    pub peft_type: String,
+    #[serde(default)]
+    pub use_rslora: bool,
+    #[serde(default)]
+    pub use_dora: bool,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
+}
+
+fn causal_lm() -> Option<String> {
+    Some("CAUSAL_LM".into())
+}
+
+fn lora_type() -> String {
+    "LORA".into()
+}
+
+/// peft accepts a list of module names or one regular-expression string.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum TargetModules {
+    List(Vec<String>),
+    Pattern(String),
+}
+
+impl AdapterConfig {
+    /// The config tune writes for a fresh adapter, with the keys peft 0.1x writes.
+    pub fn new(base_model: Option<String>, settings: &LoraSettings, targets: Vec<String>) -> Self {
+        let mut other = BTreeMap::new();
+        other.insert("bias".into(), "none".into());
+        other.insert("fan_in_fan_out".into(), false.into());
+        other.insert("inference_mode".into(), true.into());
+        other.insert("init_lora_weights".into(), true.into());
+        other.insert("modules_to_save".into(), serde_json::Value::Null);
+        other.insert("layers_to_transform".into(), serde_json::Value::Null);
+        other.insert("revision".into(), serde_json::Value::Null);
+        other.insert("rank_pattern".into(), serde_json::json!({}));
+        other.insert("alpha_pattern".into(), serde_json::json!({}));
+        Self {
+            base_model_name_or_path: base_model,
+            r: settings.rank,
+            lora_alpha: settings.alpha,
+            lora_dropout: settings.dropout,
+            target_modules: TargetModules::List(targets),
+            task_type: causal_lm(),
+            peft_type: lora_type(),
+            use_rslora: false,
+            use_dora: false,
+            other,
+        }
+    }
+
+    pub fn settings(&self) -> LoraSettings {
+        LoraSettings { rank: self.r, alpha: self.lora_alpha, dropout: self.lora_dropout }
+    }
+
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(ADAPTER_CONFIG);
+        let text = std::fs::read_to_string(&path).map_err(CheckpointError::io(&path))?;
+        let config: Self = serde_json::from_str(&text)
+            .map_err(|e| CheckpointError::Invalid { path: path.clone(), message: e.to_string() })?;
+        if config.peft_type != "LORA" {
+            return Err(CheckpointError::Invalid {
+                path,
+                message: format!("peft_type is {}, tune loads LORA adapters", config.peft_type),
+            });
+        }
+        if config.use_dora || config.use_rslora {
+            return Err(CheckpointError::Invalid { path, message: "DoRA and rsLoRA adapters are not supported yet".into() });
+        }
+        Ok(config)
+    }
+
+    pub fn write(&self, dir: &Path) -> Result<(), CheckpointError> {
+        let path = dir.join(ADAPTER_CONFIG);
+        let text = serde_json::to_string_pretty(self).unwrap_or_default();
+        std::fs::write(&path, text + "\n").map_err(CheckpointError::io(&path))
+    }
+
+    fn targets(&self, module_path: &str) -> bool {
+        let leaf = module_path.rsplit('.').next().unwrap_or(module_path);
+        match &self.target_modules {
+            TargetModules::List(list) => list.iter().any(|t| t == leaf || module_path.ends_with(&format!(".{t}"))),
+            // A full regex engine is not worth a dependency for this rare form: treat the
+            // pattern as `name|name|...` alternatives, which is how it is written in practice.
+            TargetModules::Pattern(p) => p
+                .split(['|', '(', ')', '.', '*', '\\'])
+                .filter(|s| !s.is_empty())
+                .any(|t| t == leaf),
+        }
+    }
+}
+
+/// The PEFT key of an adapter tensor: `model.layers.0.self_attn.q_proj` + A ->
+/// `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+pub fn peft_key(module_path: &str, which: char) -> String {
+    format!("{PEFT_PREFIX}{module_path}.lora_{which}.weight")
+}
+
+/// Attaches fresh adapters to the linear layers named in `targets` (leaf names: `q_proj`,
+/// `down_proj`, `lm_head`, ...). Returns the module paths that got one.
+pub fn attach_lora<B: Backend>(
+    model: &mut CausalLm<B>,
+    targets: &[String],
+    settings: &LoraSettings,
+    seed: u64,
+) -> Vec<String> {
+    let device = model.device();
+    let mut rng = lora::init_rng(seed);
+    let mut attached = Vec::new();
+    for (path, linear) in model.linears_mut() {
+        let leaf = path.rsplit('.').next().unwrap_or(&path);
+        if targets.iter().any(|t| t == leaf) {
+            let (out, inp) = (linear.out_features(), linear.in_features());
+            linear.lora = Some(Lora::init(inp, out, settings, &mut rng, &device));
+            attached.push(path);
+        }
+    }
+    attached
+}
+
+/// Loads a PEFT adapter directory into `model`, replacing any adapters it has.
+pub fn load_adapter<B: Backend>(model: &mut CausalLm<B>, dir: &Path) -> Result<AdapterConfig, CheckpointError> {
+    let config = AdapterConfig::read(dir)?;
+    let path = dir.join(ADAPTER_WEIGHTS);
+    if !path.is_file() {
+        let bin = dir.join("adapter_model.bin");
+        let hint = if bin.is_file() { " (found adapter_model.bin: save the adapter with safe_serialization=True)" } else { "" };
+        return Err(CheckpointError::Invalid { path, message: format!("missing{hint}") });
+    }
+    let file = SafetensorsFile::open(&path)?;
+    let settings = config.settings();
+    let device = model.device();
+    let mut used = 0usize;
+    for (module, linear) in model.linears_mut() {
+        if !config.targets(&module) {
+            continue;
+        }
+        let (out, inp) = (linear.out_features(), linear.in_features());
+        let take = |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
+            let key = peft_key(&module, which);
+            let found = file.shape(&key).ok_or_else(|| CheckpointError::MissingTensor {
+                name: key.clone(),
+                dir: path.clone(),
+                expected: shape.to_vec(),
+            })?;
+            if found != shape {
+                return Err(CheckpointError::ShapeMismatch { name: key, file: path.clone(), expected: shape.to_vec(), found });
+            }
+            file.read(&key)
+        };
+        let a = take('A', [settings.rank, inp])?;
+        let b = take('B', [out, settings.rank])?;
+        linear.lora = Some(Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings));
+        used += 2;
+    }
+    let total = file.names().len();
+    if used != total {
+        let expected: std::collections::HashSet<String> = file.names().into_iter().collect();
+        let mut extra: Vec<String> = expected
+            .into_iter()
+            .filter(|k| !model_has_adapter_key(model, k))
+            .collect();
+        extra.sort();
+        return Err(CheckpointError::UnexpectedTensors { dir: path, names: extra.join(", ") });
+    }
+    Ok(config)
+}
+
+fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {
+    model
+        .linears_mut()
+        .iter()
+        .any(|(m, l)| l.lora.is_some() && (peft_key(m, 'A') == key || peft_key(m, 'B') == key))
+}
+
+/// The adapter tensors of `model` under their PEFT keys.
+pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, HostTensor)> {
+    let mut out = Vec::new();
+    for (module, linear) in model.linears_mut() {
+        if let Some(lora) = &linear.lora {
+            out.push((peft_key(&module, 'A'), HostTensor::from_tensor(&lora.a.val())));
+            out.push((peft_key(&module, 'B'), HostTensor::from_tensor(&lora.b.val())));
+        }
+    }
+    out
+}
+
+/// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
+pub fn save_adapter<B: Backend>(model: &mut CausalLm<B>, config: &AdapterConfig, dir: &Path) -> Result<Vec<String>, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
+    write_file(&dir.join(ADAPTER_WEIGHTS), &adapter_state_dict(model), StorageDtype::F32)?;
+    config.write(dir)?;
+    Ok(vec![ADAPTER_WEIGHTS.into(), ADAPTER_CONFIG.into()])
+}
+
+/// Folds every adapter into its base weight and drops it (for exporting a merged model).
+pub fn merge_adapters<B: Backend>(model: &mut CausalLm<B>) {
+    for (_, linear) in model.linears_mut() {
+        if linear.lora.is_some() {
+            let merged = linear.merged_weight();
+            linear.weight = Param::from_tensor(merged);
+            linear.lora = None;
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Reading and writing safetensors files: memory-mapped reads (converted from F32/BF16/F16 to
+//! f32), and sharded writes named and indexed as transformers names them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, TensorView};
+use safetensors::SafeTensors;
+
+use super::error::CheckpointError;
+use super::host::HostTensor;
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// One memory-mapped safetensors file and its parsed header.
+pub struct SafetensorsFile {
+    pub path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+impl SafetensorsFile {
+    pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        let file = File::open(path).map_err(CheckpointError::io(path))?;
+        // SAFETY: the file is opened read-only and tune never writes to a checkpoint it reads;
+        // a concurrent external writer would be a user error the OS cannot prevent anyway.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(CheckpointError::io(path))?;
+        let (header_len, meta) = SafeTensors::read_metadata(&mmap)
+            .map_err(|e| CheckpointError::BadSafetensors { path: path.to_path_buf(), message: e.to_string() })?;
+        // read_metadata checks offsets against the header, not the file: catch truncation here.
+        let needed = 8 + header_len + meta.data_len();
+        if mmap.len() < needed {
+            return Err(CheckpointError::BadSafetensors {
+                path: path.to_path_buf(),
+                message: format!("file is {} bytes but its header describes {needed}", mmap.len()),
+            });
+        }
+        Ok(Self { path: path.to_path_buf(), mmap, header_len, meta })
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.meta.tensors().into_keys().collect()
+    }
+
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.meta.info(name).map(|i| i.shape.clone())
+    }
+
+    pub fn read(&self, name: &str) -> Result<HostTensor, CheckpointError> {
+        let info = self.meta.info(name).ok_or_else(|| CheckpointError::MissingTensor {
+            name: name.to_string(),
+            dir: self.path.clone(),
+            expected: vec![],
+        })?;
+        let (start, end) = info.data_offsets;
+        let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
+        let data = decode(bytes, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
+            name: name.to_string(),
+            file: self.path.clone(),
+            dtype: format!("{:?}", info.dtype),
+        })?;
+        Ok(HostTensor::new(info.shape.clone(), data))
+    }
+
+    /// Reads an integer tensor (token ids, labels) as i64.
+    pub fn read_i64(&self, name: &str) -> Result<Vec<i64>, CheckpointError> {
+        let info = self.meta.info(name).ok_or_else(|| CheckpointError::MissingTensor {
+            name: name.to_string(),
+            dir: self.path.clone(),
+            expected: vec![],
+        })?;
+        let (start, end) = info.data_offsets;
+        let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
+        match info.dtype {
+            Dtype::I64 => Ok(bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()),
+            Dtype::I32 => Ok(bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()),
+            other => Err(CheckpointError::UnsupportedDtype {
+                name: name.to_string(),
+                file: self.path.clone(),
+                dtype: format!("{other:?} (expected an integer tensor)"),
+            }),
+        }
+    }
+
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.meta.info(name).map(|i| i.dtype)
+    }
+}
+
+fn decode(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => return None,
+    })
+}
+
+/// The storage dtype for saved weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageDtype {
+    F32,
+    BF16,
+    F16,
+}
+
+impl StorageDtype {
+    pub fn from_safetensors(dtype: Dtype) -> Self {
+        match dtype {
+            Dtype::BF16 => Self::BF16,
+            Dtype::F16 => Self::F16,
+            _ => Self::F32,
+        }
+    }
+
+    /// The `torch_dtype`/`dtype` string transformers writes into config.json.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::BF16 => "bfloat16",
+            Self::F16 => "float16",
+        }
+    }
+
+    fn safetensors(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::BF16 => Dtype::BF16,
+            Self::F16 => Dtype::F16,
+        }
+    }
+
+    fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::BF16 => data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+            Self::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        }
+    }
+
+    pub fn bytes_per_element(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::BF16 | Self::F16 => 2,
+        }
+    }
+}
+
+/// Writes one safetensors file with `{"format": "pt"}` metadata, which transformers requires.
+pub fn write_file(path: &Path, tensors: &[(String, HostTensor)], dtype: StorageDtype) -> Result<(), CheckpointError> {
+    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, t)| (n.clone(), t.shape.clone(), dtype.encode(&t.data))).collect();
+    write_encoded(path, &encoded, dtype.safetensors())
+}
+
+/// Writes already-encoded tensors (e.g. packed int4) with their own dtype.
+pub fn write_encoded(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)], dtype: Dtype) -> Result<(), CheckpointError> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for (name, shape, bytes) in tensors {
+        let view = TensorView::new(dtype, shape.clone(), bytes)
+            .map_err(|e| CheckpointError::Invalid { path: path.to_path_buf(), message: format!("{name}: {e}") })?;
+        views.push((name.clone(), view));
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| CheckpointError::Invalid { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Saves a state dict the way transformers' `save_pretrained` does: one `model.safetensors`
+/// when it fits in `max_shard_bytes`, otherwise `model-0000i-of-0000n.safetensors` shards plus
+/// `model.safetensors.index.json`. Returns the written file names.
+pub fn save_sharded(
+    dir: &Path,
+    tensors: &[(String, HostTensor)],
+    dtype: StorageDtype,
+    max_shard_bytes: usize,
+) -> Result<Vec<String>, CheckpointError> {
+    let mut shards: Vec<Vec<&(String, HostTensor)>> = vec![vec![]];
+    let mut current = 0usize;
+    for entry in tensors {
+        let size = entry.1.numel() * dtype.bytes_per_element();
+        if current + size > max_shard_bytes && !shards.last().is_some_and(Vec::is_empty) {
+            shards.push(vec![]);
+            current = 0;
+        }
+        current += size;
+        if let Some(last) = shards.last_mut() {
+            last.push(entry);
+        }
+    }
+    if shards.len() == 1 {
+        write_file(&dir.join(SINGLE_FILE), tensors, dtype)?;
+        return Ok(vec![SINGLE_FILE.to_string()]);
+    }
+    let n = shards.len();
+    let mut weight_map = BTreeMap::new();
+    let mut names = Vec::with_capacity(n + 1);
+    let mut total = 0usize;
+    for (i, shard) in shards.into_iter().enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
+        let owned: Vec<(String, HostTensor)> = shard.into_iter().cloned().collect();
+        for (name, t) in &owned {
+            weight_map.insert(name.clone(), file.clone());
+            total += t.numel() * dtype.bytes_per_element();
+        }
+        write_file(&dir.join(&file), &owned, dtype)?;
+        names.push(file);
+    }
+    let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let path = dir.join(INDEX_FILE);
+    let text = serde_json::to_string_pretty(&index).unwrap_or_default();
+    std::fs::write(&path, text + "\n").map_err(CheckpointError::io(&path))?;
+    names.push(INDEX_FILE.to_string());
+    Ok(names)
+}

@@ -1,0 +1,98 @@
+//! Built-in configs, embedded at compile time from `configs/` (paths are relative to
+//! this file so the same code works in this crate and in the main repo).
+
+use crate::config::recipes::Recipe;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuiltinConfig {
+    /// `<family>/<name>` without `.yaml`, e.g. `llama3_2/1B_lora_single_device`.
+    pub name: &'static str,
+    pub recipe: Recipe,
+    pub yaml: &'static str,
+}
+
+macro_rules! builtin {
+    ($name:literal, $recipe:ident) => {
+        BuiltinConfig {
+            name: $name,
+            recipe: Recipe::$recipe,
+            yaml: include_str!(concat!("../../configs/", $name, ".yaml")),
+        }
+    };
+}
+
+static BUILTINS: &[BuiltinConfig] = &[
+    builtin!("gemma/2B_lora_single_device", LoraFinetune),
+    builtin!("generation", Generate),
+    builtin!("llama3/8B_qat_full", Qat),
+    builtin!("llama3/8B_qat_lora", QatLora),
+    builtin!("llama3_1/8B_full_dpo", FullDpo),
+    builtin!("llama3_1/8B_lora_dpo_single_device", LoraDpo),
+    builtin!("llama3_1/8B_lora_single_device", LoraFinetune),
+    builtin!("llama3_2/1B_full_single_device", FullFinetune),
+    builtin!("llama3_2/1B_lora_single_device", LoraFinetune),
+    builtin!("llama3_2/1B_qat_lora", QatLora),
+    builtin!("llama3_2/3B_lora_single_device", LoraFinetune),
+    builtin!(
+        "llama3_2/8B_to_1B_KD_lora_single_device",
+        KnowledgeDistillation
+    ),
+    builtin!("mistral/7B_lora_single_device", LoraFinetune),
+    builtin!("phi3/mini_lora_single_device", LoraFinetune),
+    builtin!(
+        "qwen2/1.5_to_0.5B_KD_lora_single_device",
+        KnowledgeDistillation
+    ),
+    builtin!("qwen2_5/0.5B_full_single_device", FullFinetune),
+    builtin!("qwen2_5/0.5B_lora_single_device", LoraFinetune),
+    builtin!("qwen2_5/1.5B_lora_single_device", LoraFinetune),
+    builtin!("smollm2/135M_full_single_device", FullFinetune),
+    builtin!("smollm2/135M_lora_single_device", LoraFinetune),
+    builtin!("tiny/full_dpo_single_device", FullDpo),
+    builtin!("tiny/full_single_device", FullFinetune),
+    builtin!("tiny/generation", Generate),
+    builtin!("tiny/kd_lora_single_device", KnowledgeDistillation),
+    builtin!("tiny/lora_dpo_single_device", LoraDpo),
+    builtin!("tiny/lora_single_device", LoraFinetune),
+    builtin!("tiny/qat_lora_single_device", QatLora),
+    builtin!("tiny/qat_single_device", Qat),
+];
+
+/// Every built-in config, sorted by name.
+pub fn list() -> Vec<BuiltinConfig> {
+    BUILTINS.to_vec()
+}
+
+/// A built-in config by name; a trailing `.yaml` is ignored.
+pub fn get(name: &str) -> Option<BuiltinConfig> {
+    let bare = name.trim().trim_end_matches(".yaml");
+    BUILTINS.iter().find(|b| b.name == bare).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sorted_unique_and_headed() {
+        let names: Vec<&str> = BUILTINS.iter().map(|b| b.name).collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(names, sorted);
+        for b in BUILTINS {
+            // Like torchtune, the first line says which recipe the config is for.
+            let first = b.yaml.lines().next().unwrap_or_default();
+            assert!(
+                first.starts_with("# Config for") && first.contains(b.recipe.torchtune_name()),
+                "{}: first line `{first}` must name {}",
+                b.name,
+                b.recipe.torchtune_name()
+            );
+        }
+        assert_eq!(
+            get("tiny/generation.yaml").map(|b| b.recipe),
+            Some(Recipe::Generate)
+        );
+    }
+}

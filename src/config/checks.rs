@@ -1,0 +1,315 @@
+//! Checks that span keys: recipe-specific rules (LoRA vs full builder, dataset and
+//! loss kinds) and filesystem checks. They read the raw tree and skip anything
+//! the type walk already reports, so each mistake is reported once.
+
+use std::path::Path;
+
+use serde_yaml::Value;
+
+use crate::config::components::{self, Component, DatasetKind, LossKind};
+use crate::config::error::{Problem, ProblemKind};
+use crate::config::paths;
+use crate::config::recipes::Recipe;
+use crate::config::validate::{Checker, join};
+use crate::config::yaml;
+
+fn component_at(root: &Value, path: &str) -> Option<(String, Component)> {
+    let name = yaml::get(root, &join(path, "_component_"))?.as_str()?;
+    let found = components::lookup(name, None).ok()?;
+    Some((name.to_string(), found.component))
+}
+
+/// Every dataset entry: (`dataset` or `dataset.<i>`, its mapping).
+fn dataset_entries<'a>(root: &'a Value, key: &str) -> Vec<(String, &'a Value)> {
+    match yaml::get(root, key) {
+        Some(Value::Sequence(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("{key}.{i}"), v))
+            .collect(),
+        Some(v @ Value::Mapping(_)) => vec![(key.to_string(), v)],
+        _ => Vec::new(),
+    }
+}
+
+pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
+    model_rules(recipe, root, cx);
+    if !recipe.is_training() {
+        return;
+    }
+    for (path, entry) in dataset_entries(root, "dataset") {
+        dataset_rules(recipe, entry, &path, cx);
+    }
+    let expect_loss = if recipe.is_dpo() {
+        LossKind::Dpo
+    } else {
+        LossKind::CrossEntropy
+    };
+    loss_rule(root, "loss", &[expect_loss], cx);
+    if recipe == Recipe::KnowledgeDistillation {
+        loss_rule(
+            root,
+            "kd_loss",
+            &[
+                LossKind::ForwardKl,
+                LossKind::ReverseKl,
+                LossKind::SymmetricKl,
+            ],
+            cx,
+        );
+    }
+    if let Some(Value::Sequence(b)) = yaml::get(root, "optimizer.betas")
+        && b.len() != 2
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "optimizer.betas",
+                format!("expected 2 numbers, found {}", b.len()),
+            )
+            .with_fix("e.g. `betas: [0.9, 0.999]`"),
+        );
+    }
+}
+
+fn model_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
+    let Some((name, Component::Model(builder))) = component_at(root, "model") else {
+        return;
+    };
+    let key = "model._component_";
+    match recipe.needs_lora() {
+        Some(true) if !builder.is_lora() => cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                key,
+                format!(
+                    "recipe `{recipe}` trains LoRA adapters, but `{name}` is a full model builder"
+                ),
+            )
+            .with_fix(format!(
+                "use the LoRA builder `tune.models.{0}.lora_{0}_{1}`",
+                builder.family.module(),
+                builder.size
+            )),
+        ),
+        Some(false) if builder.is_lora() => cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                key,
+                format!("recipe `{recipe}` trains every weight, but `{name}` is a LoRA builder"),
+            )
+            .with_fix(format!(
+                "use the full builder `tune.models.{0}.{0}_{1}`, or a LoRA recipe",
+                builder.family.module(),
+                builder.size
+            )),
+        ),
+        _ => {}
+    }
+    let lora_keys = ["lora_attn_modules", "lora_rank", "lora_alpha"];
+    if builder.is_lora() && recipe.is_training() {
+        for k in lora_keys {
+            if yaml::get(root, &join("model", k)).is_none() {
+                cx.problem(
+                    Problem::new(
+                        ProblemKind::MissingKey,
+                        join("model", k),
+                        format!("missing required key `{k}` for LoRA builder `{name}`"),
+                    )
+                    .with_fix(match k {
+                        "lora_attn_modules" => "e.g. `lora_attn_modules: [q_proj, v_proj]`",
+                        "lora_rank" => "e.g. `lora_rank: 8`",
+                        _ => "e.g. `lora_alpha: 16` (usually 2 x rank)",
+                    }),
+                );
+            }
+        }
+    } else if !builder.is_lora() {
+        for k in
+            lora_keys
+                .iter()
+                .chain(&["apply_lora_to_mlp", "apply_lora_to_output", "lora_dropout"])
+        {
+            if yaml::get(root, &join("model", k)).is_some() {
+                cx.warn(
+                    join("model", k),
+                    format!("ignored: `{name}` is not a LoRA builder"),
+                );
+            }
+        }
+    }
+}
+
+fn dataset_rules(recipe: Recipe, entry: &Value, path: &str, cx: &mut Checker) {
+    let Some((name, Component::Dataset(builder))) = component_at(entry, "") else {
+        return;
+    };
+    let key = join(path, "_component_");
+    let wants_pref = recipe.is_dpo();
+    let is_pref = builder.kind == DatasetKind::Preference;
+    if wants_pref != is_pref {
+        let (msg, fix) = if wants_pref {
+            (
+                format!(
+                    "recipe `{recipe}` needs a preference dataset (chosen/rejected), found `{name}`"
+                ),
+                "e.g. `torchtune.datasets.stack_exchange_paired_dataset` or `preference_dataset`",
+            )
+        } else {
+            (
+                format!("`{name}` is a preference dataset, which only DPO recipes use"),
+                "use an instruct, chat or text dataset such as `torchtune.datasets.alpaca_dataset`",
+            )
+        };
+        cx.problem(Problem::new(ProblemKind::WrongComponentKind, key, msg).with_fix(fix));
+    }
+    if builder.default_source.is_none() && yaml::get(entry, "source").is_none() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingKey,
+                join(path, "source"),
+                format!("`{name}` has no default source; `source` is required"),
+            )
+            .with_fix("a Hub dataset id, or `json` with `data_files: path/to/file.json`"),
+        );
+    }
+}
+
+fn loss_rule(root: &Value, key: &str, allowed: &[LossKind], cx: &mut Checker) {
+    if let Some((name, Component::Loss(kind))) = component_at(root, key)
+        && !allowed.contains(&kind)
+    {
+        cx.problem(Problem::new(
+            ProblemKind::WrongComponentKind,
+            join(key, "_component_"),
+            format!("`{name}` ({kind:?}) cannot be used as `{key}` for this recipe (expected {allowed:?})"),
+        ));
+    }
+}
+
+/// Existence checks for every path the recipe will read.
+pub fn paths(recipe: Recipe, root: &Value, cx: &mut Checker) {
+    let resume = yaml::get(root, "resume_from_checkpoint").and_then(Value::as_bool) == Some(true);
+    for ck in ["checkpointer", "teacher_checkpointer", "ref_checkpointer"] {
+        checkpointer_paths(root, ck, resume, cx);
+    }
+    if let Some(p) = yaml::get(root, "tokenizer.path").and_then(Value::as_str) {
+        match paths::resolve_tokenizer_json(Path::new(p)) {
+            Ok(found) if found != Path::new(p) && !Path::new(p).is_dir() => cx.warn(
+                "tokenizer.path",
+                format!("`{p}` is not a tokenizer.json; using {}", found.display()),
+            ),
+            Ok(_) => {}
+            Err(e) => cx.problem(
+                Problem::new(ProblemKind::MissingPath, "tokenizer.path", e.to_string())
+                    .with_fix("point `tokenizer.path` at the model's tokenizer.json"),
+            ),
+        }
+    }
+    if recipe == Recipe::Generate {
+        if let Some(dir) = yaml::get(root, "adapter_dir").and_then(Value::as_str) {
+            require(
+                Path::new(dir).is_dir(),
+                cx,
+                "adapter_dir",
+                "directory",
+                dir,
+                "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)",
+            );
+        }
+        return;
+    }
+    for key in ["dataset", "dataset_val"] {
+        for (path, entry) in dataset_entries(root, key) {
+            let files: Vec<(String, &str)> = match yaml::get(entry, "data_files") {
+                Some(Value::String(s)) => vec![(join(&path, "data_files"), s.as_str())],
+                Some(Value::Sequence(items)) => items
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, v)| Some((format!("{path}.data_files.{i}"), v.as_str()?)))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            for (k, f) in files.into_iter().filter(|(_, f)| paths::looks_local(f)) {
+                require(
+                    Path::new(f).exists(),
+                    cx,
+                    &k,
+                    "file",
+                    f,
+                    "a local JSON/CSV/Parquet/text file",
+                );
+            }
+        }
+    }
+}
+
+fn checkpointer_paths(root: &Value, ck: &str, resume: bool, cx: &mut Checker) {
+    let Some(dir) = yaml::get(root, &join(ck, "checkpoint_dir")).and_then(Value::as_str) else {
+        return;
+    };
+    let dir_path = Path::new(dir);
+    if !dir_path.is_dir() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingPath,
+                join(ck, "checkpoint_dir"),
+                format!("directory `{dir}` does not exist"),
+            )
+            .with_fix(format!(
+                "download the model there (`tune download <repo_id> --output-dir {dir}`) or pass `{ck}.checkpoint_dir=<dir>`"
+            )),
+        );
+        return;
+    }
+    if let Some(Value::Sequence(files)) = yaml::get(root, &join(ck, "checkpoint_files")) {
+        for (i, f) in files.iter().enumerate() {
+            if let Some(f) = f.as_str() {
+                let full = dir_path.join(f);
+                if !full.is_file() {
+                    cx.problem(
+                        Problem::new(
+                            ProblemKind::MissingPath,
+                            format!("{ck}.checkpoint_files.{i}"),
+                            format!("file `{}` does not exist", full.display()),
+                        )
+                        .with_fix(format!(
+                            "list files that exist in `{dir}`, or remove `{ck}.checkpoint_files` to load every *.safetensors there"
+                        )),
+                    );
+                }
+            }
+        }
+    }
+    let extra: &[&str] = if resume {
+        &["adapter_checkpoint", "recipe_checkpoint"]
+    } else {
+        &["adapter_checkpoint"]
+    };
+    for key in extra {
+        if let Some(f) = yaml::get(root, &join(ck, key)).and_then(Value::as_str) {
+            let full = dir_path.join(f);
+            require(
+                full.exists(),
+                cx,
+                &join(ck, key),
+                "file",
+                &full.display().to_string(),
+                "a file inside checkpoint_dir",
+            );
+        }
+    }
+}
+
+fn require(ok: bool, cx: &mut Checker, key: &str, what: &str, path: &str, expected: &str) {
+    if !ok {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingPath,
+                key,
+                format!("{what} `{path}` does not exist"),
+            )
+            .with_fix(format!("`{key}` must name {expected}")),
+        );
+    }
+}

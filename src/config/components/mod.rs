@@ -1,0 +1,357 @@
+//! `_component_` registry: maps the dotted names found in configs (this project's
+//! `tune.*` names and torchtune's names as aliases) to a typed [`Component`].
+
+mod models;
+mod table;
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::config::suggest;
+
+pub use models::{ModelBuilder, ModelFamily, ModelVariant};
+
+/// Which config section a component belongs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ComponentKind {
+    Model,
+    Tokenizer,
+    Checkpointer,
+    Dataset,
+    Optimizer,
+    LrScheduler,
+    Loss,
+    MetricLogger,
+    Quantizer,
+    Profiler,
+}
+
+impl fmt::Display for ComponentKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Model => "model builder",
+            Self::Tokenizer => "tokenizer",
+            Self::Checkpointer => "checkpointer",
+            Self::Dataset => "dataset",
+            Self::Optimizer => "optimizer",
+            Self::LrScheduler => "learning-rate scheduler",
+            Self::Loss => "loss",
+            Self::MetricLogger => "metric logger",
+            Self::Quantizer => "quantizer",
+            Self::Profiler => "profiler",
+        })
+    }
+}
+
+/// Tokenizer flavour; all are loaded from a Hugging Face `tokenizer.json`, the
+/// flavour picks special tokens and the default prompt format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerKind {
+    Llama2,
+    Llama3,
+    Qwen2,
+    Qwen2_5,
+    Qwen3,
+    Mistral,
+    Phi3Mini,
+    Gemma,
+    SmolLM2,
+    /// Any model: everything comes from tokenizer.json / tokenizer_config.json.
+    HuggingFace,
+}
+
+/// How dataset rows are turned into training samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatasetKind {
+    /// instruction/input/output columns (alpaca-style).
+    Instruct,
+    /// a conversation column (sharegpt or openai style).
+    Chat,
+    /// raw text for continued pre-training.
+    Text,
+    /// prompt/chosen/rejected for DPO.
+    Preference,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatasetBuilder {
+    pub name: &'static str,
+    pub kind: DatasetKind,
+    /// Hub dataset used when the config gives no `source`.
+    pub default_source: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerKind {
+    AdamW,
+    Adam,
+    Sgd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchedulerKind {
+    CosineWithWarmup,
+    LinearWithWarmup,
+    ConstantWithWarmup,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossKind {
+    /// Token cross-entropy (chunked or not: chunking is a PyTorch memory trick).
+    CrossEntropy,
+    Dpo,
+    ForwardKl,
+    ReverseKl,
+    SymmetricKl,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoggerKind {
+    Disk,
+    Stdout,
+    TensorBoard,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantizerKind {
+    Int8DynActInt4Weight,
+    Int4WeightOnly,
+}
+
+/// A resolved `_component_`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Component {
+    Model(ModelBuilder),
+    Tokenizer(TokenizerKind),
+    /// Hugging Face safetensors checkpoints (the only supported format).
+    HfCheckpointer,
+    Dataset(DatasetBuilder),
+    Optimizer(OptimizerKind),
+    LrScheduler(SchedulerKind),
+    Loss(LossKind),
+    MetricLogger(LoggerKind),
+    Quantizer {
+        kind: QuantizerKind,
+        /// torchtune's `...ModuleSwap` variants; same maths here.
+        module_swap: bool,
+    },
+    Profiler,
+}
+
+impl Component {
+    pub fn kind(&self) -> ComponentKind {
+        match self {
+            Self::Model(_) => ComponentKind::Model,
+            Self::Tokenizer(_) => ComponentKind::Tokenizer,
+            Self::HfCheckpointer => ComponentKind::Checkpointer,
+            Self::Dataset(_) => ComponentKind::Dataset,
+            Self::Optimizer(_) => ComponentKind::Optimizer,
+            Self::LrScheduler(_) => ComponentKind::LrScheduler,
+            Self::Loss(_) => ComponentKind::Loss,
+            Self::MetricLogger(_) => ComponentKind::MetricLogger,
+            Self::Quantizer { .. } => ComponentKind::Quantizer,
+            Self::Profiler => ComponentKind::Profiler,
+        }
+    }
+
+    /// This project's name for the component (`tune.*`).
+    pub fn canonical_name(&self) -> String {
+        match self {
+            Self::Model(m) => m.canonical_name(),
+            other => table::canonical_of(other)
+                .unwrap_or("<unnamed>")
+                .to_string(),
+        }
+    }
+}
+
+/// A successful lookup: the component, its canonical name, and a warning when the
+/// name is accepted with a substitution (e.g. PagedAdamW -> AdamW).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lookup {
+    pub component: Component,
+    pub canonical: String,
+    pub warning: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    #[error("unknown component `{name}`{}", hint(suggestions))]
+    Unknown {
+        name: String,
+        suggestions: Vec<String>,
+    },
+    #[error("component `{name}` is not supported: {reason}")]
+    Unsupported { name: String, reason: &'static str },
+}
+
+fn hint(suggestions: &[String]) -> String {
+    let s = suggest::did_you_mean(suggestions);
+    if s.is_empty() { s } else { format!("; {s}") }
+}
+
+/// Resolves a `_component_` name. `expected` narrows "did you mean" suggestions
+/// to the section's kind.
+pub fn lookup(name: &str, expected: Option<ComponentKind>) -> Result<Lookup, LookupError> {
+    let name = name.trim();
+    if let Some(reason) = table::unsupported(name) {
+        return Err(LookupError::Unsupported {
+            name: name.to_string(),
+            reason,
+        });
+    }
+    if let Some(found) = table::find(name) {
+        return Ok(found);
+    }
+    if let Some(found) = models::parse(name) {
+        return Ok(found);
+    }
+    let candidates = known_names(expected);
+    Err(LookupError::Unknown {
+        name: name.to_string(),
+        suggestions: suggest::similar(name, candidates.iter().map(String::as_str)),
+    })
+}
+
+/// Every known name (canonical and aliases), optionally of one kind. Model
+/// names are generated from the known families and sizes.
+pub fn known_names(kind: Option<ComponentKind>) -> Vec<String> {
+    let mut names = table::names(kind);
+    if kind.is_none() || kind == Some(ComponentKind::Model) {
+        names.extend(models::example_names());
+    }
+    names
+}
+
+impl Serialize for Component {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.canonical_name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Component {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        lookup(&name, None)
+            .map(|l| l.component)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comp(name: &str) -> Component {
+        lookup(name, None).unwrap().component
+    }
+
+    #[test]
+    fn torchtune_aliases_match_tune_names() {
+        for (tt, tune) in [
+            (
+                "torchtune.models.llama3.llama3_tokenizer",
+                "tune.models.llama3.llama3_tokenizer",
+            ),
+            (
+                "torchtune.training.FullModelHFCheckpointer",
+                "tune.checkpoint.HFCheckpointer",
+            ),
+            ("torch.optim.AdamW", "tune.optim.AdamW"),
+            (
+                "torchtune.datasets.alpaca_cleaned_dataset",
+                "tune.datasets.alpaca_cleaned_dataset",
+            ),
+            (
+                "torchtune.modules.loss.CEWithChunkedOutputLoss",
+                "tune.loss.CrossEntropyLoss",
+            ),
+            ("torchtune.rlhf.loss.DPOLoss", "tune.loss.DPOLoss"),
+            (
+                "torchtune.training.metric_logging.DiskLogger",
+                "tune.metric_logging.DiskLogger",
+            ),
+        ] {
+            assert_eq!(comp(tt), comp(tune), "{tt}");
+            assert_eq!(lookup(tt, None).unwrap().canonical, tune);
+        }
+    }
+
+    #[test]
+    fn component_kinds() {
+        assert_eq!(
+            comp("torch.optim.SGD"),
+            Component::Optimizer(OptimizerKind::Sgd)
+        );
+        assert_eq!(
+            comp("torchtune.modules.get_cosine_schedule_with_warmup"),
+            Component::LrScheduler(SchedulerKind::CosineWithWarmup)
+        );
+        assert_eq!(
+            comp("torchtune.training.quantization.Int4WeightOnlyQATQuantizerModuleSwap"),
+            Component::Quantizer {
+                kind: QuantizerKind::Int4WeightOnly,
+                module_swap: true
+            }
+        );
+        match comp("torchtune.datasets.stack_exchange_paired_dataset") {
+            Component::Dataset(d) => {
+                assert_eq!(d.kind, DatasetKind::Preference);
+                assert_eq!(d.default_source, Some("lvwerra/stack-exchange-paired"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            comp("torchtune.modules.loss.ReverseKLLoss"),
+            Component::Loss(LossKind::ReverseKl)
+        );
+    }
+
+    #[test]
+    fn substitutions_warn() {
+        let l = lookup("bitsandbytes.optim.PagedAdamW8bit", None).unwrap();
+        assert_eq!(l.component, Component::Optimizer(OptimizerKind::AdamW));
+        assert!(l.warning.unwrap().contains("AdamW"));
+        let l = lookup("torchtune.training.metric_logging.WandBLogger", None).unwrap();
+        assert_eq!(l.component, Component::MetricLogger(LoggerKind::Disk));
+        assert!(l.warning.unwrap().contains("not supported"));
+    }
+
+    #[test]
+    fn meta_checkpointer_unsupported() {
+        let err = lookup("torchtune.training.FullModelMetaCheckpointer", None).unwrap_err();
+        assert!(
+            err.to_string().contains("convert to HF safetensors"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unknown_suggests() {
+        let err = lookup("torch.optim.AdamX", Some(ComponentKind::Optimizer)).unwrap_err();
+        assert!(err.to_string().contains("did you mean"), "{err}");
+        assert!(err.to_string().contains("torch.optim.AdamW"), "{err}");
+        let err = lookup("torchtune.models.llama3_2.lora_llama3_2_1bb", None);
+        // size is only a hint, so an odd size still resolves
+        assert!(err.is_ok());
+        let err = lookup(
+            "torchtune.models.lama3_2.lora_llama3_2_1b",
+            Some(ComponentKind::Model),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("torchtune.models.llama3_2.lora_llama3_2_1b"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn serde_round_trip() {
+        let c: Component =
+            serde_yaml::from_str("torchtune.models.qwen2_5.lora_qwen2_5_0_5b").unwrap();
+        let s = serde_yaml::to_string(&c).unwrap();
+        assert_eq!(s.trim(), "tune.models.qwen2_5.lora_qwen2_5_0_5b");
+    }
+}

@@ -1,0 +1,426 @@
+//! Fixed (non-model) components: canonical `tune.*` name, torchtune aliases, and
+//! an optional warning when the alias is accepted with a substitution.
+
+use super::{
+    Component, ComponentKind, DatasetBuilder, DatasetKind, LoggerKind, Lookup, LossKind,
+    OptimizerKind, QuantizerKind, SchedulerKind, TokenizerKind,
+};
+
+struct Entry {
+    canonical: &'static str,
+    aliases: &'static [&'static str],
+    component: Component,
+    /// Warning attached to the aliases only (the canonical name never warns).
+    alias_warning: Option<&'static str>,
+}
+
+const fn e(
+    canonical: &'static str,
+    aliases: &'static [&'static str],
+    component: Component,
+) -> Entry {
+    Entry {
+        canonical,
+        aliases,
+        component,
+        alias_warning: None,
+    }
+}
+
+const fn warned(
+    canonical: &'static str,
+    aliases: &'static [&'static str],
+    component: Component,
+    warning: &'static str,
+) -> Entry {
+    Entry {
+        canonical,
+        aliases,
+        component,
+        alias_warning: Some(warning),
+    }
+}
+
+const fn ds(
+    name: &'static str,
+    kind: DatasetKind,
+    default_source: Option<&'static str>,
+) -> Component {
+    Component::Dataset(DatasetBuilder {
+        name,
+        kind,
+        default_source,
+    })
+}
+
+const fn quant(kind: QuantizerKind, module_swap: bool) -> Component {
+    Component::Quantizer { kind, module_swap }
+}
+
+use DatasetKind::{Chat, Instruct, Preference, Text};
+
+static TABLE: &[Entry] = &[
+    // Tokenizers: llama3_1/llama3_2 use llama3's, gemma2 uses gemma's, as in torchtune.
+    e(
+        "tune.models.llama2.llama2_tokenizer",
+        &["torchtune.models.llama2.llama2_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Llama2),
+    ),
+    e(
+        "tune.models.llama3.llama3_tokenizer",
+        &["torchtune.models.llama3.llama3_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Llama3),
+    ),
+    e(
+        "tune.models.qwen2.qwen2_tokenizer",
+        &["torchtune.models.qwen2.qwen2_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Qwen2),
+    ),
+    e(
+        "tune.models.qwen2_5.qwen2_5_tokenizer",
+        &["torchtune.models.qwen2_5.qwen2_5_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Qwen2_5),
+    ),
+    e(
+        "tune.models.qwen3.qwen3_tokenizer",
+        &["torchtune.models.qwen3.qwen3_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Qwen3),
+    ),
+    e(
+        "tune.models.mistral.mistral_tokenizer",
+        &["torchtune.models.mistral.mistral_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Mistral),
+    ),
+    e(
+        "tune.models.phi3.phi3_mini_tokenizer",
+        &["torchtune.models.phi3.phi3_mini_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Phi3Mini),
+    ),
+    e(
+        "tune.models.gemma.gemma_tokenizer",
+        &["torchtune.models.gemma.gemma_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Gemma),
+    ),
+    e(
+        "tune.models.smollm2.smollm2_tokenizer",
+        &[],
+        Component::Tokenizer(TokenizerKind::SmolLM2),
+    ),
+    e(
+        "tune.tokenizers.HFTokenizer",
+        &["torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer"],
+        Component::Tokenizer(TokenizerKind::HuggingFace),
+    ),
+    // Checkpointers
+    e(
+        "tune.checkpoint.HFCheckpointer",
+        &[
+            "torchtune.training.FullModelHFCheckpointer",
+            "torchtune.utils.FullModelHFCheckpointer",
+        ],
+        Component::HfCheckpointer,
+    ),
+    // Datasets (default sources are torchtune's)
+    e(
+        "tune.datasets.alpaca_dataset",
+        &["torchtune.datasets.alpaca_dataset"],
+        ds("alpaca_dataset", Instruct, Some("tatsu-lab/alpaca")),
+    ),
+    e(
+        "tune.datasets.alpaca_cleaned_dataset",
+        &["torchtune.datasets.alpaca_cleaned_dataset"],
+        ds(
+            "alpaca_cleaned_dataset",
+            Instruct,
+            Some("yahma/alpaca-cleaned"),
+        ),
+    ),
+    e(
+        "tune.datasets.instruct_dataset",
+        &["torchtune.datasets.instruct_dataset"],
+        ds("instruct_dataset", Instruct, None),
+    ),
+    e(
+        "tune.datasets.samsum_dataset",
+        &["torchtune.datasets.samsum_dataset"],
+        ds("samsum_dataset", Instruct, Some("Samsung/samsum")),
+    ),
+    e(
+        "tune.datasets.grammar_dataset",
+        &["torchtune.datasets.grammar_dataset"],
+        ds("grammar_dataset", Instruct, Some("liweili/c4_200m")),
+    ),
+    e(
+        "tune.datasets.chat_dataset",
+        &["torchtune.datasets.chat_dataset"],
+        ds("chat_dataset", Chat, None),
+    ),
+    e(
+        "tune.datasets.slimorca_dataset",
+        &["torchtune.datasets.slimorca_dataset"],
+        ds("slimorca_dataset", Chat, Some("Open-Orca/SlimOrca-Dedup")),
+    ),
+    e(
+        "tune.datasets.text_completion_dataset",
+        &["torchtune.datasets.text_completion_dataset"],
+        ds("text_completion_dataset", Text, None),
+    ),
+    e(
+        "tune.datasets.wikitext_dataset",
+        &["torchtune.datasets.wikitext_dataset"],
+        ds(
+            "wikitext_dataset",
+            Text,
+            Some("EleutherAI/wikitext_document_level"),
+        ),
+    ),
+    e(
+        "tune.datasets.cnn_dailymail_articles_dataset",
+        &["torchtune.datasets.cnn_dailymail_articles_dataset"],
+        ds(
+            "cnn_dailymail_articles_dataset",
+            Text,
+            Some("ccdv/cnn_dailymail"),
+        ),
+    ),
+    e(
+        "tune.datasets.preference_dataset",
+        &["torchtune.datasets.preference_dataset"],
+        ds("preference_dataset", Preference, None),
+    ),
+    e(
+        "tune.datasets.stack_exchange_paired_dataset",
+        &["torchtune.datasets.stack_exchange_paired_dataset"],
+        ds(
+            "stack_exchange_paired_dataset",
+            Preference,
+            Some("lvwerra/stack-exchange-paired"),
+        ),
+    ),
+    e(
+        "tune.datasets.hh_rlhf_helpful_dataset",
+        &["torchtune.datasets.hh_rlhf_helpful_dataset"],
+        ds(
+            "hh_rlhf_helpful_dataset",
+            Preference,
+            Some("RLHFlow/HH-RLHF-Helpful-standard"),
+        ),
+    ),
+    // Optimizers
+    e(
+        "tune.optim.AdamW",
+        &["torch.optim.AdamW"],
+        Component::Optimizer(OptimizerKind::AdamW),
+    ),
+    e(
+        "tune.optim.Adam",
+        &["torch.optim.Adam"],
+        Component::Optimizer(OptimizerKind::Adam),
+    ),
+    e(
+        "tune.optim.SGD",
+        &["torch.optim.SGD"],
+        Component::Optimizer(OptimizerKind::Sgd),
+    ),
+    warned(
+        "tune.optim.AdamW",
+        &[
+            "bitsandbytes.optim.PagedAdamW",
+            "bitsandbytes.optim.PagedAdamW8bit",
+            "bitsandbytes.optim.PagedAdamW32bit",
+            "bitsandbytes.optim.AdamW8bit",
+            "torchao.optim.AdamW8bit",
+        ],
+        Component::Optimizer(OptimizerKind::AdamW),
+        "paged/8-bit bitsandbytes optimizers are not available; using plain AdamW (more optimizer memory)",
+    ),
+    // LR schedulers
+    e(
+        "tune.lr_schedulers.cosine_with_warmup",
+        &[
+            "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "torchtune.modules.get_cosine_schedule_with_warmup",
+        ],
+        Component::LrScheduler(SchedulerKind::CosineWithWarmup),
+    ),
+    e(
+        "tune.lr_schedulers.linear_with_warmup",
+        &[
+            "torchtune.training.lr_schedulers.get_linear_schedule_with_warmup",
+            "transformers.get_linear_schedule_with_warmup",
+        ],
+        Component::LrScheduler(SchedulerKind::LinearWithWarmup),
+    ),
+    e(
+        "tune.lr_schedulers.constant_with_warmup",
+        &[
+            "torchtune.training.lr_schedulers.get_constant_schedule_with_warmup",
+            "transformers.get_constant_schedule_with_warmup",
+        ],
+        Component::LrScheduler(SchedulerKind::ConstantWithWarmup),
+    ),
+    // Losses: chunked/linear variants are PyTorch memory tricks, same maths.
+    e(
+        "tune.loss.CrossEntropyLoss",
+        &[
+            "torchtune.modules.loss.CEWithChunkedOutputLoss",
+            "torchtune.modules.loss.LinearCrossEntropyLoss",
+            "torch.nn.CrossEntropyLoss",
+        ],
+        Component::Loss(LossKind::CrossEntropy),
+    ),
+    e(
+        "tune.loss.DPOLoss",
+        &[
+            "torchtune.rlhf.loss.DPOLoss",
+            "torchtune.modules.rlhf.loss.DPOLoss",
+        ],
+        Component::Loss(LossKind::Dpo),
+    ),
+    e(
+        "tune.loss.ForwardKLLoss",
+        &[
+            "torchtune.modules.loss.ForwardKLLoss",
+            "torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
+        ],
+        Component::Loss(LossKind::ForwardKl),
+    ),
+    e(
+        "tune.loss.ReverseKLLoss",
+        &[
+            "torchtune.modules.loss.ReverseKLLoss",
+            "torchtune.modules.loss.ReverseKLWithChunkedOutputLoss",
+        ],
+        Component::Loss(LossKind::ReverseKl),
+    ),
+    e(
+        "tune.loss.SymmetricKLLoss",
+        &[
+            "torchtune.modules.loss.SymmetricKLLoss",
+            "torchtune.modules.loss.SymmetricKLWithChunkedOutputLoss",
+        ],
+        Component::Loss(LossKind::SymmetricKl),
+    ),
+    // Metric loggers
+    e(
+        "tune.metric_logging.DiskLogger",
+        &[
+            "torchtune.training.metric_logging.DiskLogger",
+            "torchtune.utils.metric_logging.DiskLogger",
+        ],
+        Component::MetricLogger(LoggerKind::Disk),
+    ),
+    e(
+        "tune.metric_logging.StdoutLogger",
+        &[
+            "torchtune.training.metric_logging.StdoutLogger",
+            "torchtune.utils.metric_logging.StdoutLogger",
+        ],
+        Component::MetricLogger(LoggerKind::Stdout),
+    ),
+    e(
+        "tune.metric_logging.TensorBoardLogger",
+        &[
+            "torchtune.training.metric_logging.TensorBoardLogger",
+            "torchtune.utils.metric_logging.TensorBoardLogger",
+        ],
+        Component::MetricLogger(LoggerKind::TensorBoard),
+    ),
+    warned(
+        "tune.metric_logging.DiskLogger",
+        &[
+            "torchtune.training.metric_logging.WandBLogger",
+            "torchtune.utils.metric_logging.WandBLogger",
+            "torchtune.training.metric_logging.CometLogger",
+            "torchtune.training.metric_logging.MLFlowLogger",
+        ],
+        Component::MetricLogger(LoggerKind::Disk),
+        "this logger is not supported (no network service); metrics are written to disk instead",
+    ),
+    // QAT quantizers
+    e(
+        "tune.quantization.Int8DynActInt4WeightQATQuantizer",
+        &["torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"],
+        quant(QuantizerKind::Int8DynActInt4Weight, false),
+    ),
+    e(
+        "tune.quantization.Int4WeightOnlyQATQuantizer",
+        &["torchtune.training.quantization.Int4WeightOnlyQATQuantizer"],
+        quant(QuantizerKind::Int4WeightOnly, false),
+    ),
+    e(
+        "tune.quantization.Int8DynActInt4WeightQATQuantizerModuleSwap",
+        &["torchtune.training.quantization.Int8DynActInt4WeightQATQuantizerModuleSwap"],
+        quant(QuantizerKind::Int8DynActInt4Weight, true),
+    ),
+    e(
+        "tune.quantization.Int4WeightOnlyQATQuantizerModuleSwap",
+        &["torchtune.training.quantization.Int4WeightOnlyQATQuantizerModuleSwap"],
+        quant(QuantizerKind::Int4WeightOnly, true),
+    ),
+    // Profiler: accepted so torchtune configs load; validation warns when enabled.
+    e(
+        "tune.profiler",
+        &[
+            "torchtune.training.setup_torch_profiler",
+            "torchtune.utils.setup_torch_profiler",
+        ],
+        Component::Profiler,
+    ),
+];
+
+/// Names that are recognised but refused, with the reason shown to the user.
+static UNSUPPORTED: &[(&str, &str)] = &[
+    ("torchtune.training.FullModelMetaCheckpointer", META),
+    ("torchtune.utils.FullModelMetaCheckpointer", META),
+    ("torchtune.training.FullModelTorchTuneCheckpointer", META),
+    ("torchtune.utils.FullModelTorchTuneCheckpointer", META),
+    ("torchtune.training.DistributedCheckpointer", META),
+];
+
+const META: &str = "only Hugging Face checkpoints are read; convert to HF safetensors \
+                    (config.json + *.safetensors) and use torchtune.training.FullModelHFCheckpointer";
+
+pub(super) fn unsupported(name: &str) -> Option<&'static str> {
+    UNSUPPORTED
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, r)| *r)
+}
+
+pub(super) fn find(name: &str) -> Option<Lookup> {
+    TABLE.iter().find_map(|entry| {
+        let is_alias = entry.aliases.contains(&name);
+        (entry.canonical == name && entry.alias_warning.is_none() || is_alias).then(|| Lookup {
+            component: entry.component.clone(),
+            canonical: entry.canonical.to_string(),
+            warning: if is_alias {
+                entry.alias_warning.map(|w| format!("`{name}`: {w}"))
+            } else {
+                None
+            },
+        })
+    })
+}
+
+pub(super) fn canonical_of(component: &Component) -> Option<&'static str> {
+    TABLE
+        .iter()
+        .find(|e| &e.component == component)
+        .map(|e| e.canonical)
+}
+
+pub(super) fn names(kind: Option<ComponentKind>) -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in TABLE {
+        if kind.is_some_and(|k| k != entry.component.kind()) {
+            continue;
+        }
+        for name in std::iter::once(&entry.canonical).chain(entry.aliases) {
+            if !out.iter().any(|o| o == name) {
+                out.push((*name).to_string());
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,200 @@
+//! Recipe names. `tune` has short canonical names; torchtune's
+//! `*_single_device` names (with or without `.py`) are accepted as aliases.
+
+use std::fmt;
+
+use crate::config::suggest;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Recipe {
+    FullFinetune,
+    LoraFinetune,
+    LoraDpo,
+    FullDpo,
+    Qat,
+    QatLora,
+    KnowledgeDistillation,
+    Generate,
+}
+
+pub struct RecipeInfo {
+    pub recipe: Recipe,
+    pub name: &'static str,
+    pub aliases: &'static [&'static str],
+    pub description: &'static str,
+}
+
+pub static RECIPES: &[RecipeInfo] = &[
+    RecipeInfo {
+        recipe: Recipe::FullFinetune,
+        name: "full_finetune",
+        aliases: &["full_finetune_single_device"],
+        description: "Full fine-tuning of every weight (SFT)",
+    },
+    RecipeInfo {
+        recipe: Recipe::LoraFinetune,
+        name: "lora_finetune",
+        aliases: &["lora_finetune_single_device"],
+        description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
+    },
+    RecipeInfo {
+        recipe: Recipe::LoraDpo,
+        name: "lora_dpo",
+        aliases: &["lora_dpo_single_device"],
+        description: "DPO preference alignment with LoRA (reference = adapters disabled)",
+    },
+    RecipeInfo {
+        recipe: Recipe::FullDpo,
+        name: "full_dpo",
+        aliases: &["full_dpo_single_device"],
+        description: "DPO preference alignment of every weight against a frozen reference",
+    },
+    RecipeInfo {
+        recipe: Recipe::Qat,
+        name: "qat",
+        aliases: &["qat_single_device"],
+        description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
+    },
+    RecipeInfo {
+        recipe: Recipe::QatLora,
+        name: "qat_lora",
+        aliases: &["qat_lora_finetune_single_device"],
+        description: "Quantization-aware LoRA fine-tuning",
+    },
+    RecipeInfo {
+        recipe: Recipe::KnowledgeDistillation,
+        name: "knowledge_distillation",
+        aliases: &[
+            "knowledge_distillation_single_device",
+            "kd_single_device",
+            "kd",
+        ],
+        description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
+    },
+    RecipeInfo {
+        recipe: Recipe::Generate,
+        name: "generate",
+        aliases: &[],
+        description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
+    },
+];
+
+impl Recipe {
+    pub fn info(self) -> &'static RecipeInfo {
+        RECIPES
+            .iter()
+            .find(|r| r.recipe == self)
+            .unwrap_or(&RECIPES[0])
+    }
+
+    pub fn name(self) -> &'static str {
+        self.info().name
+    }
+
+    /// torchtune's script name for this recipe (used in config header comments).
+    pub fn torchtune_name(self) -> &'static str {
+        self.info().aliases.first().copied().unwrap_or(self.name())
+    }
+
+    pub fn is_training(self) -> bool {
+        self != Self::Generate
+    }
+
+    /// Recipes whose `model` must be a LoRA builder.
+    pub fn needs_lora(self) -> Option<bool> {
+        match self {
+            Self::LoraFinetune | Self::LoraDpo | Self::QatLora => Some(true),
+            Self::FullFinetune | Self::FullDpo | Self::Qat => Some(false),
+            Self::KnowledgeDistillation | Self::Generate => None,
+        }
+    }
+
+    pub fn is_dpo(self) -> bool {
+        matches!(self, Self::LoraDpo | Self::FullDpo)
+    }
+
+    pub fn is_qat(self) -> bool {
+        matches!(self, Self::Qat | Self::QatLora)
+    }
+}
+
+impl fmt::Display for Recipe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown recipe `{name}`{hint}; known recipes: {known}")]
+pub struct UnknownRecipe {
+    pub name: String,
+    pub hint: String,
+    pub known: String,
+}
+
+/// Finds a recipe by canonical name or torchtune alias; a `.py` suffix is ignored.
+pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
+    let bare = name.trim().trim_end_matches(".py");
+    if let Some(info) = RECIPES
+        .iter()
+        .find(|r| r.name == bare || r.aliases.contains(&bare))
+    {
+        return Ok(info.recipe);
+    }
+    let all = RECIPES
+        .iter()
+        .flat_map(|r| std::iter::once(&r.name).chain(r.aliases));
+    let hint = suggest::did_you_mean(&suggest::similar(bare, all.copied()));
+    Err(UnknownRecipe {
+        name: name.to_string(),
+        hint: if hint.is_empty() {
+            hint
+        } else {
+            format!(" ({hint})")
+        },
+        known: RECIPES
+            .iter()
+            .map(|r| r.name)
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_and_py_suffix() {
+        assert_eq!(find("lora_finetune"), Ok(Recipe::LoraFinetune));
+        assert_eq!(
+            find("lora_finetune_single_device"),
+            Ok(Recipe::LoraFinetune)
+        );
+        assert_eq!(
+            find("lora_finetune_single_device.py"),
+            Ok(Recipe::LoraFinetune)
+        );
+        assert_eq!(
+            find("knowledge_distillation_single_device"),
+            Ok(Recipe::KnowledgeDistillation)
+        );
+        assert_eq!(
+            Recipe::QatLora.torchtune_name(),
+            "qat_lora_finetune_single_device"
+        );
+    }
+
+    #[test]
+    fn unknown_lists_known() {
+        let err = find("lora_finetun").unwrap_err().to_string();
+        assert!(
+            err.starts_with("unknown recipe `lora_finetun` (did you mean"),
+            "{err}"
+        );
+        assert!(
+            err.contains("known recipes: full_finetune, lora_finetune"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,379 @@
+//! The shape of every config section: which keys exist, their types, which are
+//! required, and which are accepted with a warning. The validator walks the YAML
+//! tree against these tables so it can report every problem, not just serde's first.
+//! The typed structs in `schema` mirror these tables (a test keeps them in step).
+
+use crate::config::components::ComponentKind;
+use crate::config::recipes::Recipe;
+
+#[derive(Debug)]
+pub enum Ty {
+    Bool,
+    /// Non-negative integer.
+    UInt,
+    /// Float; integers are accepted.
+    Float,
+    Str,
+    Enum(&'static [&'static str]),
+    List(&'static Ty),
+    /// Mapping of string keys to values of one type.
+    Map(&'static Ty),
+    Nullable(&'static Ty),
+    Section(&'static Section),
+    /// One section or a list of them (concatenated datasets).
+    OneOrMany(&'static Section),
+    Either(&'static Ty, &'static Ty),
+    Any,
+}
+
+/// Extra rule attached to a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Note {
+    None,
+    /// Accepted, but a truthy value is not honoured: warn with this text.
+    Warn(&'static str),
+    /// A `true` value is an error with this text.
+    ErrorIfTrue(&'static str),
+}
+
+#[derive(Debug)]
+pub struct Field {
+    pub key: &'static str,
+    pub ty: Ty,
+    pub required: bool,
+    pub note: Note,
+}
+
+#[derive(Debug)]
+pub struct Section {
+    pub name: &'static str,
+    /// Sections built from a `_component_` of this kind (the key is then required).
+    pub component: Option<ComponentKind>,
+    pub fields: &'static [Field],
+    /// Unknown keys are accepted silently (profiler options we never read).
+    pub open: bool,
+}
+
+const fn opt(key: &'static str, ty: Ty) -> Field {
+    Field {
+        key,
+        ty,
+        required: false,
+        note: Note::None,
+    }
+}
+const fn req(key: &'static str, ty: Ty) -> Field {
+    Field {
+        key,
+        ty,
+        required: true,
+        note: Note::None,
+    }
+}
+const fn warn(key: &'static str, ty: Ty, msg: &'static str) -> Field {
+    Field {
+        key,
+        ty,
+        required: false,
+        note: Note::Warn(msg),
+    }
+}
+const fn section(
+    name: &'static str,
+    component: Option<ComponentKind>,
+    fields: &'static [Field],
+) -> Section {
+    Section {
+        name,
+        component,
+        fields,
+        open: false,
+    }
+}
+
+const NSTR: Ty = Ty::Nullable(&Ty::Str);
+const NUINT: Ty = Ty::Nullable(&Ty::UInt);
+const NFLOAT: Ty = Ty::Nullable(&Ty::Float);
+
+pub const LORA_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "output_proj"];
+pub const DEVICES: &[&str] = &["cpu", "cuda"];
+pub const DTYPES: &[&str] = &["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"];
+
+pub static MODEL: Section = section(
+    "model",
+    Some(ComponentKind::Model),
+    &[
+        opt("lora_attn_modules", Ty::List(&Ty::Enum(LORA_MODULES))),
+        opt("apply_lora_to_mlp", Ty::Bool),
+        opt("apply_lora_to_output", Ty::Bool),
+        opt("lora_rank", Ty::UInt),
+        opt("lora_alpha", Ty::Float),
+        opt("lora_dropout", Ty::Float),
+        warn(
+            "use_dora",
+            Ty::Bool,
+            "DoRA is not supported; training plain LoRA",
+        ),
+        warn(
+            "quantize_base",
+            Ty::Bool,
+            "4-bit base weights (QLoRA) are not supported; the base stays in `dtype`",
+        ),
+    ],
+);
+
+pub static TOKENIZER: Section = section(
+    "tokenizer",
+    Some(ComponentKind::Tokenizer),
+    &[
+        req("path", Ty::Str),
+        opt("merges_file", NSTR),
+        opt("max_seq_len", NUINT),
+        opt("prompt_template", Ty::Nullable(&Ty::Any)),
+        opt("special_tokens_path", NSTR),
+    ],
+);
+
+pub static CHECKPOINT_FILES_FORMAT: Section = section(
+    "checkpoint_files",
+    None,
+    &[
+        req("filename_format", Ty::Str),
+        req("max_filename", Ty::Either(&Ty::Str, &Ty::UInt)),
+    ],
+);
+
+pub static CHECKPOINTER: Section = section(
+    "checkpointer",
+    Some(ComponentKind::Checkpointer),
+    &[
+        req("checkpoint_dir", Ty::Str),
+        opt(
+            "checkpoint_files",
+            Ty::Either(&Ty::List(&Ty::Str), &Ty::Section(&CHECKPOINT_FILES_FORMAT)),
+        ),
+        opt("adapter_checkpoint", NSTR),
+        opt("recipe_checkpoint", NSTR),
+        opt("output_dir", NSTR),
+        opt("model_type", NSTR),
+        opt("safe_serialization", Ty::Bool),
+    ],
+);
+
+pub static DATASET: Section = section(
+    "dataset",
+    Some(ComponentKind::Dataset),
+    &[
+        opt("source", Ty::Str),
+        opt(
+            "data_files",
+            Ty::Nullable(&Ty::Either(&Ty::Str, &Ty::List(&Ty::Str))),
+        ),
+        opt("split", Ty::Str),
+        opt("name", NSTR),
+        opt("column_map", Ty::Nullable(&Ty::Map(&Ty::Str))),
+        opt("train_on_input", Ty::Bool),
+        opt("packed", Ty::Bool),
+        opt("new_system_prompt", NSTR),
+        opt("conversation_column", Ty::Str),
+        opt("conversation_style", Ty::Enum(&["sharegpt", "openai"])),
+        opt("column", Ty::Str),
+        opt("add_eos", Ty::Bool),
+        warn(
+            "filter_fn",
+            NSTR,
+            "dataset filter functions are Python callables and are not supported; no rows are filtered",
+        ),
+    ],
+);
+
+pub static OPTIMIZER: Section = section(
+    "optimizer",
+    Some(ComponentKind::Optimizer),
+    &[
+        req("lr", Ty::Float),
+        opt("weight_decay", Ty::Float),
+        opt("betas", Ty::List(&Ty::Float)),
+        opt("eps", Ty::Float),
+        opt("momentum", Ty::Float),
+        opt("fused", Ty::Bool),
+        Field {
+            key: "amsgrad",
+            ty: Ty::Bool,
+            required: false,
+            note: Note::ErrorIfTrue(
+                "AMSGrad is not supported; remove `amsgrad` or set it to False",
+            ),
+        },
+    ],
+);
+
+pub static LR_SCHEDULER: Section = section(
+    "lr_scheduler",
+    Some(ComponentKind::LrScheduler),
+    &[
+        opt("num_warmup_steps", Ty::UInt),
+        opt("num_cycles", Ty::Float),
+    ],
+);
+
+pub static LOSS: Section = section(
+    "loss",
+    Some(ComponentKind::Loss),
+    &[
+        opt("beta", Ty::Float),
+        opt("label_smoothing", Ty::Float),
+        opt("num_output_chunks", Ty::UInt),
+    ],
+);
+
+pub static METRIC_LOGGER: Section = section(
+    "metric_logger",
+    Some(ComponentKind::MetricLogger),
+    &[
+        opt("log_dir", NSTR),
+        opt("filename", NSTR),
+        opt("project", NSTR),
+        opt("organize_logs", Ty::Bool),
+    ],
+);
+
+pub static QUANTIZER: Section = section(
+    "quantizer",
+    Some(ComponentKind::Quantizer),
+    &[opt("groupsize", Ty::UInt)],
+);
+
+pub static PROFILER: Section = Section {
+    name: "profiler",
+    component: Some(ComponentKind::Profiler),
+    fields: &[warn(
+        "enabled",
+        Ty::Bool,
+        "the PyTorch profiler is not available; no traces are recorded",
+    )],
+    open: true,
+};
+
+pub static PUSH_TO_HUB: Section = section(
+    "push_to_hub",
+    None,
+    &[req("repo_id", Ty::Str), opt("private", Ty::Bool)],
+);
+
+pub static PROMPT: Section = section("prompt", None, &[opt("system", NSTR), req("user", Ty::Str)]);
+
+/// Keys every training recipe accepts.
+static TRAIN_COMMON: &[Field] = &[
+    req("output_dir", Ty::Str),
+    opt("seed", NUINT),
+    opt("shuffle", Ty::Bool),
+    req("batch_size", Ty::UInt),
+    req("epochs", Ty::UInt),
+    opt("max_steps_per_epoch", NUINT),
+    opt("gradient_accumulation_steps", Ty::UInt),
+    opt("clip_grad_norm", NFLOAT),
+    opt("device", Ty::Enum(DEVICES)),
+    opt("dtype", Ty::Enum(DTYPES)),
+    opt("enable_activation_checkpointing", Ty::Bool),
+    warn(
+        "enable_activation_offloading",
+        Ty::Bool,
+        "activation offloading is not supported; activations stay on the device",
+    ),
+    warn(
+        "compile",
+        Ty::Bool,
+        "torch.compile has no equivalent here; running uncompiled",
+    ),
+    opt("log_every_n_steps", Ty::UInt),
+    opt("log_peak_memory_stats", Ty::Bool),
+    opt("log_level", NSTR),
+    opt("resume_from_checkpoint", Ty::Bool),
+    opt("save_adapter_weights_only", Ty::Bool),
+    opt("save_every_n_steps", NUINT),
+    opt("keep_last_n_checkpoints", NUINT),
+    opt("profiler", Ty::Nullable(&Ty::Section(&PROFILER))),
+    warn(
+        "optimizer_in_bwd",
+        Ty::Bool,
+        "optimizer-in-backward is not supported; the optimizer steps after backward",
+    ),
+    warn(
+        "custom_sharded_layers",
+        Ty::Nullable(&Ty::List(&Ty::Str)),
+        "sharding is for distributed training and is ignored on a single device",
+    ),
+    opt("push_to_hub", Ty::Nullable(&Ty::Section(&PUSH_TO_HUB))),
+    opt("run_val_every_n_steps", NUINT),
+    opt("dataset_val", Ty::Nullable(&Ty::OneOrMany(&DATASET))),
+    req("model", Ty::Section(&MODEL)),
+    req("tokenizer", Ty::Section(&TOKENIZER)),
+    req("checkpointer", Ty::Section(&CHECKPOINTER)),
+    req("dataset", Ty::OneOrMany(&DATASET)),
+    req("optimizer", Ty::Section(&OPTIMIZER)),
+    opt("lr_scheduler", Ty::Nullable(&Ty::Section(&LR_SCHEDULER))),
+    req("loss", Ty::Section(&LOSS)),
+    opt("metric_logger", Ty::Nullable(&Ty::Section(&METRIC_LOGGER))),
+];
+
+static QAT_EXTRA: &[Field] = &[
+    req("quantizer", Ty::Section(&QUANTIZER)),
+    opt("fake_quant_after_n_steps", NUINT),
+];
+
+static KD_EXTRA: &[Field] = &[
+    req("teacher_model", Ty::Section(&MODEL)),
+    req("teacher_checkpointer", Ty::Section(&CHECKPOINTER)),
+    req("kd_loss", Ty::Section(&LOSS)),
+    opt("kd_ratio", Ty::Float),
+];
+
+static FULL_DPO_EXTRA: &[Field] = &[req("ref_checkpointer", Ty::Section(&CHECKPOINTER))];
+
+static GENERATE: &[Field] = &[
+    req("model", Ty::Section(&MODEL)),
+    req("checkpointer", Ty::Section(&CHECKPOINTER)),
+    req("tokenizer", Ty::Section(&TOKENIZER)),
+    opt("output_dir", NSTR),
+    opt("device", Ty::Enum(DEVICES)),
+    opt("dtype", Ty::Enum(DTYPES)),
+    opt("seed", NUINT),
+    opt("log_level", NSTR),
+    req("prompt", Ty::Either(&Ty::Str, &Ty::Section(&PROMPT))),
+    opt("chat", Ty::Bool),
+    opt("max_new_tokens", Ty::UInt),
+    opt("temperature", Ty::Float),
+    opt("top_k", NUINT),
+    opt("top_p", NFLOAT),
+    opt("stop_at_eos", Ty::Bool),
+    opt("adapter_dir", NSTR),
+    opt("enable_kv_cache", Ty::Bool),
+    warn(
+        "quantizer",
+        Ty::Nullable(&Ty::Section(&QUANTIZER)),
+        "quantized generation is not supported; generating in `dtype`",
+    ),
+    warn(
+        "instruct_template",
+        NSTR,
+        "old torchtune key; use `chat: True` and the tokenizer's chat template",
+    ),
+    warn(
+        "chat_format",
+        NSTR,
+        "old torchtune key; use `chat: True` and the tokenizer's chat template",
+    ),
+];
+
+/// The top-level keys a recipe accepts.
+pub fn top_level(recipe: Recipe) -> Vec<&'static Field> {
+    let extra: &[Field] = match recipe {
+        Recipe::Generate => return GENERATE.iter().collect(),
+        Recipe::Qat | Recipe::QatLora => QAT_EXTRA,
+        Recipe::KnowledgeDistillation => KD_EXTRA,
+        Recipe::FullDpo => FULL_DPO_EXTRA,
+        Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::LoraDpo => &[],
+    };
+    TRAIN_COMMON.iter().chain(extra).collect()
+}

@@ -1,0 +1,148 @@
+//! Builds a tokenized (and optionally packed) dataset from a [`DatasetSpec`].
+use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
+use super::error::{DataError, Result};
+use super::packing::{PackedSample, pack};
+use super::source::{Row, load_rows};
+use super::spec::{DatasetKind, DatasetSpec};
+use super::tokenize::{SftSample, tokenize_messages, tokenize_text};
+use super::transform::{RowContent, RowTransform};
+use crate::tokenizer::Tokenizer;
+use std::path::Path;
+
+/// The tokenized samples of a dataset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Samples {
+    Sft(Vec<SftSample>),
+    Packed(Vec<PackedSample>),
+    Preference(Vec<PreferenceSample>),
+}
+
+/// A tokenized dataset held in memory.
+#[derive(Debug, Clone)]
+pub struct Dataset {
+    samples: Samples,
+    pad_id: u32,
+}
+
+impl Dataset {
+    /// Loads the files `spec` names (relative paths from `base_dir`), converts every row with
+    /// `kind`'s transform, tokenizes it with `tokenizer` and packs when `packed: true`.
+    pub fn build(
+        spec: &DatasetSpec,
+        kind: DatasetKind,
+        tokenizer: &Tokenizer,
+        max_seq_len: Option<usize>,
+        base_dir: &Path,
+    ) -> Result<Self> {
+        let rows = load_rows(spec, base_dir)?;
+        Self::from_rows(&rows, spec, kind, tokenizer, max_seq_len)
+    }
+
+    /// As [`Dataset::build`], from rows already loaded.
+    pub fn from_rows(
+        rows: &[Row],
+        spec: &DatasetSpec,
+        kind: DatasetKind,
+        tokenizer: &Tokenizer,
+        max_seq_len: Option<usize>,
+    ) -> Result<Self> {
+        let packed = spec.packed.unwrap_or(false);
+        if packed && kind.is_preference() {
+            return Err(DataError::Spec {
+                message:
+                    "`packed: true` is not supported for preference datasets; set `packed: false`"
+                        .into(),
+            });
+        }
+        let pack_len = match (packed, max_seq_len) {
+            (true, None) => {
+                return Err(DataError::Spec {
+                    message: "`packed: true` needs `tokenizer.max_seq_len` (the pack length)"
+                        .into(),
+                });
+            }
+            (true, Some(n)) => Some(n),
+            (false, _) => None,
+        };
+        let transform = RowTransform::new(spec, kind);
+        let add_eos = spec.add_eos.unwrap_or(true);
+        let tok_err = |row: &Row| {
+            let path = (*row.file).clone();
+            let index = row.index;
+            move |source| DataError::Tokenize {
+                path,
+                row: index,
+                source,
+            }
+        };
+        let mut sft = Vec::new();
+        let mut pairs = Vec::new();
+        for row in rows {
+            match transform.apply(row)? {
+                RowContent::Messages(m) => {
+                    sft.push(tokenize_messages(tokenizer, &m, max_seq_len).map_err(tok_err(row))?)
+                }
+                RowContent::Text(t) => sft.push(
+                    tokenize_text(tokenizer, &t, add_eos, max_seq_len).map_err(tok_err(row))?,
+                ),
+                RowContent::Pair { chosen, rejected } => pairs.push(PreferenceSample {
+                    chosen: tokenize_messages(tokenizer, &chosen, max_seq_len)
+                        .map_err(tok_err(row))?,
+                    rejected: tokenize_messages(tokenizer, &rejected, max_seq_len)
+                        .map_err(tok_err(row))?,
+                }),
+            }
+        }
+        let pad_id = tokenizer.pad_id().unwrap_or(0);
+        let samples = if kind.is_preference() {
+            Samples::Preference(pairs)
+        } else if let Some(n) = pack_len {
+            let split = spec.split_across_pack.unwrap_or(false);
+            Samples::Packed(pack(&sft, n, pad_id, split)?)
+        } else {
+            Samples::Sft(sft)
+        };
+        Ok(Dataset { samples, pad_id })
+    }
+
+    pub fn samples(&self) -> &Samples {
+        &self.samples
+    }
+
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.samples {
+            Samples::Sft(v) => v.len(),
+            Samples::Packed(v) => v.len(),
+            Samples::Preference(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Collates the samples at `indices` (from [`super::DataLoader::batches_for_epoch`]).
+    pub fn collate(&self, indices: &[usize]) -> Result<Batch> {
+        fn pick<'a, T>(v: &'a [T], idx: &[usize]) -> Result<Vec<&'a T>> {
+            idx.iter()
+                .map(|&i| {
+                    v.get(i).ok_or_else(|| DataError::Spec {
+                        message: format!(
+                            "sample index {i} is out of range (dataset has {} samples)",
+                            v.len()
+                        ),
+                    })
+                })
+                .collect()
+        }
+        Ok(match &self.samples {
+            Samples::Sft(v) => collate_sft(&pick(v, indices)?, self.pad_id),
+            Samples::Packed(v) => collate_packed(&pick(v, indices)?, self.pad_id),
+            Samples::Preference(v) => collate_preference(&pick(v, indices)?, self.pad_id),
+        })
+    }
+}

@@ -1,0 +1,103 @@
+//! Typed errors of the data pipeline. Row errors name the file, the row (0-based, in the order
+//! of the file) and the column, and say what to change.
+use crate::tokenizer::TokenizerError;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error(
+        "dataset source `{repo}` looks like a Hugging Face Hub dataset, which this build cannot download; download it and point `source: json` + `data_files:` (or `source:`) at the local .json/.jsonl/.csv/.txt file"
+    )]
+    HubDatasetNotAvailable { repo: String },
+    #[error("dataset config: {message}")]
+    Spec { message: String },
+    #[error("cannot read dataset file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {location}is not valid {format}: {message}")]
+    Parse {
+        path: PathBuf,
+        /// e.g. "line 3 " for JSON Lines and CSV; empty otherwise.
+        location: String,
+        format: &'static str,
+        message: String,
+    },
+    #[error(
+        "{path}: row {row} is not a JSON object (found {found}); every row needs named columns"
+    )]
+    RowNotObject {
+        path: PathBuf,
+        row: usize,
+        found: String,
+    },
+    #[error(
+        "{path}: row {row} has no column `{column}` (its columns: {available}); add it, or map an existing column with `column_map: {{{key}: <your column>}}`"
+    )]
+    MissingColumn {
+        path: PathBuf,
+        row: usize,
+        column: String,
+        /// The column name torchtune expects (the key of column_map).
+        key: String,
+        available: String,
+    },
+    #[error(
+        "{path}: row {row}, column `{column}`: expected {expected}, found {found}; fix the row"
+    )]
+    WrongType {
+        path: PathBuf,
+        row: usize,
+        column: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("{path}: row {row}, column `{column}` is empty; give it text or drop the row")]
+    EmptyValue {
+        path: PathBuf,
+        row: usize,
+        column: String,
+    },
+    #[error("{path}: row {row}, column `{column}`, message {index}: {problem}")]
+    BadMessage {
+        path: PathBuf,
+        row: usize,
+        column: String,
+        index: usize,
+        problem: String,
+    },
+    #[error("{path}: row {row}: {source}")]
+    Tokenize {
+        path: PathBuf,
+        row: usize,
+        #[source]
+        source: TokenizeError,
+    },
+    #[error(
+        "sample {index} has {len} tokens, more than max_seq_len {max_seq_len}, and cannot be packed; raise max_seq_len or set `split_across_pack: true`"
+    )]
+    SampleTooLong {
+        index: usize,
+        len: usize,
+        max_seq_len: usize,
+    },
+    #[error("dataset {path} has no rows")]
+    Empty { path: PathBuf },
+}
+
+/// Errors turning messages into tokens (wrapped in [`DataError::Tokenize`] with the row).
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(
+        "could not find message {index} ({role}) in the text the chat template rendered, so its tokens cannot be masked; set `train_on_input: true` or use a template that writes message contents verbatim"
+    )]
+    MessageNotInTemplate { index: usize, role: String },
+    #[error("max_seq_len must be at least 2 (got {0})")]
+    MaxSeqLen(usize),
+}
+
+pub type Result<T, E = DataError> = std::result::Result<T, E>;

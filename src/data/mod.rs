@@ -1,0 +1,22 @@
+//! Dataset loading, row -> message transforms, tokenization with loss masks, packing, batching.
+mod collate;
+mod dataset;
+mod error;
+mod loader;
+mod packing;
+mod source;
+mod spec;
+mod tokenize;
+mod transform;
+
+pub use collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
+pub use dataset::{Dataset, Samples};
+pub use error::{DataError, Result, TokenizeError};
+pub use loader::{DataLoader, LoaderConfig};
+pub use packing::{PackedSample, pack};
+pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
+pub use spec::{ConversationStyle, DatasetKind, DatasetSpec, OneOrMany};
+pub use tokenize::{IGNORE_INDEX, SftSample, tokenize_messages, tokenize_text, truncate};
+pub use transform::{
+    ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
+};

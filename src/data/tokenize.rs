@@ -1,0 +1,283 @@
+//! Messages -> tokens + labels with per-message masking.
+//!
+//! With a chat template, the whole conversation is rendered once and tokenized once (so the ids
+//! are exactly what `apply_chat_template` + `encode(.., false)` give). Which tokens are trained is
+//! decided from byte spans found by rendering message prefixes: message `i` spans
+//! `render(msgs[..i])..render(msgs[..=i])`; an assistant message whose prompt is masked starts
+//! after `render(msgs[..i], add_generation_prompt=true)`, so its header stays masked and only its
+//! content and the end-of-turn text the template writes after it are trained (when the template
+//! has no generation prompt, the span starts at the last occurrence of the content in it). A token is trained
+//! when its bytes overlap a trained span. If a template is not prefix-stable, spans fall back
+//! to searching each message's content in the rendered text (content + up to the next stop token).
+use super::error::TokenizeError;
+use super::transform::LabeledMessage;
+use crate::tokenizer::{Message, Role, Tokenizer};
+
+/// Label of tokens excluded from the loss (PyTorch's cross-entropy ignore index).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// One tokenized example. `labels[t]` is `tokens[t]` or [`IGNORE_INDEX`]; not shifted.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SftSample {
+    pub tokens: Vec<u32>,
+    pub labels: Vec<i64>,
+}
+
+impl SftSample {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+    /// Number of labels that are not [`IGNORE_INDEX`].
+    pub fn num_trained(&self) -> usize {
+        self.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()
+    }
+    fn push(&mut self, token: u32, trained: bool) {
+        self.tokens.push(token);
+        self.labels.push(if trained {
+            i64::from(token)
+        } else {
+            IGNORE_INDEX
+        });
+    }
+}
+
+type Result<T> = std::result::Result<T, TokenizeError>;
+
+fn check_len(max_seq_len: Option<usize>) -> Result<()> {
+    match max_seq_len {
+        Some(n) if n < 2 => Err(TokenizeError::MaxSeqLen(n)),
+        _ => Ok(()),
+    }
+}
+
+/// Tokenizes a conversation: with the tokenizer's chat template when it has one, else the plain
+/// format (BOS, each message's text, EOS after each assistant message). BOS is prepended when the
+/// tokenizer has one and the template did not write it; EOS is appended after a final assistant
+/// message when the template wrote no stop token for it (torchtune adds both). Truncated to
+/// `max_seq_len` as torchtune does (see [`truncate`]).
+pub fn tokenize_messages(
+    tok: &Tokenizer,
+    messages: &[LabeledMessage],
+    max_seq_len: Option<usize>,
+) -> Result<SftSample> {
+    check_len(max_seq_len)?;
+    let mut sample = if tok.has_chat_template() {
+        with_template(tok, messages)?
+    } else {
+        plain(tok, messages)?
+    };
+    if let Some(max) = max_seq_len {
+        truncate(&mut sample, max, tok.eos_id());
+    }
+    Ok(sample)
+}
+
+/// torchtune's `truncate` for SFT: keep the first `max_seq_len` tokens; when something was cut,
+/// the last token becomes EOS and its label is masked (torchtune truncates the mask with `True`).
+pub fn truncate(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>) {
+    if sample.tokens.len() <= max_seq_len || max_seq_len == 0 {
+        return;
+    }
+    sample.tokens.truncate(max_seq_len);
+    sample.labels.truncate(max_seq_len);
+    let last = max_seq_len - 1;
+    if let Some(eos) = eos {
+        sample.tokens[last] = eos;
+    }
+    sample.labels[last] = IGNORE_INDEX;
+}
+
+/// Text completion (torchtune `TextCompletionDataset`): `encode(text)` with the post-processor's
+/// special tokens (BOS), EOS appended when `add_eos`, truncated to `max_seq_len - 1` without
+/// forcing EOS, every token trained.
+pub fn tokenize_text(
+    tok: &Tokenizer,
+    text: &str,
+    add_eos: bool,
+    max_seq_len: Option<usize>,
+) -> Result<SftSample> {
+    check_len(max_seq_len)?;
+    let mut tokens = tok.encode(text, true)?;
+    if let (true, Some(eos)) = (add_eos, tok.eos_id())
+        && tokens.last() != Some(&eos)
+    {
+        tokens.push(eos);
+    }
+    if let Some(max) = max_seq_len {
+        tokens.truncate(max - 1);
+    }
+    let labels = tokens.iter().map(|&t| i64::from(t)).collect();
+    Ok(SftSample { tokens, labels })
+}
+
+fn plain(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {
+    let mut s = SftSample::default();
+    if let Some(bos) = tok.bos_id() {
+        s.push(bos, messages.first().is_some_and(|m| !m.masked));
+    }
+    for m in messages {
+        for id in tok.encode(&m.message.content, false)? {
+            s.push(id, !m.masked);
+        }
+        if m.message.role == Role::Assistant
+            && let Some(eos) = tok.eos_id()
+        {
+            s.push(eos, !m.masked);
+        }
+    }
+    Ok(s)
+}
+
+fn with_template(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {
+    let msgs: Vec<Message> = messages.iter().map(|m| m.message.clone()).collect();
+    let full = tok.apply_chat_template(&msgs, false)?;
+    let (ids, offsets) = tok.encode_with_offsets(&full, false)?;
+    let (regions, last_start) = if messages.iter().all(|m| !m.masked) {
+        let last = prefix_bounds(tok, &msgs, &full)
+            .and_then(|b| b.get(msgs.len().saturating_sub(1)).copied())
+            .unwrap_or(0);
+        (vec![(0, full.len())], last)
+    } else if let Some(r) = prefix_regions(tok, messages, &msgs, &full) {
+        r
+    } else {
+        search_regions(tok, messages, &full)?
+    };
+    let mut s = SftSample::default();
+    let first_trained = messages.first().is_some_and(|m| !m.masked);
+    if let Some(bos) = tok.bos_id()
+        && ids.first() != Some(&bos)
+    {
+        s.push(bos, first_trained);
+    }
+    for (&id, &(start, end)) in ids.iter().zip(&offsets) {
+        let end = end.max(start + 1);
+        s.push(id, regions.iter().any(|&(a, b)| start < b && end > a));
+    }
+    if let Some(last) = messages.last()
+        && last.message.role == Role::Assistant
+        && let Some(eos) = tok.eos_id()
+    {
+        let stops = tok.stop_ids();
+        let has_stop = ids
+            .iter()
+            .zip(&offsets)
+            .any(|(id, &(start, _))| start >= last_start && stops.contains(id));
+        if !has_stop {
+            s.push(eos, !last.masked);
+        }
+    }
+    Ok(s)
+}
+
+/// `b[i]` = byte length of `render(msgs[..i])` for i in 1..n (b[0] = 0, b[n] = full.len()),
+/// or None when some prefix rendering fails or is not a prefix of `full`.
+fn prefix_bounds(tok: &Tokenizer, msgs: &[Message], full: &str) -> Option<Vec<usize>> {
+    let mut bounds = vec![0];
+    for i in 1..msgs.len() {
+        let r = tok.apply_chat_template(&msgs[..i], false).ok()?;
+        if !full.starts_with(&r) || r.len() < *bounds.last()? {
+            return None;
+        }
+        bounds.push(r.len());
+    }
+    bounds.push(full.len());
+    Some(bounds)
+}
+
+/// Trained byte spans from prefix renderings, and where the last message starts.
+fn prefix_regions(
+    tok: &Tokenizer,
+    messages: &[LabeledMessage],
+    msgs: &[Message],
+    full: &str,
+) -> Option<(Vec<(usize, usize)>, usize)> {
+    let bounds = prefix_bounds(tok, msgs, full)?;
+    let mut regions = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if m.masked {
+            continue;
+        }
+        let (mut start, end) = (bounds[i], bounds[i + 1]);
+        let prompt_masked = i == 0 || messages[i - 1].masked;
+        if m.message.role == Role::Assistant && prompt_masked {
+            // skip the assistant header: render(..i, add_generation_prompt = true)
+            if let Ok(g) = tok.apply_chat_template(&msgs[..i], true)
+                && g.len() >= start
+                && g.len() <= end
+                && full.starts_with(&g)
+            {
+                start = g.len();
+            }
+            // a template without a generation prompt: skip to the content itself
+            let needle = m.message.content.trim();
+            if start == bounds[i]
+                && !needle.is_empty()
+                && let Some(p) = full[start..end].rfind(needle)
+            {
+                start += p;
+            }
+        }
+        regions.push((start, end));
+    }
+    let last_start = bounds[msgs.len().saturating_sub(1)];
+    Some((regions, last_start))
+}
+
+/// Fallback: find each message's content in `full`, in order; a trained message spans its content
+/// up to the end of the next stop token (end of turn) before the next message's content.
+fn search_regions(
+    tok: &Tokenizer,
+    messages: &[LabeledMessage],
+    full: &str,
+) -> Result<(Vec<(usize, usize)>, usize)> {
+    let mut found: Vec<Option<(usize, usize)>> = Vec::with_capacity(messages.len());
+    let mut cursor = 0;
+    for m in messages {
+        let needle = m.message.content.trim();
+        let hit = if needle.is_empty() {
+            None
+        } else {
+            full[cursor..]
+                .find(needle)
+                .map(|p| (cursor + p, cursor + p + needle.len()))
+        };
+        if let Some((_, end)) = hit {
+            cursor = end;
+        }
+        found.push(hit);
+    }
+    let stop_strings: Vec<String> = tok
+        .stop_ids()
+        .iter()
+        .filter_map(|&id| tok.id_to_token(id))
+        .collect();
+    let mut regions = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if m.masked {
+            continue;
+        }
+        let (start, mut end) = found[i].ok_or_else(|| TokenizeError::MessageNotInTemplate {
+            index: i,
+            role: m.message.role.to_string(),
+        })?;
+        let limit = found[i + 1..]
+            .iter()
+            .flatten()
+            .map(|&(s, _)| s)
+            .next()
+            .unwrap_or(full.len());
+        let stop_end = stop_strings
+            .iter()
+            .filter_map(|s| full[end..limit].find(s.as_str()).map(|p| end + p + s.len()))
+            .min();
+        if let Some(e) = stop_end {
+            end = e;
+        }
+        regions.push((start, end));
+    }
+    let last_start = found.last().copied().flatten().map_or(0, |(s, _)| s);
+    Ok((regions, last_start))
+}

@@ -1,0 +1,332 @@
+//! Rows -> messages, one transform per dataset kind (torchtune's `*ToMessages` transforms).
+use super::error::{DataError, Result};
+use super::source::{Row, kind_name};
+use super::spec::{ConversationStyle, DatasetKind, DatasetSpec};
+use crate::tokenizer::{Message, Role};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// A message and whether its tokens are excluded from the loss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LabeledMessage {
+    pub message: Message,
+    pub masked: bool,
+}
+
+impl LabeledMessage {
+    pub fn new(role: Role, content: impl Into<String>, masked: bool) -> Self {
+        LabeledMessage {
+            message: Message::new(role, content),
+            masked,
+        }
+    }
+}
+
+/// What one row becomes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowContent {
+    Messages(Vec<LabeledMessage>),
+    Text(String),
+    Pair {
+        chosen: Vec<LabeledMessage>,
+        rejected: Vec<LabeledMessage>,
+    },
+}
+
+pub const ALPACA_PROMPT_INPUT: &str = "Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+pub const ALPACA_PROMPT_NO_INPUT: &str = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n";
+
+/// Turns rows of one dataset into [`RowContent`].
+#[derive(Debug, Clone)]
+pub struct RowTransform {
+    kind: DatasetKind,
+    column_map: BTreeMap<String, String>,
+    train_on_input: bool,
+    new_system_prompt: Option<String>,
+    conversation_column: Option<String>,
+    style: ConversationStyle,
+    text_column: Option<String>,
+}
+
+/// Column access for one row, carrying what error messages need.
+struct Cols<'a> {
+    row: &'a Row,
+    obj: &'a Map<String, Value>,
+    map: &'a BTreeMap<String, String>,
+}
+
+impl<'a> Cols<'a> {
+    fn name(&self, key: &str) -> String {
+        self.map
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| key.to_string())
+    }
+
+    fn value(&self, key: &str) -> Result<(&'a Value, String)> {
+        let column = self.name(key);
+        match self.obj.get(&column) {
+            Some(v) => Ok((v, column)),
+            None => Err(DataError::MissingColumn {
+                path: (*self.row.file).clone(),
+                row: self.row.index,
+                column,
+                key: key.to_string(),
+                available: self.obj.keys().cloned().collect::<Vec<_>>().join(", "),
+            }),
+        }
+    }
+
+    fn string(&self, key: &str) -> Result<&'a str> {
+        let (v, column) = self.value(key)?;
+        v.as_str()
+            .ok_or_else(|| self.wrong_type(column, "a string", v))
+    }
+
+    fn non_empty(&self, key: &str) -> Result<&'a str> {
+        let s = self.string(key)?;
+        if s.trim().is_empty() {
+            return Err(DataError::EmptyValue {
+                path: (*self.row.file).clone(),
+                row: self.row.index,
+                column: self.name(key),
+            });
+        }
+        Ok(s)
+    }
+
+    fn wrong_type(&self, column: String, expected: &'static str, v: &Value) -> DataError {
+        DataError::WrongType {
+            path: (*self.row.file).clone(),
+            row: self.row.index,
+            column,
+            expected,
+            found: kind_name(v).to_string(),
+        }
+    }
+
+    fn bad_message(&self, column: &str, index: usize, problem: String) -> DataError {
+        DataError::BadMessage {
+            path: (*self.row.file).clone(),
+            row: self.row.index,
+            column: column.to_string(),
+            index,
+            problem,
+        }
+    }
+}
+
+impl RowTransform {
+    pub fn new(spec: &DatasetSpec, kind: DatasetKind) -> Self {
+        RowTransform {
+            kind,
+            column_map: spec.column_map.clone().unwrap_or_default(),
+            train_on_input: spec
+                .train_on_input
+                .unwrap_or_else(|| kind.default_train_on_input()),
+            new_system_prompt: spec.new_system_prompt.clone(),
+            conversation_column: spec.conversation_column.clone(),
+            style: spec
+                .conversation_style
+                .unwrap_or(ConversationStyle::Sharegpt),
+            text_column: spec.column.clone(),
+        }
+    }
+
+    pub fn train_on_input(&self) -> bool {
+        self.train_on_input
+    }
+
+    pub fn apply(&self, row: &Row) -> Result<RowContent> {
+        let obj = row
+            .value
+            .as_object()
+            .ok_or_else(|| DataError::RowNotObject {
+                path: (*row.file).clone(),
+                row: row.index,
+                found: kind_name(&row.value).to_string(),
+            })?;
+        let cols = Cols {
+            row,
+            obj,
+            map: &self.column_map,
+        };
+        match self.kind {
+            DatasetKind::Alpaca => self.alpaca(&cols),
+            DatasetKind::Instruct => {
+                let input = cols.string("input")?;
+                let output = cols.non_empty("output")?;
+                Ok(RowContent::Messages(self.with_system(vec![
+                    LabeledMessage::new(Role::User, input, !self.train_on_input),
+                    LabeledMessage::new(Role::Assistant, output, false),
+                ])))
+            }
+            DatasetKind::Chat => self.chat(&cols),
+            DatasetKind::TextCompletion => {
+                let key = self.text_column.as_deref().unwrap_or("text");
+                Ok(RowContent::Text(cols.non_empty(key)?.to_string()))
+            }
+            DatasetKind::Preference => {
+                let chosen = self.message_list(&cols, "chosen", ConversationStyle::Openai)?;
+                let rejected = self.message_list(&cols, "rejected", ConversationStyle::Openai)?;
+                Ok(RowContent::Pair {
+                    chosen: self.with_system(chosen),
+                    rejected: self.with_system(rejected),
+                })
+            }
+            DatasetKind::StackExchangePaired => {
+                let key = |k: &str, default: &str| {
+                    self.column_map
+                        .get(k)
+                        .cloned()
+                        .unwrap_or_else(|| default.into())
+                };
+                let map: BTreeMap<String, String> = [
+                    ("prompt".to_string(), key("prompt", "question")),
+                    ("chosen".to_string(), key("chosen", "response_j")),
+                    ("rejected".to_string(), key("rejected", "response_k")),
+                ]
+                .into();
+                let c = Cols { map: &map, ..cols };
+                let prompt = c.string("prompt")?;
+                let pair = |answer: &str| {
+                    self.with_system(vec![
+                        LabeledMessage::new(Role::User, prompt, !self.train_on_input),
+                        LabeledMessage::new(Role::Assistant, answer, false),
+                    ])
+                };
+                Ok(RowContent::Pair {
+                    chosen: pair(c.non_empty("chosen")?),
+                    rejected: pair(c.non_empty("rejected")?),
+                })
+            }
+        }
+    }
+
+    /// torchtune `AlpacaToMessages` (which ignores new_system_prompt).
+    fn alpaca(&self, cols: &Cols<'_>) -> Result<RowContent> {
+        let instruction = cols.string("instruction")?;
+        let input = match cols.obj.get(&cols.name("input")) {
+            None | Some(Value::Null) => "",
+            Some(Value::String(s)) => s.as_str(),
+            Some(v) => return Err(cols.wrong_type(cols.name("input"), "a string", v)),
+        };
+        let output = cols.non_empty("output")?;
+        let prompt = if input.is_empty() {
+            ALPACA_PROMPT_NO_INPUT.replace("{instruction}", instruction)
+        } else {
+            ALPACA_PROMPT_INPUT
+                .replace("{instruction}", instruction)
+                .replacen("{input}", input, 1)
+        };
+        Ok(RowContent::Messages(vec![
+            LabeledMessage::new(Role::User, prompt, !self.train_on_input),
+            LabeledMessage::new(Role::Assistant, output, false),
+        ]))
+    }
+
+    fn chat(&self, cols: &Cols<'_>) -> Result<RowContent> {
+        let default = match self.style {
+            ConversationStyle::Sharegpt => "conversations",
+            ConversationStyle::Openai => "messages",
+        };
+        let messages = match &self.conversation_column {
+            Some(col) => {
+                let map: BTreeMap<String, String> = [(default.to_string(), col.clone())].into();
+                self.message_list(&Cols { map: &map, ..*cols }, default, self.style)?
+            }
+            None => self.message_list(cols, default, self.style)?,
+        };
+        Ok(RowContent::Messages(self.with_system(messages)))
+    }
+
+    /// Prepends `new_system_prompt` (existing system messages were dropped while parsing).
+    fn with_system(&self, mut messages: Vec<LabeledMessage>) -> Vec<LabeledMessage> {
+        if let Some(sys) = &self.new_system_prompt {
+            messages.insert(0, LabeledMessage::new(Role::System, sys.clone(), true));
+        }
+        messages
+    }
+
+    /// Parses a list of messages in `style` from column `key`, with torchtune's masking.
+    fn message_list(
+        &self,
+        cols: &Cols<'_>,
+        key: &str,
+        style: ConversationStyle,
+    ) -> Result<Vec<LabeledMessage>> {
+        let (value, column) = cols.value(key)?;
+        let expected = match style {
+            ConversationStyle::Sharegpt => "a list of {\"from\": ..., \"value\": ...} messages",
+            ConversationStyle::Openai => "a list of {\"role\": ..., \"content\": ...} messages",
+        };
+        let list = value
+            .as_array()
+            .ok_or_else(|| cols.wrong_type(column.clone(), expected, value))?;
+        if list.is_empty() {
+            return Err(cols.bad_message(&column, 0, "the conversation is empty".into()));
+        }
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            let bad = |problem: String| cols.bad_message(&column, i, problem);
+            let obj = item
+                .as_object()
+                .ok_or_else(|| bad(format!("expected an object, found {}", kind_name(item))))?;
+            let (role_key, content_key) = match style {
+                ConversationStyle::Sharegpt => ("from", "value"),
+                ConversationStyle::Openai => ("role", "content"),
+            };
+            let role_str = obj
+                .get(role_key)
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("needs a string `{role_key}`")))?;
+            let role = match (style, role_str) {
+                (ConversationStyle::Sharegpt, "system") => Role::System,
+                (ConversationStyle::Sharegpt, "human" | "user") => Role::User,
+                (ConversationStyle::Sharegpt, "gpt" | "assistant") => Role::Assistant,
+                (ConversationStyle::Sharegpt, other) => {
+                    return Err(bad(format!(
+                        "unknown `from` value {other:?}; ShareGPT uses \"system\", \"human\" or \"gpt\" (or set `conversation_style: openai`)"
+                    )));
+                }
+                (ConversationStyle::Openai, r) => Role::parse(r),
+            };
+            let content = match obj.get(content_key) {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for part in parts {
+                        match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                            (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                            (ty, _) => {
+                                return Err(bad(format!(
+                                    "content part of type {ty:?} is not supported; only {{\"type\": \"text\", \"text\": ...}} parts are"
+                                )));
+                            }
+                        }
+                    }
+                    text
+                }
+                _ => return Err(bad(format!("needs a string `{content_key}`"))),
+            };
+            if role == Role::System && self.new_system_prompt.is_some() {
+                continue;
+            }
+            if role == Role::Assistant && content.trim().is_empty() {
+                return Err(bad(
+                    "the assistant message is empty; give it text or drop the row".into(),
+                ));
+            }
+            let masked = role != Role::Assistant && !self.train_on_input;
+            out.push(LabeledMessage::new(role, content, masked));
+        }
+        if !self.train_on_input && out.iter().all(|m| m.masked) {
+            return Err(cols.bad_message(
+                &column,
+                list.len().saturating_sub(1),
+                "the conversation has no assistant message, so nothing would be trained; add one or drop the row".into(),
+            ));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,10 @@
+//! tune: LLM fine-tuning recipes (full, LoRA, DPO, QAT, knowledge distillation, generation)
+//! on burn, reading and writing Hugging Face checkpoints.
+
+pub mod checkpoint;
+pub mod models;
+pub mod modules;
+pub mod config;
+pub mod data;
+pub mod tokenizer;
+pub mod training;

@@ -1,0 +1,251 @@
+//! `ModelArgs`: everything the decoder needs to know about an architecture, read from a
+//! Hugging Face `config.json`. Family differences live here as fields, never as separate
+//! model copies.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::ModelError;
+
+/// The model families `tune` understands, from `model_type` in `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Phi3,
+    Gemma,
+}
+
+impl Family {
+    pub const KNOWN: &'static [&'static str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"];
+
+    pub fn from_model_type(model_type: &str) -> Option<Self> {
+        Some(match model_type {
+            "llama" => Self::Llama,
+            "mistral" => Self::Mistral,
+            "qwen2" => Self::Qwen2,
+            "qwen3" => Self::Qwen3,
+            "phi3" => Self::Phi3,
+            "gemma" => Self::Gemma,
+            _ => return None,
+        })
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
+            Self::Gemma => "gemma",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh` / `gelu` as Gemma uses it (tanh approximation).
+    GeluTanh,
+}
+
+/// RoPE frequency scaling, as transformers' `rope_type`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Linear { factor: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelArgs {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Qwen2: q/k/v projections carry a bias.
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    /// Qwen3: RMSNorm over each head of q and k before RoPE.
+    pub qk_norm: bool,
+    /// Gemma: RMSNorm multiplies by `1 + weight`.
+    pub norm_weight_offset: bool,
+    /// Gemma: embeddings are multiplied by sqrt(hidden_size).
+    pub scale_embeddings: bool,
+    pub activation: Activation,
+    /// Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` on disk.
+    pub fused_projections: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+    /// The `config.json` object as read, written back unchanged when saving.
+    pub raw: Value,
+}
+
+impl ModelArgs {
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
+        let raw: Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::BadConfig { path: path.to_path_buf(), message: e.to_string() })?;
+        Self::from_json(raw).map_err(|message| ModelError::BadConfig { path: path.to_path_buf(), message })
+    }
+
+    /// Parses both the classic layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
+    /// transformers 5 layout (`rope_parameters`, `dtype`).
+    pub fn from_json(raw: Value) -> Result<Self, String> {
+        let model_type = raw.get("model_type").and_then(Value::as_str).ok_or_else(|| {
+            "missing \"model_type\"; tune needs it to pick the architecture".to_string()
+        })?;
+        let family = Family::from_model_type(model_type).ok_or_else(|| {
+            format!("unsupported model_type \"{model_type}\"; supported: {}", Family::KNOWN.join(", "))
+        })?;
+        let req = |key: &str| -> Result<usize, String> {
+            raw.get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| format!("missing or non-integer \"{key}\""))
+        };
+        let hidden_size = req("hidden_size")?;
+        let num_heads = req("num_attention_heads")?;
+        let num_kv_heads = raw.get("num_key_value_heads").and_then(Value::as_u64).map_or(num_heads, |v| v as usize);
+        let head_dim = raw.get("head_dim").and_then(Value::as_u64).map_or(hidden_size / num_heads.max(1), |v| v as usize);
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(format!(
+                "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
+            ));
+        }
+        let f = |key: &str| raw.get(key).and_then(Value::as_f64);
+        let b = |key: &str| raw.get(key).and_then(Value::as_bool);
+        let rope_params = raw.get("rope_parameters").filter(|v| v.is_object());
+        let rope_theta = f("rope_theta")
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .unwrap_or(10_000.0);
+        let scaling = raw.get("rope_scaling").filter(|v| v.is_object()).or(rope_params);
+        let rope_scaling = match scaling {
+            None => RopeScaling::None,
+            Some(s) => parse_rope_scaling(s)?,
+        };
+        let activation = match raw
+            .get("hidden_activation")
+            .or_else(|| raw.get("hidden_act"))
+            .and_then(Value::as_str)
+            .unwrap_or("silu")
+        {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu" | "gelu_new" => Activation::GeluTanh,
+            other => return Err(format!("unsupported hidden_act \"{other}\"; supported: silu, gelu_pytorch_tanh")),
+        };
+        let ids = |key: &str| -> Vec<u32> {
+            match raw.get(key) {
+                Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+                Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+                _ => Vec::new(),
+            }
+        };
+        let gemma = family == Family::Gemma;
+        Ok(Self {
+            family,
+            vocab_size: req("vocab_size")?,
+            hidden_size,
+            intermediate_size: req("intermediate_size")?,
+            num_layers: req("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: f("rms_norm_eps").unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: raw.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
+            // transformers defaults tie_word_embeddings to true for Gemma and Qwen, false for Llama.
+            tie_word_embeddings: b("tie_word_embeddings").unwrap_or(gemma),
+            attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
+            mlp_bias: b("mlp_bias").unwrap_or(false),
+            qk_norm: family == Family::Qwen3,
+            norm_weight_offset: gemma,
+            scale_embeddings: gemma,
+            activation,
+            fused_projections: family == Family::Phi3,
+            bos_token_id: ids("bos_token_id").first().copied(),
+            eos_token_ids: ids("eos_token_id"),
+            pad_token_id: ids("pad_token_id").first().copied(),
+            raw,
+        })
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Parameter count of the base model (no adapters), counting tied weights once.
+    pub fn num_params(&self) -> usize {
+        let h = self.hidden_size;
+        let attn = h * self.q_dim() * 2 + h * self.kv_dim() * 2
+            + if self.attention_bias { self.q_dim() + 2 * self.kv_dim() } else { 0 }
+            + if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let mlp = 3 * h * self.intermediate_size;
+        let layer = attn + mlp + 2 * h;
+        let embed = self.vocab_size * h;
+        embed * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
+    }
+}
+
+fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
+    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> Result<f64, String> {
+        s.get(key).and_then(Value::as_f64).ok_or_else(|| format!("rope scaling \"{kind}\" needs \"{key}\""))
+    };
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        },
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        other => return Err(format!("unsupported rope scaling type \"{other}\"; supported: default, llama3, linear")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_config_layouts_give_the_same_rope() {
+        let classic = serde_json::json!({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+            "num_hidden_layers":2,"intermediate_size":128,"vocab_size":10,"rope_theta":5e5,
+            "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}});
+        let v5 = serde_json::json!({"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+            "num_hidden_layers":2,"intermediate_size":128,"vocab_size":10,
+            "rope_parameters":{"rope_type":"llama3","rope_theta":5e5,"factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}});
+        let a = ModelArgs::from_json(classic).unwrap();
+        let b = ModelArgs::from_json(v5).unwrap();
+        assert_eq!(a.rope_theta, b.rope_theta);
+        assert_eq!(a.rope_scaling, b.rope_scaling);
+    }
+
+    #[test]
+    fn unknown_model_type_names_supported_ones() {
+        let err = ModelArgs::from_json(serde_json::json!({"model_type":"gpt2"})).unwrap_err();
+        assert!(err.contains("unsupported model_type \"gpt2\""), "{err}");
+        assert!(err.contains("llama"), "{err}");
+    }
+}

@@ -1,0 +1,211 @@
+//! The one decoder-only transformer every supported family runs through. Field names follow
+//! Hugging Face's module names, so a parameter's module path *is* its checkpoint name
+//! (`model.layers.0.self_attn.q_proj.weight`).
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::args::{Activation, ModelArgs};
+use super::cache::{KvCache, LayerCache};
+use super::{mask, rope};
+use crate::modules::{ForwardMode, Linear, RmsNorm};
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Tensors shared by every layer of one forward pass.
+pub struct PassContext<B: Backend> {
+    pub cos: Tensor<B, 4>,
+    pub sin: Tensor<B, 4>,
+    /// `[batch, 1, 1, q_len, k_len]`, additive.
+    pub mask: Tensor<B, 5>,
+    pub mode: ForwardMode,
+}
+
+impl<B: Backend> Attention<B> {
+    fn heads(&self, proj: &Linear<B>, x: Tensor<B, 2>, batch: usize, seq: usize, heads: usize, mode: ForwardMode) -> Tensor<B, 4> {
+        proj.forward(x, mode).reshape([batch, seq, heads, self.head_dim]).swap_dims(1, 2)
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &PassContext<B>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
+        let [batch, seq, hidden] = x.dims();
+        let rows = x.reshape([batch * seq, hidden]);
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let mut q = self.heads(&self.q_proj, rows.clone(), batch, seq, h, ctx.mode);
+        let mut k = self.heads(&self.k_proj, rows.clone(), batch, seq, kvh, ctx.mode);
+        let mut v = self.heads(&self.v_proj, rows, batch, seq, kvh, ctx.mode);
+        if let Some(norm) = &self.q_norm {
+            q = norm.forward(q);
+        }
+        if let Some(norm) = &self.k_norm {
+            k = norm.forward(k);
+        }
+        q = rope::apply(q, &ctx.cos, &ctx.sin);
+        k = rope::apply(k, &ctx.cos, &ctx.sin);
+        if let Some(cache) = cache {
+            (k, v) = cache.append(k, v);
+        }
+        let k_len = k.dims()[2];
+        let n_rep = h / kvh;
+        // Grouped-query attention without repeating K and V: the query heads that share a KV
+        // head are stacked along the sequence axis, so one matmul serves the whole group.
+        let q = q.reshape([batch, kvh, n_rep * seq, d]) * (1.0 / (d as f64).sqrt());
+        let scores = q.matmul(k.swap_dims(2, 3)).reshape([batch, kvh, n_rep, seq, k_len]) + ctx.mask.clone();
+        let probs = softmax(scores, 4).reshape([batch, kvh, n_rep * seq, k_len]);
+        let out = probs.matmul(v).reshape([batch, h, seq, d]).swap_dims(1, 2).reshape([batch * seq, h * d]);
+        self.o_proj.forward(out, ctx.mode).reshape([batch, seq, hidden])
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+    pub activation: Activation,
+}
+
+impl<B: Backend> Mlp<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+        let [batch, seq, hidden] = x.dims();
+        let rows = x.reshape([batch * seq, hidden]);
+        let gate = self.gate_proj.forward(rows.clone(), mode);
+        let gate = match self.activation {
+            Activation::Silu => silu(gate),
+            Activation::GeluTanh => gelu_tanh(gate),
+        };
+        let up = self.up_proj.forward(rows, mode);
+        self.down_proj.forward(gate * up, mode).reshape([batch, seq, hidden])
+    }
+}
+
+/// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+    x * (inner.tanh() + 1.0) * 0.5
+}
+
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    pub input_layernorm: RmsNorm<B>,
+    pub self_attn: Attention<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+    pub mlp: Mlp<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, ctx: &PassContext<B>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), ctx, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), ctx.mode)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Embedding<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+/// Hugging Face's `model.*`: embeddings, layers, final norm.
+#[derive(Module, Debug)]
+pub struct DecoderBody<B: Backend> {
+    pub embed_tokens: Embedding<B>,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+}
+
+/// The inputs of one forward pass, flattened row-major (`[batch * seq]`).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenBatch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [u32],
+    /// Packed samples: which document each position belongs to.
+    pub document_ids: Option<&'a [u32]>,
+    pub batch: usize,
+}
+
+impl TokenBatch<'_> {
+    pub fn seq_len(&self) -> usize {
+        self.tokens.len() / self.batch.max(1)
+    }
+}
+
+/// `*ForCausalLM`: the decoder plus its output projection (tied to the embeddings or not).
+#[derive(Module, Debug)]
+pub struct CausalLm<B: Backend> {
+    pub model: DecoderBody<B>,
+    pub lm_head: Option<Linear<B>>,
+    pub args: ModelArgs,
+    pub rope: rope::Rope,
+}
+
+impl<B: Backend> CausalLm<B> {
+    pub fn device(&self) -> B::Device {
+        self.model.norm.weight.val().device()
+    }
+
+    /// Final hidden states `[batch, seq, hidden]` (after the last norm), so losses can project
+    /// to the vocabulary in chunks.
+    pub fn hidden(&self, input: TokenBatch<'_>, mode: ForwardMode, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+        let device = self.device();
+        let (batch, seq) = (input.batch, input.seq_len());
+        let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
+        let mut x = self.model.embed_tokens.weight.val().select(0, ids).reshape([batch, seq, self.args.hidden_size]);
+        if self.args.scale_embeddings {
+            // Gemma rounds the normaliser to the activation dtype; fp32 here.
+            x = x * (self.args.hidden_size as f32).sqrt() as f64;
+        }
+        let offset = cache.as_ref().map_or(0, |c| c.len());
+        let (cos, sin) = self.rope.tables::<B>(input.positions, batch, &device);
+        let mask = mask::causal::<B>(batch, seq, offset, input.document_ids, &device);
+        let ctx = PassContext { cos, sin, mask, mode };
+        match cache {
+            Some(cache) => {
+                for (layer, layer_cache) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
+                    x = layer.forward(x, &ctx, Some(layer_cache));
+                }
+            }
+            None => {
+                for layer in &self.model.layers {
+                    x = layer.forward(x, &ctx, None);
+                }
+            }
+        }
+        self.model.norm.forward(x)
+    }
+
+    /// Vocabulary logits for hidden states `[rows, hidden]` -> `[rows, vocab]`.
+    pub fn project(&self, hidden: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden, mode),
+            None => hidden.matmul(self.model.embed_tokens.weight.val().transpose()),
+        }
+    }
+
+    /// Full logits `[batch, seq, vocab]`.
+    pub fn forward(&self, input: TokenBatch<'_>, mode: ForwardMode) -> Tensor<B, 3> {
+        let hidden = self.hidden(input, mode, None);
+        self.logits(hidden, mode)
+    }
+
+    pub fn logits(&self, hidden: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+        let [batch, seq, h] = hidden.dims();
+        self.project(hidden.reshape([batch * seq, h]), mode).reshape([batch, seq, self.args.vocab_size])
+    }
+
+    pub fn new_cache(&self) -> KvCache<B> {
+        KvCache::new(self.args.num_layers)
+    }
+}

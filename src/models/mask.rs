@@ -1,0 +1,34 @@
+//! Additive attention masks built on the host: causal, with an offset for cached keys, and
+//! block-diagonal for packed sequences so packed samples never attend to each other.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+/// Large and finite, so a fully masked row cannot turn into NaN through `-inf - -inf`.
+const MASKED: f32 = -1.0e30;
+
+/// `[batch, 1, 1, q_len, k_len]`: query `i` (absolute position `offset + i`) may see key `j`
+/// when `j <= offset + i` and, with document ids, both belong to the same document.
+pub fn causal<B: Backend>(
+    batch: usize,
+    q_len: usize,
+    offset: usize,
+    document_ids: Option<&[u32]>,
+    device: &B::Device,
+) -> Tensor<B, 5> {
+    let k_len = offset + q_len;
+    let mut mask = vec![0.0f32; batch * q_len * k_len];
+    for b in 0..batch {
+        for i in 0..q_len {
+            for j in 0..k_len {
+                let future = j > offset + i;
+                let other_doc =
+                    document_ids.is_some_and(|d| d[b * k_len + j] != d[b * k_len + offset + i]);
+                if future || other_doc {
+                    mask[(b * q_len + i) * k_len + j] = MASKED;
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(mask, [batch, 1, 1, q_len, k_len]), device)
+}

@@ -1,0 +1,30 @@
+//! The decoder-only transformer and its configuration. One model for every family; family
+//! differences are fields of `ModelArgs`.
+
+pub mod args;
+pub mod build;
+pub mod cache;
+pub mod decoder;
+pub mod mask;
+pub mod params;
+pub mod rope;
+
+use std::path::PathBuf;
+
+pub use args::{Family, ModelArgs};
+pub use build::{ParamSource, RandomInit, build};
+pub use cache::KvCache;
+pub use decoder::{CausalLm, TokenBatch};
+pub use params::NamedParam;
+
+use crate::checkpoint::CheckpointError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    BadConfig { path: PathBuf, message: String },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}

@@ -1,0 +1,115 @@
+//! Parameter traversal by Hugging Face name: every linear layer with its module path, and the
+//! flat state dict used for saving, optimizers and gradient checks.
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use super::decoder::CausalLm;
+use crate::checkpoint::HostTensor;
+use crate::modules::Linear;
+
+impl<B: Backend> CausalLm<B> {
+    /// Every linear layer with its module path (`model.layers.0.self_attn.q_proj`), in order.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.model.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let a = &mut layer.self_attn;
+            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
+            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
+            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
+            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+            let m = &mut layer.mlp;
+            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+        }
+        if let Some(head) = &mut self.lm_head {
+            out.push(("lm_head".to_string(), head));
+        }
+        out
+    }
+
+    /// All float parameters by module path, with whether each one trains.
+    pub fn named_params(&self) -> Vec<NamedParam> {
+        let mut v = Collector { path: Vec::new(), out: Vec::new() };
+        self.visit(&mut v);
+        v.out
+    }
+
+    /// Base-model tensors with Hugging Face names (adapters excluded), as saved to
+    /// `model.safetensors`: Phi-3's projections fused back into `qkv_proj`/`gate_up_proj`.
+    pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
+        let params: Vec<(String, HostTensor)> =
+            self.named_params().into_iter().filter(|p| !p.is_adapter()).map(|p| (p.name, p.value)).collect();
+        if !self.args.fused_projections {
+            return params;
+        }
+        fuse_projections(params)
+    }
+}
+
+/// One parameter: its module path, value on the host, and whether it is trainable.
+#[derive(Debug, Clone)]
+pub struct NamedParam {
+    pub name: String,
+    pub id: ParamId,
+    pub value: HostTensor,
+    pub trainable: bool,
+}
+
+impl NamedParam {
+    pub fn is_adapter(&self) -> bool {
+        self.name.contains(".lora.")
+    }
+}
+
+struct Collector {
+    path: Vec<String>,
+    out: Vec<NamedParam>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Collector {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.out.push(NamedParam {
+            name: self.path.join("."),
+            id: param.id,
+            value: HostTensor::from_tensor(&param.val()),
+            trainable: param.val().is_require_grad(),
+        });
+    }
+}
+
+fn fuse_projections(params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
+    use std::collections::HashMap;
+    let mut map: HashMap<String, HostTensor> = params.iter().cloned().collect();
+    let mut out = Vec::new();
+    for (name, _) in &params {
+        let Some(value) = map.remove(name) else { continue };
+        if let Some(prefix) = name.strip_suffix(".self_attn.q_proj.weight") {
+            let k = map.remove(&format!("{prefix}.self_attn.k_proj.weight"));
+            let v = map.remove(&format!("{prefix}.self_attn.v_proj.weight"));
+            if let (Some(k), Some(v)) = (k, v) {
+                out.push((format!("{prefix}.self_attn.qkv_proj.weight"), HostTensor::concat_rows(&[value, k, v])));
+                continue;
+            }
+        }
+        if let Some(prefix) = name.strip_suffix(".mlp.gate_proj.weight")
+            && let Some(up) = map.remove(&format!("{prefix}.mlp.up_proj.weight"))
+        {
+            out.push((format!("{prefix}.mlp.gate_up_proj.weight"), HostTensor::concat_rows(&[value, up])));
+            continue;
+        }
+        out.push((name.clone(), value));
+    }
+    out
+}

@@ -1,0 +1,76 @@
+//! LoRA adapter: `y += scale * B(A(dropout(x)))`, with A `[r, in]` and B `[out, r]` stored in
+//! PEFT's layout so adapters load and save without transposes.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor, TensorData};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// What a LoRA adapter is made of; the rest of the program never needs more than this.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSettings {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+}
+
+impl LoraSettings {
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Lora<B: Backend> {
+    /// PEFT `lora_A.weight`, `[rank, in_features]`.
+    pub a: Param<Tensor<B, 2>>,
+    /// PEFT `lora_B.weight`, `[out_features, rank]`.
+    pub b: Param<Tensor<B, 2>>,
+    pub scale: f64,
+    pub dropout: f64,
+}
+
+impl<B: Backend> Lora<B> {
+    /// A fresh adapter as PEFT and torchtune initialise it: A Kaiming-uniform (a = sqrt(5),
+    /// bound 1/sqrt(in)), B zero, so the adapted model starts equal to the base model. The
+    /// seeded host RNG keeps this identical across backends.
+    pub fn init(in_features: usize, out_features: usize, settings: &LoraSettings, rng: &mut StdRng, device: &B::Device) -> Self {
+        let bound = 1.0 / (in_features as f64).sqrt();
+        let a: Vec<f32> =
+            (0..settings.rank * in_features).map(|_| rng.random_range(-bound..bound) as f32).collect();
+        let a = Tensor::from_data(TensorData::new(a, [settings.rank, in_features]), device);
+        let b = Tensor::zeros([out_features, settings.rank], device);
+        Self::from_tensors(a, b, settings)
+    }
+
+    pub fn from_tensors(a: Tensor<B, 2>, b: Tensor<B, 2>, settings: &LoraSettings) -> Self {
+        Self { a: Param::from_tensor(a), b: Param::from_tensor(b), scale: settings.scale(), dropout: settings.dropout }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.a.val().dims()[0]
+    }
+
+    /// `x` is `[rows, in]`; returns the adapter's contribution `[rows, out]`.
+    pub fn forward(&self, x: Tensor<B, 2>, train: bool) -> Tensor<B, 2> {
+        let x = if train && self.dropout > 0.0 {
+            let keep = 1.0 - self.dropout;
+            let mask = x.random_like(Distribution::Bernoulli(keep));
+            x * mask / keep
+        } else {
+            x
+        };
+        x.matmul(self.a.val().transpose()).matmul(self.b.val().transpose()) * self.scale
+    }
+
+    /// `scale * B @ A`, the update merged into the base weight on export.
+    pub fn delta_weight(&self) -> Tensor<B, 2> {
+        self.b.val().matmul(self.a.val()) * self.scale
+    }
+}
+
+/// Seeded RNG for adapter initialisation.
+pub fn init_rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}

@@ -1,0 +1,202 @@
+//! Hugging Face tokenizers (`tokenizer.json`) with the checkpoint's special tokens and chat template.
+mod error;
+mod message;
+mod special;
+mod template;
+
+pub use error::{Result, TokenizerError};
+pub use message::{Message, Role};
+pub use special::SpecialToken;
+pub use template::{ChatTemplate, TemplateVars};
+
+use special::CheckpointConfigs;
+
+/// A token's byte range `[start, end)` in the encoded text.
+pub type Offsets = (usize, usize);
+use std::path::{Path, PathBuf};
+
+/// A tokenizer loaded from a `tokenizer.json` plus the checkpoint's config files.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    bos: Option<SpecialToken>,
+    eos: Option<SpecialToken>,
+    pad: Option<SpecialToken>,
+    unk: Option<SpecialToken>,
+    stop_ids: Vec<u32>,
+    template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("pad", &self.pad)
+            .field("stop_ids", &self.stop_ids)
+            .field("template", &self.template)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `path`: a `tokenizer.json` file, or a checkpoint folder containing one. The
+    /// special tokens and the chat template come from the JSON files beside it.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let (file, dir) = if path.is_dir() {
+            let file = path.join("tokenizer.json");
+            if !file.is_file() {
+                return Err(TokenizerError::NotFound {
+                    dir: path.to_path_buf(),
+                });
+            }
+            (file, path.to_path_buf())
+        } else if path.is_file() {
+            let dir = path
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| PathBuf::from("."));
+            (path.to_path_buf(), dir)
+        } else {
+            return Err(TokenizerError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
+            });
+        };
+        let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| TokenizerError::Load {
+            path: file.clone(),
+            message: e.to_string(),
+        })?;
+        let cfgs = CheckpointConfigs::read(&dir)?;
+        let bos = cfgs.resolve("bos", &inner)?;
+        let eos = cfgs.resolve("eos", &inner)?;
+        let pad = cfgs.resolve("pad", &inner)?;
+        let unk = cfgs.resolve("unk", &inner)?;
+        let stop_ids = cfgs.stop_ids(eos.as_ref().map(|t| t.id))?;
+        let template = ChatTemplate::discover(&dir, cfgs.tokenizer_config.as_ref())?;
+        Ok(Tokenizer {
+            inner,
+            path: file,
+            bos,
+            eos,
+            pad,
+            unk,
+            stop_ids,
+            template,
+        })
+    }
+
+    /// The tokenizer.json this was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. BOS).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        Ok(self.encode_with_offsets(text, add_special_tokens)?.0)
+    }
+
+    /// Token ids and each token's byte range in `text`.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Vec<Offsets>)> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos.as_ref().map(|t| t.id)
+    }
+
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos.as_ref().map(|t| t.id)
+    }
+
+    /// EOS followed by the other `eos_token_id`s of generation_config.json: generation stops at any.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    /// The pad id, or EOS when the checkpoint defines no pad token (as torchtune does).
+    pub fn pad_id(&self) -> Option<u32> {
+        self.pad.as_ref().map(|t| t.id).or_else(|| self.eos_id())
+    }
+
+    pub fn bos_token(&self) -> Option<&SpecialToken> {
+        self.bos.as_ref()
+    }
+
+    pub fn eos_token(&self) -> Option<&SpecialToken> {
+        self.eos.as_ref()
+    }
+
+    /// Number of tokens including added tokens (may be below the model's embedding rows).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// Replaces the chat template (`None` removes it, which selects the plain prompt format).
+    pub fn set_chat_template(&mut self, source: Option<&str>) -> Result<()> {
+        self.template = match source {
+            Some(s) => Some(ChatTemplate::new(
+                s.to_string(),
+                "the configured chat_template".into(),
+            )?),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// Renders `messages` with the chat template (text, not ids; tokenize it with
+    /// `add_special_tokens = false` since templates write BOS themselves).
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
+        template.render(messages, add_generation_prompt, &self.template_vars())
+    }
+
+    fn template_vars(&self) -> TemplateVars {
+        let content = |t: &Option<SpecialToken>| t.as_ref().map(|t| t.content.clone());
+        TemplateVars {
+            bos_token: content(&self.bos),
+            eos_token: content(&self.eos),
+            pad_token: content(&self.pad),
+            unk_token: content(&self.unk),
+        }
+    }
+}

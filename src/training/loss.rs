@@ -1,0 +1,64 @@
+//! Losses over vocabulary logits, computed in fp32 over the positions whose label is not -100,
+//! with the causal shift: the logits at position t predict the label at t + 1.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Shifted targets for a `[batch, seq]` label grid: `(targets, mask)` of `[batch * (seq - 1)]`,
+/// where ignored positions get target 0 and mask 0.
+pub fn shifted_targets(labels: &[i64], batch: usize) -> (Vec<i32>, Vec<f32>) {
+    let seq = labels.len() / batch.max(1);
+    let mut targets = Vec::with_capacity(batch * seq.saturating_sub(1));
+    let mut mask = Vec::with_capacity(targets.capacity());
+    for row in labels.chunks(seq) {
+        for &l in &row[1..] {
+            let keep = l != IGNORE_INDEX;
+            targets.push(if keep { l as i32 } else { 0 });
+            mask.push(if keep { 1.0 } else { 0.0 });
+        }
+    }
+    (targets, mask)
+}
+
+/// Log-probability of each target under `logits` `[rows, vocab]`: `[rows]`.
+pub fn target_log_probs<B: Backend>(logits: Tensor<B, 2>, targets: &[i32]) -> Tensor<B, 1> {
+    let device = logits.device();
+    let rows = targets.len();
+    let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(targets.to_vec(), [rows, 1]), &device);
+    log_softmax(logits, 1).gather(1, idx).reshape([rows])
+}
+
+/// Drops the last position of each row: `[batch, seq, vocab]` -> `[batch * (seq - 1), vocab]`.
+pub fn shift_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
+    let [batch, seq, vocab] = logits.dims();
+    logits.narrow(1, 0, seq - 1).reshape([batch * (seq - 1), vocab])
+}
+
+/// Per-position masked log-probabilities `[batch * (seq - 1)]` (zero where ignored) and the
+/// number of positions that count.
+pub fn masked_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
+    let batch = logits.dims()[0];
+    let device = logits.device();
+    let (targets, mask) = shifted_targets(labels, batch);
+    let count = mask.iter().filter(|m| **m > 0.0).count();
+    let n = mask.len();
+    let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
+    (target_log_probs(shift_logits(logits), &targets) * mask, count)
+}
+
+/// Mean cross-entropy over the positions whose shifted label is not -100, as
+/// `F.cross_entropy(..., ignore_index=-100)`.
+pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+    let (log_probs, count) = masked_log_probs(logits, labels);
+    log_probs.sum().neg() / count.max(1) as f64
+}
+
+/// Sum of the label tokens' log-probabilities per row `[batch]` (DPO's sequence log-probs).
+pub fn sequence_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+    let [batch, seq, _] = logits.dims();
+    let (log_probs, _) = masked_log_probs(logits, labels);
+    log_probs.reshape([batch, seq - 1]).sum_dim(1).reshape([batch])
+}

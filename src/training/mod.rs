@@ -1,0 +1,4 @@
+//! Training: losses, optimizers, schedules, metrics and the trainer core every recipe shares.
+
+pub mod grads;
+pub mod loss;

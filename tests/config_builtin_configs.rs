@@ -1,0 +1,115 @@
+//! Every built-in config loads and validates for its recipe.
+
+mod common;
+
+use tune::config::builtin;
+use tune::config::components::{Component, ModelVariant};
+use tune::config::recipes::Recipe;
+use tune::config::{RecipeConfig, ValidateOptions, load_config, validate, validate_with};
+
+#[test]
+fn every_builtin_validates_without_path_checks() {
+    let opts = ValidateOptions { check_paths: false };
+    let all = builtin::list();
+    assert!(all.len() >= 28);
+    for b in all {
+        let cfg = load_config(b.name, &[]).unwrap_or_else(|e| panic!("{}: {e}", b.name));
+        if let Err(e) = validate_with(b.recipe.name(), &cfg, &opts) {
+            panic!("{} does not validate:\n{e}", b.name);
+        }
+    }
+}
+
+#[test]
+fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
+    let assets = common::tiny_assets();
+    let tiny: Vec<_> = builtin::list()
+        .into_iter()
+        .filter(|b| b.name.starts_with("tiny/"))
+        .collect();
+    assert_eq!(tiny.len(), 8, "one tiny config per recipe");
+    let mut recipes: Vec<Recipe> = tiny.iter().map(|b| b.recipe).collect();
+    recipes.dedup();
+    assert_eq!(recipes.len(), 8);
+    for b in tiny {
+        let mut cfg = load_config(b.name, &[]).expect("loads");
+        common::rebase_assets(&mut cfg.value, &assets.0);
+        match validate(b.recipe.torchtune_name(), &cfg) {
+            Ok((_, warnings)) => assert!(warnings.is_empty(), "{}: {warnings:?}", b.name),
+            Err(e) => panic!("{}:\n{e}", b.name),
+        }
+    }
+}
+
+#[test]
+fn tiny_lora_typed_values() {
+    let cfg = load_config("tiny/lora_single_device", &[]).unwrap();
+    let (typed, _) = validate_with(
+        "lora_finetune",
+        &cfg,
+        &ValidateOptions { check_paths: false },
+    )
+    .unwrap();
+    let RecipeConfig::Train(Recipe::LoraFinetune, t) = typed else {
+        panic!("wrong recipe config: {typed:?}");
+    };
+    assert_eq!(
+        t.output_dir.to_str(),
+        Some("/tmp/tune/tiny/lora_finetune_single_device")
+    );
+    assert_eq!(t.model.lora_rank, Some(8));
+    assert_eq!(t.optimizer.lr, 1e-3);
+    assert_eq!(t.seed, Some(42));
+    assert_eq!(t.batch_size, 4);
+    assert_eq!(t.max_steps_per_epoch, Some(60));
+    assert_eq!(t.dataset.len(), 1);
+    assert_eq!(
+        t.metric_logger
+            .as_ref()
+            .and_then(|m| m.log_dir.as_ref())
+            .and_then(|p| p.to_str()),
+        Some("/tmp/tune/tiny/lora_finetune_single_device/logs")
+    );
+    match &t.model.component {
+        Component::Model(m) => {
+            assert_eq!(m.variant, ModelVariant::Lora);
+            assert_eq!(m.size, "tiny");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn generation_typed_values() {
+    let cfg = load_config(
+        "tiny/generation",
+        &common::args(&["prompt=Hi there", "chat=True"]),
+    )
+    .unwrap();
+    let (typed, _) =
+        validate_with("generate", &cfg, &ValidateOptions { check_paths: false }).unwrap();
+    let g = typed.as_generate().expect("generate config");
+    assert_eq!(g.prompt.user, "Hi there");
+    assert_eq!(g.prompt.system, None);
+    assert!(g.chat);
+    assert_eq!(g.max_new_tokens, 16);
+    assert!(g.stop_at_eos);
+}
+
+#[test]
+fn multi_dataset_is_concatenated() {
+    let cfg = load_config(
+        "tiny/lora_single_device",
+        &common::args(&[
+            "dataset=[{_component_: torchtune.datasets.alpaca_dataset, source: json, data_files: a.json}, {_component_: torchtune.datasets.slimorca_dataset}]",
+        ]),
+    )
+    .unwrap();
+    let (typed, _) = validate_with(
+        "lora_finetune",
+        &cfg,
+        &ValidateOptions { check_paths: false },
+    )
+    .unwrap();
+    assert_eq!(typed.as_train().map(|t| t.dataset.len()), Some(2));
+}

@@ -1,0 +1,461 @@
+//! Bad inputs: each asserts the message a user sees.
+
+mod common;
+
+use common::{TempDir, args};
+use tune::config::{
+    ProblemKind, ValidateOptions, ValidationErrors, Warning, load_config, validate, validate_with,
+};
+
+const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
+
+fn errors(config: &str, recipe: &str, overrides: &[&str]) -> ValidationErrors {
+    let cfg = load_config(config, &args(overrides)).expect("config loads");
+    match validate_with(recipe, &cfg, &NO_PATHS) {
+        Ok(_) => panic!("expected validation errors"),
+        Err(e) => e,
+    }
+}
+
+fn warnings(config: &str, recipe: &str, overrides: &[&str]) -> Vec<Warning> {
+    let cfg = load_config(config, &args(overrides)).expect("config loads");
+    validate_with(recipe, &cfg, &NO_PATHS)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .1
+}
+
+#[test]
+fn unknown_key_suggests_the_right_one() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["model.lora_rnak=8", "batch_szie=2"],
+    );
+    assert!(
+        e.has(
+            "model.lora_rnak",
+            "unknown key `lora_rnak` for `model` (did you mean `lora_rank`?)"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "batch_szie",
+            "unknown key `batch_szie` for this recipe (did you mean `batch_size`?)"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn wrong_type_names_expected_and_found() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "batch_size=four",
+            "model.apply_lora_to_mlp=3",
+            "optimizer.lr=fast",
+        ],
+    );
+    assert!(
+        e.has(
+            "batch_size",
+            "expected a non-negative integer, found a string `\"four\"`"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "model.apply_lora_to_mlp",
+            "expected a boolean (True/False), found an integer `3`"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "optimizer.lr",
+            "expected a number, found a string `\"fast\"`"
+        ),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["model.lora_attn_modules=[q_proj,z_proj]"],
+    );
+    assert!(
+        e.has(
+            "model.lora_attn_modules.1",
+            "expected one of q_proj, k_proj, v_proj, output_proj, found `z_proj`"
+        ),
+        "{e}"
+    );
+    let e = errors("tiny/lora_single_device", "lora_finetune", &["device=gpu"]);
+    assert!(
+        e.has("device", "expected one of cpu, cuda, found `gpu`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn missing_required_keys() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["~optimizer.lr", "~model.lora_rank", "~tokenizer"],
+    );
+    assert!(
+        e.has("optimizer.lr", "missing required key `lr` (a number)"),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "model.lora_rank",
+            "missing required key `lora_rank` for LoRA builder"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has("tokenizer", "missing required key `tokenizer`"),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["~loss._component_"],
+    );
+    assert!(
+        e.has(
+            "loss._component_",
+            "missing required key `_component_` (which loss to use)"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_and_misplaced_components() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "optimizer._component_=torch.optim.AdamX",
+            "loss=torch.optim.AdamW",
+        ],
+    );
+    assert!(
+        e.has(
+            "optimizer._component_",
+            "unknown component `torch.optim.AdamX`; did you mean"
+        ),
+        "{e}"
+    );
+    assert!(e.has("optimizer._component_", "`torch.optim.AdamW`"), "{e}");
+    assert!(
+        e.has(
+            "loss._component_",
+            "`torch.optim.AdamW` is a optimizer, but this section needs a loss"
+        ),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["checkpointer=torchtune.training.FullModelMetaCheckpointer"],
+    );
+    assert!(
+        e.has(
+            "checkpointer._component_",
+            "not supported: only Hugging Face checkpoints are read; convert to HF safetensors"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn recipe_level_rules() {
+    let e = errors("tiny/full_single_device", "lora_finetune", &[]);
+    assert!(
+        e.has(
+            "model._component_",
+            "recipe `lora_finetune` trains LoRA adapters"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.problems.iter().any(|p| p.fix.as_deref()
+            == Some("use the LoRA builder `tune.models.llama3.lora_llama3_tiny`")),
+        "{e}"
+    );
+    let e = errors("tiny/lora_single_device", "lora_dpo", &[]);
+    assert!(
+        e.has("dataset._component_", "needs a preference dataset"),
+        "{e}"
+    );
+    assert!(e.has("loss._component_", "cannot be used as `loss`"), "{e}");
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "optimizer.amsgrad=True",
+            "dataset._component_=torchtune.datasets.chat_dataset",
+            "~dataset.source",
+        ],
+    );
+    assert!(
+        e.has("optimizer.amsgrad", "AMSGrad is not supported"),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "dataset.source",
+            "has no default source; `source` is required"
+        ),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/kd_lora_single_device",
+        "kd",
+        &[
+            "~teacher_checkpointer",
+            "kd_loss=torchtune.rlhf.loss.DPOLoss",
+        ],
+    );
+    assert!(
+        e.has(
+            "teacher_checkpointer",
+            "missing required key `teacher_checkpointer`"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has("kd_loss._component_", "cannot be used as `kd_loss`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn collects_every_problem_and_prints_one_per_line() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "model.lora_rnak=8",
+            "batch_size=-1",
+            "optimizer=torch.optim.AdamX",
+            "~epochs",
+        ],
+    );
+    assert_eq!(e.problems.len(), 4, "{e}");
+    let text = e.to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "tiny/lora_single_device: 4 problems");
+    assert_eq!(lines.len(), 5);
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.starts_with("  tiny/lora_single_device: ")),
+        "{text}"
+    );
+}
+
+#[test]
+fn problems_name_the_config_file() {
+    let dir = TempDir::new("file");
+    let path = dir.path("my.yaml");
+    let text = load_config("tiny/generation", &[])
+        .unwrap()
+        .to_yaml_string();
+    std::fs::write(&path, text.replace("max_new_tokens", "max_new_tokenz")).unwrap();
+    let cfg = load_config(&path, &[]).unwrap();
+    let e = validate_with("generate", &cfg, &NO_PATHS).unwrap_err();
+    assert_eq!(e.source_name, path);
+    assert!(e.to_string().contains(&format!("{path}: max_new_tokenz: unknown key `max_new_tokenz` for this recipe (did you mean `max_new_tokens`?)")), "{e}");
+}
+
+#[test]
+fn unknown_recipe() {
+    let cfg = load_config("tiny/lora_single_device", &[]).unwrap();
+    let e = validate("lora_fintune", &cfg).unwrap_err();
+    assert_eq!(e.problems[0].kind, ProblemKind::UnknownRecipe);
+    let text = e.to_string();
+    assert!(text.contains("unknown recipe `lora_fintune` (did you mean `lora_finetune`?); known recipes: full_finetune, lora_finetune, lora_dpo, full_dpo, qat, qat_lora, knowledge_distillation, generate"), "{text}");
+}
+
+#[test]
+fn recipe_aliases_accepted() {
+    let cfg = load_config("tiny/lora_single_device", &[]).unwrap();
+    for name in [
+        "lora_finetune",
+        "lora_finetune_single_device",
+        "lora_finetune_single_device.py",
+    ] {
+        assert!(validate_with(name, &cfg, &NO_PATHS).is_ok(), "{name}");
+    }
+}
+
+#[test]
+fn missing_files_name_key_and_path() {
+    let assets = common::tiny_assets();
+    let root = assets.0.display().to_string();
+    let cfg = load_config(
+        "tiny/lora_single_device",
+        &args(&[
+            "checkpointer.checkpoint_dir=/nonexistent/model",
+            "tokenizer.path=/nonexistent/model/tokenizer.json",
+            &format!("dataset.data_files={root}/assets/data/missing.json"),
+        ]),
+    )
+    .unwrap();
+    let e = validate("lora_finetune", &cfg).unwrap_err();
+    assert!(
+        e.has(
+            "checkpointer.checkpoint_dir",
+            "directory `/nonexistent/model` does not exist"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "tokenizer.path",
+            "no tokenizer.json found for /nonexistent/model/tokenizer.json"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "dataset.data_files",
+            &format!("file `{root}/assets/data/missing.json` does not exist")
+        ),
+        "{e}"
+    );
+    assert!(
+        e.problems
+            .iter()
+            .all(|p| p.kind == ProblemKind::MissingPath),
+        "{e}"
+    );
+
+    let cfg = load_config(
+        "tiny/lora_single_device",
+        &args(&[
+            &format!("checkpointer.checkpoint_dir={root}/assets/tiny-llama"),
+            "checkpointer.checkpoint_files=[model-00001-of-00002.safetensors]",
+            &format!("tokenizer.path={root}/assets/tiny-llama/tokenizer.json"),
+            &format!("dataset.data_files={root}/assets/data/alpaca_tiny.json"),
+        ]),
+    )
+    .unwrap();
+    let e = validate("lora_finetune", &cfg).unwrap_err();
+    assert_eq!(e.problems.len(), 1, "{e}");
+    assert!(
+        e.has(
+            "checkpointer.checkpoint_files.0",
+            &format!(
+                "file `{root}/assets/tiny-llama/model-00001-of-00002.safetensors` does not exist"
+            )
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn unsupported_options_warn() {
+    let w = warnings(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "compile=True",
+            "enable_activation_offloading=True",
+            "profiler={_component_: torchtune.training.setup_torch_profiler, enabled: True, cpu: True}",
+            "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
+            "metric_logger.project=p",
+            "optimizer=bitsandbytes.optim.PagedAdamW8bit",
+            "model.use_dora=True",
+        ],
+    );
+    let keys: Vec<&str> = w.iter().map(|w| w.key.as_str()).collect();
+    for k in [
+        "compile",
+        "enable_activation_offloading",
+        "profiler.enabled",
+        "metric_logger._component_",
+        "optimizer._component_",
+        "model.use_dora",
+    ] {
+        assert!(keys.contains(&k), "missing warning for {k}: {w:?}");
+    }
+    assert!(
+        w.iter().any(|w| w.to_string()
+            == "compile: torch.compile has no equivalent here; running uncompiled")
+    );
+    // Disabled or false options stay quiet.
+    assert!(
+        warnings(
+            "tiny/lora_single_device",
+            "lora_finetune",
+            &["compile=False"]
+        )
+        .is_empty()
+    );
+}
+
+#[test]
+fn kitchen_sink_every_key_deserialises() {
+    // Every key the spec accepts for a LoRA recipe, so spec and structs stay in step.
+    let cfg = load_config(
+        "tiny/lora_single_device",
+        &args(&[
+            "clip_grad_norm=1.0",
+            "log_level=INFO",
+            "save_every_n_steps=10",
+            "keep_last_n_checkpoints=2",
+            "optimizer_in_bwd=False",
+            "custom_sharded_layers=null",
+            "push_to_hub={repo_id: me/tiny, private: True}",
+            "run_val_every_n_steps=5",
+            "dataset_val={_component_: torchtune.datasets.alpaca_dataset, source: json, data_files: a.json, split: train}",
+            "model.apply_lora_to_output=True",
+            "model.quantize_base=False",
+            "tokenizer.merges_file=null",
+            "tokenizer.prompt_template=null",
+            "tokenizer.special_tokens_path=null",
+            "checkpointer.adapter_checkpoint=null",
+            "checkpointer.safe_serialization=True",
+            "dataset.name=null",
+            "dataset.column_map={input: prompt}",
+            "dataset.train_on_input=True",
+            "dataset.new_system_prompt=Be brief.",
+            "dataset.conversation_column=messages",
+            "dataset.conversation_style=openai",
+            "dataset.column=text",
+            "dataset.add_eos=False",
+            "dataset.filter_fn=null",
+            "optimizer.betas=[0.9,0.95]",
+            "optimizer.eps=1e-6",
+            "optimizer.momentum=0.0",
+            "optimizer.fused=True",
+            "optimizer.amsgrad=False",
+            "lr_scheduler.num_cycles=0.5",
+            "loss.beta=0.1",
+            "loss.label_smoothing=0.0",
+            "loss.num_output_chunks=8",
+            "metric_logger.filename=log.txt",
+            "metric_logger.project=p",
+            "metric_logger.organize_logs=True",
+            "enable_activation_offloading=False",
+            "compile=False",
+            "profiler={_component_: torchtune.training.setup_torch_profiler, enabled: False, wait_steps: 5}",
+        ]),
+    )
+    .unwrap();
+    let (typed, _) =
+        validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{e}"));
+    let t = typed.as_train().expect("train");
+    assert_eq!(t.optimizer.betas, (0.9, 0.95));
+    assert_eq!(t.optimizer.eps, 1e-6);
+    assert_eq!(t.push_to_hub.as_ref().map(|p| p.private), Some(true));
+    assert_eq!(t.dataset_val.as_ref().map(Vec::len), Some(1));
+    assert_eq!(t.profiler.as_ref().map(|p| p.enabled), Some(false));
+}

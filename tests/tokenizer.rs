@@ -1,0 +1,186 @@
+use std::path::{Path, PathBuf};
+use tune::tokenizer::{Message, Role, Tokenizer, TokenizerError};
+
+fn fixture(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(p)
+}
+
+fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture("tokenization.json")).expect("reference");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("int") as u32)
+        .collect()
+}
+
+/// A fresh temp folder with the tiny-llama tokenizer.json and the given extra files.
+fn temp_checkpoint(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tune-tok-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::copy(
+        fixture("tiny-llama/tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .expect("copy");
+    for (f, text) in files {
+        std::fs::write(dir.join(f), text).expect("write");
+    }
+    dir
+}
+
+#[test]
+fn golden_tokenization_for_both_tokenizers() {
+    let r = reference();
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let case = &r[name];
+        let tok = Tokenizer::from_path(fixture(name)).expect("load");
+        let text = case["text"].as_str().expect("text");
+        assert_eq!(
+            tok.encode(text, true).expect("encode"),
+            ids(&case["text_ids"]),
+            "{name} text ids"
+        );
+        assert_eq!(
+            tok.decode(&tok.encode(text, false).expect("enc"), false)
+                .expect("dec"),
+            text
+        );
+        let messages: Vec<Message> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
+        assert_eq!(messages[0].role, Role::System);
+        assert!(tok.has_chat_template());
+        let rendered = tok.apply_chat_template(&messages, false).expect("render");
+        assert_eq!(
+            rendered,
+            case["chat_template_rendered"].as_str().expect("str"),
+            "{name} render"
+        );
+        assert_eq!(
+            tok.encode(&rendered, false).expect("encode"),
+            ids(&case["chat_template_ids"]),
+            "{name} chat ids"
+        );
+    }
+}
+
+#[test]
+fn special_tokens() {
+    let llama = Tokenizer::from_path(fixture("tiny-llama")).expect("load");
+    assert_eq!(llama.bos_id(), Some(2000));
+    assert_eq!(llama.eos_id(), Some(2004));
+    assert_eq!(llama.pad_id(), Some(2005));
+    assert_eq!(llama.stop_ids(), &[2004]);
+    assert_eq!(llama.vocab_size(), 2006);
+    assert_eq!(llama.decode(&[2000, 72], true).expect("decode"), "H");
+    let qwen = Tokenizer::from_path(fixture("tiny-qwen2/tokenizer.json")).expect("load file path");
+    assert_eq!(qwen.bos_id(), None);
+    assert_eq!(qwen.eos_id(), Some(2002));
+    assert_eq!(qwen.pad_id(), Some(2000));
+    assert_eq!(qwen.stop_ids(), &[2002]);
+    let gen_prompt = qwen
+        .apply_chat_template(&[Message::user("hi")], true)
+        .expect("render");
+    assert_eq!(
+        gen_prompt,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn config_variants() {
+    // AddedToken objects, eos list in generation_config, no pad (falls back to eos),
+    // named template list, and chat_template.jinja taking precedence.
+    let dir = temp_checkpoint(
+        "variants",
+        &[
+            (
+                "tokenizer_config.json",
+                r#"{"bos_token": {"content": "<|begin_of_text|>", "special": true},
+                    "eos_token": {"content": "<|end_of_text|>"},
+                    "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}"}]}"#,
+            ),
+            (
+                "generation_config.json",
+                r#"{"eos_token_id": [2001, 2004]}"#,
+            ),
+        ],
+    );
+    let tok = Tokenizer::from_path(&dir).expect("load");
+    assert_eq!(tok.bos_id(), Some(2000));
+    assert_eq!(tok.eos_id(), Some(2001));
+    assert_eq!(tok.stop_ids(), &[2001, 2004]);
+    assert_eq!(tok.pad_id(), Some(2001), "pad falls back to eos");
+    let out = tok
+        .apply_chat_template(&[Message::user("x")], false)
+        .expect("render");
+    assert_eq!(out, "<|begin_of_text|>user:x");
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "J{{ messages | length }}\n",
+    )
+    .expect("write");
+    let tok = Tokenizer::from_path(&dir).expect("load");
+    assert_eq!(
+        tok.apply_chat_template(&[Message::user("x")], false)
+            .expect("render"),
+        "J1"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn config_errors_are_specific() {
+    let dir = temp_checkpoint(
+        "errors",
+        &[("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#)],
+    );
+    let err = Tokenizer::from_path(&dir).expect_err("unknown token");
+    assert!(
+        matches!(err, TokenizerError::UnknownSpecialToken { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("tokenizer_config.json") && err.to_string().contains("<nope>")
+    );
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"chat_template": [{"name": "rag", "template": "x"}]}"#,
+    )
+    .expect("write");
+    let err = Tokenizer::from_path(&dir).expect_err("no default");
+    assert!(err.to_string().contains("rag"), "{err}");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"chat_template": "{% for %}"}"#,
+    )
+    .expect("write");
+    assert!(matches!(
+        Tokenizer::from_path(&dir),
+        Err(TokenizerError::TemplateSyntax { .. })
+    ));
+    std::fs::write(dir.join("tokenizer_config.json"), "{}").expect("write");
+    let tok = Tokenizer::from_path(&dir).expect("load");
+    assert!(!tok.has_chat_template());
+    assert!(matches!(
+        tok.apply_chat_template(&[Message::user("x")], false),
+        Err(TokenizerError::NoChatTemplate)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = Tokenizer::from_path(fixture("tiny-llama/..")).expect_err("no tokenizer.json");
+    assert!(matches!(err, TokenizerError::NotFound { .. }), "{err}");
+}
+
+#[test]
+fn tokenizer_and_dataset_are_send_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<tune::data::Dataset>();
+}
