@@ -113,3 +113,46 @@ fn fuse_projections(params: Vec<(String, HostTensor)>) -> Vec<(String, HostTenso
     }
     out
 }
+
+/// Which parameters a recipe trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trainable {
+    /// Full fine-tuning: everything.
+    All,
+    /// LoRA: only adapter weights; the base stays frozen and never gets gradients or
+    /// optimizer state.
+    AdaptersOnly,
+    /// Frozen teachers and references.
+    Nothing,
+}
+
+struct SetTrainable {
+    which: Trainable,
+    path: Vec<String>,
+}
+
+impl<B: Backend> burn::module::ModuleMapper<B> for SetTrainable {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let is_adapter = self.path.iter().any(|p| p == "lora");
+        let train = match self.which {
+            Trainable::All => true,
+            Trainable::AdaptersOnly => is_adapter,
+            Trainable::Nothing => false,
+        };
+        param.set_require_grad(train)
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    pub fn set_trainable(self, which: Trainable) -> Self {
+        self.map(&mut SetTrainable { which, path: Vec::new() })
+    }
+}

@@ -2,3 +2,6 @@
 
 pub mod grads;
 pub mod loss;
+pub mod optimizer;
+pub mod schedule;
+pub mod step;

@@ -1,0 +1,130 @@
+//! Optimizers with PyTorch's exact update rules (`torch.optim.AdamW`, `Adam`, `SGD`), keeping
+//! their state by parameter name so checkpoints are readable and resumable.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::checkpoint::HostTensor;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerKind {
+    /// Decoupled weight decay (`torch.optim.AdamW`).
+    AdamW,
+    /// L2 penalty added to the gradient (`torch.optim.Adam`).
+    Adam,
+    Sgd { momentum: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerSettings {
+    pub kind: OptimizerKind,
+    pub weight_decay: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+}
+
+/// Per-parameter state, flattened to 1-D so one code path serves every rank.
+#[derive(Debug)]
+struct ParamState<B: Backend> {
+    exp_avg: Tensor<B, 1>,
+    exp_avg_sq: Option<Tensor<B, 1>>,
+}
+
+#[derive(Debug)]
+pub struct Optimizer<B: Backend> {
+    pub settings: OptimizerSettings,
+    /// Completed optimizer steps (PyTorch's per-parameter `step`, equal for all parameters).
+    pub step: u64,
+    state: BTreeMap<String, ParamState<B>>,
+}
+
+impl<B: Backend> Optimizer<B> {
+    pub fn new(settings: OptimizerSettings) -> Self {
+        Self { settings, step: 0, state: BTreeMap::new() }
+    }
+
+    /// Call once per optimizer step, before the per-parameter updates.
+    pub fn begin_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// Updates one parameter (`[n]`, flattened) with its gradient and returns the new value.
+    pub fn update(&mut self, name: &str, param: Tensor<B, 1>, grad: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
+        let s = &self.settings;
+        let t = self.step.max(1) as i32;
+        match s.kind {
+            OptimizerKind::AdamW | OptimizerKind::Adam => {
+                let (beta1, beta2) = s.betas;
+                let (param, grad) = if s.kind == OptimizerKind::AdamW {
+                    (param * (1.0 - lr * s.weight_decay), grad)
+                } else if s.weight_decay != 0.0 {
+                    (param.clone(), grad + param * s.weight_decay)
+                } else {
+                    (param, grad)
+                };
+                let state = self.state.entry(name.to_string()).or_insert_with(|| ParamState {
+                    exp_avg: grad.zeros_like(),
+                    exp_avg_sq: Some(grad.zeros_like()),
+                });
+                let m = state.exp_avg.clone() * beta1 + grad.clone() * (1.0 - beta1);
+                let v = state.exp_avg_sq.clone().unwrap_or_else(|| grad.zeros_like()) * beta2
+                    + grad.clone() * grad * (1.0 - beta2);
+                let bias1 = 1.0 - beta1.powi(t);
+                let bias2_sqrt = (1.0 - beta2.powi(t)).sqrt();
+                let denom = v.clone().sqrt() / bias2_sqrt + s.eps;
+                let new = param - m.clone() / denom * (lr / bias1);
+                state.exp_avg = m;
+                state.exp_avg_sq = Some(v);
+                new
+            }
+            OptimizerKind::Sgd { momentum } => {
+                let grad = if s.weight_decay != 0.0 { grad + param.clone() * s.weight_decay } else { grad };
+                let step = if momentum != 0.0 {
+                    let buf = match self.state.get(name) {
+                        Some(state) => state.exp_avg.clone() * momentum + grad,
+                        None => grad,
+                    };
+                    self.state.insert(name.to_string(), ParamState { exp_avg: buf.clone(), exp_avg_sq: None });
+                    buf
+                } else {
+                    grad
+                };
+                param - step * lr
+            }
+        }
+    }
+
+    /// The state as named host tensors (`exp_avg.<name>`, `exp_avg_sq.<name>`), for checkpoints.
+    pub fn state_dict(&self) -> Vec<(String, HostTensor)> {
+        let mut out = Vec::new();
+        for (name, s) in &self.state {
+            out.push((format!("exp_avg.{name}"), HostTensor::from_tensor(&s.exp_avg)));
+            if let Some(v) = &s.exp_avg_sq {
+                out.push((format!("exp_avg_sq.{name}"), HostTensor::from_tensor(v)));
+            }
+        }
+        out
+    }
+
+    /// Restores state saved by [`Self::state_dict`].
+    pub fn load_state_dict(&mut self, step: u64, tensors: Vec<(String, HostTensor)>, device: &B::Device) {
+        self.step = step;
+        self.state.clear();
+        let mut sq = BTreeMap::new();
+        for (key, t) in tensors {
+            if let Some(name) = key.strip_prefix("exp_avg_sq.") {
+                sq.insert(name.to_string(), t);
+            } else if let Some(name) = key.strip_prefix("exp_avg.") {
+                let flat = HostTensor::new(vec![t.numel()], t.data);
+                self.state.insert(name.to_string(), ParamState { exp_avg: flat.to_tensor(device), exp_avg_sq: None });
+            }
+        }
+        for (name, t) in sq {
+            if let Some(s) = self.state.get_mut(&name) {
+                s.exp_avg_sq = Some(HostTensor::new(vec![t.numel()], t.data).to_tensor(device));
+            }
+        }
+    }
+}

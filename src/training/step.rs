@@ -1,0 +1,102 @@
+//! One optimizer step over a model's trainable parameters: gradient accumulation across
+//! micro-batches, the global gradient norm and clipping, and the update itself.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::backend::AutodiffBackend;
+
+use super::optimizer::Optimizer;
+use crate::models::CausalLm;
+
+/// Sums gradients over the micro-batches of one optimizer step.
+pub struct GradAccumulator<B: AutodiffBackend> {
+    inner: GradientsAccumulator<CausalLm<B>>,
+    pub micro_batches: usize,
+}
+
+impl<B: AutodiffBackend> Default for GradAccumulator<B> {
+    fn default() -> Self {
+        Self { inner: GradientsAccumulator::new(), micro_batches: 0 }
+    }
+}
+
+impl<B: AutodiffBackend> GradAccumulator<B> {
+    pub fn add(&mut self, model: &CausalLm<B>, grads: B::Gradients) {
+        let grads = GradientsParams::from_grads(grads, model);
+        self.inner.accumulate(model, grads);
+        self.micro_batches += 1;
+    }
+
+    pub fn take(&mut self) -> GradientsParams {
+        self.micro_batches = 0;
+        self.inner.grads()
+    }
+}
+
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    total: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.total += g.powi_scalar(2).sum().into_scalar().elem::<f64>();
+        }
+    }
+}
+
+/// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it,
+/// after scaling every gradient by `scale`.
+pub fn grad_norm<B: AutodiffBackend>(model: &CausalLm<B>, grads: &GradientsParams, scale: f64) -> f64 {
+    let mut v = SquaredNorm { grads, total: 0.0 };
+    model.visit(&mut v);
+    v.total.sqrt() * scale.abs()
+}
+
+struct ApplyUpdate<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    optimizer: &'a mut Optimizer<B::InnerBackend>,
+    lr: f64,
+    scale: f64,
+    path: Vec<String>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let name = self.path.join(".");
+        let inner = tensor.inner().reshape([n]);
+        let updated = self.optimizer.update(&name, inner, grad.reshape([n]) * self.scale, self.lr);
+        let value = Tensor::from_inner(updated.reshape(shape)).require_grad();
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Applies one optimizer step to every parameter that has a gradient; each gradient is
+/// multiplied by `scale` first (token normalisation and clipping folded together).
+pub fn apply<B: AutodiffBackend>(
+    model: CausalLm<B>,
+    mut grads: GradientsParams,
+    optimizer: &mut Optimizer<B::InnerBackend>,
+    lr: f64,
+    scale: f64,
+) -> CausalLm<B> {
+    optimizer.begin_step();
+    let mut mapper = ApplyUpdate::<B> { grads: &mut grads, optimizer, lr, scale, path: Vec::new() };
+    model.map(&mut mapper)
+}
