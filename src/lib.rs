@@ -8,3 +8,6 @@ pub mod config;
 pub mod data;
 pub mod tokenizer;
 pub mod training;
+pub mod setup;
+pub mod checkpoint_client;
+pub mod cli;

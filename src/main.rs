@@ -1,1 +1,80 @@
-fn main() {}
+//! The `tune` binary: parses the command line, runs commands, renders errors as one line
+//! plus causes (exit 2 for bad input, 1 for a failed run), never a panic trace.
+
+#[path = "../recipes/mod.rs"]
+mod recipes;
+
+use std::process::ExitCode;
+
+use anyhow::anyhow;
+use clap::Parser;
+
+use tune::cli::{Cli, CliError, Command, commands};
+use tune::config::RecipeConfig;
+use tune::config::schema::Device;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match dispatch(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", e.render());
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+fn dispatch(command: Command) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    match command {
+        Command::Ls => commands::ls(&mut out).map_err(CliError::failed),
+        Command::Cat { config } => commands::cat(&config, &mut out),
+        Command::Cp { config, destination, no_clobber, make_parents } => {
+            let target = commands::cp(&config, &destination, no_clobber, make_parents)?;
+            eprintln!("Copied {config} to {}", target.display());
+            Ok(())
+        }
+        Command::Validate { config, overrides, recipe } => {
+            commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out)
+        }
+        Command::Checkpoints { output_dir, no_verify } => commands::checkpoints(&output_dir, !no_verify, &mut out),
+        Command::Run { recipe, config, overrides } => run(&recipe, &config, &overrides),
+    }
+}
+
+fn run(recipe: &str, config: &str, overrides: &[String]) -> Result<(), CliError> {
+    let (typed, resolved) = commands::resolve(recipe, config, overrides)?;
+    let device = match &typed {
+        RecipeConfig::Train(_, t) => t.device,
+        RecipeConfig::Generate(g) => g.device,
+    };
+    let base_dir = std::env::current_dir().map_err(CliError::failed)?;
+    let yaml = resolved.to_yaml_string();
+    match device.unwrap_or(default_device()) {
+        Device::Cpu => {
+            type B = burn::backend::Autodiff<burn::backend::Flex>;
+            let ctx = recipes::RunContext::<B> { recipe: typed.recipe(), device: Default::default(), resolved_yaml: yaml, base_dir };
+            recipes::run(&typed, &ctx).map_err(CliError::failed)
+        }
+        Device::Cuda => run_cuda(&typed, yaml, base_dir),
+    }
+}
+
+/// `device` left out: CUDA when this build has it, else the CPU (torchtune's `get_device`).
+fn default_device() -> Device {
+    if cfg!(feature = "cuda") { Device::Cuda } else { Device::Cpu }
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(typed: &RecipeConfig, yaml: String, base_dir: std::path::PathBuf) -> Result<(), CliError> {
+    type B = burn::backend::Autodiff<burn::backend::Cuda>;
+    let ctx = recipes::RunContext::<B> { recipe: typed.recipe(), device: Default::default(), resolved_yaml: yaml, base_dir };
+    recipes::run(typed, &ctx).map_err(CliError::failed)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &RecipeConfig, _: String, _: std::path::PathBuf) -> Result<(), CliError> {
+    Err(CliError::bad(anyhow!(
+        "device: cuda, but this tune was built without CUDA support; rebuild with `cargo install --path . --features cuda` (or set device=cpu)"
+    )))
+}

@@ -52,7 +52,7 @@ pub fn load_model<B: Backend>(dir: &Path, files: Option<&[String]>, device: &B::
     Ok(LoadedModel { model, storage_dtype })
 }
 
-/// Saves the base model (adapters excluded: merge them first to export a merged model).
+/// Saves the base model (adapters excluded: see `merged_hf_state_dict` to export a merged one).
 pub fn save_model<B: Backend>(
     model: &CausalLm<B>,
     dir: &Path,
@@ -60,9 +60,23 @@ pub fn save_model<B: Backend>(
     dtype: StorageDtype,
     max_shard_bytes: usize,
 ) -> Result<Vec<String>, CheckpointError> {
+    save_hf_dir(dir, &model.hf_state_dict(), &model.args.raw, dtype, max_shard_bytes, source_dir)
+}
+
+/// Writes a complete Hugging Face model directory from host tensors: weights (sharded as
+/// transformers shards them), `config.json` with the storage dtype, and the tokenizer and
+/// generation files copied from `source_dir`. Needs no model, so it runs in the background.
+pub fn save_hf_dir(
+    dir: &Path,
+    state: &[(String, crate::checkpoint::HostTensor)],
+    config_json: &serde_json::Value,
+    dtype: StorageDtype,
+    max_shard_bytes: usize,
+    source_dir: Option<&Path>,
+) -> Result<Vec<String>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
-    let mut files = save_sharded(dir, &model.hf_state_dict(), dtype, max_shard_bytes)?;
-    let mut config = model.args.raw.clone();
+    let mut files = save_sharded(dir, state, dtype, max_shard_bytes)?;
+    let mut config = config_json.clone();
     if let Some(obj) = config.as_object_mut() {
         // Keep whichever dtype key the source used (transformers 5 writes `dtype`).
         let key = if obj.contains_key("dtype") { "dtype" } else { "torch_dtype" };

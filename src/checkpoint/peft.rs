@@ -222,8 +222,13 @@ pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, H
 
 /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
 pub fn save_adapter<B: Backend>(model: &mut CausalLm<B>, config: &AdapterConfig, dir: &Path) -> Result<Vec<String>, CheckpointError> {
+    write_adapter(dir, &adapter_state_dict(model), config)
+}
+
+/// As [`save_adapter`] from tensors already on the host (for background saves).
+pub fn write_adapter(dir: &Path, tensors: &[(String, HostTensor)], config: &AdapterConfig) -> Result<Vec<String>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
-    write_file(&dir.join(ADAPTER_WEIGHTS), &adapter_state_dict(model), StorageDtype::F32)?;
+    write_file(&dir.join(ADAPTER_WEIGHTS), tensors, StorageDtype::F32)?;
     config.write(dir)?;
     Ok(vec![ADAPTER_WEIGHTS.into(), ADAPTER_CONFIG.into()])
 }

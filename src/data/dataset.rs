@@ -105,6 +105,28 @@ impl Dataset {
         Ok(Dataset { samples, pad_id })
     }
 
+    /// Joins datasets listed together in a config (torchtune's `ConcatDataset`); they must all
+    /// be of one kind (all SFT, all packed, or all preference).
+    pub fn concat(parts: Vec<Dataset>) -> Result<Self> {
+        let mut iter = parts.into_iter();
+        let Some(mut first) = iter.next() else {
+            return Err(DataError::Spec { message: "`dataset` is an empty list: give at least one dataset".into() });
+        };
+        for next in iter {
+            match (&mut first.samples, next.samples) {
+                (Samples::Sft(a), Samples::Sft(b)) => a.extend(b),
+                (Samples::Packed(a), Samples::Packed(b)) => a.extend(b),
+                (Samples::Preference(a), Samples::Preference(b)) => a.extend(b),
+                _ => {
+                    return Err(DataError::Spec {
+                        message: "a `dataset` list mixes kinds (packed/unpacked or SFT/preference): make every entry the same kind".into(),
+                    });
+                }
+            }
+        }
+        Ok(first)
+    }
+
     pub fn samples(&self) -> &Samples {
         &self.samples
     }

@@ -43,10 +43,32 @@ impl<B: Backend> CausalLm<B> {
     pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
         let params: Vec<(String, HostTensor)> =
             self.named_params().into_iter().filter(|p| !p.is_adapter()).map(|p| (p.name, p.value)).collect();
-        if !self.args.fused_projections {
-            return params;
-        }
-        fuse_projections(params)
+        self.to_hf_layout(params)
+    }
+
+    /// As [`Self::hf_state_dict`], with every LoRA adapter folded into its base weight
+    /// (the model itself is left unchanged): the merged model a LoRA run exports.
+    pub fn merged_hf_state_dict(&mut self) -> Vec<(String, HostTensor)> {
+        let mut merged: std::collections::HashMap<String, HostTensor> = self
+            .linears_mut()
+            .into_iter()
+            .filter(|(_, l)| l.lora.is_some())
+            .map(|(p, l)| (format!("{p}.weight"), HostTensor::from_tensor(&l.merged_weight())))
+            .collect();
+        let params: Vec<(String, HostTensor)> = self
+            .named_params()
+            .into_iter()
+            .filter(|p| !p.is_adapter())
+            .map(|p| {
+                let value = merged.remove(&p.name).unwrap_or(p.value);
+                (p.name, value)
+            })
+            .collect();
+        self.to_hf_layout(params)
+    }
+
+    fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
+        if self.args.fused_projections { fuse_projections(params) } else { params }
     }
 }
 

@@ -2,6 +2,14 @@
 
 pub mod grads;
 pub mod loss;
+pub mod metrics;
 pub mod optimizer;
+pub mod progress;
 pub mod schedule;
+pub mod sft;
+pub mod checkpointing;
 pub mod step;
+pub mod tensorboard;
+pub mod trainer;
+
+pub use trainer::{LossStep, SaveHook, SaveKind, StepInfo, StepOutput, TrainError, TrainState, Trainer, TrainerSettings};

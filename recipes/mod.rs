@@ -1,0 +1,55 @@
+//! The recipes: one file each, reading top to bottom like torchtune's recipe scripts (set up
+//! the pieces from the config, train through the shared trainer core, save). They compose the
+//! library; the library never knows about them.
+
+pub mod full_finetune_single_device;
+pub mod lora_finetune_single_device;
+
+use std::path::PathBuf;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use tune::config::recipes::Recipe;
+use tune::config::schema::RecipeConfig;
+
+/// What every recipe gets besides its typed config.
+pub struct RunContext<B: AutodiffBackend> {
+    pub recipe: Recipe,
+    pub device: B::Device,
+    /// The resolved config as YAML, saved beside the outputs.
+    pub resolved_yaml: String,
+    /// Where relative dataset paths resolve from.
+    pub base_dir: PathBuf,
+}
+
+pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+    match config {
+        RecipeConfig::Train(recipe, cfg) => {
+            // The resolved config beside the outputs, as torchtune saves it.
+            std::fs::create_dir_all(&cfg.output_dir)?;
+            std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
+            match recipe {
+            Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
+            Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
+            other => anyhow::bail!(
+                "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
+                other.torchtune_name()
+            ),
+            }
+        }
+        RecipeConfig::Generate(_) => anyhow::bail!("the generate recipe is not implemented yet in this version of tune"),
+    }
+}
+
+/// The closing lines of a training run.
+pub fn report(summary: &tune::training::trainer::TrainSummary, last: Option<&tune::checkpoint_client::PublishedCheckpoint>) {
+    let first = summary.losses.first().copied().unwrap_or(f64::NAN);
+    let last_loss = summary.losses.last().copied().unwrap_or(f64::NAN);
+    eprintln!(
+        "Trained {} steps ({} tokens): loss {first:.4} -> {last_loss:.4}",
+        summary.state.global_step, summary.state.tokens_seen
+    );
+    if let Some(p) = last {
+        eprintln!("Saved {}", p.dir.display());
+    }
+}

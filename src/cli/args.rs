@@ -1,0 +1,74 @@
+//! Command-line arguments (clap), mirroring torchtune's `tune` commands.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tune",
+    version,
+    about = "Fine-tune open LLMs (Llama, Qwen, Mistral, Gemma, Phi, SmolLM): full, LoRA, DPO, QAT, distillation",
+    long_about = None,
+    after_help = "Examples:\n  tune ls\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune cp llama3_2/1B_lora_single_device my_config.yaml\n  tune run lora_finetune_single_device --config my_config.yaml batch_size=8 model.lora_rank=16"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List recipes and their built-in configs.
+    #[command(after_help = "Example:\n  tune ls")]
+    Ls,
+    /// Copy a built-in config to a local file to edit it.
+    #[command(after_help = "Examples:\n  tune cp llama3_2/1B_lora_single_device my_config.yaml\n  tune cp tiny/lora_single_device configs/ --make-parents")]
+    Cp {
+        /// Built-in config name, as listed by `tune ls`.
+        config: String,
+        /// Destination file, or a directory to copy into.
+        destination: PathBuf,
+        /// Do not overwrite an existing destination.
+        #[arg(short = 'n', long)]
+        no_clobber: bool,
+        /// Create missing parent directories of the destination.
+        #[arg(long)]
+        make_parents: bool,
+    },
+    /// Print a built-in config.
+    #[command(after_help = "Example:\n  tune cat llama3_2/1B_lora_single_device")]
+    Cat {
+        config: String,
+    },
+    /// Check a config completely: every key known, types right, referenced files present.
+    #[command(after_help = "Examples:\n  tune validate tiny/lora_single_device\n  tune validate my_config.yaml --recipe lora_finetune_single_device model.lora_rank=16")]
+    Validate {
+        /// Built-in config name or YAML file.
+        config: String,
+        /// key=value overrides, as for `tune run`.
+        overrides: Vec<String>,
+        /// The recipe to validate for (default: from the config's header or built-in entry).
+        #[arg(long)]
+        recipe: Option<String>,
+    },
+    /// Run a recipe with a config and optional key=value overrides.
+    #[command(after_help = "Examples:\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune run full_finetune_single_device --config my.yaml epochs=2 optimizer.lr=2e-5 ~lr_scheduler\n  tune run generate --config tiny/generation prompt.user=\"Tell me a joke\" max_new_tokens=32")]
+    Run {
+        /// Recipe name (`tune ls` lists them; torchtune's names work).
+        recipe: String,
+        /// Built-in config name or YAML file.
+        #[arg(long)]
+        config: String,
+        /// key=value overrides (`a.b=1`, `list=[x,y]`, `~key` deletes, `model=<component>`).
+        overrides: Vec<String>,
+    },
+    /// List the checkpoints in an output directory and verify their checksums.
+    #[command(after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device")]
+    Checkpoints {
+        output_dir: PathBuf,
+        /// Skip checksum verification (only check that files are present).
+        #[arg(long)]
+        no_verify: bool,
+    },
+}

@@ -1,0 +1,125 @@
+//! `tune ls`, `cp`, `cat`, `validate`, `checkpoints`, and config resolution for `run`.
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, anyhow};
+
+use super::exit::CliError;
+use crate::checkpoint_client::{format_report, list_checkpoints, list_checkpoints_verified};
+use crate::config::recipes::{self, RECIPES, Recipe};
+use crate::config::{RecipeConfig, ResolvedConfig, Warning, builtin, load_config, validate};
+
+pub fn ls(out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "{:<40} {}", "RECIPE", "CONFIG")?;
+    for info in RECIPES {
+        let configs: Vec<&str> =
+            builtin::list().into_iter().filter(|c| c.recipe == info.recipe).map(|c| c.name).collect();
+        let name = info.recipe.torchtune_name();
+        if configs.is_empty() {
+            writeln!(out, "{name:<40}")?;
+        }
+        for (i, c) in configs.iter().enumerate() {
+            writeln!(out, "{:<40} {c}", if i == 0 { name } else { "" })?;
+        }
+    }
+    Ok(())
+}
+
+fn builtin_or_err(name: &str) -> Result<builtin::BuiltinConfig, CliError> {
+    let bare = name.trim_end_matches(".yaml");
+    builtin::get(bare).ok_or_else(|| {
+        let names: Vec<&str> = builtin::list().into_iter().map(|c| c.name).collect();
+        let suggestion = crate::config::suggest::did_you_mean(&crate::config::suggest::similar(bare, names.iter().copied()));
+        let hint = if suggestion.is_empty() { String::new() } else { format!(" ({suggestion})") };
+        CliError::bad(anyhow!("no built-in config named `{name}`{hint}; `tune ls` lists them"))
+    })
+}
+
+pub fn cat(name: &str, out: &mut dyn Write) -> Result<(), CliError> {
+    let cfg = builtin_or_err(name)?;
+    out.write_all(cfg.yaml.as_bytes()).map_err(CliError::failed)
+}
+
+pub fn cp(name: &str, dest: &Path, no_clobber: bool, make_parents: bool) -> Result<std::path::PathBuf, CliError> {
+    if recipes::find(name).is_ok() {
+        return Err(CliError::bad(anyhow!(
+            "`{name}` is a recipe; recipes are built into tune. Copy one of its configs instead (`tune ls`)"
+        )));
+    }
+    let cfg = builtin_or_err(name)?;
+    let file_name = format!("{}.yaml", cfg.name.rsplit('/').next().unwrap_or(cfg.name));
+    let target = if dest.is_dir() || dest.to_string_lossy().ends_with('/') { dest.join(file_name) } else { dest.to_path_buf() };
+    if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.exists()
+    {
+        if !make_parents {
+            return Err(CliError::bad(anyhow!(
+                "the directory {} does not exist; create it or pass --make-parents",
+                parent.display()
+            )));
+        }
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display())).map_err(CliError::failed)?;
+    }
+    if target.exists() && no_clobber {
+        eprintln!("not copying: {} exists and --no-clobber was given", target.display());
+        return Ok(target);
+    }
+    std::fs::write(&target, cfg.yaml).with_context(|| format!("writing {}", target.display())).map_err(CliError::failed)?;
+    Ok(target)
+}
+
+/// The recipe a config is for: its built-in entry, else the header comment torchtune's
+/// configs start with ("... in lora_finetune_single_device.py", "tune run <recipe> ...").
+pub fn infer_recipe(config: &str) -> Option<Recipe> {
+    if let Some(b) = builtin::get(config.trim_end_matches(".yaml")) {
+        return Some(b.recipe);
+    }
+    let text = std::fs::read_to_string(config).ok()?;
+    for line in text.lines().take_while(|l| l.starts_with('#') || l.trim().is_empty()) {
+        for word in line.split_whitespace() {
+            let word = word.trim_end_matches(['.', ',', ':']);
+            if let Ok(r) = recipes::find(word) {
+                return Some(r);
+            }
+        }
+    }
+    None
+}
+
+/// Loads and validates a config for `recipe`, printing warnings to stderr.
+pub fn resolve(recipe: &str, config: &str, overrides: &[String]) -> Result<(RecipeConfig, ResolvedConfig), CliError> {
+    let recipe = recipes::find(recipe).map_err(CliError::bad)?;
+    let resolved = load_config(config, overrides).map_err(CliError::bad)?;
+    let (typed, warnings) = validate(recipe.name(), &resolved).map_err(CliError::bad)?;
+    print_warnings(&warnings);
+    Ok((typed, resolved))
+}
+
+pub fn print_warnings(warnings: &[Warning]) {
+    for w in warnings {
+        eprintln!("warning: {}: {}", w.key, w.message);
+    }
+}
+
+pub fn validate_cmd(config: &str, overrides: &[String], recipe: Option<&str>, out: &mut dyn Write) -> Result<(), CliError> {
+    let recipe = match recipe {
+        Some(r) => recipes::find(r).map_err(CliError::bad)?,
+        None => infer_recipe(config).ok_or_else(|| {
+            CliError::bad(anyhow!(
+                "cannot tell which recipe {config} is for: pass --recipe <name> (`tune ls` lists recipes)"
+            ))
+        })?,
+    };
+    resolve(recipe.name(), config, overrides)?;
+    writeln!(out, "Config is well-formed for {}!", recipe.torchtune_name()).map_err(CliError::failed)
+}
+
+pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Result<(), CliError> {
+    if !output_dir.is_dir() {
+        return Err(CliError::bad(anyhow!("{} is not a directory", output_dir.display())));
+    }
+    let entries = if verify { list_checkpoints_verified(output_dir, true) } else { list_checkpoints(output_dir) }
+        .map_err(CliError::failed)?;
+    write!(out, "{}", format_report(&entries)).map_err(CliError::failed)
+}

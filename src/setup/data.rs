@@ -1,0 +1,68 @@
+//! Tokenizer, datasets and loader from the `tokenizer`, `dataset` and batching keys.
+
+use std::path::Path;
+
+use super::SetupError;
+use crate::config::components::Component;
+use crate::config::paths::resolve_tokenizer_json;
+use crate::config::schema::{ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig};
+use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig, OneOrMany};
+use crate::tokenizer::Tokenizer;
+
+pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
+    let path = resolve_tokenizer_json(&cfg.path)
+        .map_err(|e| SetupError::Invalid { key: "tokenizer.path".into(), message: e.to_string() })?;
+    Ok(Tokenizer::from_path(path)?)
+}
+
+/// The data module's view of one `dataset` entry.
+pub fn spec(cfg: &DatasetConfig) -> Result<(DatasetSpec, DatasetKind), SetupError> {
+    let Component::Dataset(builder) = &cfg.component else {
+        return Err(SetupError::Invalid { key: "dataset._component_".into(), message: "not a dataset builder".into() });
+    };
+    let kind = DatasetKind::from_component(builder.name).ok_or_else(|| SetupError::Invalid {
+        key: "dataset._component_".into(),
+        message: format!("{} is not supported by the data pipeline yet", builder.name),
+    })?;
+    let spec = DatasetSpec {
+        component: Some(builder.name.to_string()),
+        source: cfg.source.clone().or_else(|| builder.default_source.map(String::from)),
+        data_files: cfg.data_files.as_ref().map(|f| match f {
+            DataFiles::One(s) => OneOrMany::One(s.clone()),
+            DataFiles::Many(v) => OneOrMany::Many(v.clone()),
+        }),
+        split: Some(cfg.split.clone()),
+        column_map: cfg.column_map.clone(),
+        train_on_input: cfg.train_on_input,
+        packed: Some(cfg.packed),
+        new_system_prompt: cfg.new_system_prompt.clone(),
+        conversation_column: cfg.conversation_column.clone(),
+        conversation_style: cfg.conversation_style.map(|s| match s {
+            ConversationStyle::Sharegpt => data::ConversationStyle::Sharegpt,
+            ConversationStyle::Openai => data::ConversationStyle::Openai,
+        }),
+        column: cfg.column.clone(),
+        add_eos: Some(cfg.add_eos),
+        ..Default::default()
+    };
+    Ok((spec, kind))
+}
+
+/// Builds every dataset entry (torchtune concatenates a list of them) and joins them.
+pub fn dataset(
+    entries: &[DatasetConfig],
+    tokenizer: &Tokenizer,
+    max_seq_len: Option<usize>,
+    base_dir: &Path,
+) -> Result<Dataset, SetupError> {
+    let mut parts = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let (spec, kind) = spec(entry)?;
+        parts.push(Dataset::build(&spec, kind, tokenizer, max_seq_len, base_dir)?);
+    }
+    Ok(Dataset::concat(parts)?)
+}
+
+pub fn loader(dataset: &Dataset, batch_size: usize, shuffle: bool, seed: u64) -> Result<DataLoader, SetupError> {
+    Ok(DataLoader::new(dataset.len(), LoaderConfig { batch_size, shuffle, seed, drop_last: true })?)
+}

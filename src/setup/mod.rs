@@ -1,0 +1,27 @@
+//! Turns validated config sections into library objects: models, tokenizers, datasets,
+//! optimizers, schedules and metric loggers. Recipes call these; nothing here knows recipes.
+
+pub mod data;
+pub mod logging;
+pub mod model;
+pub mod optim;
+pub mod run;
+
+use std::path::PathBuf;
+
+/// A setup failure, naming the config key involved and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("{key}: {source}")]
+    Model { key: &'static str, source: crate::models::ModelError },
+    #[error("{key}: {source}")]
+    Checkpoint { key: &'static str, source: crate::checkpoint::CheckpointError },
+    #[error("tokenizer.path: {0}")]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("dataset: {0}")]
+    Data(#[from] crate::data::DataError),
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}

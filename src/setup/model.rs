@@ -1,0 +1,135 @@
+//! Models from the `model` and `checkpointer` sections.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+
+use super::SetupError;
+use crate::checkpoint::hf::{LoadedModel, load_model};
+use crate::checkpoint::peft;
+use crate::config::components::{Component, ModelVariant};
+use crate::config::schema::{CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt};
+use crate::models::CausalLm;
+use crate::modules::LoraSettings;
+
+/// The safetensors files `checkpoint_files` names, expanding torchtune's
+/// `{filename_format, max_filename}` form.
+pub fn checkpoint_files(cfg: &CheckpointerConfig) -> Option<Vec<String>> {
+    match cfg.checkpoint_files.as_ref()? {
+        CheckpointFiles::List(files) => Some(files.clone()),
+        CheckpointFiles::Format { filename_format, max_filename } => {
+            let max = match max_filename {
+                StrOrInt::Str(s) => s.clone(),
+                StrOrInt::Int(i) => format!("{i:05}"),
+            };
+            let n: usize = max.parse().unwrap_or(0);
+            Some(
+                (1..=n)
+                    .map(|i| {
+                        let idx = format!("{i:0width$}", width = max.len());
+                        filename_format.replacen("{}", &idx, 1).replacen("{}", &max, 1)
+                    })
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// Loads the model the checkpointer points at. `key` names the section for error messages
+/// (`checkpointer`, `teacher_checkpointer`, `ref_checkpointer`).
+pub fn load<B: Backend>(
+    cfg: &CheckpointerConfig,
+    key: &'static str,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, SetupError> {
+    let files = checkpoint_files(cfg);
+    load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device).map_err(|source| SetupError::Model { key, source })
+}
+
+/// LoRA settings and target modules (Hugging Face leaf names) from the `model` section.
+pub struct LoraPlan {
+    pub settings: LoraSettings,
+    pub targets: Vec<String>,
+}
+
+pub fn is_lora(model: &ModelConfig) -> bool {
+    matches!(&model.component, Component::Model(b) if b.variant != ModelVariant::Full)
+}
+
+pub fn lora_plan(model: &ModelConfig) -> Result<LoraPlan, SetupError> {
+    let rank = model.lora_rank.ok_or_else(|| SetupError::Invalid {
+        key: "model.lora_rank".into(),
+        message: "a LoRA model needs lora_rank (e.g. 8)".into(),
+    })? as usize;
+    let alpha = model.lora_alpha.unwrap_or(2.0 * rank as f64);
+    let mut targets: Vec<String> = model
+        .lora_attn_modules
+        .iter()
+        .map(|m| match m {
+            LoraModule::QProj => "q_proj",
+            LoraModule::KProj => "k_proj",
+            LoraModule::VProj => "v_proj",
+            LoraModule::OutputProj => "o_proj",
+        })
+        .map(String::from)
+        .collect();
+    if model.apply_lora_to_mlp {
+        targets.extend(["gate_proj", "up_proj", "down_proj"].map(String::from));
+    }
+    if model.apply_lora_to_output {
+        targets.push("lm_head".into());
+    }
+    if targets.is_empty() {
+        return Err(SetupError::Invalid {
+            key: "model.lora_attn_modules".into(),
+            message: "no LoRA targets: list some of [q_proj, k_proj, v_proj, output_proj] or set apply_lora_to_mlp: True"
+                .into(),
+        });
+    }
+    Ok(LoraPlan { settings: LoraSettings { rank, alpha, dropout: model.lora_dropout }, targets })
+}
+
+/// Attaches fresh adapters per `plan` (or loads `checkpointer.adapter_checkpoint`), and
+/// returns the PEFT config to save them with.
+pub fn attach_adapters<B: Backend>(
+    model: &mut CausalLm<B>,
+    plan: &LoraPlan,
+    checkpointer: &CheckpointerConfig,
+    seed: u64,
+) -> Result<peft::AdapterConfig, SetupError> {
+    if plan.targets.iter().any(|t| t == "lm_head") && model.lm_head.is_none() {
+        return Err(SetupError::Invalid {
+            key: "model.apply_lora_to_output".into(),
+            message: "this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False".into(),
+        });
+    }
+    if let Some(adapter) = &checkpointer.adapter_checkpoint {
+        let path = adapter_dir(&checkpointer.checkpoint_dir, adapter);
+        let mut config = peft::load_adapter(model, &path).map_err(|source| SetupError::Checkpoint {
+            key: "checkpointer.adapter_checkpoint",
+            source,
+        })?;
+        config.base_model_name_or_path = Some(checkpointer.checkpoint_dir.display().to_string());
+        return Ok(config);
+    }
+    let attached = peft::attach_lora(model, &plan.targets, &plan.settings, seed);
+    if attached.is_empty() {
+        return Err(SetupError::Invalid {
+            key: "model.lora_attn_modules".into(),
+            message: format!("none of {:?} is a linear layer of this model", plan.targets),
+        });
+    }
+    Ok(peft::AdapterConfig::new(
+        Some(checkpointer.checkpoint_dir.display().to_string()),
+        &plan.settings,
+        plan.targets.clone(),
+    ))
+}
+
+/// `adapter_checkpoint` may name a PEFT directory, or a file inside one (torchtune names
+/// `adapter_model.safetensors`), absolute or relative to the checkpoint directory.
+pub fn adapter_dir(checkpoint_dir: &Path, adapter: &str) -> std::path::PathBuf {
+    let given = Path::new(adapter);
+    let path = if given.is_absolute() || given.exists() { given.to_path_buf() } else { checkpoint_dir.join(given) };
+    if path.is_file() { path.parent().map(Path::to_path_buf).unwrap_or(path) } else { path }
+}

@@ -1,0 +1,71 @@
+//! Settings every training recipe derives the same way from its config: the trainer loop,
+//! the seed, the resume fingerprint, the checkpoint layout.
+
+use std::path::PathBuf;
+
+use crate::config::schema::TrainConfig;
+use crate::training::TrainerSettings;
+use crate::training::checkpointing::RunFingerprint;
+
+use super::optim;
+
+/// The run's seed: the config's, or one drawn from the clock (torchtune draws a random one),
+/// reported so the run can be repeated.
+pub fn seed(cfg: &TrainConfig) -> u64 {
+    cfg.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
+    })
+}
+
+pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
+    TrainerSettings {
+        epochs: cfg.epochs,
+        max_steps_per_epoch: cfg.max_steps_per_epoch,
+        gradient_accumulation_steps: cfg.gradient_accumulation_steps,
+        clip_grad_norm: cfg.clip_grad_norm,
+        log_every_n_steps: cfg.log_every_n_steps,
+        save_every_n_steps: cfg.save_every_n_steps,
+        lr: cfg.optimizer.lr,
+        schedule: optim::schedule(cfg.lr_scheduler.as_ref()),
+        seed,
+    }
+}
+
+/// Where checkpoints go: `checkpointer.output_dir`, else `output_dir`.
+pub fn checkpoint_dir(cfg: &TrainConfig) -> PathBuf {
+    cfg.checkpointer.output_dir.clone().unwrap_or_else(|| cfg.output_dir.clone())
+}
+
+/// What a resumed run must share with its checkpoint: the model, its adapters, the data and
+/// how it is batched, the optimizer, the seed. Step limits and logging may change.
+pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
+    let mut map = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        map.insert(k.to_string(), v);
+    };
+    let json = |v: &dyn erased::Ser| v.to_json();
+    put("model", json(&cfg.model));
+    put("checkpointer.checkpoint_dir", serde_json::json!(cfg.checkpointer.checkpoint_dir));
+    put("checkpointer.adapter_checkpoint", serde_json::json!(cfg.checkpointer.adapter_checkpoint));
+    put("tokenizer", json(&cfg.tokenizer));
+    put("dataset", json(&cfg.dataset));
+    put("batch_size", cfg.batch_size.into());
+    put("gradient_accumulation_steps", cfg.gradient_accumulation_steps.into());
+    put("shuffle", cfg.shuffle.into());
+    put("seed", seed.into());
+    put("optimizer", json(&cfg.optimizer));
+    RunFingerprint(map)
+}
+
+mod erased {
+    /// Object-safe "serialise to JSON", so `fingerprint` can list heterogeneous sections.
+    pub trait Ser {
+        fn to_json(&self) -> serde_json::Value;
+    }
+
+    impl<T: serde::Serialize> Ser for T {
+        fn to_json(&self) -> serde_json::Value {
+            serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+        }
+    }
+}

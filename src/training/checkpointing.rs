@@ -1,0 +1,218 @@
+//! What a training run saves, and resuming from it. The recipe says *what* (a PEFT adapter,
+//! optionally a merged model; or a full model); this module snapshots it to host memory and
+//! hands the writing to the run's one [`CheckpointClient`], which publishes it atomically in
+//! the background.
+//!
+//! A checkpoint directory (`step_N/` or `epoch_N/` under `output_dir`) holds:
+//! - `adapter_model.safetensors` + `adapter_config.json` (LoRA), loadable by peft;
+//! - `model*.safetensors` (+ index) + `config.json` + tokenizer files (full, or merged LoRA),
+//!   loadable by transformers;
+//! - `optimizer.safetensors`: optimizer moments by parameter name;
+//! - `tune_checkpoint.json`: the client's metadata (format version, files and checksums),
+//!   whose `extra` carries the [`TrainState`] and the config fingerprint used on resume.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::AutodiffBackend;
+use serde::{Deserialize, Serialize};
+
+use super::optimizer::Optimizer;
+use super::trainer::{SaveHook, SaveKind, TrainError, TrainState};
+use crate::checkpoint::hf::save_hf_dir;
+use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
+use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
+use crate::checkpoint::{HostTensor, StorageDtype};
+use crate::checkpoint_client::{
+    CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError, latest_complete,
+};
+use crate::models::CausalLm;
+
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+/// What the recipe saves.
+#[derive(Debug, Clone)]
+pub enum SaveContent {
+    /// LoRA: the PEFT adapter; with `merged_model`, also the base with adapters folded in.
+    Adapter { config: AdapterConfig, merged_model: bool },
+    /// Full fine-tuning: the whole model in Hugging Face layout.
+    FullModel,
+}
+
+/// The parts of the config a resumed run must share with the checkpoint (model, data,
+/// batching); logging and step limits may change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunFingerprint(pub serde_json::Map<String, serde_json::Value>);
+
+impl RunFingerprint {
+    /// Keys that differ, for the "what changed" message.
+    pub fn differences(&self, other: &RunFingerprint) -> Vec<String> {
+        let mut keys: Vec<&String> = self.0.keys().chain(other.0.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        keys.into_iter().filter(|k| self.0.get(*k) != other.0.get(*k)).cloned().collect()
+    }
+
+    pub fn hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let text = serde_json::to_string(&self.0).unwrap_or_default();
+        format!("{:x}", Sha256::digest(text.as_bytes()))[..16].to_string()
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ResumeInfo {
+    state: TrainState,
+    optimizer_step: u64,
+    fingerprint: RunFingerprint,
+}
+
+pub struct RunCheckpointer {
+    client: CheckpointClient,
+    recipe: String,
+    content: SaveContent,
+    fingerprint: RunFingerprint,
+    /// Where tokenizer and generation files are copied from.
+    source_dir: PathBuf,
+    storage_dtype: StorageDtype,
+    max_shard_bytes: usize,
+    pub last_published: Option<PublishedCheckpoint>,
+    /// Logs "waited for the previous save" and "saved" lines.
+    pub log: Box<dyn Fn(String) + Send>,
+}
+
+impl RunCheckpointer {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        output_dir: PathBuf,
+        keep_last_n: Option<usize>,
+        recipe: &str,
+        content: SaveContent,
+        fingerprint: RunFingerprint,
+        source_dir: PathBuf,
+        storage_dtype: StorageDtype,
+        max_shard_bytes: usize,
+    ) -> Result<Self, TrainError> {
+        let client = CheckpointClient::new(output_dir, ClientOptions { keep_last_n })
+            .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        Ok(Self {
+            client,
+            recipe: recipe.to_string(),
+            content,
+            fingerprint,
+            source_dir,
+            storage_dtype,
+            max_shard_bytes,
+            last_published: None,
+            log: Box::new(|line| eprintln!("{line}")),
+        })
+    }
+
+    /// Waits for a background save still in flight (call before exiting).
+    pub fn finish(&mut self) -> Result<(), TrainError> {
+        if let Some(p) = self.client.wait().map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+            self.last_published = Some(p);
+        }
+        Ok(())
+    }
+}
+
+impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
+    fn save(
+        &mut self,
+        kind: SaveKind,
+        model: &mut CausalLm<B>,
+        optimizer: &Optimizer<B::InnerBackend>,
+        state: &TrainState,
+    ) -> Result<(), TrainError> {
+        // Everything below up to the request is the blocking part: copying state to the host.
+        let started = std::time::Instant::now();
+        let adapter = match &self.content {
+            SaveContent::Adapter { config, .. } => Some((adapter_state_dict(model), config.clone())),
+            SaveContent::FullModel => None,
+        };
+        let full = match &self.content {
+            SaveContent::Adapter { merged_model: true, .. } if kind == SaveKind::Final || kind == SaveKind::EpochEnd => {
+                Some(model.merged_hf_state_dict())
+            }
+            SaveContent::Adapter { .. } => None,
+            SaveContent::FullModel => Some(model.hf_state_dict()),
+        };
+        let optimizer_state = optimizer.state_dict();
+        let config_json = model.args.raw.clone();
+        let (source_dir, dtype, shard) = (self.source_dir.clone(), self.storage_dtype, self.max_shard_bytes);
+        let snapshot_time = started.elapsed();
+
+        let name = match kind {
+            SaveKind::Periodic => format!("step_{}", state.global_step),
+            SaveKind::EpochEnd | SaveKind::Final => format!("epoch_{}", state.epoch.saturating_sub(1)),
+        };
+        let mut meta = CheckpointMeta::new(&self.recipe, self.fingerprint.hash(), state.global_step as u64, state.epoch as u64);
+        meta.steps_in_epoch = Some(state.steps_per_epoch as u64);
+        let info = ResumeInfo { state: state.clone(), optimizer_step: optimizer.step, fingerprint: self.fingerprint.clone() };
+        meta.extra = serde_json::to_value(&info).unwrap_or_default();
+
+        let writer = move |dir: &Path| -> Result<(), WriteError> {
+            let fail = |e: crate::checkpoint::CheckpointError| WriteError::msg(e.to_string());
+            if let Some((tensors, config)) = adapter {
+                write_adapter(dir, &tensors, &config).map_err(fail)?;
+            }
+            if let Some(state) = full {
+                save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir)).map_err(fail)?;
+            }
+            write_file(&dir.join(OPTIMIZER_FILE), &optimizer_state, StorageDtype::F32).map_err(fail)?;
+            Ok(())
+        };
+        let request = SaveRequest::new(name.clone(), meta, writer);
+        let report = if kind == SaveKind::Final {
+            self.client.save_blocking(request)
+        } else {
+            self.client.save(request)
+        }
+        .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        if report.waited.as_millis() > 0 {
+            (self.log)(format!("checkpoint {name}: waited {:.2}s for the previous save to finish", report.waited.as_secs_f64()));
+        }
+        (self.log)(format!(
+            "checkpoint {name}: snapshot took {:.3}s{}",
+            snapshot_time.as_secs_f64(),
+            if kind == SaveKind::Final { ", written" } else { ", writing in the background" }
+        ));
+        if let Some(p) = report.published.or(report.previous) {
+            self.last_published = Some(p);
+        }
+        Ok(())
+    }
+}
+
+/// A checkpoint to resume from, checked against the current run.
+pub struct Resume {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    pub optimizer_step: u64,
+    pub optimizer_state: Vec<(String, HostTensor)>,
+}
+
+/// Finds the latest complete checkpoint under `output_dir` and checks it belongs to this run.
+pub fn find_resume(output_dir: &Path, fingerprint: &RunFingerprint) -> Result<Option<Resume>, TrainError> {
+    let Some(found) = latest_complete(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? else {
+        return Ok(None);
+    };
+    let info: ResumeInfo = serde_json::from_value(found.meta().extra.clone()).map_err(|e| {
+        TrainError::Checkpoint(format!("{}: not a tune training checkpoint ({e})", found.dir.display()))
+    })?;
+    let changed = info.fingerprint.differences(fingerprint);
+    if !changed.is_empty() {
+        return Err(TrainError::Checkpoint(format!(
+            "cannot resume from {}: the config changed since it was written ({}); restore those keys, or set a new output_dir to start over",
+            found.dir.display(),
+            changed.join(", ")
+        )));
+    }
+    let path = found.dir.join(OPTIMIZER_FILE);
+    let file = SafetensorsFile::open(&path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+    let mut optimizer_state = Vec::new();
+    for name in file.names() {
+        optimizer_state.push((name.clone(), file.read(&name).map_err(|e| TrainError::Checkpoint(e.to_string()))?));
+    }
+    Ok(Some(Resume { dir: found.dir.clone(), state: info.state, optimizer_step: info.optimizer_step, optimizer_state }))
+}

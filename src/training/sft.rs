@@ -1,0 +1,38 @@
+//! The supervised fine-tuning loss step shared by the full, LoRA and QAT recipes: shifted
+//! cross-entropy over the labelled tokens.
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::loss;
+use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use crate::data::Batch;
+use crate::models::{CausalLm, TokenBatch};
+use crate::modules::ForwardMode;
+
+#[derive(Debug, Clone, Default)]
+pub struct SftLoss {
+    /// QAT: fake quantization switches on at this step (`fake_quant_after_n_steps`).
+    pub fake_quant_after: Option<usize>,
+}
+
+pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
+    TokenBatch {
+        tokens: &batch.tokens,
+        positions: &batch.position_ids,
+        document_ids: batch.document_ids.as_deref(),
+        batch: batch.batch_size,
+    }
+}
+
+impl<B: AutodiffBackend> LossStep<B> for SftLoss {
+    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, info: StepInfo) -> Result<StepOutput<B>, TrainError> {
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
+            train: true,
+        };
+        let logits = model.forward(token_batch(batch), mode);
+        let loss = loss::cross_entropy(logits, &batch.labels);
+        Ok(StepOutput { loss, weight: batch.num_trained_tokens, tokens: batch.tokens.len(), metrics: vec![] })
+    }
+}

@@ -1,0 +1,238 @@
+//! The trainer core every recipe shares: epochs, gradient accumulation, clipping, optimizer
+//! and schedule stepping, metrics, progress, the NaN guard, checkpoint triggers and resume.
+//! A recipe supplies only its loss step and what to save.
+
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
+use super::optimizer::Optimizer;
+use super::progress::EpochProgress;
+use super::schedule::Schedule;
+use super::step::{self, GradAccumulator};
+use crate::data::{Batch, DataLoader, Dataset};
+use crate::models::CausalLm;
+
+/// Loop settings, from the recipe config.
+#[derive(Debug, Clone)]
+pub struct TrainerSettings {
+    pub epochs: usize,
+    pub max_steps_per_epoch: Option<usize>,
+    pub gradient_accumulation_steps: usize,
+    pub clip_grad_norm: Option<f64>,
+    pub log_every_n_steps: usize,
+    pub save_every_n_steps: Option<usize>,
+    pub lr: f64,
+    pub schedule: Schedule,
+    pub seed: u64,
+}
+
+/// Where training stands; saved in every checkpoint so a resumed run continues exactly.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainState {
+    pub epoch: usize,
+    /// Optimizer steps completed in `epoch`.
+    pub step_in_epoch: usize,
+    pub global_step: usize,
+    pub steps_per_epoch: usize,
+    pub total_steps: usize,
+    pub tokens_seen: u64,
+}
+
+/// What a recipe's loss step returns for one micro-batch.
+pub struct StepOutput<B: AutodiffBackend> {
+    /// The mean loss over this micro-batch's `weight` units (tokens for SFT, pairs for DPO).
+    pub loss: Tensor<B, 1>,
+    pub weight: usize,
+    /// Tokens processed (for throughput).
+    pub tokens: usize,
+    /// Extra per-micro-batch metrics, averaged over the step by weight.
+    pub metrics: Vec<(&'static str, f64)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StepInfo {
+    pub epoch: usize,
+    pub global_step: usize,
+}
+
+pub trait LossStep<B: AutodiffBackend> {
+    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, info: StepInfo) -> Result<StepOutput<B>, TrainError>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveKind {
+    /// Every `save_every_n_steps`: in the background.
+    Periodic,
+    /// End of an epoch that is not the last: in the background.
+    EpochEnd,
+    /// End of training: synchronous.
+    Final,
+}
+
+/// The recipe's side of checkpointing: what to save (adapter or full model, optimizer, state).
+pub trait SaveHook<B: AutodiffBackend> {
+    fn save(
+        &mut self,
+        kind: SaveKind,
+        model: &mut CausalLm<B>,
+        optimizer: &Optimizer<B::InnerBackend>,
+        state: &TrainState,
+    ) -> Result<(), TrainError>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(
+        "the loss became {value} at step {step} (epoch {epoch}); training stopped and the last complete checkpoint is kept. Lower optimizer.lr, set clip_grad_norm, or check the data"
+    )]
+    NonFiniteLoss { value: f64, step: usize, epoch: usize },
+    #[error("the dataset yields {batches} batches of {batch_size}, fewer than gradient_accumulation_steps ({accum}): lower batch_size or gradient_accumulation_steps, or add data")]
+    TooLittleData { batches: usize, batch_size: usize, accum: usize },
+    #[error("data: {0}")]
+    Data(#[from] crate::data::DataError),
+    #[error("writing metrics: {0}")]
+    Metrics(#[from] std::io::Error),
+    #[error("{0}")]
+    Checkpoint(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The outcome of `fit`, for the final report.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub state: TrainState,
+    pub losses: Vec<f64>,
+    pub last_metrics: Metrics,
+}
+
+pub struct Trainer<B: AutodiffBackend> {
+    pub settings: TrainerSettings,
+    pub model: CausalLm<B>,
+    pub optimizer: Optimizer<B::InnerBackend>,
+    pub state: TrainState,
+    pub loggers: MetricLoggers,
+    pub show_progress: bool,
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume).
+    pub fn fit(
+        mut self,
+        data: &Dataset,
+        loader: &DataLoader,
+        loss_step: &mut dyn LossStep<B>,
+        saver: &mut dyn SaveHook<B>,
+    ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
+        let s = self.settings.clone();
+        let accum = s.gradient_accumulation_steps.max(1);
+        let batches_per_epoch = loader.num_batches();
+        let mut steps_per_epoch = batches_per_epoch / accum;
+        if let Some(max) = s.max_steps_per_epoch {
+            steps_per_epoch = steps_per_epoch.min(max);
+        }
+        if steps_per_epoch == 0 {
+            return Err(TrainError::TooLittleData {
+                batches: batches_per_epoch,
+                batch_size: loader.config().batch_size,
+                accum,
+            });
+        }
+        self.state.steps_per_epoch = steps_per_epoch;
+        self.state.total_steps = steps_per_epoch * s.epochs;
+        let device = self.model.device();
+        let mut losses = Vec::new();
+        let mut last_metrics = Metrics::new();
+        let mut accumulator = GradAccumulator::<B>::default();
+
+        while self.state.epoch < s.epochs {
+            let epoch = self.state.epoch;
+            let batches = loader.batches_for_epoch(epoch as u64);
+            let mut progress = EpochProgress::new(epoch, steps_per_epoch, self.state.step_in_epoch, self.show_progress);
+            let mut window_tokens = 0usize;
+            let mut window_start = Instant::now();
+            while self.state.step_in_epoch < steps_per_epoch {
+                let info = StepInfo { epoch, global_step: self.state.global_step };
+                // Reseeding per step makes dropout reproducible and resumable.
+                B::seed(&device, s.seed.wrapping_add(self.state.global_step as u64));
+                let mut weight_total = 0usize;
+                let mut loss_sum = 0.0;
+                let mut extra: Vec<(&'static str, f64)> = Vec::new();
+                for micro in 0..accum {
+                    let indices = &batches[self.state.step_in_epoch * accum + micro];
+                    let batch = data.collate(indices)?;
+                    let out = loss_step.step(&self.model, &batch, info)?;
+                    let value: f64 = out.loss.clone().into_scalar().elem();
+                    if !value.is_finite() {
+                        return Err(TrainError::NonFiniteLoss { value, step: self.state.global_step + 1, epoch });
+                    }
+                    // Weighting each micro-batch by its size makes the accumulated gradient the
+                    // mean over all tokens of the step, as torchtune normalises it.
+                    let grads = (out.loss * out.weight as f64).backward();
+                    accumulator.add(&self.model, grads);
+                    weight_total += out.weight;
+                    loss_sum += value * out.weight as f64;
+                    window_tokens += out.tokens;
+                    self.state.tokens_seen += out.tokens as u64;
+                    for (k, v) in out.metrics {
+                        match extra.iter_mut().find(|(name, _)| *name == k) {
+                            Some(entry) => entry.1 += v * out.weight as f64,
+                            None => extra.push((k, v * out.weight as f64)),
+                        }
+                    }
+                }
+                let grads = accumulator.take();
+                let mut scale = 1.0 / weight_total.max(1) as f64;
+                let grad_norm = s.clip_grad_norm.map(|max| {
+                    let norm = step::grad_norm(&self.model, &grads, scale);
+                    scale *= (max / (norm + 1e-6)).min(1.0);
+                    norm
+                });
+                let lr = s.lr * s.schedule.factor(self.state.global_step, self.state.total_steps);
+                self.model = step::apply(self.model, grads, &mut self.optimizer, lr, scale);
+                self.state.global_step += 1;
+                self.state.step_in_epoch += 1;
+                let loss = loss_sum / weight_total.max(1) as f64;
+                losses.push(loss);
+                progress.advance(loss, lr, window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9));
+
+                if self.state.global_step % s.log_every_n_steps.max(1) == 0 {
+                    let elapsed = window_start.elapsed().as_secs_f64().max(1e-9);
+                    let mut m: Metrics = vec![
+                        ("step".into(), self.state.global_step as f64),
+                        ("epoch".into(), epoch as f64),
+                        ("loss".into(), loss),
+                        ("lr".into(), lr),
+                        ("tokens_per_second".into(), window_tokens as f64 / elapsed),
+                    ];
+                    if let Some(norm) = grad_norm {
+                        m.push(("grad_norm".into(), norm));
+                    }
+                    for (k, v) in &extra {
+                        m.push(((*k).into(), v / weight_total.max(1) as f64));
+                    }
+                    m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
+                    self.loggers.log(self.state.global_step, &m)?;
+                    last_metrics = m;
+                    window_tokens = 0;
+                    window_start = Instant::now();
+                }
+                // The epoch-end save follows the last step of an epoch: no periodic one then.
+                let epoch_done = self.state.step_in_epoch == steps_per_epoch;
+                if !epoch_done && s.save_every_n_steps.is_some_and(|n| n > 0 && self.state.global_step % n == 0) {
+                    progress.suspend(|| saver.save(SaveKind::Periodic, &mut self.model, &self.optimizer, &self.state))?;
+                }
+            }
+            progress.finish();
+            self.state.epoch += 1;
+            self.state.step_in_epoch = 0;
+            let kind = if self.state.epoch == s.epochs { SaveKind::Final } else { SaveKind::EpochEnd };
+            saver.save(kind, &mut self.model, &self.optimizer, &self.state)?;
+        }
+        self.loggers.flush()?;
+        Ok((TrainSummary { state: self.state, losses, last_metrics }, self.model))
+    }
+}
