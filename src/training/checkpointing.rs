@@ -172,11 +172,12 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         if report.waited.as_millis() > 0 {
             (self.log)(format!("checkpoint {name}: waited {:.2}s for the previous save to finish", report.waited.as_secs_f64()));
         }
-        (self.log)(format!(
-            "checkpoint {name}: snapshot took {:.3}s{}",
-            snapshot_time.as_secs_f64(),
-            if kind == SaveKind::Final { ", written" } else { ", writing in the background" }
-        ));
+        if kind != SaveKind::Final {
+            (self.log)(format!(
+                "checkpoint {name}: training blocked {:.3}s for the snapshot; writing in the background",
+                snapshot_time.as_secs_f64()
+            ));
+        }
         if let Some(p) = report.published.or(report.previous) {
             self.last_published = Some(p);
         }

@@ -54,7 +54,9 @@ impl MetricSink for JsonlSink {
     fn log(&mut self, _step: usize, metrics: &Metrics) -> std::io::Result<()> {
         let mut obj = serde_json::Map::new();
         for (k, v) in metrics {
-            let value = if (k == "step" || k == "epoch") && v.fract() == 0.0 {
+            // Counters stay integers in the JSON (step, epoch, bytes, token counts).
+            let integral = matches!(k.as_str(), "step" | "epoch" | "peak_memory_bytes") || k.starts_with("num_");
+            let value = if integral && v.fract() == 0.0 {
                 serde_json::Value::from(*v as u64)
             } else {
                 serde_json::Number::from_f64(*v).map(serde_json::Value::Number).unwrap_or(serde_json::Value::Null)
