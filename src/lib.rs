@@ -6,6 +6,7 @@ pub mod models;
 pub mod modules;
 pub mod config;
 pub mod data;
+pub mod generation;
 pub mod tokenizer;
 pub mod training;
 pub mod setup;
