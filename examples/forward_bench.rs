@@ -6,7 +6,6 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
 use tune::checkpoint::StorageDtype;
 use tune::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::generation::{GenerateOptions, generate};
@@ -30,10 +29,16 @@ fn smollm2_135m() -> serde_json::Value {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let iterations: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
-    let device = <B as Backend>::Device::default();
+    let iterations: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5);
+    let device = Default::default();
     let args = ModelArgs::from_json(smollm2_135m())?;
-    println!("model: SmolLM2-135M shape, {:.1}M parameters, random weights", args.num_params() as f64 / 1e6);
+    println!(
+        "model: SmolLM2-135M shape, {:.1}M parameters, random weights",
+        args.num_params() as f64 / 1e6
+    );
 
     let dir = std::env::temp_dir().join(format!("tune-forward-bench-{}", std::process::id()));
     let model = build::<B>(&args, &mut RandomInit::new(0, &args), &device)?;
@@ -42,7 +47,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         save_model(&model, &dir, None, dtype, DEFAULT_MAX_SHARD_BYTES)?;
         let started = Instant::now();
         let loaded = load_model::<B>(&dir, None, &device)?;
-        println!("load_model ({name} safetensors): {:.3} s", started.elapsed().as_secs_f64());
+        println!(
+            "load_model ({name} safetensors): {:.3} s",
+            started.elapsed().as_secs_f64()
+        );
         drop(loaded);
     }
     drop(model);
@@ -52,14 +60,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens: Vec<u32> = (0..SEQ as u32).map(|i| (i * 7919) % 49152).collect();
     let positions: Vec<u32> = (0..SEQ as u32).collect();
     let forward = || {
-        let input = TokenBatch { tokens: &tokens, positions: &positions, document_ids: None, batch: 1 };
+        let input = TokenBatch {
+            tokens: &tokens,
+            positions: &positions,
+            document_ids: None,
+            batch: 1,
+        };
         let logits = model.forward(input, ForwardMode::default());
         // Reading back forces the lazy backend to finish the work.
         logits.into_data()
     };
     let started = Instant::now();
     forward();
-    println!("warm-up forward (1 x {SEQ}): {:.3} s", started.elapsed().as_secs_f64());
+    println!(
+        "warm-up forward (1 x {SEQ}): {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
     let started = Instant::now();
     for _ in 0..iterations {
         forward();
@@ -72,7 +88,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // Decoding with the KV cache: prefill 256 tokens, then 32 single-token steps.
-    let opts = GenerateOptions { max_new_tokens: 32, stop_at_eos: false, ..Default::default() };
+    let opts = GenerateOptions {
+        max_new_tokens: 32,
+        stop_at_eos: false,
+        ..Default::default()
+    };
     let out = generate(&model, &tokens, &opts, |_| {})?;
     println!(
         "generate (kv cache): prefill {SEQ} tokens {:.3} s; decode {:.1} tokens/s",

@@ -25,7 +25,9 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     let loaded = model::load::<B::InnerBackend>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
     let mut lm = loaded.model;
     if let Some(dir) = &cfg.adapter_dir {
-        peft::load_adapter(&mut lm, dir).with_context(|| format!("adapter_dir: loading the PEFT adapter in {}", dir.display()))?;
+        peft::load_adapter(&mut lm, dir).with_context(|| {
+            format!("adapter_dir: loading the PEFT adapter in {}", dir.display())
+        })?;
         eprintln!("Applied the LoRA adapter in {}", dir.display());
     }
     eprintln!(
@@ -36,7 +38,10 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         started.elapsed().as_secs_f64()
     );
     if cfg.dtype != Dtype::Fp32 {
-        eprintln!("Note: dtype {:?} requested; generating in fp32", cfg.dtype);
+        eprintln!(
+            "Note: dtype {} requested; tune generates in fp32",
+            serde_yaml::to_string(&cfg.dtype).unwrap_or_default().trim()
+        );
     }
 
     // Prompt.
@@ -45,7 +50,11 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
 
     // Decode.
     let seed = cfg.seed.unwrap_or_else(clock_seed);
-    let sampling = SamplingParams { temperature: cfg.temperature, top_k: cfg.top_k, top_p: cfg.top_p };
+    let sampling = SamplingParams {
+        temperature: cfg.temperature,
+        top_k: cfg.top_k,
+        top_p: cfg.top_p,
+    };
     let mut stop_ids = tokenizer.stop_ids().to_vec();
     for id in &lm.args.eos_token_ids {
         if !stop_ids.contains(id) {
@@ -60,12 +69,22 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         stop_at_eos: cfg.stop_at_eos,
         use_kv_cache: cfg.enable_kv_cache,
     };
-    let how = if sampling.is_greedy() { "greedy".to_string() } else { format!("sampling, seed {seed}") };
-    eprintln!("Generating up to {} tokens after a {}-token prompt ({how})", cfg.max_new_tokens, prompt.len());
+    let how = if sampling.is_greedy() {
+        "greedy".to_string()
+    } else {
+        format!("sampling, seed {seed}")
+    };
+    eprintln!(
+        "Generating up to {} tokens after a {}-token prompt ({how})",
+        cfg.max_new_tokens,
+        prompt.len()
+    );
     let out = generate(&lm, &prompt, &opts, |_| {}).context("generation failed")?;
 
     // Only the completion on stdout.
-    let text = tokenizer.decode(&out.tokens, true).context("decoding the generated tokens")?;
+    let text = tokenizer
+        .decode(&out.tokens, true)
+        .context("decoding the generated tokens")?;
     println!("{text}");
 
     let stop = match out.stop {
@@ -73,13 +92,14 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         StopReason::MaxNewTokens => "max_new_tokens".to_string(),
     };
     eprintln!(
-        "Prefill: {} tokens in {:.3}s ({:.1} tokens/s); decode: {} tokens in {:.3}s ({} tokens/s); stopped at {stop}",
+        "Prefill: {} tokens in {:.3}s ({:.1} tokens/s); generated {} tokens in {:.3}s, {} tokens/s after the first; stopped at {stop}",
         out.prompt_len,
         out.prefill.as_secs_f64(),
         out.prefill_tokens_per_sec().unwrap_or(0.0),
         out.tokens.len(),
         (out.prefill + out.decode).as_secs_f64(),
-        out.decode_tokens_per_sec().map_or("-".to_string(), |t| format!("{t:.1}")),
+        out.decode_tokens_per_sec()
+            .map_or("-".to_string(), |t| format!("{t:.1}")),
     );
     Ok(())
 }
@@ -100,7 +120,9 @@ fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec
             messages.push(Message::system(system.clone()));
         }
         messages.push(Message::user(cfg.prompt.user.clone()));
-        let text = tokenizer.apply_chat_template(&messages, true).context("prompt: rendering the chat template")?;
+        let text = tokenizer
+            .apply_chat_template(&messages, true)
+            .context("prompt: rendering the chat template")?;
         Ok(tokenizer.encode(&text, false)?)
     } else {
         if cfg.prompt.system.is_some() {
@@ -112,5 +134,7 @@ fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec
 
 /// torchtune draws a random seed when none is given; report it so the text can be repeated.
 fn clock_seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
 }

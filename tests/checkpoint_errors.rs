@@ -43,7 +43,12 @@ fn assert_has(err: &str, parts: &[&str]) {
 
 #[test]
 fn the_good_checkpoints_load() {
-    load_model::<Cpu>(&saved("ok", DEFAULT_MAX_SHARD_BYTES).0, None, &Default::default()).unwrap();
+    load_model::<Cpu>(
+        &saved("ok", DEFAULT_MAX_SHARD_BYTES).0,
+        None,
+        &Default::default(),
+    )
+    .unwrap();
     load_model::<Cpu>(&saved("ok-sharded", 10_000).0, None, &Default::default()).unwrap();
 }
 
@@ -59,7 +64,15 @@ fn missing_shard() {
     let shard = files[0].as_str();
     std::fs::remove_file(t.0.join(shard)).unwrap();
     let err = load_err(&t.0);
-    assert_has(&err, &["model.safetensors.index.json", shard, "does not exist", "download the missing shard"]);
+    assert_has(
+        &err,
+        &[
+            "model.safetensors.index.json",
+            shard,
+            "does not exist",
+            "download the missing shard",
+        ],
+    );
 }
 
 #[test]
@@ -73,7 +86,10 @@ fn truncated_safetensors() {
     // Cut inside the header too.
     std::fs::write(&path, &bytes[..20]).unwrap();
     let err = load_err(&t.0);
-    assert_has(&err, &[&path.display().to_string(), "not a valid safetensors file"]);
+    assert_has(
+        &err,
+        &[&path.display().to_string(), "not a valid safetensors file"],
+    );
 }
 
 #[test]
@@ -83,7 +99,16 @@ fn wrong_tensor_shape() {
     cfg["hidden_size"] = json!(48);
     std::fs::write(t.0.join("config.json"), cfg.to_string()).unwrap();
     let err = load_err(&t.0);
-    assert_has(&err, &["model.embed_tokens.weight", "model.safetensors", "[128, 32]", "[128, 48]", "config.json"]);
+    assert_has(
+        &err,
+        &[
+            "model.embed_tokens.weight",
+            "model.safetensors",
+            "[128, 32]",
+            "[128, 48]",
+            "config.json",
+        ],
+    );
 }
 
 #[test]
@@ -93,18 +118,33 @@ fn unknown_model_type() {
     cfg["model_type"] = json!("gpt2");
     std::fs::write(t.0.join("config.json"), cfg.to_string()).unwrap();
     let err = load_err(&t.0);
-    assert_has(&err, &["config.json", "unsupported model_type \"gpt2\"", "llama", "qwen2"]);
+    assert_has(
+        &err,
+        &[
+            "config.json",
+            "unsupported model_type \"gpt2\"",
+            "llama",
+            "qwen2",
+        ],
+    );
 }
 
 #[test]
 fn corrupt_index() {
     let t = saved("index", 10_000);
     let index = t.0.join("model.safetensors.index.json");
-    std::fs::write(&index, "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {").unwrap();
+    std::fs::write(
+        &index,
+        "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {",
+    )
+    .unwrap();
     let err = load_err(&t.0);
     assert_has(&err, &[&index.display().to_string(), "invalid index"]);
     std::fs::write(&index, "{\"metadata\": {}}").unwrap();
-    assert_has(&load_err(&t.0), &["model.safetensors.index.json", "weight_map"]);
+    assert_has(
+        &load_err(&t.0),
+        &["model.safetensors.index.json", "weight_map"],
+    );
 }
 
 #[test]
@@ -112,7 +152,10 @@ fn missing_config() {
     let t = saved("no-config", DEFAULT_MAX_SHARD_BYTES);
     std::fs::remove_file(t.0.join("config.json")).unwrap();
     let err = load_err(&t.0);
-    assert_has(&err, &[&t.0.join("config.json").display().to_string(), "missing"]);
+    assert_has(
+        &err,
+        &[&t.0.join("config.json").display().to_string(), "missing"],
+    );
 }
 
 #[test]

@@ -81,8 +81,14 @@ fn perturb_norms(lm: &mut CausalLm<Cpu>) {
     let device = Default::default();
     let bump = |n: &mut tune::modules::RmsNorm<Cpu>, k: f32| {
         let w = HostTensor::from_tensor(&n.weight.val());
-        let data = w.data.iter().enumerate().map(|(i, v)| v + k * ((i % 7) as f32 - 3.0) * 0.01).collect();
-        n.weight = burn::module::Param::from_tensor(HostTensor::new(w.shape, data).to_tensor(&device));
+        let data = w
+            .data
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + k * ((i % 7) as f32 - 3.0) * 0.01)
+            .collect();
+        n.weight =
+            burn::module::Param::from_tensor(HostTensor::new(w.shape, data).to_tensor(&device));
     };
     for (i, layer) in lm.model.layers.iter_mut().enumerate() {
         bump(&mut layer.input_layernorm, 1.0 + i as f32);
@@ -100,7 +106,15 @@ fn perturb_norms(lm: &mut CausalLm<Cpu>) {
 fn logits(lm: &CausalLm<Cpu>) -> HostTensor {
     let tokens: Vec<u32> = vec![3, 14, 15, 92, 65, 35, 89, 79, 32, 38];
     let pos = positions(2, 5);
-    HostTensor::from_tensor(&lm.forward(TokenBatch { tokens: &tokens, positions: &pos, document_ids: None, batch: 2 }, ForwardMode::default()))
+    HostTensor::from_tensor(&lm.forward(
+        TokenBatch {
+            tokens: &tokens,
+            positions: &pos,
+            document_ids: None,
+            batch: 2,
+        },
+        ForwardMode::default(),
+    ))
 }
 
 /// Every tensor name and shape on disk, across shards.
@@ -124,9 +138,15 @@ fn round_trip(config: Value, max_shard_bytes: usize) -> (TempDir, BTreeMap<Strin
     let tmp = TempDir::new(lm.args.family.model_type());
     save_model(&lm, &tmp.0, None, StorageDtype::F32, max_shard_bytes).unwrap();
     let names = on_disk(&tmp.0);
-    assert_eq!(names.contains_key("lm_head.weight"), !lm.args.tie_word_embeddings, "lm_head.weight only when untied");
+    assert_eq!(
+        names.contains_key("lm_head.weight"),
+        !lm.args.tie_word_embeddings,
+        "lm_head.weight only when untied"
+    );
 
-    let back = load_model::<Cpu>(&tmp.0, None, &Default::default()).unwrap().model;
+    let back = load_model::<Cpu>(&tmp.0, None, &Default::default())
+        .unwrap()
+        .model;
     assert_eq!(back.args.family, lm.args.family);
     let (a, b) = (lm.hf_state_dict(), back.hf_state_dict());
     assert_eq!(a.len(), b.len());
@@ -147,28 +167,53 @@ fn round_trip(config: Value, max_shard_bytes: usize) -> (TempDir, BTreeMap<Strin
 fn qwen3_round_trips_with_qk_norm() {
     let (_t, names) = round_trip(qwen3(), DEFAULT_MAX_SHARD_BYTES);
     // head_dim 32 is not hidden / heads (16): q is [heads * head_dim, hidden].
-    assert_eq!(names["model.layers.0.self_attn.q_proj.weight"], vec![128, 64]);
-    assert_eq!(names["model.layers.0.self_attn.k_proj.weight"], vec![64, 64]);
+    assert_eq!(
+        names["model.layers.0.self_attn.q_proj.weight"],
+        vec![128, 64]
+    );
+    assert_eq!(
+        names["model.layers.0.self_attn.k_proj.weight"],
+        vec![64, 64]
+    );
     assert_eq!(names["model.layers.1.self_attn.q_norm.weight"], vec![32]);
     assert_eq!(names["model.layers.1.self_attn.k_norm.weight"], vec![32]);
-    assert_eq!(names["model.layers.0.self_attn.o_proj.weight"], vec![64, 128]);
+    assert_eq!(
+        names["model.layers.0.self_attn.o_proj.weight"],
+        vec![64, 128]
+    );
 }
 
 #[test]
 fn mistral_round_trips_untied() {
     let (_t, names) = round_trip(mistral(), DEFAULT_MAX_SHARD_BYTES);
     assert_eq!(names["lm_head.weight"], vec![300, 64]);
-    assert_eq!(names["model.layers.0.self_attn.k_proj.weight"], vec![16, 64]);
-    assert!(!names.keys().any(|n| n.contains("norm") && n.contains("self_attn")));
+    assert_eq!(
+        names["model.layers.0.self_attn.k_proj.weight"],
+        vec![16, 64]
+    );
+    assert!(
+        !names
+            .keys()
+            .any(|n| n.contains("norm") && n.contains("self_attn"))
+    );
 }
 
 #[test]
 fn phi3_stores_fused_projections() {
     let (_t, names) = round_trip(phi3(), DEFAULT_MAX_SHARD_BYTES);
-    assert_eq!(names["model.layers.0.self_attn.qkv_proj.weight"], vec![3 * 64, 64]);
-    assert_eq!(names["model.layers.1.mlp.gate_up_proj.weight"], vec![2 * 128, 64]);
+    assert_eq!(
+        names["model.layers.0.self_attn.qkv_proj.weight"],
+        vec![3 * 64, 64]
+    );
+    assert_eq!(
+        names["model.layers.1.mlp.gate_up_proj.weight"],
+        vec![2 * 128, 64]
+    );
     for split in ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"] {
-        assert!(!names.keys().any(|n| n.contains(&format!(".{split}."))), "{split} on disk: Phi-3 stores it fused");
+        assert!(
+            !names.keys().any(|n| n.contains(&format!(".{split}."))),
+            "{split} on disk: Phi-3 stores it fused"
+        );
     }
 }
 
@@ -186,28 +231,43 @@ fn gemma_round_trips_tied_with_offset_norms() {
 fn small_shards_are_written_like_transformers() {
     for config in [qwen3(), phi3()] {
         let (tmp, names) = round_trip(config, 40_000);
-        let index: Value =
-            serde_json::from_str(&std::fs::read_to_string(tmp.0.join("model.safetensors.index.json")).unwrap()).unwrap();
+        let index: Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.0.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
         let map = index["weight_map"].as_object().unwrap();
-        let files: std::collections::BTreeSet<&str> = map.values().map(|v| v.as_str().unwrap()).collect();
+        let files: std::collections::BTreeSet<&str> =
+            map.values().map(|v| v.as_str().unwrap()).collect();
         let n = files.len();
         assert!(n > 2, "expected several shards, got {n}");
-        let expected: std::collections::BTreeSet<String> =
-            (1..=n).map(|i| format!("model-{i:05}-of-{n:05}.safetensors")).collect();
-        assert_eq!(files.iter().map(|s| s.to_string()).collect::<std::collections::BTreeSet<_>>(), expected);
+        let expected: std::collections::BTreeSet<String> = (1..=n)
+            .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
+            .collect();
+        assert_eq!(
+            files
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<std::collections::BTreeSet<_>>(),
+            expected
+        );
         assert!(!tmp.0.join("model.safetensors").exists());
         // Every tensor listed once, in the shard the index says; total_size = tensor bytes.
         assert_eq!(map.len(), names.len());
         let mut total = 0u64;
         for (name, file) in map {
             let f = SafetensorsFile::open(&tmp.0.join(file.as_str().unwrap())).unwrap();
-            let shape = f.shape(name).unwrap_or_else(|| panic!("{name} not in {file}"));
+            let shape = f
+                .shape(name)
+                .unwrap_or_else(|| panic!("{name} not in {file}"));
             total += 4 * shape.iter().product::<usize>() as u64;
         }
         assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total));
-        let tied = ModelArgs::from_json(serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap()).unwrap())
-            .unwrap()
-            .tie_word_embeddings;
+        let tied = ModelArgs::from_json(
+            serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap())
+                .unwrap(),
+        )
+        .unwrap()
+        .tie_word_embeddings;
         assert_eq!(map.contains_key("lm_head.weight"), !tied);
     }
 }
@@ -216,13 +276,25 @@ fn small_shards_are_written_like_transformers() {
 fn bf16_storage_rounds_once() {
     let lm = random_model(gemma());
     let tmp = TempDir::new("gemma-bf16");
-    save_model(&lm, &tmp.0, None, StorageDtype::BF16, DEFAULT_MAX_SHARD_BYTES).unwrap();
+    save_model(
+        &lm,
+        &tmp.0,
+        None,
+        StorageDtype::BF16,
+        DEFAULT_MAX_SHARD_BYTES,
+    )
+    .unwrap();
     let loaded = load_model::<Cpu>(&tmp.0, None, &Default::default()).unwrap();
     assert_eq!(loaded.storage_dtype, StorageDtype::BF16);
-    let config: Value = serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap()).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
     for ((n, a), (_, b)) in lm.hf_state_dict().iter().zip(&loaded.model.hf_state_dict()) {
-        let rounded: Vec<f32> = a.data.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+        let rounded: Vec<f32> = a
+            .data
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
         assert_eq!(rounded, b.data, "{n}");
     }
 }

@@ -11,7 +11,9 @@ use tune::generation::{
 use tune::models::CausalLm;
 
 fn model(dir: &str) -> CausalLm<Cpu> {
-    load_model::<Cpu>(&fixture(dir), None, &Default::default()).unwrap().model
+    load_model::<Cpu>(&fixture(dir), None, &Default::default())
+        .unwrap()
+        .model
 }
 
 struct GenerateFixture {
@@ -24,7 +26,12 @@ fn reference() -> GenerateFixture {
     let text = std::fs::read_to_string(fixture("reference/generate.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |k: &str| -> Vec<u32> {
-        json[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+        json[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
     };
     GenerateFixture {
         prompt: ids("prompt_ids"),
@@ -50,7 +57,13 @@ fn greedy_decoding_matches_transformers() {
     assert_eq!(r.max_new_tokens, 12);
     let lm = model("tiny-llama");
     for use_kv_cache in [true, false] {
-        let out = generate(&lm, &r.prompt, &greedy(r.max_new_tokens, use_kv_cache), |_| {}).unwrap();
+        let out = generate(
+            &lm,
+            &r.prompt,
+            &greedy(r.max_new_tokens, use_kv_cache),
+            |_| {},
+        )
+        .unwrap();
         let mut all = r.prompt.clone();
         all.extend(&out.tokens);
         assert_eq!(all, r.expected, "kv cache: {use_kv_cache}");
@@ -66,7 +79,11 @@ fn cache_matches_full_recompute(dir: &str, prompt: &[u32]) {
     let mut full = Decoder::new(&lm, false);
     let (mut a, mut b) = (cached.feed(prompt).unwrap(), full.feed(prompt).unwrap());
     for step in 0..12 {
-        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
         assert!(diff <= 1e-4, "{dir} step {step}: logits differ by {diff}");
         let (ta, tb) = (argmax(&a), argmax(&b));
         assert_eq!(ta, tb, "{dir} step {step}: greedy tokens differ");
@@ -97,12 +114,24 @@ fn stops_at_a_stop_token_unless_told_not_to() {
     opts.stop_at_eos = true;
     let mut streamed = Vec::new();
     let out = generate(&lm, &r.prompt, &opts, |t| streamed.push(t)).unwrap();
-    let first_hit = r.expected[r.prompt.len()..].iter().position(|&t| t == third).unwrap();
-    assert_eq!(out.tokens, r.expected[r.prompt.len()..r.prompt.len() + first_hit + 1]);
+    let first_hit = r.expected[r.prompt.len()..]
+        .iter()
+        .position(|&t| t == third)
+        .unwrap();
+    assert_eq!(
+        out.tokens,
+        r.expected[r.prompt.len()..r.prompt.len() + first_hit + 1]
+    );
     assert_eq!(out.stop, StopReason::StopToken(third));
     assert_eq!(streamed, out.tokens);
     opts.stop_at_eos = false;
-    assert_eq!(generate(&lm, &r.prompt, &opts, |_| {}).unwrap().tokens.len(), 12);
+    assert_eq!(
+        generate(&lm, &r.prompt, &opts, |_| {})
+            .unwrap()
+            .tokens
+            .len(),
+        12
+    );
 }
 
 #[test]
@@ -111,7 +140,11 @@ fn seeded_sampling_is_reproducible() {
     let prompt = reference().prompt;
     let run = |seed| {
         let opts = GenerateOptions {
-            sampling: SamplingParams { temperature: 1.5, top_k: Some(200), top_p: Some(0.95) },
+            sampling: SamplingParams {
+                temperature: 1.5,
+                top_k: Some(200),
+                top_p: Some(0.95),
+            },
             seed,
             ..greedy(12, true)
         };
@@ -129,8 +162,19 @@ fn bad_inputs_are_errors() {
     let e = generate(&lm, &[], &greedy(4, true), |_| {}).unwrap_err();
     assert!(matches!(e, GenerateError::EmptyPrompt), "{e}");
     let e = generate(&lm, &[1, 5000], &greedy(4, true), |_| {}).unwrap_err();
-    assert!(e.to_string().contains("token id 5000 is outside the model's vocabulary of 2048"), "{e}");
-    let opts = GenerateOptions { sampling: SamplingParams { temperature: -0.5, top_k: None, top_p: None }, ..greedy(4, true) };
+    assert!(
+        e.to_string()
+            .contains("token id 5000 is outside the model's vocabulary of 2048"),
+        "{e}"
+    );
+    let opts = GenerateOptions {
+        sampling: SamplingParams {
+            temperature: -0.5,
+            top_k: None,
+            top_p: None,
+        },
+        ..greedy(4, true)
+    };
     let e = generate(&lm, &[1], &opts, |_| {}).unwrap_err();
     assert!(e.to_string().contains("temperature"), "{e}");
 }

@@ -24,8 +24,17 @@ pub struct Decoder<'m, B: Backend> {
 impl<'m, B: Backend> Decoder<'m, B> {
     pub fn new(model: &'m CausalLm<B>, use_kv_cache: bool) -> Self {
         // Inference: adapters on (if any), no dropout.
-        let mode = ForwardMode { adapters: true, fake_quant: true, train: false };
-        Self { model, cache: use_kv_cache.then(|| model.new_cache()), tokens: Vec::new(), mode }
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: true,
+            train: false,
+        };
+        Self {
+            model,
+            cache: use_kv_cache.then(|| model.new_cache()),
+            tokens: Vec::new(),
+            mode,
+        }
     }
 
     /// Tokens fed so far.
@@ -52,12 +61,22 @@ impl<'m, B: Backend> Decoder<'m, B> {
                 // Positions continue from what the cache already holds.
                 let start = cache.len() as u32;
                 let positions: Vec<u32> = (start..start + new.len() as u32).collect();
-                let input = TokenBatch { tokens: new, positions: &positions, document_ids: None, batch: 1 };
+                let input = TokenBatch {
+                    tokens: new,
+                    positions: &positions,
+                    document_ids: None,
+                    batch: 1,
+                };
                 self.model.hidden(input, self.mode, Some(cache))
             }
             None => {
                 let positions: Vec<u32> = (0..self.tokens.len() as u32).collect();
-                let input = TokenBatch { tokens: &self.tokens, positions: &positions, document_ids: None, batch: 1 };
+                let input = TokenBatch {
+                    tokens: &self.tokens,
+                    positions: &positions,
+                    document_ids: None,
+                    batch: 1,
+                };
                 self.model.hidden(input, self.mode, None)
             }
         };

@@ -11,7 +11,9 @@ pub use sampling::{Sampler, SamplingParams};
 pub enum GenerateError {
     #[error("the prompt is empty: give at least one token (e.g. a non-empty prompt.user)")]
     EmptyPrompt,
-    #[error("token id {id} is outside the model's vocabulary of {vocab}; is the tokenizer from the same model as the checkpoint?")]
+    #[error(
+        "token id {id} is outside the model's vocabulary of {vocab}; is the tokenizer from the same model as the checkpoint?"
+    )]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{0}")]
     BadSampling(String),

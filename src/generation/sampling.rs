@@ -18,7 +18,11 @@ pub struct SamplingParams {
 }
 
 impl SamplingParams {
-    pub const GREEDY: Self = Self { temperature: 0.0, top_k: None, top_p: None };
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: None,
+        top_p: None,
+    };
 
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
@@ -34,7 +38,9 @@ impl SamplingParams {
         if let Some(p) = self.top_p
             && !(p > 0.0 && p <= 1.0)
         {
-            return Err(GenerateError::BadSampling(format!("top_p must be in (0, 1], got {p}")));
+            return Err(GenerateError::BadSampling(format!(
+                "top_p must be in (0, 1], got {p}"
+            )));
         }
         Ok(())
     }
@@ -49,7 +55,10 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(params: SamplingParams, seed: u64) -> Result<Self, GenerateError> {
         params.validate()?;
-        Ok(Self { params, rng: StdRng::seed_from_u64(seed) })
+        Ok(Self {
+            params,
+            rng: StdRng::seed_from_u64(seed),
+        })
     }
 
     pub fn params(&self) -> SamplingParams {
@@ -80,7 +89,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// decreasing probability (ties by token id), renormalised to sum to one.
 pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
     let t = params.temperature.max(f64::MIN_POSITIVE);
-    let mut order: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l as f64 / t)).collect();
+    let mut order: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l as f64 / t))
+        .collect();
     order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     if let Some(k) = params.top_k.filter(|&k| k > 0 && k < order.len()) {
         // torchtune keeps every token tied with the k-th (`probs < pivot` are dropped).
@@ -89,7 +102,10 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)
         order.truncate(keep);
     }
     let max = order.first().map_or(0.0, |(_, l)| *l);
-    let mut probs: Vec<(u32, f64)> = order.into_iter().map(|(i, l)| (i, (l - max).exp())).collect();
+    let mut probs: Vec<(u32, f64)> = order
+        .into_iter()
+        .map(|(i, l)| (i, (l - max).exp()))
+        .collect();
     normalise(&mut probs);
     if let Some(p) = params.top_p.filter(|&p| p < 1.0) {
         // Keep tokens while the mass before them is below p: the token that crosses p stays,
@@ -142,7 +158,11 @@ mod tests {
 
     #[test]
     fn top_k_keeps_k_tokens() {
-        let p = SamplingParams { temperature: 1.0, top_k: Some(2), top_p: None };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: Some(2),
+            top_p: None,
+        };
         let probs = filtered_probs(&[1.0, 4.0, 3.0, 2.0], &p);
         let ids: Vec<u32> = probs.iter().map(|(i, _)| *i).collect();
         assert_eq!(ids, vec![1, 2]);
@@ -154,17 +174,35 @@ mod tests {
     fn top_p_keeps_the_token_that_crosses_p() {
         // softmax of ln([0.5, 0.3, 0.2]) = [0.5, 0.3, 0.2]
         let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
-        let p = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.6) };
-        let ids: Vec<u32> = filtered_probs(&logits, &p).iter().map(|(i, _)| *i).collect();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.6),
+        };
+        let ids: Vec<u32> = filtered_probs(&logits, &p)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
         assert_eq!(ids, vec![0, 1]);
-        let p = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(0.1) };
-        let ids: Vec<u32> = filtered_probs(&logits, &p).iter().map(|(i, _)| *i).collect();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.1),
+        };
+        let ids: Vec<u32> = filtered_probs(&logits, &p)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
         assert_eq!(ids, vec![0]);
     }
 
     #[test]
     fn same_seed_same_draws() {
-        let p = SamplingParams { temperature: 1.0, top_k: None, top_p: None };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+        };
         let logits = [0.0f32; 50];
         let run = |seed| {
             let mut s = Sampler::new(p, seed).unwrap();
@@ -176,9 +214,21 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_rejected() {
-        let e = SamplingParams { temperature: -1.0, top_k: None, top_p: None }.validate().unwrap_err();
+        let e = SamplingParams {
+            temperature: -1.0,
+            top_k: None,
+            top_p: None,
+        }
+        .validate()
+        .unwrap_err();
         assert!(e.to_string().contains("temperature"), "{e}");
-        let e = SamplingParams { temperature: 1.0, top_k: None, top_p: Some(1.5) }.validate().unwrap_err();
+        let e = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(1.5),
+        }
+        .validate()
+        .unwrap_err();
         assert!(e.to_string().contains("top_p"), "{e}");
     }
 }
