@@ -3,6 +3,7 @@
 //! library; the library never knows about them.
 
 pub mod full_finetune_single_device;
+pub mod generate;
 pub mod lora_finetune_single_device;
 
 use std::path::PathBuf;
@@ -37,9 +38,7 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 ),
             }
         }
-        RecipeConfig::Generate(_) => {
-            anyhow::bail!("the generate recipe is not implemented yet in this version of tune")
-        }
+        RecipeConfig::Generate(cfg) => generate::run(cfg, ctx),
     }
 }
 
