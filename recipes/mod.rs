@@ -26,6 +26,18 @@ pub struct RunContext<B: AutodiffBackend> {
 pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
     match config {
         RecipeConfig::Train(recipe, cfg) => {
+            // Accepted for torchtune compatibility, not implemented yet: say so, never silently.
+            if cfg.dtype != tune::config::schema::Dtype::Fp32 {
+                eprintln!(
+                    "warning: dtype: {:?} is not implemented yet; training runs in fp32",
+                    cfg.dtype
+                );
+            }
+            if cfg.enable_activation_checkpointing {
+                eprintln!(
+                    "warning: enable_activation_checkpointing is not implemented yet; activations are kept"
+                );
+            }
             // The resolved config beside the outputs, as torchtune saves it.
             std::fs::create_dir_all(&cfg.output_dir)?;
             std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;

@@ -83,3 +83,44 @@ fn sharded_bf16_loads_to_tiny_llama_rounded() {
         assert_eq!(rounded, b.data, "{n1}");
     }
 }
+
+/// A packed row (two samples, positions restarting, document ids) gives each sample exactly
+/// the logits it gets alone: packed samples never attend to each other.
+#[test]
+fn packed_samples_do_not_attend_to_each_other() {
+    let r = Reference::open("tiny-llama.safetensors");
+    let (tokens, _, _) = r.tokens();
+    let device = Default::default();
+    let model = load_model::<Cpu>(&fixture("tiny-llama"), None, &device)
+        .unwrap()
+        .model;
+    let (a, b) = (&tokens[0..7], &tokens[16..25]);
+    let alone = |t: &[u32]| {
+        let pos: Vec<u32> = (0..t.len() as u32).collect();
+        let input = TokenBatch {
+            tokens: t,
+            positions: &pos,
+            document_ids: None,
+            batch: 1,
+        };
+        HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))
+    };
+    let packed: Vec<u32> = a.iter().chain(b).copied().collect();
+    let pos: Vec<u32> = (0..a.len() as u32).chain(0..b.len() as u32).collect();
+    let docs: Vec<u32> = std::iter::repeat_n(0, a.len())
+        .chain(std::iter::repeat_n(1, b.len()))
+        .collect();
+    let input = TokenBatch {
+        tokens: &packed,
+        positions: &pos,
+        document_ids: Some(&docs),
+        batch: 1,
+    };
+    let both = HostTensor::from_tensor(&model.forward(input, ForwardMode::default()));
+    let vocab = 2048;
+    let split = a.len() * vocab;
+    let first = HostTensor::new(vec![1, a.len(), vocab], both.data[..split].to_vec());
+    let second = HostTensor::new(vec![1, b.len(), vocab], both.data[split..].to_vec());
+    assert_close("first packed sample", &first, &alone(a), 1e-5);
+    assert_close("second packed sample", &second, &alone(b), 1e-5);
+}
