@@ -8,6 +8,7 @@ pub mod progress;
 pub mod schedule;
 pub mod sft;
 pub mod checkpointing;
+pub mod dpo;
 pub mod step;
 pub mod tensorboard;
 pub mod trainer;
