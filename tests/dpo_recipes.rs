@@ -166,27 +166,27 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     assert_eq!(tensors(&split.0.join("epoch_3/adapter_model.safetensors")), adapter, "final adapter");
 }
 
+/// Full DPO at the config's learning rate (1e-5): 3 epochs over the 20 pairs, 10 steps each;
+/// the last epoch ranks the pairs it has seen better than the first did.
 #[test]
 fn full_dpo_trains_against_frozen_reference() {
     let out = TempDir::new("full");
     let data = alpaca_pairs(&out.0);
-    run_ok(
-        "full_dpo_single_device",
-        "full_dpo_single_device",
-        &out.0,
-        &["batch_size=2", "max_steps_per_epoch=8", "epochs=1", &data],
-    );
+    run_ok("full_dpo_single_device", "full_dpo_single_device", &out.0, &["batch_size=2", "epochs=3", &data]);
     let rows = metrics(&out.0);
-    assert_eq!(rows.len(), 8);
+    assert_eq!(rows.len(), 30);
     let margins = series(&rows, "rewards/margins");
+    let accuracies = series(&rows, "rewards/accuracies");
     let losses = series(&rows, "loss");
-    let (m0, m1) = (mean(&margins[..3]), mean(&margins[5..]));
-    let (l0, l1) = (mean(&losses[..3]), mean(&losses[5..]));
-    eprintln!("full DPO: margins {m0:.4} -> {m1:.4}; loss {l0:.4} -> {l1:.4}");
-    assert!(m1 > m0 && l1 < l0, "margins {m0} -> {m1}, loss {l0} -> {l1}");
-    // At step 1 the policy is the reference, so the loss is ln 2 exactly.
+    let (m0, m1) = (mean(&margins[..10]), mean(&margins[20..]));
+    let (a0, a1) = (mean(&accuracies[..10]), mean(&accuracies[20..]));
+    let (l0, l1) = (mean(&losses[..10]), mean(&losses[20..]));
+    eprintln!("full DPO: margins {m0:.4} -> {m1:.4}; accuracies {a0:.3} -> {a1:.3}; loss {l0:.4} -> {l1:.4}");
+    assert!(m1 > m0 + 0.05 && a1 > a0 && l1 < l0, "margins {m0} -> {m1}, accuracies {a0} -> {a1}, loss {l0} -> {l1}");
+    // At step 1 the policy is the reference, so the loss is ln 2.
     assert!((losses[0] - std::f64::consts::LN_2).abs() < 1e-5, "first loss {}", losses[0]);
-    assert!(out.0.join("epoch_0/config.json").is_file(), "a full Hugging Face model is saved");
+    assert!(out.0.join("epoch_2/config.json").is_file(), "a full Hugging Face model is saved");
+    assert!(out.0.join("epoch_2/model.safetensors").is_file(), "a full Hugging Face model is saved");
 }
 
 #[test]
