@@ -2,8 +2,10 @@
 //! the pieces from the config, train through the shared trainer core, save). They compose the
 //! library; the library never knows about them.
 
+pub mod full_dpo_single_device;
 pub mod full_finetune_single_device;
 pub mod generate;
+pub mod lora_dpo_single_device;
 pub mod lora_finetune_single_device;
 
 use std::path::PathBuf;
@@ -44,6 +46,8 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             match recipe {
                 Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
                 Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
+                Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx),
+                Recipe::FullDpo => full_dpo_single_device::run(cfg, ctx),
                 other => anyhow::bail!(
                     "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                     other.torchtune_name()
@@ -51,6 +55,17 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             }
         }
         RecipeConfig::Generate(cfg) => generate::run(cfg, ctx),
+    }
+}
+
+/// The DPO recipes train on chosen / rejected pairs; an SFT dataset has no rejected side.
+pub fn require_preference_data(dataset: &tune::data::Dataset) -> anyhow::Result<()> {
+    match dataset.samples() {
+        tune::data::Samples::Preference(_) => Ok(()),
+        _ => anyhow::bail!(
+            "dataset: DPO trains on preference pairs, but this dataset has no chosen/rejected responses; use \
+             torchtune.datasets.preference_dataset, hh_rlhf_helpful_dataset or stack_exchange_paired_dataset"
+        ),
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub mod data;
 pub mod logging;
+pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod run;

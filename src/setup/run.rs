@@ -68,6 +68,14 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
     put("shuffle", cfg.shuffle.into());
     put("seed", seed.into());
     put("optimizer", json(&cfg.optimizer));
+    // DPO: the loss's beta and the reference model shape every step after the first.
+    put("loss", json(&cfg.loss));
+    if let Some(reference) = &cfg.ref_checkpointer {
+        put(
+            "ref_checkpointer.checkpoint_dir",
+            serde_json::json!(reference.checkpoint_dir),
+        );
+    }
     RunFingerprint(map)
 }
 

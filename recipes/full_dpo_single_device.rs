@@ -1,0 +1,105 @@
+//! Full DPO on one device (torchtune's `full_dpo_single_device.py`): every weight of the
+//! policy trains against a frozen reference model loaded from `ref_checkpointer`. Each
+//! checkpoint is a complete Hugging Face model directory.
+
+use anyhow::Context;
+use burn::tensor::backend::AutodiffBackend;
+
+use tune::checkpoint::hf::load_model;
+use tune::config::schema::TrainConfig;
+use tune::models::Trainable;
+use tune::setup::{data, logging, loss, model, optim, run as settings};
+use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::dpo::{DpoLoss, DpoReference};
+use tune::training::optimizer::Optimizer;
+use tune::training::{TrainState, Trainer};
+
+use super::RunContext;
+
+pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+    let seed = settings::seed(cfg);
+    let output_dir = settings::checkpoint_dir(cfg);
+    let fingerprint = settings::fingerprint(cfg, seed);
+
+    // Policy: from the checkpointer, or from the checkpoint being resumed (it holds every weight).
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
+    let loaded = match &resume {
+        Some(r) => {
+            eprintln!(
+                "Resuming from {} at step {}",
+                r.dir.display(),
+                r.state.global_step
+            );
+            load_model::<B>(&r.dir, None, &ctx.device)?
+        }
+        None => model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?,
+    };
+    let storage_dtype = loaded.storage_dtype;
+    let policy = loaded.model.set_trainable(Trainable::All);
+
+    // Reference: frozen, on the backend without autodiff, so it never joins the graph.
+    let ref_cfg = cfg
+        .ref_checkpointer
+        .as_ref()
+        .context("full DPO needs `ref_checkpointer`: the frozen reference model (usually the same checkpoint as `checkpointer`)")?;
+    let reference = model::load::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &ctx.device)?.model;
+
+    // Data: chosen / rejected pairs.
+    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
+    super::require_preference_data(&dataset)?;
+    let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
+
+    // Loss: DPO against the frozen reference.
+    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::Frozen(reference));
+
+    // Optimizer, schedule, metrics, checkpoints.
+    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
+    let mut state = TrainState::default();
+    if let Some(r) = resume {
+        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &ctx.device);
+        state = r.state;
+    }
+    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let mut saver = RunCheckpointer::new(
+        output_dir.clone(),
+        cfg.keep_last_n_checkpoints,
+        ctx.recipe.torchtune_name(),
+        SaveContent::FullModel,
+        fingerprint,
+        cfg.checkpointer.checkpoint_dir.clone(),
+        storage_dtype,
+        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
+    )?;
+    eprintln!(
+        "Full DPO of {} ({} parameters) against {}; beta {}; {} pairs; seed {seed}; metrics in {log_dir}",
+        cfg.checkpointer.checkpoint_dir.display(),
+        policy.args.num_params(),
+        ref_cfg.checkpoint_dir.display(),
+        dpo.settings.beta,
+        dataset.len(),
+    );
+
+    // Train.
+    let trainer = Trainer {
+        settings: settings::trainer_settings(cfg, seed),
+        model: policy,
+        optimizer,
+        state,
+        loggers,
+        show_progress: true,
+    };
+    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut dpo, &mut saver)?;
+    saver.finish()?;
+    super::report(&summary, saver.last_published.as_ref());
+    Ok(())
+}

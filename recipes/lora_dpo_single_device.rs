@@ -1,0 +1,111 @@
+//! LoRA DPO on one device (torchtune's `lora_dpo_single_device.py`).
+//!
+//! Direct Preference Optimization with LoRA: the base model stays frozen and the adapters
+//! train so that the policy prefers each pair's chosen response over its rejected one, relative
+//! to the reference. The reference is the same model with its adapters disabled, so no second
+//! copy of the weights is held. Output: a PEFT adapter per checkpoint, plus the merged model
+//! in Hugging Face format unless `save_adapter_weights_only: true`.
+
+use anyhow::Context;
+use burn::tensor::backend::AutodiffBackend;
+
+use tune::config::schema::TrainConfig;
+use tune::models::Trainable;
+use tune::setup::{data, logging, loss, model, optim, run as settings};
+use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::dpo::{DpoLoss, DpoReference};
+use tune::training::optimizer::Optimizer;
+use tune::training::{TrainState, Trainer};
+
+use super::RunContext;
+
+pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+    let seed = settings::seed(cfg);
+    let output_dir = settings::checkpoint_dir(cfg);
+    let fingerprint = settings::fingerprint(cfg, seed);
+
+    // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
+    // adapters switched off it is also the reference model.
+    let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let storage_dtype = loaded.storage_dtype;
+    let mut policy = loaded.model;
+    let plan = model::lora_plan(&cfg.model)?;
+    let adapter_config = model::attach_adapters(&mut policy, &plan, &cfg.checkpointer, seed)?;
+
+    // Resume: the adapter and optimizer state of the latest complete checkpoint.
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
+    if let Some(r) = &resume {
+        tune::checkpoint::peft::load_adapter(&mut policy, &r.dir)
+            .with_context(|| format!("loading the adapter to resume from {}", r.dir.display()))?;
+        eprintln!(
+            "Resuming from {} at step {}",
+            r.dir.display(),
+            r.state.global_step
+        );
+    }
+    let policy = policy.set_trainable(Trainable::AdaptersOnly);
+
+    // Data: chosen / rejected pairs.
+    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
+    super::require_preference_data(&dataset)?;
+    let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
+
+    // Loss: DPO against the adapter-free model.
+    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::AdaptersDisabled);
+
+    // Optimizer, schedule, metrics, checkpoints.
+    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
+    let mut state = TrainState::default();
+    if let Some(r) = resume {
+        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &ctx.device);
+        state = r.state;
+    }
+    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let content = SaveContent::Adapter {
+        config: adapter_config,
+        merged_model: !cfg.save_adapter_weights_only,
+    };
+    let mut saver = RunCheckpointer::new(
+        output_dir.clone(),
+        cfg.keep_last_n_checkpoints,
+        ctx.recipe.torchtune_name(),
+        content,
+        fingerprint,
+        cfg.checkpointer.checkpoint_dir.clone(),
+        storage_dtype,
+        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
+    )?;
+    eprintln!(
+        "LoRA DPO of {} (rank {}, alpha {}, on {}; beta {}) on {} pairs; seed {seed}; metrics in {log_dir}",
+        cfg.checkpointer.checkpoint_dir.display(),
+        plan.settings.rank,
+        plan.settings.alpha,
+        plan.targets.join(", "),
+        dpo.settings.beta,
+        dataset.len(),
+    );
+
+    // Train.
+    let trainer = Trainer {
+        settings: settings::trainer_settings(cfg, seed),
+        model: policy,
+        optimizer,
+        state,
+        loggers,
+        show_progress: true,
+    };
+    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut dpo, &mut saver)?;
+    saver.finish()?;
+    super::report(&summary, saver.last_published.as_ref());
+    Ok(())
+}

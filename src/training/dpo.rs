@@ -1,0 +1,260 @@
+//! Direct Preference Optimization (torchtune's `rlhf.loss.DPOLoss`, the sigmoid form, and the
+//! DPO recipes' `concatenated_forward`).
+//!
+//! A preference batch holds the chosen rows first and the rejected rows after them
+//! (`data::collate_preference`), so one forward pass scores both. Each row's score is the sum of
+//! its response tokens' log-probabilities. The reference scores carry no gradient: for LoRA the
+//! reference is the same model with its adapters switched off (no second copy of the weights);
+//! for full DPO it is a frozen model on the non-autodiff backend.
+
+use burn::tensor::activation::log_sigmoid;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
+
+use super::loss::sequence_log_probs;
+use super::sft::token_batch;
+use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use crate::data::Batch;
+use crate::models::CausalLm;
+use crate::modules::ForwardMode;
+
+/// `DPOLoss(beta, label_smoothing)`; torchtune's defaults are 0.1 and 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DpoSettings {
+    /// How far the policy may drift from the reference (the KL penalty's inverse temperature).
+    pub beta: f64,
+    /// Conservative DPO: the assumed probability that a pair's preference label is flipped.
+    pub label_smoothing: f64,
+}
+
+impl Default for DpoSettings {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            label_smoothing: 0.0,
+        }
+    }
+}
+
+/// Per-pair results of the DPO loss, each `[pairs]`.
+pub struct DpoTerms<B: Backend> {
+    pub losses: Tensor<B, 1>,
+    /// `beta * (policy_chosen - reference_chosen)`, detached.
+    pub chosen_rewards: Tensor<B, 1>,
+    /// `beta * (policy_rejected - reference_rejected)`, detached.
+    pub rejected_rewards: Tensor<B, 1>,
+}
+
+/// The DPO loss from sequence log-probabilities:
+/// `-logsigmoid(beta * logits) * (1 - ls) - logsigmoid(-beta * logits) * ls` with
+/// `logits = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)`.
+pub fn dpo_loss<B: Backend>(
+    settings: DpoSettings,
+    policy_chosen: Tensor<B, 1>,
+    policy_rejected: Tensor<B, 1>,
+    reference_chosen: Tensor<B, 1>,
+    reference_rejected: Tensor<B, 1>,
+) -> DpoTerms<B> {
+    let DpoSettings {
+        beta,
+        label_smoothing,
+    } = settings;
+    let logits = (policy_chosen.clone() - policy_rejected.clone())
+        - (reference_chosen.clone() - reference_rejected.clone());
+    let mut losses = log_sigmoid(logits.clone() * beta).neg() * (1.0 - label_smoothing);
+    // Skipping the smoothing term when it is zero keeps the graph (and the gradient) exactly
+    // torchtune's for the default.
+    if label_smoothing != 0.0 {
+        losses = losses - log_sigmoid(logits.neg() * beta) * label_smoothing;
+    }
+    DpoTerms {
+        losses,
+        chosen_rewards: (policy_chosen - reference_chosen).detach() * beta,
+        rejected_rewards: (policy_rejected - reference_rejected).detach() * beta,
+    }
+}
+
+/// Sequence log-probabilities of a preference batch, split into its chosen and rejected halves.
+pub struct PairLogProbs<B: Backend> {
+    /// `[pairs]`
+    pub chosen: Tensor<B, 1>,
+    /// `[pairs]`
+    pub rejected: Tensor<B, 1>,
+}
+
+/// Pairs in a preference batch: its rows are chosen then rejected, so there must be an even
+/// number of them.
+pub fn pairs_in(batch: &Batch) -> Result<usize, TrainError> {
+    if batch.batch_size == 0 || batch.batch_size % 2 != 0 {
+        return Err(TrainError::Other(format!(
+            "DPO needs a preference dataset (chosen rows then rejected rows in each batch), but a batch has {} rows; \
+             use a preference dataset such as torchtune.datasets.stack_exchange_paired_dataset or preference_dataset",
+            batch.batch_size
+        )));
+    }
+    Ok(batch.batch_size / 2)
+}
+
+/// One forward pass over chosen and rejected rows together; returns the per-row sequence
+/// log-probabilities split in halves, and the full-vocabulary logits for metrics.
+pub fn concatenated_forward<B: Backend>(
+    model: &CausalLm<B>,
+    batch: &Batch,
+    mode: ForwardMode,
+) -> Result<(PairLogProbs<B>, Tensor<B, 3>), TrainError> {
+    let pairs = pairs_in(batch)?;
+    let logits = model.forward(token_batch(batch), mode);
+    let all = sequence_log_probs(logits.clone(), &batch.labels);
+    let log_probs = PairLogProbs {
+        chosen: all.clone().narrow(0, 0, pairs),
+        rejected: all.narrow(0, pairs, pairs),
+    };
+    Ok((log_probs, logits))
+}
+
+/// What the reference scores come from.
+pub enum DpoReference<B: AutodiffBackend> {
+    /// LoRA DPO: the policy itself with its adapters disabled.
+    AdaptersDisabled,
+    /// Full DPO: a frozen model, kept off the autodiff graph.
+    Frozen(CausalLm<B::InnerBackend>),
+}
+
+/// Everything one DPO step computes, for the loss step and for tests.
+pub struct DpoForward<B: AutodiffBackend> {
+    pub policy: PairLogProbs<B>,
+    /// Detached.
+    pub reference: PairLogProbs<B>,
+    pub terms: DpoTerms<B>,
+    /// Means of the policy's logits over the chosen and the rejected rows (torchtune's
+    /// `logits/chosen`, `logits/rejected`).
+    pub logits_mean: (f64, f64),
+}
+
+/// The DPO loss step shared by the LoRA and full DPO recipes.
+pub struct DpoLoss<B: AutodiffBackend> {
+    pub settings: DpoSettings,
+    pub reference: DpoReference<B>,
+}
+
+impl<B: AutodiffBackend> DpoLoss<B> {
+    pub fn new(settings: DpoSettings, reference: DpoReference<B>) -> Self {
+        Self {
+            settings,
+            reference,
+        }
+    }
+
+    fn reference_log_probs(
+        &self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+    ) -> Result<PairLogProbs<B>, TrainError> {
+        let mode = ForwardMode {
+            adapters: false,
+            fake_quant: true,
+            train: false,
+        };
+        Ok(match &self.reference {
+            DpoReference::AdaptersDisabled => {
+                let (lp, _) = concatenated_forward(model, batch, mode)?;
+                PairLogProbs {
+                    chosen: lp.chosen.detach(),
+                    rejected: lp.rejected.detach(),
+                }
+            }
+            DpoReference::Frozen(reference) => {
+                let (lp, _) = concatenated_forward(reference, batch, mode)?;
+                PairLogProbs {
+                    chosen: Tensor::from_inner(lp.chosen),
+                    rejected: Tensor::from_inner(lp.rejected),
+                }
+            }
+        })
+    }
+
+    /// Policy and reference scores and the loss terms for one preference batch.
+    pub fn forward(&self, model: &CausalLm<B>, batch: &Batch) -> Result<DpoForward<B>, TrainError> {
+        let policy_mode = ForwardMode {
+            adapters: true,
+            fake_quant: true,
+            train: true,
+        };
+        let (policy, logits) = concatenated_forward(model, batch, policy_mode)?;
+        let reference = self.reference_log_probs(model, batch)?;
+        let pairs = policy.chosen.dims()[0];
+        let mean = |t: Tensor<B, 3>| -> f64 { t.detach().mean().into_scalar().elem() };
+        let logits_mean = (
+            mean(logits.clone().narrow(0, 0, pairs)),
+            mean(logits.narrow(0, pairs, pairs)),
+        );
+        let terms = dpo_loss(
+            self.settings,
+            policy.chosen.clone(),
+            policy.rejected.clone(),
+            reference.chosen.clone(),
+            reference.rejected.clone(),
+        );
+        Ok(DpoForward {
+            policy,
+            reference,
+            terms,
+            logits_mean,
+        })
+    }
+}
+
+fn host<B: Backend>(t: &Tensor<B, 1>) -> Vec<f64> {
+    t.to_data().iter::<f64>().collect()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// torchtune's DPO metrics, each a mean over the pairs of the batch.
+pub fn metrics<B: AutodiffBackend>(out: &DpoForward<B>) -> Vec<(&'static str, f64)> {
+    let chosen = host(&out.terms.chosen_rewards);
+    let rejected = host(&out.terms.rejected_rewards);
+    let wins: Vec<f64> = chosen
+        .iter()
+        .zip(&rejected)
+        .map(|(c, r)| if c > r { 1.0 } else { 0.0 })
+        .collect();
+    let margins: Vec<f64> = chosen.iter().zip(&rejected).map(|(c, r)| c - r).collect();
+    vec![
+        ("rewards/chosen", mean(&chosen)),
+        ("rewards/rejected", mean(&rejected)),
+        ("rewards/accuracies", mean(&wins)),
+        ("rewards/margins", mean(&margins)),
+        (
+            "log_probs/chosen",
+            mean(&host(&out.policy.chosen.clone().detach())),
+        ),
+        (
+            "log_probs/rejected",
+            mean(&host(&out.policy.rejected.clone().detach())),
+        ),
+        ("logits/chosen", out.logits_mean.0),
+        ("logits/rejected", out.logits_mean.1),
+    ]
+}
+
+impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError> {
+        let out = self.forward(model, batch)?;
+        let pairs = out.policy.chosen.dims()[0];
+        let metrics = metrics(&out);
+        Ok(StepOutput {
+            loss: out.terms.losses.mean(),
+            weight: pairs,
+            tokens: batch.tokens.len(),
+            metrics,
+        })
+    }
+}
