@@ -3,6 +3,7 @@
 //! library; the library never knows about them.
 
 pub mod full_finetune_single_device;
+pub mod knowledge_distillation_single_device;
 pub mod lora_finetune_single_device;
 
 use std::path::PathBuf;
@@ -31,6 +32,7 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             match recipe {
             Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
             Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
+            Recipe::KnowledgeDistillation => knowledge_distillation_single_device::run(cfg, ctx),
             other => anyhow::bail!(
                 "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                 other.torchtune_name()

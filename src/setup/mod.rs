@@ -6,6 +6,7 @@ pub mod logging;
 pub mod model;
 pub mod optim;
 pub mod run;
+pub mod teacher;
 
 use std::path::PathBuf;
 

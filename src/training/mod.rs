@@ -1,6 +1,7 @@
 //! Training: losses, optimizers, schedules, metrics and the trainer core every recipe shares.
 
 pub mod grads;
+pub mod kd;
 pub mod loss;
 pub mod metrics;
 pub mod optimizer;
