@@ -59,7 +59,7 @@ fn distillation_lowers_the_kd_loss() {
     assert_eq!(kd.len(), 40, "one kd_loss per step: {rows:?}");
     assert_eq!(class.len(), 40, "one class_loss per step");
     let (first, last) = (mean(&kd[..5]), mean(&kd[35..]));
-    assert!(last < first * 0.9, "kd_loss should fall: first steps {first:.4}, last steps {last:.4}");
+    assert!(last < first - 0.5, "kd_loss should fall: first steps {first:.4}, last steps {last:.4}");
     // The trainer's loss is the kd_ratio mix of the two.
     let loss = series(&rows, "loss");
     for ((_, l), ((_, c), (_, k))) in loss.iter().zip(class.iter().zip(&kd)) {
@@ -85,7 +85,7 @@ fn copy_dir(src: &Path, dst: &Path) {
 
 #[test]
 fn resuming_from_a_mid_run_checkpoint_is_exact() {
-    let common_args = ["max_steps_per_epoch=8", "save_every_n_steps=4", "save_adapter_weights_only=True"];
+    let common_args = ["epochs=1", "max_steps_per_epoch=8", "save_every_n_steps=4", "save_adapter_weights_only=True"];
     // The uninterrupted run: 8 steps, with a checkpoint at step 4.
     let full = TempDir::new("kd-full");
     let (ok, stderr) = tune_run(&full.0, &overrides(&common_args));
