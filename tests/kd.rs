@@ -211,3 +211,28 @@ fn teacher_with_another_tokenizer_is_refused() {
     assert!(err.contains("the teacher must share the student's tokenizer"), "{err}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn teacher_with_a_peft_adapter_loads_it() {
+    // tiny-llama + the fixture adapter as the teacher: its logits are peft's for that pair.
+    let yaml = format!(
+        "_component_: torchtune.training.FullModelHFCheckpointer\ncheckpoint_dir: {}\nadapter_checkpoint: {}\nmodel_type: LLAMA3\n",
+        fixture("tiny-llama").display(),
+        fixture("tiny-llama-lora").display()
+    );
+    let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
+    let student_args = tune::checkpoint::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let device = Default::default();
+    let teacher = tune::setup::teacher::load::<Cpu>(&cfg, &student_args, &student_tokenizer(), &device).unwrap();
+    let step = KdLoss::<CpuAutodiff> { teacher, objective: KdObjective::ForwardKl, kd_ratio: 0.5 };
+    let base = Reference::open("tiny-llama.safetensors");
+    let logits = step.teacher_logits(&reference_batch(&base));
+    let want = Reference::open("tiny-llama-lora.safetensors").f32("logits");
+    assert_close("teacher logits with adapter", &HostTensor::from_tensor(&logits), &want, 1e-4);
+
+    // A missing adapter names the teacher's key.
+    let bad: tune::config::schema::CheckpointerConfig =
+        serde_yaml::from_str(&yaml.replace("tiny-llama-lora", "no-such-adapter")).unwrap();
+    let err = tune::setup::teacher::load::<Cpu>(&bad, &student_args, &student_tokenizer(), &device).unwrap_err();
+    assert!(err.to_string().starts_with("teacher_checkpointer.adapter_checkpoint"), "{err}");
+}
