@@ -26,12 +26,22 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let seed = settings::seed(cfg);
     let output_dir = settings::checkpoint_dir(cfg);
     let fingerprint = settings::fingerprint(cfg, seed);
-    let teacher_ckpt = cfg.teacher_checkpointer.as_ref().context("teacher_checkpointer: required for distillation")?;
-    let kd_loss_cfg = cfg.kd_loss.as_ref().context("kd_loss: required for distillation")?;
+    let teacher_ckpt = cfg
+        .teacher_checkpointer
+        .as_ref()
+        .context("teacher_checkpointer: required for distillation")?;
+    let kd_loss_cfg = cfg
+        .kd_loss
+        .as_ref()
+        .context("kd_loss: required for distillation")?;
     let objective = teacher::kd_objective(kd_loss_cfg)?;
     let kd_ratio = teacher::kd_ratio(cfg.kd_ratio())?;
     let lora = model::is_lora(&cfg.model);
-    let resume = if cfg.resume_from_checkpoint { find_resume(&output_dir, &fingerprint)? } else { None };
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
 
     // Tokenizer first: the teacher is checked against it before any weights load.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;
@@ -48,25 +58,53 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         let plan = model::lora_plan(&cfg.model)?;
         let adapter_config = model::attach_adapters(&mut student, &plan, &cfg.checkpointer, seed)?;
         if let Some(r) = &resume {
-            tune::checkpoint::peft::load_adapter(&mut student, &r.dir)
-                .with_context(|| format!("loading the adapter to resume from {}", r.dir.display()))?;
+            tune::checkpoint::peft::load_adapter(&mut student, &r.dir).with_context(|| {
+                format!("loading the adapter to resume from {}", r.dir.display())
+            })?;
         }
-        let shape = format!("LoRA rank {}, alpha {}, on {}", plan.settings.rank, plan.settings.alpha, plan.targets.join(", "));
-        (SaveContent::Adapter { config: adapter_config, merged_model: !cfg.save_adapter_weights_only }, shape)
+        let shape = format!(
+            "LoRA rank {}, alpha {}, on {}",
+            plan.settings.rank,
+            plan.settings.alpha,
+            plan.targets.join(", ")
+        );
+        (
+            SaveContent::Adapter {
+                config: adapter_config,
+                merged_model: !cfg.save_adapter_weights_only,
+            },
+            shape,
+        )
     } else {
-        (SaveContent::FullModel, format!("full, {} parameters", student.args.num_params()))
+        (
+            SaveContent::FullModel,
+            format!("full, {} parameters", student.args.num_params()),
+        )
     };
     if let Some(r) = &resume {
-        eprintln!("Resuming from {} at step {}", r.dir.display(), r.state.global_step);
+        eprintln!(
+            "Resuming from {} at step {}",
+            r.dir.display(),
+            r.state.global_step
+        );
     }
-    let student = student.set_trainable(if lora { Trainable::AdaptersOnly } else { Trainable::All });
+    let student = student.set_trainable(if lora {
+        Trainable::AdaptersOnly
+    } else {
+        Trainable::All
+    });
 
     // Teacher: frozen, on the inner backend (no autodiff graph, no optimizer state).
     let teacher_model =
         teacher::load::<B::InnerBackend>(teacher_ckpt, &student.args, &tokenizer, &ctx.device)?;
 
     // Data.
-    let dataset = data::dataset(&cfg.dataset, &tokenizer, cfg.tokenizer.max_seq_len, &ctx.base_dir)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Optimizer, schedule, metrics, checkpoints.
@@ -104,7 +142,11 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         loggers,
         show_progress: true,
     };
-    let mut loss = KdLoss::<B> { teacher: teacher_model, objective, kd_ratio };
+    let mut loss = KdLoss::<B> {
+        teacher: teacher_model,
+        objective,
+        kd_ratio,
+    };
     let (summary, _student) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;
     super::report(&summary, saver.last_published.as_ref());

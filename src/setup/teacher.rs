@@ -31,14 +31,17 @@ pub fn kd_objective(cfg: &LossConfig) -> Result<KdObjective, SetupError> {
             if !(0.0..=1.0).contains(&sym_kd_ratio) {
                 return Err(SetupError::Invalid {
                     key: "kd_loss.sym_kd_ratio".into(),
-                    message: format!("{sym_kd_ratio} is outside [0, 1]: it weighs forward against reverse KL"),
+                    message: format!(
+                        "{sym_kd_ratio} is outside [0, 1]: it weighs forward against reverse KL"
+                    ),
                 });
             }
             Ok(KdObjective::SymmetricKl { sym_kd_ratio })
         }
         _ => Err(SetupError::Invalid {
             key: "kd_loss._component_".into(),
-            message: "not a distillation loss: use ForwardKLLoss, ReverseKLLoss or SymmetricKLLoss".into(),
+            message: "not a distillation loss: use ForwardKLLoss, ReverseKLLoss or SymmetricKLLoss"
+                .into(),
         }),
     }
 }
@@ -50,7 +53,9 @@ pub fn kd_ratio(ratio: f64) -> Result<f64, SetupError> {
     } else {
         Err(SetupError::Invalid {
             key: "kd_ratio".into(),
-            message: format!("{ratio} is outside [0, 1]: the loss is (1 - kd_ratio) * class_loss + kd_ratio * kd_loss"),
+            message: format!(
+                "{ratio} is outside [0, 1]: the loss is (1 - kd_ratio) * class_loss + kd_ratio * kd_loss"
+            ),
         })
     }
 }
@@ -58,9 +63,17 @@ pub fn kd_ratio(ratio: f64) -> Result<f64, SetupError> {
 /// Checks that the teacher in `teacher_dir` can teach a student with `student` args and
 /// `tokenizer`: the same vocabulary size, and (if the teacher ships a tokenizer.json) the same
 /// token for every id. Returns the teacher's args.
-pub fn check_compatible(student: &ModelArgs, tokenizer: &Tokenizer, teacher_dir: &Path) -> Result<ModelArgs, SetupError> {
-    let teacher = load_args(teacher_dir).map_err(|source| SetupError::Model { key: KEY, source })?;
-    let invalid = |message: String| SetupError::Invalid { key: format!("{KEY}.checkpoint_dir"), message };
+pub fn check_compatible(
+    student: &ModelArgs,
+    tokenizer: &Tokenizer,
+    teacher_dir: &Path,
+) -> Result<ModelArgs, SetupError> {
+    let teacher =
+        load_args(teacher_dir).map_err(|source| SetupError::Model { key: KEY, source })?;
+    let invalid = |message: String| SetupError::Invalid {
+        key: format!("{KEY}.checkpoint_dir"),
+        message,
+    };
     if teacher.vocab_size != student.vocab_size {
         return Err(invalid(format!(
             "teacher vocab_size {} != student vocab_size {}: the teacher must share the student's tokenizer",
@@ -92,7 +105,8 @@ fn tokenizer_difference(student: &Tokenizer, teacher: &Tokenizer) -> Option<Stri
     }
     (0..student.vocab_size() as u32).find_map(|id| {
         let (s, t) = (student.id_to_token(id), teacher.id_to_token(id));
-        (s != t).then(|| format!("token id {id} is {t:?} for the teacher but {s:?} for the student"))
+        (s != t)
+            .then(|| format!("token id {id} is {t:?} for the teacher but {s:?} for the student"))
     })
 }
 

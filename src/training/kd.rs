@@ -29,11 +29,18 @@ pub enum KdObjective {
 }
 
 impl KdObjective {
-    pub fn loss<B: Backend>(self, student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+    pub fn loss<B: Backend>(
+        self,
+        student: Tensor<B, 3>,
+        teacher: Tensor<B, 3>,
+        labels: &[i64],
+    ) -> Tensor<B, 1> {
         match self {
             Self::ForwardKl => forward_kl(student, teacher, labels),
             Self::ReverseKl => reverse_kl(student, teacher, labels),
-            Self::SymmetricKl { sym_kd_ratio } => symmetric_kl(student, teacher, labels, sym_kd_ratio),
+            Self::SymmetricKl { sym_kd_ratio } => {
+                symmetric_kl(student, teacher, labels, sym_kd_ratio)
+            }
         }
     }
 }
@@ -47,25 +54,42 @@ struct Shifted<B: Backend> {
 }
 
 fn shifted<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i64]) -> Shifted<B> {
-    assert_eq!(student.dims(), teacher.dims(), "student and teacher logits must have the same shape");
+    assert_eq!(
+        student.dims(),
+        teacher.dims(),
+        "student and teacher logits must have the same shape"
+    );
     let batch = student.dims()[0];
     let device = student.device();
     let (_, mask) = shifted_targets(labels, batch);
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
     let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
-    Shifted { student: shift_logits(student), teacher: shift_logits(teacher), mask, count }
+    Shifted {
+        student: shift_logits(student),
+        teacher: shift_logits(teacher),
+        mask,
+        count,
+    }
 }
 
 /// `-sum(x * mask) / sum(mask)` for per-position sums `x` `[rows, 1]`; zero when nothing counts.
-fn negative_masked_mean<B: Backend>(x: Tensor<B, 2>, mask: Tensor<B, 1>, count: usize) -> Tensor<B, 1> {
+fn negative_masked_mean<B: Backend>(
+    x: Tensor<B, 2>,
+    mask: Tensor<B, 1>,
+    count: usize,
+) -> Tensor<B, 1> {
     let rows = mask.dims()[0];
     (x.reshape([rows]) * mask).sum().neg() / count.max(1) as f64
 }
 
 /// torchtune `ForwardKLLoss`: `-sum_v softmax(teacher) * log_softmax(student)`, averaged over
 /// the counted positions.
-pub fn forward_kl<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+pub fn forward_kl<B: Backend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    labels: &[i64],
+) -> Tensor<B, 1> {
     let s = shifted(student, teacher, labels);
     let inf = s.student.clone().is_inf();
     let teacher_prob = softmax(s.teacher, 1);
@@ -75,9 +99,17 @@ pub fn forward_kl<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labe
 }
 
 /// torchtune `ReverseKLLoss`: `-sum_v softmax(student) * (log_softmax(teacher) - log_softmax(student))`.
-pub fn reverse_kl<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
+pub fn reverse_kl<B: Backend>(
+    student: Tensor<B, 3>,
+    teacher: Tensor<B, 3>,
+    labels: &[i64],
+) -> Tensor<B, 1> {
     let s = shifted(student, teacher, labels);
-    let inf = s.student.clone().is_inf().bool_or(s.teacher.clone().is_inf());
+    let inf = s
+        .student
+        .clone()
+        .is_inf()
+        .bool_or(s.teacher.clone().is_inf());
     let student_prob = softmax(s.student.clone(), 1);
     let student_logprob = log_softmax(s.student, 1);
     let teacher_logprob = log_softmax(s.teacher, 1);
@@ -99,7 +131,11 @@ pub fn symmetric_kl<B: Backend>(
 }
 
 /// The recipe's objective: `(1 - kd_ratio) * class_loss + kd_ratio * kd_loss`.
-pub fn total_loss<B: Backend>(class_loss: Tensor<B, 1>, kd_loss: Tensor<B, 1>, kd_ratio: f64) -> Tensor<B, 1> {
+pub fn total_loss<B: Backend>(
+    class_loss: Tensor<B, 1>,
+    kd_loss: Tensor<B, 1>,
+    kd_ratio: f64,
+) -> Tensor<B, 1> {
     class_loss * (1.0 - kd_ratio) + kd_loss * kd_ratio
 }
 
@@ -116,21 +152,42 @@ impl<B: AutodiffBackend> KdLoss<B> {
     /// The teacher's logits for `batch`, as a constant of the autodiff graph. Its adapters
     /// (a PEFT teacher) apply; dropout does not (the teacher is in eval mode).
     pub fn teacher_logits(&self, batch: &Batch) -> Tensor<B, 3> {
-        let mode = ForwardMode { adapters: true, fake_quant: false, train: false };
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: false,
+            train: false,
+        };
         Tensor::from_inner(self.teacher.forward(token_batch(batch), mode))
     }
 }
 
 impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
-    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, _info: StepInfo) -> Result<StepOutput<B>, TrainError> {
-        let mode = ForwardMode { adapters: true, fake_quant: false, train: true };
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError> {
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: false,
+            train: true,
+        };
         let logits = model.forward(token_batch(batch), mode);
         let teacher_logits = self.teacher_logits(batch);
         let class_loss = loss::cross_entropy(logits.clone(), &batch.labels);
         let kd_loss = self.objective.loss(logits, teacher_logits, &batch.labels);
-        let metrics = vec![("class_loss", scalar(&class_loss)), ("kd_loss", scalar(&kd_loss))];
+        let metrics = vec![
+            ("class_loss", scalar(&class_loss)),
+            ("kd_loss", scalar(&kd_loss)),
+        ];
         let loss = total_loss(class_loss, kd_loss, self.kd_ratio);
-        Ok(StepOutput { loss, weight: batch.num_trained_tokens, tokens: batch.tokens.len(), metrics })
+        Ok(StepOutput {
+            loss,
+            weight: batch.num_trained_tokens,
+            tokens: batch.tokens.len(),
+            metrics,
+        })
     }
 }
 
