@@ -20,10 +20,18 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let fingerprint = settings::fingerprint(cfg, seed);
 
     // Model: from the checkpointer, or from the checkpoint being resumed (it holds every weight).
-    let resume = if cfg.resume_from_checkpoint { find_resume(&output_dir, &fingerprint)? } else { None };
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
     let loaded = match &resume {
         Some(r) => {
-            eprintln!("Resuming from {} at step {}", r.dir.display(), r.state.global_step);
+            eprintln!(
+                "Resuming from {} at step {}",
+                r.dir.display(),
+                r.state.global_step
+            );
             load_model::<B>(&r.dir, None, &ctx.device)?
         }
         None => model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?,
@@ -33,7 +41,12 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
 
     // Data.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;
-    let dataset = data::dataset(&cfg.dataset, &tokenizer, cfg.tokenizer.max_seq_len, &ctx.base_dir)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Optimizer, schedule, metrics, checkpoints.
@@ -73,5 +86,5 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let (summary, _policy) = trainer.fit(&dataset, &loader, &mut SftLoss::default(), &mut saver)?;
     saver.finish()?;
     super::report(&summary, saver.last_published.as_ref());
-    Ok(())
+    super::push_if_configured(cfg.push_to_hub.as_ref(), saver.last_published.as_ref())
 }

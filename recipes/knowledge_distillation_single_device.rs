@@ -150,5 +150,5 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let (summary, _student) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;
     super::report(&summary, saver.last_published.as_ref());
-    Ok(())
+    super::push_if_configured(cfg.push_to_hub.as_ref(), saver.last_published.as_ref())
 }

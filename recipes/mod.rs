@@ -3,6 +3,7 @@
 //! library; the library never knows about them.
 
 pub mod full_finetune_single_device;
+pub mod generate;
 pub mod knowledge_distillation_single_device;
 pub mod lora_finetune_single_device;
 
@@ -30,21 +31,26 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             std::fs::create_dir_all(&cfg.output_dir)?;
             std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
             match recipe {
-            Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
-            Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
-            Recipe::KnowledgeDistillation => knowledge_distillation_single_device::run(cfg, ctx),
-            other => anyhow::bail!(
-                "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
-                other.torchtune_name()
-            ),
+                Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
+                Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
+                Recipe::KnowledgeDistillation => {
+                    knowledge_distillation_single_device::run(cfg, ctx)
+                }
+                other => anyhow::bail!(
+                    "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
+                    other.torchtune_name()
+                ),
             }
         }
-        RecipeConfig::Generate(_) => anyhow::bail!("the generate recipe is not implemented yet in this version of tune"),
+        RecipeConfig::Generate(cfg) => generate::run(cfg, ctx),
     }
 }
 
 /// The closing lines of a training run.
-pub fn report(summary: &tune::training::trainer::TrainSummary, last: Option<&tune::checkpoint_client::PublishedCheckpoint>) {
+pub fn report(
+    summary: &tune::training::trainer::TrainSummary,
+    last: Option<&tune::checkpoint_client::PublishedCheckpoint>,
+) {
     let first = summary.losses.first().copied().unwrap_or(f64::NAN);
     let last_loss = summary.losses.last().copied().unwrap_or(f64::NAN);
     eprintln!(
@@ -54,4 +60,24 @@ pub fn report(summary: &tune::training::trainer::TrainSummary, last: Option<&tun
     if let Some(p) = last {
         eprintln!("Saved {}", p.dir.display());
     }
+}
+
+/// `push_to_hub: {repo_id, private}`: uploads the final checkpoint when the run finishes.
+pub fn push_if_configured(
+    push: Option<&tune::config::schema::PushToHub>,
+    last: Option<&tune::checkpoint_client::PublishedCheckpoint>,
+) -> anyhow::Result<()> {
+    let (Some(push), Some(last)) = (push, last) else {
+        return Ok(());
+    };
+    let report = tune::hub::push(tune::hub::PushOptions {
+        dir: last.dir.clone(),
+        repo_id: push.repo_id.clone(),
+        private: push.private,
+        commit_message: Some(format!("Upload {} trained with tune", last.name)),
+        progress: true,
+        ..Default::default()
+    })?;
+    eprintln!("Pushed {} to {}", last.dir.display(), report.repo_url);
+    Ok(())
 }

@@ -1,13 +1,16 @@
 //! tune: LLM fine-tuning recipes (full, LoRA, DPO, QAT, knowledge distillation, generation)
 //! on burn, reading and writing Hugging Face checkpoints.
 
+pub mod bench;
 pub mod checkpoint;
-pub mod models;
-pub mod modules;
-pub mod config;
-pub mod data;
-pub mod tokenizer;
-pub mod training;
-pub mod setup;
 pub mod checkpoint_client;
 pub mod cli;
+pub mod config;
+pub mod data;
+pub mod generation;
+pub mod hub;
+pub mod models;
+pub mod modules;
+pub mod setup;
+pub mod tokenizer;
+pub mod training;

@@ -29,16 +29,91 @@ fn dispatch(command: Command) -> Result<(), CliError> {
     match command {
         Command::Ls => commands::ls(&mut out).map_err(CliError::failed),
         Command::Cat { config } => commands::cat(&config, &mut out),
-        Command::Cp { config, destination, no_clobber, make_parents } => {
+        Command::Cp {
+            config,
+            destination,
+            no_clobber,
+            make_parents,
+        } => {
             let target = commands::cp(&config, &destination, no_clobber, make_parents)?;
             eprintln!("Copied {config} to {}", target.display());
             Ok(())
         }
-        Command::Validate { config, overrides, recipe } => {
-            commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out)
+        Command::Validate {
+            config,
+            overrides,
+            recipe,
+        } => commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out),
+        Command::Checkpoints {
+            output_dir,
+            no_verify,
+        } => commands::checkpoints(&output_dir, !no_verify, &mut out),
+        Command::Run {
+            recipe,
+            config,
+            overrides,
+        } => run(&recipe, &config, &overrides),
+        Command::Bench {
+            shape,
+            mode,
+            batch_size,
+            seq_len,
+            steps,
+            lora_rank,
+            device,
+        } => {
+            let settings = tune::bench::BenchSettings {
+                shape,
+                mode: match mode {
+                    tune::cli::args::BenchModeArg::Forward => tune::bench::BenchMode::Forward,
+                    tune::cli::args::BenchModeArg::Lora => tune::bench::BenchMode::Lora,
+                    tune::cli::args::BenchModeArg::Full => tune::bench::BenchMode::Full,
+                },
+                batch_size,
+                seq_len,
+                steps,
+                lora_rank,
+            };
+            bench(&settings, &device)
         }
-        Command::Checkpoints { output_dir, no_verify } => commands::checkpoints(&output_dir, !no_verify, &mut out),
-        Command::Run { recipe, config, overrides } => run(&recipe, &config, &overrides),
+        Command::Download {
+            repo_id,
+            output_dir,
+            ignore_patterns,
+            revision,
+            hf_token,
+            repo_type,
+        } => commands::download(
+            repo_id,
+            output_dir,
+            ignore_patterns,
+            revision,
+            hf_token,
+            repo_type,
+            &mut out,
+        ),
+        Command::Push {
+            dir,
+            repo_id,
+            private,
+            revision,
+            commit_message,
+            create_pr,
+            hf_token,
+        } => {
+            let opts = tune::hub::PushOptions {
+                dir,
+                repo_id,
+                private,
+                revision,
+                commit_message,
+                create_pr,
+                token: hf_token,
+                progress: true,
+                ..Default::default()
+            };
+            commands::push(opts, &mut out)
+        }
     }
 }
 
@@ -53,7 +128,12 @@ fn run(recipe: &str, config: &str, overrides: &[String]) -> Result<(), CliError>
     match device.unwrap_or(default_device()) {
         Device::Cpu => {
             type B = burn::backend::Autodiff<burn::backend::Flex>;
-            let ctx = recipes::RunContext::<B> { recipe: typed.recipe(), device: Default::default(), resolved_yaml: yaml, base_dir };
+            let ctx = recipes::RunContext::<B> {
+                recipe: typed.recipe(),
+                device: Default::default(),
+                resolved_yaml: yaml,
+                base_dir,
+            };
             recipes::run(&typed, &ctx).map_err(CliError::failed)
         }
         Device::Cuda => run_cuda(&typed, yaml, base_dir),
@@ -62,13 +142,26 @@ fn run(recipe: &str, config: &str, overrides: &[String]) -> Result<(), CliError>
 
 /// `device` left out: CUDA when this build has it, else the CPU (torchtune's `get_device`).
 fn default_device() -> Device {
-    if cfg!(feature = "cuda") { Device::Cuda } else { Device::Cpu }
+    if cfg!(feature = "cuda") {
+        Device::Cuda
+    } else {
+        Device::Cpu
+    }
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(typed: &RecipeConfig, yaml: String, base_dir: std::path::PathBuf) -> Result<(), CliError> {
+fn run_cuda(
+    typed: &RecipeConfig,
+    yaml: String,
+    base_dir: std::path::PathBuf,
+) -> Result<(), CliError> {
     type B = burn::backend::Autodiff<burn::backend::Cuda>;
-    let ctx = recipes::RunContext::<B> { recipe: typed.recipe(), device: Default::default(), resolved_yaml: yaml, base_dir };
+    let ctx = recipes::RunContext::<B> {
+        recipe: typed.recipe(),
+        device: Default::default(),
+        resolved_yaml: yaml,
+        base_dir,
+    };
     recipes::run(typed, &ctx).map_err(CliError::failed)
 }
 
@@ -77,4 +170,32 @@ fn run_cuda(_: &RecipeConfig, _: String, _: std::path::PathBuf) -> Result<(), Cl
     Err(CliError::bad(anyhow!(
         "device: cuda, but this tune was built without CUDA support; rebuild with `cargo install --path . --features cuda` (or set device=cpu)"
     )))
+}
+
+fn bench(settings: &tune::bench::BenchSettings, device: &str) -> Result<(), CliError> {
+    let scratch = std::env::temp_dir();
+    let report = match device {
+        "cpu" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(
+            settings,
+            &Default::default(),
+            &scratch,
+        ),
+        #[cfg(feature = "cuda")]
+        "cuda" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Cuda>>(
+            settings,
+            &Default::default(),
+            &scratch,
+        ),
+        other => {
+            return Err(CliError::bad(anyhow!(
+                "--device {other}: use cpu (or cuda in a build with --features cuda)"
+            )));
+        }
+    }
+    .map_err(|e| match e {
+        tune::bench::BenchError::UnknownShape(_) => CliError::bad(e),
+        other => CliError::failed(other),
+    })?;
+    println!("{}", report.to_markdown(settings));
+    Ok(())
 }

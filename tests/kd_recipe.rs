@@ -3,21 +3,18 @@
 //! mid-run checkpoint reproduces the uninterrupted run exactly; a teacher with another
 //! vocabulary is refused with the documented message.
 
-mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::TempDir;
+use support::{TempDir, read_metrics, tune_command};
 
 const RECIPE: &str = "knowledge_distillation_single_device";
 const CONFIG: &str = "tiny/kd_lora_single_device";
 
 /// Runs the recipe with `overrides`; returns (success, stderr).
 fn tune_run(output_dir: &Path, overrides: &[String]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .args(["run", RECIPE, "--config", CONFIG])
+    let out = tune_command(&["run", RECIPE, "--config", CONFIG])
         .arg(format!("output_dir={}", output_dir.display()))
         .args(overrides)
         .output()
@@ -34,11 +31,7 @@ fn overrides(a: &[&str]) -> Vec<String> {
 
 /// Every logged step of `<output_dir>/logs/metrics.jsonl`.
 fn metrics(output_dir: &Path) -> Vec<serde_json::Value> {
-    let text =
-        std::fs::read_to_string(output_dir.join("logs/metrics.jsonl")).expect("metrics.jsonl");
-    text.lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect()
+    read_metrics(&output_dir.join("logs/metrics.jsonl"))
 }
 
 fn series(rows: &[serde_json::Value], key: &str) -> Vec<(u64, f64)> {
@@ -47,7 +40,7 @@ fn series(rows: &[serde_json::Value], key: &str) -> Vec<(u64, f64)> {
         .collect()
 }
 
-fn mean(xs: &[(u64, f64)]) -> f64 {
+fn mean_value(xs: &[(u64, f64)]) -> f64 {
     xs.iter().map(|(_, v)| v).sum::<f64>() / xs.len() as f64
 }
 
@@ -68,7 +61,7 @@ fn distillation_lowers_the_kd_loss() {
     let class = series(&rows, "class_loss");
     assert_eq!(kd.len(), 40, "one kd_loss per step: {rows:?}");
     assert_eq!(class.len(), 40, "one class_loss per step");
-    let (first, last) = (mean(&kd[..5]), mean(&kd[35..]));
+    let (first, last) = (mean_value(&kd[..5]), mean_value(&kd[35..]));
     assert!(
         last < first - 0.5,
         "kd_loss should fall: first steps {first:.4}, last steps {last:.4}"

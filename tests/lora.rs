@@ -6,7 +6,9 @@ mod support;
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::{AdapterConfig, adapter_state_dict, load_adapter, peft_key, save_adapter};
+use tune::checkpoint::peft::{
+    AdapterConfig, adapter_state_dict, load_adapter, peft_key, save_adapter,
+};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::models::{CausalLm, TokenBatch, Trainable};
 use tune::modules::ForwardMode;
@@ -15,7 +17,9 @@ use tune::training::{loss, step};
 
 fn lora_model() -> CausalLm<CpuAutodiff> {
     let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device).unwrap().model;
+    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
+        .unwrap()
+        .model;
     load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
     model.set_trainable(Trainable::AdaptersOnly)
 }
@@ -33,15 +37,34 @@ fn lora_logits_loss_grads_and_adamw_step_match_peft() {
     let (tokens, labels, batch) = base.tokens();
     let pos = positions(batch, tokens.len() / batch);
     let model = lora_model();
-    let input = TokenBatch { tokens: &tokens, positions: &pos, document_ids: None, batch };
+    let input = TokenBatch {
+        tokens: &tokens,
+        positions: &pos,
+        document_ids: None,
+        batch,
+    };
     let logits = model.forward(input, ForwardMode::default());
-    assert_close("logits", &HostTensor::from_tensor(&logits), &r.f32("logits"), 1e-4);
+    assert_close(
+        "logits",
+        &HostTensor::from_tensor(&logits),
+        &r.f32("logits"),
+        1e-4,
+    );
     let loss = loss::cross_entropy(logits, &labels);
-    assert_close("loss", &HostTensor::from_tensor(&loss), &r.f32("loss"), 1e-4);
+    assert_close(
+        "loss",
+        &HostTensor::from_tensor(&loss),
+        &r.f32("loss"),
+        1e-4,
+    );
 
     let grads = loss.backward();
     let named = tune::training::grads::named_grads(&model, &grads);
-    let expected = r.names().into_iter().filter(|n| n.starts_with("grad.")).count();
+    let expected = r
+        .names()
+        .into_iter()
+        .filter(|n| n.starts_with("grad."))
+        .count();
     assert_eq!(named.len(), expected, "gradients exist for adapters only");
     for (name, grad) in &named {
         assert_grad_close(name, grad, &r.f32(&format!("grad.{}", to_peft(name))));
@@ -49,8 +72,12 @@ fn lora_logits_loss_grads_and_adamw_step_match_peft() {
 
     let mut acc = step::GradAccumulator::default();
     acc.add(&model, grads);
-    let settings =
-        OptimizerSettings { kind: OptimizerKind::AdamW, weight_decay: 0.01, betas: (0.9, 0.999), eps: 1e-8 };
+    let settings = OptimizerSettings {
+        kind: OptimizerKind::AdamW,
+        weight_decay: 0.01,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+    };
     let mut opt = Optimizer::new(settings);
     let mut model = step::apply(model, acc.take(), &mut opt, 1e-3, 1.0);
     for (key, value) in adapter_state_dict(&mut model) {
@@ -65,7 +92,8 @@ fn peft_adapter_round_trips_byte_identical() {
     let dir = std::env::temp_dir().join(format!("tune-peft-roundtrip-{}", std::process::id()));
     let config = AdapterConfig::read(&fixture("tiny-llama-lora")).unwrap();
     save_adapter(&mut model, &config, &dir).unwrap();
-    let original = SafetensorsFile::open(&fixture("tiny-llama-lora/adapter_model.safetensors")).unwrap();
+    let original =
+        SafetensorsFile::open(&fixture("tiny-llama-lora/adapter_model.safetensors")).unwrap();
     let saved = SafetensorsFile::open(&dir.join("adapter_model.safetensors")).unwrap();
     let mut a = original.names();
     let mut b = saved.names();
@@ -81,7 +109,8 @@ fn peft_adapter_round_trips_byte_identical() {
         assert_eq!(xb, yb, "{name}: bytes differ");
     }
     let written: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
     assert_eq!(written["r"], 4);
     assert_eq!(written["peft_type"], "LORA");
     assert_eq!(written["task_type"], "CAUSAL_LM");

@@ -5,22 +5,46 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("no checkpoint in {dir}: expected model.safetensors or model.safetensors.index.json{hint}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "no checkpoint in {dir}: expected model.safetensors or model.safetensors.index.json{hint}"
+    )]
     NoWeights { dir: PathBuf, hint: String },
-    #[error("{path}: not a valid safetensors file ({message}); the file may be truncated or corrupt: download it again")]
+    #[error(
+        "{path}: not a valid safetensors file ({message}); the file may be truncated or corrupt: download it again"
+    )]
     BadSafetensors { path: PathBuf, message: String },
     #[error("{path}: invalid index ({message})")]
     BadIndex { path: PathBuf, message: String },
     #[error("{index} lists shard {shard}, which does not exist; download the missing shard")]
     MissingShard { index: PathBuf, shard: String },
     #[error("tensor {name} is missing from the checkpoint in {dir} (expected shape {expected:?})")]
-    MissingTensor { name: String, dir: PathBuf, expected: Vec<usize> },
-    #[error("tensor {name} in {file} has shape {found:?}, but the model's config.json needs {expected:?}")]
-    ShapeMismatch { name: String, file: PathBuf, expected: Vec<usize>, found: Vec<usize> },
+    MissingTensor {
+        name: String,
+        dir: PathBuf,
+        expected: Vec<usize>,
+    },
+    #[error(
+        "tensor {name} in {file} has shape {found:?}, but the model's config.json needs {expected:?}"
+    )]
+    ShapeMismatch {
+        name: String,
+        file: PathBuf,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("tensor {name} in {file} has dtype {dtype}; tune reads F32, BF16 and F16")]
-    UnsupportedDtype { name: String, file: PathBuf, dtype: String },
-    #[error("the checkpoint in {dir} has tensors the model does not use: {names}; is config.json from the same model?")]
+    UnsupportedDtype {
+        name: String,
+        file: PathBuf,
+        dtype: String,
+    },
+    #[error(
+        "the checkpoint in {dir} has tensors the model does not use: {names}; is config.json from the same model?"
+    )]
     UnexpectedTensors { dir: PathBuf, names: String },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },

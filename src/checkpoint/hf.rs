@@ -43,13 +43,20 @@ pub fn load_args(dir: &Path) -> Result<ModelArgs, ModelError> {
 
 /// Loads a model; `files` overrides the safetensors files to read (torchtune's
 /// `checkpoint_files`), otherwise the index or `model.safetensors` decides.
-pub fn load_model<B: Backend>(dir: &Path, files: Option<&[String]>, device: &B::Device) -> Result<LoadedModel<B>, ModelError> {
+pub fn load_model<B: Backend>(
+    dir: &Path,
+    files: Option<&[String]>,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, ModelError> {
     let args = load_args(dir)?;
     let mut weights = Weights::open(dir, files)?;
     let storage_dtype = weights.storage_dtype;
     let model = build::<B>(&args, &mut weights, device)?;
     weights.finish(|name| ignorable_tensor(&args, name))?;
-    Ok(LoadedModel { model, storage_dtype })
+    Ok(LoadedModel {
+        model,
+        storage_dtype,
+    })
 }
 
 /// Saves the base model (adapters excluded: see `merged_hf_state_dict` to export a merged one).
@@ -60,7 +67,14 @@ pub fn save_model<B: Backend>(
     dtype: StorageDtype,
     max_shard_bytes: usize,
 ) -> Result<Vec<String>, CheckpointError> {
-    save_hf_dir(dir, &model.hf_state_dict(), &model.args.raw, dtype, max_shard_bytes, source_dir)
+    save_hf_dir(
+        dir,
+        &model.hf_state_dict(),
+        &model.args.raw,
+        dtype,
+        max_shard_bytes,
+        source_dir,
+    )
 }
 
 /// Writes a complete Hugging Face model directory from host tensors: weights (sharded as
@@ -79,7 +93,11 @@ pub fn save_hf_dir(
     let mut config = config_json.clone();
     if let Some(obj) = config.as_object_mut() {
         // Keep whichever dtype key the source used (transformers 5 writes `dtype`).
-        let key = if obj.contains_key("dtype") { "dtype" } else { "torch_dtype" };
+        let key = if obj.contains_key("dtype") {
+            "dtype"
+        } else {
+            "torch_dtype"
+        };
         obj.insert(key.into(), dtype.torch_name().into());
     }
     let path = dir.join("config.json");

@@ -17,12 +17,19 @@ impl HostTensor {
     }
 
     pub fn to_tensor<B: Backend, const D: usize>(&self, device: &B::Device) -> Tensor<B, D> {
-        Tensor::from_data(TensorData::new(self.data.clone(), self.shape.clone()), device)
+        Tensor::from_data(
+            TensorData::new(self.data.clone(), self.shape.clone()),
+            device,
+        )
     }
 
     pub fn from_tensor<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Self {
         let shape = t.dims().to_vec();
-        let data = t.to_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let data = t
+            .to_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .unwrap_or_default();
         Self { shape, data }
     }
 
@@ -35,13 +42,19 @@ impl HostTensor {
         let row: usize = self.shape[1..].iter().product();
         let mut shape = self.shape.clone();
         shape[0] = len;
-        Self { shape, data: self.data[start * row..(start + len) * row].to_vec() }
+        Self {
+            shape,
+            data: self.data[start * row..(start + len) * row].to_vec(),
+        }
     }
 
     /// Stacks tensors along the first dimension (fusing projections back).
     pub fn concat_rows(parts: &[HostTensor]) -> Self {
         let mut shape = parts[0].shape.clone();
         shape[0] = parts.iter().map(|p| p.shape[0]).sum();
-        Self { shape, data: parts.iter().flat_map(|p| p.data.iter().copied()).collect() }
+        Self {
+            shape,
+            data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
+        }
     }
 }

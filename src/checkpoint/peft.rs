@@ -85,22 +85,34 @@ impl AdapterConfig {
     }
 
     pub fn settings(&self) -> LoraSettings {
-        LoraSettings { rank: self.r, alpha: self.lora_alpha, dropout: self.lora_dropout }
+        LoraSettings {
+            rank: self.r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+        }
     }
 
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
         let path = dir.join(ADAPTER_CONFIG);
         let text = std::fs::read_to_string(&path).map_err(CheckpointError::io(&path))?;
-        let config: Self = serde_json::from_str(&text)
-            .map_err(|e| CheckpointError::Invalid { path: path.clone(), message: e.to_string() })?;
+        let config: Self = serde_json::from_str(&text).map_err(|e| CheckpointError::Invalid {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         if config.peft_type != "LORA" {
             return Err(CheckpointError::Invalid {
                 path,
-                message: format!("peft_type is {}, tune loads LORA adapters", config.peft_type),
+                message: format!(
+                    "peft_type is {}, tune loads LORA adapters",
+                    config.peft_type
+                ),
             });
         }
         if config.use_dora || config.use_rslora {
-            return Err(CheckpointError::Invalid { path, message: "DoRA and rsLoRA adapters are not supported yet".into() });
+            return Err(CheckpointError::Invalid {
+                path,
+                message: "DoRA and rsLoRA adapters are not supported yet".into(),
+            });
         }
         Ok(config)
     }
@@ -114,7 +126,9 @@ impl AdapterConfig {
     fn targets(&self, module_path: &str) -> bool {
         let leaf = module_path.rsplit('.').next().unwrap_or(module_path);
         match &self.target_modules {
-            TargetModules::List(list) => list.iter().any(|t| t == leaf || module_path.ends_with(&format!(".{t}"))),
+            TargetModules::List(list) => list
+                .iter()
+                .any(|t| t == leaf || module_path.ends_with(&format!(".{t}"))),
             // A full regex engine is not worth a dependency for this rare form: treat the
             // pattern as `name|name|...` alternatives, which is how it is written in practice.
             TargetModules::Pattern(p) => p
@@ -154,13 +168,23 @@ pub fn attach_lora<B: Backend>(
 }
 
 /// Loads a PEFT adapter directory into `model`, replacing any adapters it has.
-pub fn load_adapter<B: Backend>(model: &mut CausalLm<B>, dir: &Path) -> Result<AdapterConfig, CheckpointError> {
+pub fn load_adapter<B: Backend>(
+    model: &mut CausalLm<B>,
+    dir: &Path,
+) -> Result<AdapterConfig, CheckpointError> {
     let config = AdapterConfig::read(dir)?;
     let path = dir.join(ADAPTER_WEIGHTS);
     if !path.is_file() {
         let bin = dir.join("adapter_model.bin");
-        let hint = if bin.is_file() { " (found adapter_model.bin: save the adapter with safe_serialization=True)" } else { "" };
-        return Err(CheckpointError::Invalid { path, message: format!("missing{hint}") });
+        let hint = if bin.is_file() {
+            " (found adapter_model.bin: save the adapter with safe_serialization=True)"
+        } else {
+            ""
+        };
+        return Err(CheckpointError::Invalid {
+            path,
+            message: format!("missing{hint}"),
+        });
     }
     let file = SafetensorsFile::open(&path)?;
     let settings = config.settings();
@@ -173,19 +197,30 @@ pub fn load_adapter<B: Backend>(model: &mut CausalLm<B>, dir: &Path) -> Result<A
         let (out, inp) = (linear.out_features(), linear.in_features());
         let take = |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
             let key = peft_key(&module, which);
-            let found = file.shape(&key).ok_or_else(|| CheckpointError::MissingTensor {
-                name: key.clone(),
-                dir: path.clone(),
-                expected: shape.to_vec(),
-            })?;
+            let found = file
+                .shape(&key)
+                .ok_or_else(|| CheckpointError::MissingTensor {
+                    name: key.clone(),
+                    dir: path.clone(),
+                    expected: shape.to_vec(),
+                })?;
             if found != shape {
-                return Err(CheckpointError::ShapeMismatch { name: key, file: path.clone(), expected: shape.to_vec(), found });
+                return Err(CheckpointError::ShapeMismatch {
+                    name: key,
+                    file: path.clone(),
+                    expected: shape.to_vec(),
+                    found,
+                });
             }
             file.read(&key)
         };
         let a = take('A', [settings.rank, inp])?;
         let b = take('B', [out, settings.rank])?;
-        linear.lora = Some(Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings));
+        linear.lora = Some(Lora::from_tensors(
+            a.to_tensor(&device),
+            b.to_tensor(&device),
+            &settings,
+        ));
         used += 2;
     }
     let total = file.names().len();
@@ -196,7 +231,10 @@ pub fn load_adapter<B: Backend>(model: &mut CausalLm<B>, dir: &Path) -> Result<A
             .filter(|k| !model_has_adapter_key(model, k))
             .collect();
         extra.sort();
-        return Err(CheckpointError::UnexpectedTensors { dir: path, names: extra.join(", ") });
+        return Err(CheckpointError::UnexpectedTensors {
+            dir: path,
+            names: extra.join(", "),
+        });
     }
     Ok(config)
 }
@@ -213,20 +251,34 @@ pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, H
     let mut out = Vec::new();
     for (module, linear) in model.linears_mut() {
         if let Some(lora) = &linear.lora {
-            out.push((peft_key(&module, 'A'), HostTensor::from_tensor(&lora.a.val())));
-            out.push((peft_key(&module, 'B'), HostTensor::from_tensor(&lora.b.val())));
+            out.push((
+                peft_key(&module, 'A'),
+                HostTensor::from_tensor(&lora.a.val()),
+            ));
+            out.push((
+                peft_key(&module, 'B'),
+                HostTensor::from_tensor(&lora.b.val()),
+            ));
         }
     }
     out
 }
 
 /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir`.
-pub fn save_adapter<B: Backend>(model: &mut CausalLm<B>, config: &AdapterConfig, dir: &Path) -> Result<Vec<String>, CheckpointError> {
+pub fn save_adapter<B: Backend>(
+    model: &mut CausalLm<B>,
+    config: &AdapterConfig,
+    dir: &Path,
+) -> Result<Vec<String>, CheckpointError> {
     write_adapter(dir, &adapter_state_dict(model), config)
 }
 
 /// As [`save_adapter`] from tensors already on the host (for background saves).
-pub fn write_adapter(dir: &Path, tensors: &[(String, HostTensor)], config: &AdapterConfig) -> Result<Vec<String>, CheckpointError> {
+pub fn write_adapter(
+    dir: &Path,
+    tensors: &[(String, HostTensor)],
+    config: &AdapterConfig,
+) -> Result<Vec<String>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
     write_file(&dir.join(ADAPTER_WEIGHTS), tensors, StorageDtype::F32)?;
     config.write(dir)?;

@@ -6,8 +6,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata, TensorView};
 use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, Metadata, TensorView};
 
 use super::error::CheckpointError;
 use super::host::HostTensor;
@@ -29,17 +29,28 @@ impl SafetensorsFile {
         // SAFETY: the file is opened read-only and tune never writes to a checkpoint it reads;
         // a concurrent external writer would be a user error the OS cannot prevent anyway.
         let mmap = unsafe { Mmap::map(&file) }.map_err(CheckpointError::io(path))?;
-        let (header_len, meta) = SafeTensors::read_metadata(&mmap)
-            .map_err(|e| CheckpointError::BadSafetensors { path: path.to_path_buf(), message: e.to_string() })?;
+        let (header_len, meta) =
+            SafeTensors::read_metadata(&mmap).map_err(|e| CheckpointError::BadSafetensors {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
         // read_metadata checks offsets against the header, not the file: catch truncation here.
         let needed = 8 + header_len + meta.data_len();
         if mmap.len() < needed {
             return Err(CheckpointError::BadSafetensors {
                 path: path.to_path_buf(),
-                message: format!("file is {} bytes but its header describes {needed}", mmap.len()),
+                message: format!(
+                    "file is {} bytes but its header describes {needed}",
+                    mmap.len()
+                ),
             });
         }
-        Ok(Self { path: path.to_path_buf(), mmap, header_len, meta })
+        Ok(Self {
+            path: path.to_path_buf(),
+            mmap,
+            header_len,
+            meta,
+        })
     }
 
     pub fn names(&self) -> Vec<String> {
@@ -51,11 +62,14 @@ impl SafetensorsFile {
     }
 
     pub fn read(&self, name: &str) -> Result<HostTensor, CheckpointError> {
-        let info = self.meta.info(name).ok_or_else(|| CheckpointError::MissingTensor {
-            name: name.to_string(),
-            dir: self.path.clone(),
-            expected: vec![],
-        })?;
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+                expected: vec![],
+            })?;
         let (start, end) = info.data_offsets;
         let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
         let data = decode(bytes, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
@@ -68,16 +82,25 @@ impl SafetensorsFile {
 
     /// Reads an integer tensor (token ids, labels) as i64.
     pub fn read_i64(&self, name: &str) -> Result<Vec<i64>, CheckpointError> {
-        let info = self.meta.info(name).ok_or_else(|| CheckpointError::MissingTensor {
-            name: name.to_string(),
-            dir: self.path.clone(),
-            expected: vec![],
-        })?;
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+                expected: vec![],
+            })?;
         let (start, end) = info.data_offsets;
         let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
         match info.dtype {
-            Dtype::I64 => Ok(bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()),
-            Dtype::I32 => Ok(bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()),
+            Dtype::I64 => Ok(bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()),
+            Dtype::I32 => Ok(bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                .collect()),
             other => Err(CheckpointError::UnsupportedDtype {
                 name: name.to_string(),
                 file: self.path.clone(),
@@ -93,9 +116,18 @@ impl SafetensorsFile {
 
 fn decode(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
     Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
         _ => return None,
     })
 }
@@ -137,8 +169,14 @@ impl StorageDtype {
     fn encode(self, data: &[f32]) -> Vec<u8> {
         match self {
             Self::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Self::BF16 => data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
-            Self::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+            Self::BF16 => data
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            Self::F16 => data
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
         }
     }
 
@@ -151,23 +189,38 @@ impl StorageDtype {
 }
 
 /// Writes one safetensors file with `{"format": "pt"}` metadata, which transformers requires.
-pub fn write_file(path: &Path, tensors: &[(String, HostTensor)], dtype: StorageDtype) -> Result<(), CheckpointError> {
-    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> =
-        tensors.iter().map(|(n, t)| (n.clone(), t.shape.clone(), dtype.encode(&t.data))).collect();
+pub fn write_file(
+    path: &Path,
+    tensors: &[(String, HostTensor)],
+    dtype: StorageDtype,
+) -> Result<(), CheckpointError> {
+    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shape.clone(), dtype.encode(&t.data)))
+        .collect();
     write_encoded(path, &encoded, dtype.safetensors())
 }
 
 /// Writes already-encoded tensors (e.g. packed int4) with their own dtype.
-pub fn write_encoded(path: &Path, tensors: &[(String, Vec<usize>, Vec<u8>)], dtype: Dtype) -> Result<(), CheckpointError> {
+pub fn write_encoded(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    dtype: Dtype,
+) -> Result<(), CheckpointError> {
     let mut views = Vec::with_capacity(tensors.len());
     for (name, shape, bytes) in tensors {
-        let view = TensorView::new(dtype, shape.clone(), bytes)
-            .map_err(|e| CheckpointError::Invalid { path: path.to_path_buf(), message: format!("{name}: {e}") })?;
+        let view =
+            TensorView::new(dtype, shape.clone(), bytes).map_err(|e| CheckpointError::Invalid {
+                path: path.to_path_buf(),
+                message: format!("{name}: {e}"),
+            })?;
         views.push((name.clone(), view));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize_to_file(views, Some(meta), path)
-        .map_err(|e| CheckpointError::Invalid { path: path.to_path_buf(), message: e.to_string() })
+    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| CheckpointError::Invalid {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }
 
 /// Saves a state dict the way transformers' `save_pretrained` does: one `model.safetensors`
@@ -210,7 +263,8 @@ pub fn save_sharded(
         write_file(&dir.join(&file), &owned, dtype)?;
         names.push(file);
     }
-    let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    let index =
+        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
     let path = dir.join(INDEX_FILE);
     let text = serde_json::to_string_pretty(&index).unwrap_or_default();
     std::fs::write(&path, text + "\n").map_err(CheckpointError::io(&path))?;

@@ -23,7 +23,9 @@ pub enum Command {
     #[command(after_help = "Example:\n  tune ls")]
     Ls,
     /// Copy a built-in config to a local file to edit it.
-    #[command(after_help = "Examples:\n  tune cp llama3_2/1B_lora_single_device my_config.yaml\n  tune cp tiny/lora_single_device configs/ --make-parents")]
+    #[command(
+        after_help = "Examples:\n  tune cp llama3_2/1B_lora_single_device my_config.yaml\n  tune cp tiny/lora_single_device configs/ --make-parents"
+    )]
     Cp {
         /// Built-in config name, as listed by `tune ls`.
         config: String,
@@ -38,11 +40,11 @@ pub enum Command {
     },
     /// Print a built-in config.
     #[command(after_help = "Example:\n  tune cat llama3_2/1B_lora_single_device")]
-    Cat {
-        config: String,
-    },
+    Cat { config: String },
     /// Check a config completely: every key known, types right, referenced files present.
-    #[command(after_help = "Examples:\n  tune validate tiny/lora_single_device\n  tune validate my_config.yaml --recipe lora_finetune_single_device model.lora_rank=16")]
+    #[command(
+        after_help = "Examples:\n  tune validate tiny/lora_single_device\n  tune validate my_config.yaml --recipe lora_finetune_single_device model.lora_rank=16"
+    )]
     Validate {
         /// Built-in config name or YAML file.
         config: String,
@@ -53,7 +55,9 @@ pub enum Command {
         recipe: Option<String>,
     },
     /// Run a recipe with a config and optional key=value overrides.
-    #[command(after_help = "Examples:\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune run full_finetune_single_device --config my.yaml epochs=2 optimizer.lr=2e-5 ~lr_scheduler\n  tune run generate --config tiny/generation prompt.user=\"Tell me a joke\" max_new_tokens=32")]
+    #[command(
+        after_help = "Examples:\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune run full_finetune_single_device --config my.yaml epochs=2 optimizer.lr=2e-5 ~lr_scheduler\n  tune run generate --config tiny/generation prompt.user=\"Tell me a joke\" max_new_tokens=32"
+    )]
     Run {
         /// Recipe name (`tune ls` lists them; torchtune's names work).
         recipe: String,
@@ -63,12 +67,95 @@ pub enum Command {
         /// key=value overrides (`a.b=1`, `list=[x,y]`, `~key` deletes, `model=<component>`).
         overrides: Vec<String>,
     },
+    /// Download a model or dataset from the Hugging Face Hub (into the shared HF cache).
+    #[command(
+        after_help = "Examples:\n  tune download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct --ignore-patterns \"original/*\"\n  tune download tatsu-lab/alpaca --repo-type dataset\n\nHonours HF_TOKEN, HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE as huggingface_hub does."
+    )]
+    Download {
+        /// Repository id, e.g. `Qwen/Qwen2.5-0.5B-Instruct`.
+        repo_id: String,
+        /// Also place the files in this directory.
+        #[arg(long)]
+        output_dir: Option<PathBuf>,
+        /// Skip files matching these globs (e.g. "*.pth" "original/*").
+        #[arg(long, num_args = 1..)]
+        ignore_patterns: Vec<String>,
+        /// Branch, tag or commit.
+        #[arg(long)]
+        revision: Option<String>,
+        /// Access token (default: HF_TOKEN or the token saved by `huggingface-cli login`).
+        #[arg(long)]
+        hf_token: Option<String>,
+        #[arg(long, value_enum, default_value = "model")]
+        repo_type: RepoTypeArg,
+    },
+    /// Upload a PEFT adapter or a full checkpoint directory to the Hub, with a model card.
+    #[command(
+        after_help = "Example:\n  tune push /tmp/tune/tiny/lora_finetune_single_device/epoch_0 my-user/tiny-llama-lora --private"
+    )]
+    Push {
+        /// A checkpoint directory written by `tune run` (adapter or full model).
+        dir: PathBuf,
+        /// Target repository id, e.g. `my-user/my-adapter`.
+        repo_id: String,
+        /// Create the repository as private.
+        #[arg(long)]
+        private: bool,
+        /// Branch to commit to.
+        #[arg(long)]
+        revision: Option<String>,
+        #[arg(long)]
+        commit_message: Option<String>,
+        /// Open a pull request instead of committing.
+        #[arg(long)]
+        create_pr: bool,
+        #[arg(long)]
+        hf_token: Option<String>,
+    },
+    /// Measure training/forward throughput, step-time split, memory, load time and checkpoint
+    /// blocking on random weights of a known shape (nothing is downloaded).
+    #[command(
+        after_help = "Examples:\n  tune bench --shape smollm2-135m --mode lora --batch-size 4 --seq-len 256 --steps 5\n  tune bench --shape tiny --mode full"
+    )]
+    Bench {
+        /// tiny, smollm2-135m or llama3.2-1b.
+        #[arg(long, default_value = "tiny")]
+        shape: String,
+        #[arg(long, value_enum, default_value = "lora")]
+        mode: BenchModeArg,
+        #[arg(long, default_value_t = 4)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 256)]
+        seq_len: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        #[arg(long, default_value_t = 8)]
+        lora_rank: usize,
+        /// cpu, or cuda in a build with the cuda feature.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
     /// List the checkpoints in an output directory and verify their checksums.
-    #[command(after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device")]
+    #[command(
+        after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device"
+    )]
     Checkpoints {
         output_dir: PathBuf,
         /// Skip checksum verification (only check that files are present).
         #[arg(long)]
         no_verify: bool,
     },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum RepoTypeArg {
+    Model,
+    Dataset,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum BenchModeArg {
+    Forward,
+    Lora,
+    Full,
 }

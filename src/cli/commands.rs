@@ -11,10 +11,13 @@ use crate::config::recipes::{self, RECIPES, Recipe};
 use crate::config::{RecipeConfig, ResolvedConfig, Warning, builtin, load_config, validate};
 
 pub fn ls(out: &mut dyn Write) -> std::io::Result<()> {
-    writeln!(out, "{:<40} {}", "RECIPE", "CONFIG")?;
+    writeln!(out, "{:<40} CONFIG", "RECIPE")?;
     for info in RECIPES {
-        let configs: Vec<&str> =
-            builtin::list().into_iter().filter(|c| c.recipe == info.recipe).map(|c| c.name).collect();
+        let configs: Vec<&str> = builtin::list()
+            .into_iter()
+            .filter(|c| c.recipe == info.recipe)
+            .map(|c| c.name)
+            .collect();
         let name = info.recipe.torchtune_name();
         if configs.is_empty() {
             writeln!(out, "{name:<40}")?;
@@ -30,9 +33,18 @@ fn builtin_or_err(name: &str) -> Result<builtin::BuiltinConfig, CliError> {
     let bare = name.trim_end_matches(".yaml");
     builtin::get(bare).ok_or_else(|| {
         let names: Vec<&str> = builtin::list().into_iter().map(|c| c.name).collect();
-        let suggestion = crate::config::suggest::did_you_mean(&crate::config::suggest::similar(bare, names.iter().copied()));
-        let hint = if suggestion.is_empty() { String::new() } else { format!(" ({suggestion})") };
-        CliError::bad(anyhow!("no built-in config named `{name}`{hint}; `tune ls` lists them"))
+        let suggestion = crate::config::suggest::did_you_mean(&crate::config::suggest::similar(
+            bare,
+            names.iter().copied(),
+        ));
+        let hint = if suggestion.is_empty() {
+            String::new()
+        } else {
+            format!(" ({suggestion})")
+        };
+        CliError::bad(anyhow!(
+            "no built-in config named `{name}`{hint}; `tune ls` lists them"
+        ))
     })
 }
 
@@ -41,7 +53,12 @@ pub fn cat(name: &str, out: &mut dyn Write) -> Result<(), CliError> {
     out.write_all(cfg.yaml.as_bytes()).map_err(CliError::failed)
 }
 
-pub fn cp(name: &str, dest: &Path, no_clobber: bool, make_parents: bool) -> Result<std::path::PathBuf, CliError> {
+pub fn cp(
+    name: &str,
+    dest: &Path,
+    no_clobber: bool,
+    make_parents: bool,
+) -> Result<std::path::PathBuf, CliError> {
     if recipes::find(name).is_ok() {
         return Err(CliError::bad(anyhow!(
             "`{name}` is a recipe; recipes are built into tune. Copy one of its configs instead (`tune ls`)"
@@ -49,7 +66,11 @@ pub fn cp(name: &str, dest: &Path, no_clobber: bool, make_parents: bool) -> Resu
     }
     let cfg = builtin_or_err(name)?;
     let file_name = format!("{}.yaml", cfg.name.rsplit('/').next().unwrap_or(cfg.name));
-    let target = if dest.is_dir() || dest.to_string_lossy().ends_with('/') { dest.join(file_name) } else { dest.to_path_buf() };
+    let target = if dest.is_dir() || dest.to_string_lossy().ends_with('/') {
+        dest.join(file_name)
+    } else {
+        dest.to_path_buf()
+    };
     if let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty())
         && !parent.exists()
     {
@@ -59,13 +80,20 @@ pub fn cp(name: &str, dest: &Path, no_clobber: bool, make_parents: bool) -> Resu
                 parent.display()
             )));
         }
-        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display())).map_err(CliError::failed)?;
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))
+            .map_err(CliError::failed)?;
     }
     if target.exists() && no_clobber {
-        eprintln!("not copying: {} exists and --no-clobber was given", target.display());
+        eprintln!(
+            "not copying: {} exists and --no-clobber was given",
+            target.display()
+        );
         return Ok(target);
     }
-    std::fs::write(&target, cfg.yaml).with_context(|| format!("writing {}", target.display())).map_err(CliError::failed)?;
+    std::fs::write(&target, cfg.yaml)
+        .with_context(|| format!("writing {}", target.display()))
+        .map_err(CliError::failed)?;
     Ok(target)
 }
 
@@ -76,7 +104,10 @@ pub fn infer_recipe(config: &str) -> Option<Recipe> {
         return Some(b.recipe);
     }
     let text = std::fs::read_to_string(config).ok()?;
-    for line in text.lines().take_while(|l| l.starts_with('#') || l.trim().is_empty()) {
+    for line in text
+        .lines()
+        .take_while(|l| l.starts_with('#') || l.trim().is_empty())
+    {
         for word in line.split_whitespace() {
             let word = word.trim_end_matches(['.', ',', ':']);
             if let Ok(r) = recipes::find(word) {
@@ -88,7 +119,11 @@ pub fn infer_recipe(config: &str) -> Option<Recipe> {
 }
 
 /// Loads and validates a config for `recipe`, printing warnings to stderr.
-pub fn resolve(recipe: &str, config: &str, overrides: &[String]) -> Result<(RecipeConfig, ResolvedConfig), CliError> {
+pub fn resolve(
+    recipe: &str,
+    config: &str,
+    overrides: &[String],
+) -> Result<(RecipeConfig, ResolvedConfig), CliError> {
     let recipe = recipes::find(recipe).map_err(CliError::bad)?;
     let resolved = load_config(config, overrides).map_err(CliError::bad)?;
     let (typed, warnings) = validate(recipe.name(), &resolved).map_err(CliError::bad)?;
@@ -102,7 +137,12 @@ pub fn print_warnings(warnings: &[Warning]) {
     }
 }
 
-pub fn validate_cmd(config: &str, overrides: &[String], recipe: Option<&str>, out: &mut dyn Write) -> Result<(), CliError> {
+pub fn validate_cmd(
+    config: &str,
+    overrides: &[String],
+    recipe: Option<&str>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let recipe = match recipe {
         Some(r) => recipes::find(r).map_err(CliError::bad)?,
         None => infer_recipe(config).ok_or_else(|| {
@@ -112,14 +152,87 @@ pub fn validate_cmd(config: &str, overrides: &[String], recipe: Option<&str>, ou
         })?,
     };
     resolve(recipe.name(), config, overrides)?;
-    writeln!(out, "Config is well-formed for {}!", recipe.torchtune_name()).map_err(CliError::failed)
+    writeln!(
+        out,
+        "Config is well-formed for {}!",
+        recipe.torchtune_name()
+    )
+    .map_err(CliError::failed)
 }
 
 pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Result<(), CliError> {
     if !output_dir.is_dir() {
-        return Err(CliError::bad(anyhow!("{} is not a directory", output_dir.display())));
+        return Err(CliError::bad(anyhow!(
+            "{} is not a directory",
+            output_dir.display()
+        )));
     }
-    let entries = if verify { list_checkpoints_verified(output_dir, true) } else { list_checkpoints(output_dir) }
-        .map_err(CliError::failed)?;
+    let entries = if verify {
+        list_checkpoints_verified(output_dir, true)
+    } else {
+        list_checkpoints(output_dir)
+    }
+    .map_err(CliError::failed)?;
     write!(out, "{}", format_report(&entries)).map_err(CliError::failed)
+}
+
+pub fn download(
+    repo_id: String,
+    output_dir: Option<std::path::PathBuf>,
+    ignore_patterns: Vec<String>,
+    revision: Option<String>,
+    token: Option<String>,
+    repo_type: super::args::RepoTypeArg,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    use crate::hub::{DownloadOptions, HubError, RepoType, download};
+    let opts = DownloadOptions {
+        repo_type: match repo_type {
+            super::args::RepoTypeArg::Model => RepoType::Model,
+            super::args::RepoTypeArg::Dataset => RepoType::Dataset,
+        },
+        output_dir,
+        ignore_patterns,
+        revision,
+        token,
+        progress: true,
+        ..DownloadOptions::new(repo_id)
+    };
+    let report = download(opts).map_err(|e| match e {
+        HubError::InvalidRepoId { .. } => CliError::bad(e),
+        other => CliError::failed(other),
+    })?;
+    writeln!(out, "{}", report.root.display()).map_err(CliError::failed)?;
+    eprintln!(
+        "Downloaded {} files of {} ({} fetched, {} from the cache) at commit {}",
+        report.files.len(),
+        report.repo_id,
+        crate::checkpoint_client::human_size(report.downloaded_bytes),
+        report.cached_files,
+        report.commit
+    );
+    Ok(())
+}
+
+pub fn push(opts: crate::hub::PushOptions, out: &mut dyn Write) -> Result<(), CliError> {
+    use crate::hub::HubError;
+    let report = crate::hub::push(opts).map_err(|e| match e {
+        HubError::InvalidPushDir { .. } | HubError::InvalidRepoId { .. } => CliError::bad(e),
+        other => CliError::failed(other),
+    })?;
+    writeln!(
+        out,
+        "{}",
+        report
+            .pull_request_url
+            .as_deref()
+            .unwrap_or(&report.repo_url)
+    )
+    .map_err(CliError::failed)?;
+    eprintln!(
+        "Uploaded {} files to {}",
+        report.files.len(),
+        report.repo_id
+    );
+    Ok(())
 }

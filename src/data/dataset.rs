@@ -110,7 +110,9 @@ impl Dataset {
     pub fn concat(parts: Vec<Dataset>) -> Result<Self> {
         let mut iter = parts.into_iter();
         let Some(mut first) = iter.next() else {
-            return Err(DataError::Spec { message: "`dataset` is an empty list: give at least one dataset".into() });
+            return Err(DataError::Spec {
+                message: "`dataset` is an empty list: give at least one dataset".into(),
+            });
         };
         for next in iter {
             match (&mut first.samples, next.samples) {

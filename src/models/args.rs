@@ -20,7 +20,8 @@ pub enum Family {
 }
 
 impl Family {
-    pub const KNOWN: &'static [&'static str] = &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"];
+    pub const KNOWN: &'static [&'static str] =
+        &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"];
 
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
@@ -57,8 +58,15 @@ pub enum Activation {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
-    Linear { factor: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    Linear {
+        factor: f64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -97,20 +105,34 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
-        let raw: Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::BadConfig { path: path.to_path_buf(), message: e.to_string() })?;
-        Self::from_json(raw).map_err(|message| ModelError::BadConfig { path: path.to_path_buf(), message })
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let raw: Value = serde_json::from_str(&text).map_err(|e| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Self::from_json(raw).map_err(|message| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            message,
+        })
     }
 
     /// Parses both the classic layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
     /// transformers 5 layout (`rope_parameters`, `dtype`).
     pub fn from_json(raw: Value) -> Result<Self, String> {
-        let model_type = raw.get("model_type").and_then(Value::as_str).ok_or_else(|| {
-            "missing \"model_type\"; tune needs it to pick the architecture".to_string()
-        })?;
+        let model_type = raw
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                "missing \"model_type\"; tune needs it to pick the architecture".to_string()
+            })?;
         let family = Family::from_model_type(model_type).ok_or_else(|| {
-            format!("unsupported model_type \"{model_type}\"; supported: {}", Family::KNOWN.join(", "))
+            format!(
+                "unsupported model_type \"{model_type}\"; supported: {}",
+                Family::KNOWN.join(", ")
+            )
         })?;
         let req = |key: &str| -> Result<usize, String> {
             raw.get(key)
@@ -120,8 +142,14 @@ impl ModelArgs {
         };
         let hidden_size = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
-        let num_kv_heads = raw.get("num_key_value_heads").and_then(Value::as_u64).map_or(num_heads, |v| v as usize);
-        let head_dim = raw.get("head_dim").and_then(Value::as_u64).map_or(hidden_size / num_heads.max(1), |v| v as usize);
+        let num_kv_heads = raw
+            .get("num_key_value_heads")
+            .and_then(Value::as_u64)
+            .map_or(num_heads, |v| v as usize);
+        let head_dim = raw
+            .get("head_dim")
+            .and_then(Value::as_u64)
+            .map_or(hidden_size / num_heads.max(1), |v| v as usize);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(format!(
                 "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
@@ -131,9 +159,16 @@ impl ModelArgs {
         let b = |key: &str| raw.get(key).and_then(Value::as_bool);
         let rope_params = raw.get("rope_parameters").filter(|v| v.is_object());
         let rope_theta = f("rope_theta")
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .or_else(|| {
+                rope_params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+            })
             .unwrap_or(10_000.0);
-        let scaling = raw.get("rope_scaling").filter(|v| v.is_object()).or(rope_params);
+        let scaling = raw
+            .get("rope_scaling")
+            .filter(|v| v.is_object())
+            .or(rope_params);
         let rope_scaling = match scaling {
             None => RopeScaling::None,
             Some(s) => parse_rope_scaling(s)?,
@@ -146,12 +181,20 @@ impl ModelArgs {
         {
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu" | "gelu_new" => Activation::GeluTanh,
-            other => return Err(format!("unsupported hidden_act \"{other}\"; supported: silu, gelu_pytorch_tanh")),
+            other => {
+                return Err(format!(
+                    "unsupported hidden_act \"{other}\"; supported: silu, gelu_pytorch_tanh"
+                ));
+            }
         };
         let ids = |key: &str| -> Vec<u32> {
             match raw.get(key) {
                 Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-                Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|v| v as u32).collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|v| v as u32)
+                    .collect(),
                 _ => Vec::new(),
             }
         };
@@ -168,7 +211,10 @@ impl ModelArgs {
             rms_norm_eps: f("rms_norm_eps").unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: raw.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(4096) as usize,
+            max_position_embeddings: raw
+                .get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(4096) as usize,
             // transformers defaults tie_word_embeddings to true for Gemma and Qwen, false for Llama.
             tie_word_embeddings: b("tie_word_embeddings").unwrap_or(gemma),
             attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
@@ -196,8 +242,13 @@ impl ModelArgs {
     /// Parameter count of the base model (no adapters), counting tied weights once.
     pub fn num_params(&self) -> usize {
         let h = self.hidden_size;
-        let attn = h * self.q_dim() * 2 + h * self.kv_dim() * 2
-            + if self.attention_bias { self.q_dim() + 2 * self.kv_dim() } else { 0 }
+        let attn = h * self.q_dim() * 2
+            + h * self.kv_dim() * 2
+            + if self.attention_bias {
+                self.q_dim() + 2 * self.kv_dim()
+            } else {
+                0
+            }
             + if self.qk_norm { 2 * self.head_dim } else { 0 };
         let mlp = 3 * h * self.intermediate_size;
         let layer = attn + mlp + 2 * h;
@@ -207,9 +258,15 @@ impl ModelArgs {
 }
 
 fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
-    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     let num = |key: &str| -> Result<f64, String> {
-        s.get(key).and_then(Value::as_f64).ok_or_else(|| format!("rope scaling \"{kind}\" needs \"{key}\""))
+        s.get(key)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| format!("rope scaling \"{kind}\" needs \"{key}\""))
     };
     Ok(match kind {
         "default" => RopeScaling::None,
@@ -219,8 +276,14 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         },
-        "linear" => RopeScaling::Linear { factor: num("factor")? },
-        other => return Err(format!("unsupported rope scaling type \"{other}\"; supported: default, llama3, linear")),
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        other => {
+            return Err(format!(
+                "unsupported rope scaling type \"{other}\"; supported: default, llama3, linear"
+            ));
+        }
     })
 }
 

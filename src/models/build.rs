@@ -36,7 +36,11 @@ pub struct RandomInit {
 impl RandomInit {
     pub fn new(seed: u64, args: &ModelArgs) -> Self {
         let norm_value = if args.norm_weight_offset { 0.0 } else { 1.0 };
-        Self { rng: StdRng::seed_from_u64(seed), std: 0.02, norm_value }
+        Self {
+            rng: StdRng::seed_from_u64(seed),
+            std: 0.02,
+            norm_value,
+        }
     }
 }
 
@@ -65,36 +69,69 @@ struct Builder<'a, B: Backend> {
 }
 
 impl<B: Backend> Builder<'_, B> {
-    fn tensor<const D: usize>(&mut self, name: &str, shape: &[usize]) -> Result<burn::tensor::Tensor<B, D>, CheckpointError> {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<burn::tensor::Tensor<B, D>, CheckpointError> {
         Ok(self.src.take(name, shape)?.to_tensor(self.device))
     }
 
-    fn linear(&mut self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>, CheckpointError> {
+    fn linear(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Linear<B>, CheckpointError> {
         let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let b = if bias { Some(self.tensor(&format!("{prefix}.bias"), &[out])?) } else { None };
+        let b = if bias {
+            Some(self.tensor(&format!("{prefix}.bias"), &[out])?)
+        } else {
+            None
+        };
         Ok(Linear::new(w, b))
     }
 
     fn linear_from(&self, weight: HostTensor, bias: Option<HostTensor>) -> Linear<B> {
-        Linear::new(weight.to_tensor(self.device), bias.map(|b| b.to_tensor(self.device)))
+        Linear::new(
+            weight.to_tensor(self.device),
+            bias.map(|b| b.to_tensor(self.device)),
+        )
     }
 
     fn norm(&mut self, name: &str, dim: usize) -> Result<RmsNorm<B>, CheckpointError> {
         let w = self.tensor(&format!("{name}.weight"), &[dim])?;
-        Ok(RmsNorm::new(w, self.args.rms_norm_eps, self.args.norm_weight_offset))
+        Ok(RmsNorm::new(
+            w,
+            self.args.rms_norm_eps,
+            self.args.norm_weight_offset,
+        ))
     }
 
     fn attention(&mut self, p: &str) -> Result<Attention<B>, CheckpointError> {
         let a = self.args;
         let (h, q, kv, bias) = (a.hidden_size, a.q_dim(), a.kv_dim(), a.attention_bias);
         let (q_proj, k_proj, v_proj) = if a.fused_projections {
-            let w = self.src.take(&format!("{p}.qkv_proj.weight"), &[q + 2 * kv, h])?;
-            let b = if bias { Some(self.src.take(&format!("{p}.qkv_proj.bias"), &[q + 2 * kv])?) } else { None };
+            let w = self
+                .src
+                .take(&format!("{p}.qkv_proj.weight"), &[q + 2 * kv, h])?;
+            let b = if bias {
+                Some(
+                    self.src
+                        .take(&format!("{p}.qkv_proj.bias"), &[q + 2 * kv])?,
+                )
+            } else {
+                None
+            };
             let part = |t: &HostTensor, s, n| t.rows(s, n);
             (
                 self.linear_from(part(&w, 0, q), b.as_ref().map(|b| part(b, 0, q))),
                 self.linear_from(part(&w, q, kv), b.as_ref().map(|b| part(b, q, kv))),
-                self.linear_from(part(&w, q + kv, kv), b.as_ref().map(|b| part(b, q + kv, kv))),
+                self.linear_from(
+                    part(&w, q + kv, kv),
+                    b.as_ref().map(|b| part(b, q + kv, kv)),
+                ),
             )
         } else {
             (
@@ -105,7 +142,10 @@ impl<B: Backend> Builder<'_, B> {
         };
         let o_proj = self.linear(&format!("{p}.o_proj"), h, q, false)?;
         let (q_norm, k_norm) = if a.qk_norm {
-            (Some(self.norm(&format!("{p}.q_norm"), a.head_dim)?), Some(self.norm(&format!("{p}.k_norm"), a.head_dim)?))
+            (
+                Some(self.norm(&format!("{p}.q_norm"), a.head_dim)?),
+                Some(self.norm(&format!("{p}.k_norm"), a.head_dim)?),
+            )
         } else {
             (None, None)
         };
@@ -126,13 +166,26 @@ impl<B: Backend> Builder<'_, B> {
         let a = self.args;
         let (h, i, bias) = (a.hidden_size, a.intermediate_size, a.mlp_bias);
         let (gate_proj, up_proj) = if a.fused_projections {
-            let w = self.src.take(&format!("{p}.gate_up_proj.weight"), &[2 * i, h])?;
-            (self.linear_from(w.rows(0, i), None), self.linear_from(w.rows(i, i), None))
+            let w = self
+                .src
+                .take(&format!("{p}.gate_up_proj.weight"), &[2 * i, h])?;
+            (
+                self.linear_from(w.rows(0, i), None),
+                self.linear_from(w.rows(i, i), None),
+            )
         } else {
-            (self.linear(&format!("{p}.gate_proj"), i, h, bias)?, self.linear(&format!("{p}.up_proj"), i, h, bias)?)
+            (
+                self.linear(&format!("{p}.gate_proj"), i, h, bias)?,
+                self.linear(&format!("{p}.up_proj"), i, h, bias)?,
+            )
         };
         let down_proj = self.linear(&format!("{p}.down_proj"), h, i, bias)?;
-        Ok(Mlp { gate_proj, up_proj, down_proj, activation: a.activation })
+        Ok(Mlp {
+            gate_proj,
+            up_proj,
+            down_proj,
+            activation: a.activation,
+        })
     }
 
     fn build(mut self) -> Result<CausalLm<B>, CheckpointError> {
@@ -144,15 +197,25 @@ impl<B: Backend> Builder<'_, B> {
             layers.push(DecoderLayer {
                 input_layernorm: self.norm(&format!("{p}.input_layernorm"), a.hidden_size)?,
                 self_attn: self.attention(&format!("{p}.self_attn"))?,
-                post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?,
+                post_attention_layernorm: self
+                    .norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?,
                 mlp: self.mlp(&format!("{p}.mlp"))?,
             });
         }
         let norm = self.norm("model.norm", a.hidden_size)?;
-        let lm_head =
-            if a.tie_word_embeddings { None } else { Some(self.linear("lm_head", a.vocab_size, a.hidden_size, false)?) };
+        let lm_head = if a.tie_word_embeddings {
+            None
+        } else {
+            Some(self.linear("lm_head", a.vocab_size, a.hidden_size, false)?)
+        };
         Ok(CausalLm {
-            model: DecoderBody { embed_tokens: Embedding { weight: Param::from_tensor(embed) }, layers, norm },
+            model: DecoderBody {
+                embed_tokens: Embedding {
+                    weight: Param::from_tensor(embed),
+                },
+                layers,
+                norm,
+            },
             lm_head,
             args: a.clone(),
             rope: Rope::new(a),
@@ -160,7 +223,11 @@ impl<B: Backend> Builder<'_, B> {
     }
 }
 
-pub fn build<B: Backend>(args: &ModelArgs, src: &mut dyn ParamSource, device: &B::Device) -> Result<CausalLm<B>, CheckpointError> {
+pub fn build<B: Backend>(
+    args: &ModelArgs,
+    src: &mut dyn ParamSource,
+    device: &B::Device,
+) -> Result<CausalLm<B>, CheckpointError> {
     Builder { args, src, device }.build()
 }
 

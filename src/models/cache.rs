@@ -29,6 +29,10 @@ impl<B: Backend> LayerCache<B> {
     pub fn len(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| k.dims()[2])
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 #[derive(Debug)]
@@ -38,7 +42,14 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| LayerCache { keys: None, values: None }).collect() }
+        Self {
+            layers: (0..num_layers)
+                .map(|_| LayerCache {
+                    keys: None,
+                    values: None,
+                })
+                .collect(),
+        }
     }
 
     /// Positions already cached.

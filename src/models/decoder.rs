@@ -35,11 +35,26 @@ pub struct PassContext<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn heads(&self, proj: &Linear<B>, x: Tensor<B, 2>, batch: usize, seq: usize, heads: usize, mode: ForwardMode) -> Tensor<B, 4> {
-        proj.forward(x, mode).reshape([batch, seq, heads, self.head_dim]).swap_dims(1, 2)
+    fn heads(
+        &self,
+        proj: &Linear<B>,
+        x: Tensor<B, 2>,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        mode: ForwardMode,
+    ) -> Tensor<B, 4> {
+        proj.forward(x, mode)
+            .reshape([batch, seq, heads, self.head_dim])
+            .swap_dims(1, 2)
     }
 
-    pub fn forward(&self, x: Tensor<B, 3>, ctx: &PassContext<B>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        ctx: &PassContext<B>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -62,10 +77,19 @@ impl<B: Backend> Attention<B> {
         // Grouped-query attention without repeating K and V: the query heads that share a KV
         // head are stacked along the sequence axis, so one matmul serves the whole group.
         let q = q.reshape([batch, kvh, n_rep * seq, d]) * (1.0 / (d as f64).sqrt());
-        let scores = q.matmul(k.swap_dims(2, 3)).reshape([batch, kvh, n_rep, seq, k_len]) + ctx.mask.clone();
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .reshape([batch, kvh, n_rep, seq, k_len])
+            + ctx.mask.clone();
         let probs = softmax(scores, 4).reshape([batch, kvh, n_rep * seq, k_len]);
-        let out = probs.matmul(v).reshape([batch, h, seq, d]).swap_dims(1, 2).reshape([batch * seq, h * d]);
-        self.o_proj.forward(out, ctx.mode).reshape([batch, seq, hidden])
+        let out = probs
+            .matmul(v)
+            .reshape([batch, h, seq, d])
+            .swap_dims(1, 2)
+            .reshape([batch * seq, h * d]);
+        self.o_proj
+            .forward(out, ctx.mode)
+            .reshape([batch, seq, hidden])
     }
 }
 
@@ -87,13 +111,16 @@ impl<B: Backend> Mlp<B> {
             Activation::GeluTanh => gelu_tanh(gate),
         };
         let up = self.up_proj.forward(rows, mode);
-        self.down_proj.forward(gate * up, mode).reshape([batch, seq, hidden])
+        self.down_proj
+            .forward(gate * up, mode)
+            .reshape([batch, seq, hidden])
     }
 }
 
 /// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
+    let inner =
+        (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
     x * (inner.tanh() + 1.0) * 0.5
 }
 
@@ -106,9 +133,20 @@ pub struct DecoderLayer<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, ctx: &PassContext<B>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), ctx, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), ctx.mode)
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        ctx: &PassContext<B>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), ctx, cache);
+        h.clone()
+            + self
+                .mlp
+                .forward(self.post_attention_layernorm.forward(h), ctx.mode)
     }
 }
 
@@ -157,12 +195,23 @@ impl<B: Backend> CausalLm<B> {
 
     /// Final hidden states `[batch, seq, hidden]` (after the last norm), so losses can project
     /// to the vocabulary in chunks.
-    pub fn hidden(&self, input: TokenBatch<'_>, mode: ForwardMode, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+    pub fn hidden(
+        &self,
+        input: TokenBatch<'_>,
+        mode: ForwardMode,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
         let device = self.device();
         let (batch, seq) = (input.batch, input.seq_len());
         let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
-        let mut x = self.model.embed_tokens.weight.val().select(0, ids).reshape([batch, seq, self.args.hidden_size]);
+        let mut x = self
+            .model
+            .embed_tokens
+            .weight
+            .val()
+            .select(0, ids)
+            .reshape([batch, seq, self.args.hidden_size]);
         if self.args.scale_embeddings {
             // Gemma rounds the normaliser to the activation dtype; fp32 here.
             x = x * (self.args.hidden_size as f32).sqrt() as f64;
@@ -170,7 +219,12 @@ impl<B: Backend> CausalLm<B> {
         let offset = cache.as_ref().map_or(0, |c| c.len());
         let (cos, sin) = self.rope.tables::<B>(input.positions, batch, &device);
         let mask = mask::causal::<B>(batch, seq, offset, input.document_ids, &device);
-        let ctx = PassContext { cos, sin, mask, mode };
+        let ctx = PassContext {
+            cos,
+            sin,
+            mask,
+            mode,
+        };
         match cache {
             Some(cache) => {
                 for (layer, layer_cache) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
@@ -202,7 +256,8 @@ impl<B: Backend> CausalLm<B> {
 
     pub fn logits(&self, hidden: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
-        self.project(hidden.reshape([batch * seq, h]), mode).reshape([batch, seq, self.args.vocab_size])
+        self.project(hidden.reshape([batch * seq, h]), mode)
+            .reshape([batch, seq, self.args.vocab_size])
     }
 
     pub fn new_cache(&self) -> KvCache<B> {

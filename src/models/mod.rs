@@ -22,7 +22,10 @@ use crate::checkpoint::CheckpointError;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     BadConfig { path: PathBuf, message: String },
     #[error(transparent)]

@@ -33,7 +33,10 @@ impl<B: Backend> CausalLm<B> {
 
     /// All float parameters by module path, with whether each one trains.
     pub fn named_params(&self) -> Vec<NamedParam> {
-        let mut v = Collector { path: Vec::new(), out: Vec::new() };
+        let mut v = Collector {
+            path: Vec::new(),
+            out: Vec::new(),
+        };
         self.visit(&mut v);
         v.out
     }
@@ -41,8 +44,12 @@ impl<B: Backend> CausalLm<B> {
     /// Base-model tensors with Hugging Face names (adapters excluded), as saved to
     /// `model.safetensors`: Phi-3's projections fused back into `qkv_proj`/`gate_up_proj`.
     pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
-        let params: Vec<(String, HostTensor)> =
-            self.named_params().into_iter().filter(|p| !p.is_adapter()).map(|p| (p.name, p.value)).collect();
+        let params: Vec<(String, HostTensor)> = self
+            .named_params()
+            .into_iter()
+            .filter(|p| !p.is_adapter())
+            .map(|p| (p.name, p.value))
+            .collect();
         self.to_hf_layout(params)
     }
 
@@ -53,7 +60,12 @@ impl<B: Backend> CausalLm<B> {
             .linears_mut()
             .into_iter()
             .filter(|(_, l)| l.lora.is_some())
-            .map(|(p, l)| (format!("{p}.weight"), HostTensor::from_tensor(&l.merged_weight())))
+            .map(|(p, l)| {
+                (
+                    format!("{p}.weight"),
+                    HostTensor::from_tensor(&l.merged_weight()),
+                )
+            })
             .collect();
         let params: Vec<(String, HostTensor)> = self
             .named_params()
@@ -68,7 +80,11 @@ impl<B: Backend> CausalLm<B> {
     }
 
     fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
-        if self.args.fused_projections { fuse_projections(params) } else { params }
+        if self.args.fused_projections {
+            fuse_projections(params)
+        } else {
+            params
+        }
     }
 }
 
@@ -116,19 +132,27 @@ fn fuse_projections(params: Vec<(String, HostTensor)>) -> Vec<(String, HostTenso
     let mut map: HashMap<String, HostTensor> = params.iter().cloned().collect();
     let mut out = Vec::new();
     for (name, _) in &params {
-        let Some(value) = map.remove(name) else { continue };
+        let Some(value) = map.remove(name) else {
+            continue;
+        };
         if let Some(prefix) = name.strip_suffix(".self_attn.q_proj.weight") {
             let k = map.remove(&format!("{prefix}.self_attn.k_proj.weight"));
             let v = map.remove(&format!("{prefix}.self_attn.v_proj.weight"));
             if let (Some(k), Some(v)) = (k, v) {
-                out.push((format!("{prefix}.self_attn.qkv_proj.weight"), HostTensor::concat_rows(&[value, k, v])));
+                out.push((
+                    format!("{prefix}.self_attn.qkv_proj.weight"),
+                    HostTensor::concat_rows(&[value, k, v]),
+                ));
                 continue;
             }
         }
         if let Some(prefix) = name.strip_suffix(".mlp.gate_proj.weight")
             && let Some(up) = map.remove(&format!("{prefix}.mlp.up_proj.weight"))
         {
-            out.push((format!("{prefix}.mlp.gate_up_proj.weight"), HostTensor::concat_rows(&[value, up])));
+            out.push((
+                format!("{prefix}.mlp.gate_up_proj.weight"),
+                HostTensor::concat_rows(&[value, up]),
+            ));
             continue;
         }
         out.push((name.clone(), value));
@@ -175,6 +199,9 @@ impl<B: Backend> burn::module::ModuleMapper<B> for SetTrainable {
 
 impl<B: Backend> CausalLm<B> {
     pub fn set_trainable(self, which: Trainable) -> Self {
-        self.map(&mut SetTrainable { which, path: Vec::new() })
+        self.map(&mut SetTrainable {
+            which,
+            path: Vec::new(),
+        })
     }
 }

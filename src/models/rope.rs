@@ -24,16 +24,26 @@ impl Rope {
         match &args.rope_scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let old_ctx = *original_max_position_embeddings;
                 let low_freq_wavelen = old_ctx / low_freq_factor;
                 let high_freq_wavelen = old_ctx / high_freq_factor;
                 for f in &mut inv_freq {
                     let wavelen = 2.0 * std::f64::consts::PI / *f;
-                    let scaled = if wavelen > low_freq_wavelen { *f / factor } else { *f };
-                    let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                    let scaled = if wavelen > low_freq_wavelen {
+                        *f / factor
+                    } else {
+                        *f
+                    };
+                    let medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
                     *f = if medium {
-                        let smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old_ctx / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * scaled / factor + smooth * scaled
                     } else {
                         scaled
@@ -41,11 +51,18 @@ impl Rope {
                 }
             }
         }
-        Self { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect() }
+        Self {
+            inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
+        }
     }
 
     /// cos and sin tables `[batch, 1, seq, head_dim]` for the given position ids (`[batch * seq]`).
-    pub fn tables<B: Backend>(&self, positions: &[u32], batch: usize, device: &B::Device) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    pub fn tables<B: Backend>(
+        &self,
+        positions: &[u32],
+        batch: usize,
+        device: &B::Device,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let half = self.inv_freq.len();
         let dim = half * 2;
         let seq = positions.len() / batch.max(1);

@@ -17,7 +17,9 @@ pub enum QuantScheme {
 impl QuantScheme {
     pub fn group_size(self) -> usize {
         match self {
-            Self::Int8DynActInt4Weight { group_size } | Self::Int4WeightOnly { group_size } => group_size,
+            Self::Int8DynActInt4Weight { group_size } | Self::Int4WeightOnly { group_size } => {
+                group_size
+            }
         }
     }
 
@@ -27,14 +29,20 @@ impl QuantScheme {
 }
 
 /// `x + (q(x) - x).detach()`: quantized forward, identity backward.
-fn straight_through<B: Backend, const D: usize>(x: Tensor<B, D>, quantized: Tensor<B, D>) -> Tensor<B, D> {
+fn straight_through<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    quantized: Tensor<B, D>,
+) -> Tensor<B, D> {
     x.clone() + (quantized - x).detach()
 }
 
 /// Symmetric int4 per group of `group_size` input features:
 /// `scale = max|g| / 7.5` (at least f32 eps), `q = clamp(round(w * (1/scale)), -8, 7)`,
 /// `w' = q * scale`. The multiplication by the reciprocal matches torchao to the bit.
-pub fn int4_weight_values<B: Backend>(w: Tensor<B, 2>, group_size: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
+pub fn int4_weight_values<B: Backend>(
+    w: Tensor<B, 2>,
+    group_size: usize,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [out, inp] = w.dims();
     let groups = w.reshape([out * inp / group_size, group_size]);
     let scale = (groups.clone().abs().max_dim(1) / 7.5).clamp_min(f32::EPSILON);

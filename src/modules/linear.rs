@@ -30,13 +30,22 @@ pub struct ForwardMode {
 
 impl Default for ForwardMode {
     fn default() -> Self {
-        Self { adapters: true, fake_quant: true, train: false }
+        Self {
+            adapters: true,
+            fake_quant: true,
+            train: false,
+        }
     }
 }
 
 impl<B: Backend> Linear<B> {
     pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
-        Self { weight: Param::from_tensor(weight), bias: bias.map(Param::from_tensor), lora: None, quant: None }
+        Self {
+            weight: Param::from_tensor(weight),
+            bias: bias.map(Param::from_tensor),
+            lora: None,
+            quant: None,
+        }
     }
 
     pub fn in_features(&self) -> usize {

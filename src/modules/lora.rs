@@ -35,17 +35,29 @@ impl<B: Backend> Lora<B> {
     /// A fresh adapter as PEFT and torchtune initialise it: A Kaiming-uniform (a = sqrt(5),
     /// bound 1/sqrt(in)), B zero, so the adapted model starts equal to the base model. The
     /// seeded host RNG keeps this identical across backends.
-    pub fn init(in_features: usize, out_features: usize, settings: &LoraSettings, rng: &mut StdRng, device: &B::Device) -> Self {
+    pub fn init(
+        in_features: usize,
+        out_features: usize,
+        settings: &LoraSettings,
+        rng: &mut StdRng,
+        device: &B::Device,
+    ) -> Self {
         let bound = 1.0 / (in_features as f64).sqrt();
-        let a: Vec<f32> =
-            (0..settings.rank * in_features).map(|_| rng.random_range(-bound..bound) as f32).collect();
+        let a: Vec<f32> = (0..settings.rank * in_features)
+            .map(|_| rng.random_range(-bound..bound) as f32)
+            .collect();
         let a = Tensor::from_data(TensorData::new(a, [settings.rank, in_features]), device);
         let b = Tensor::zeros([out_features, settings.rank], device);
         Self::from_tensors(a, b, settings)
     }
 
     pub fn from_tensors(a: Tensor<B, 2>, b: Tensor<B, 2>, settings: &LoraSettings) -> Self {
-        Self { a: Param::from_tensor(a), b: Param::from_tensor(b), scale: settings.scale(), dropout: settings.dropout }
+        Self {
+            a: Param::from_tensor(a),
+            b: Param::from_tensor(b),
+            scale: settings.scale(),
+            dropout: settings.dropout,
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -61,7 +73,9 @@ impl<B: Backend> Lora<B> {
         } else {
             x
         };
-        x.matmul(self.a.val().transpose()).matmul(self.b.val().transpose()) * self.scale
+        x.matmul(self.a.val().transpose())
+            .matmul(self.b.val().transpose())
+            * self.scale
     }
 
     /// `scale * B @ A`, the update merged into the base weight on export.

@@ -14,7 +14,11 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     pub fn new(weight: Tensor<B, 1>, eps: f64, weight_offset: bool) -> Self {
-        Self { weight: Param::from_tensor(weight), eps, weight_offset }
+        Self {
+            weight: Param::from_tensor(weight),
+            eps,
+            weight_offset,
+        }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {

@@ -10,15 +10,20 @@ use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderCon
 use crate::tokenizer::Tokenizer;
 
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
-    let path = resolve_tokenizer_json(&cfg.path)
-        .map_err(|e| SetupError::Invalid { key: "tokenizer.path".into(), message: e.to_string() })?;
+    let path = resolve_tokenizer_json(&cfg.path).map_err(|e| SetupError::Invalid {
+        key: "tokenizer.path".into(),
+        message: e.to_string(),
+    })?;
     Ok(Tokenizer::from_path(path)?)
 }
 
 /// The data module's view of one `dataset` entry.
 pub fn spec(cfg: &DatasetConfig) -> Result<(DatasetSpec, DatasetKind), SetupError> {
     let Component::Dataset(builder) = &cfg.component else {
-        return Err(SetupError::Invalid { key: "dataset._component_".into(), message: "not a dataset builder".into() });
+        return Err(SetupError::Invalid {
+            key: "dataset._component_".into(),
+            message: "not a dataset builder".into(),
+        });
     };
     let kind = DatasetKind::from_component(builder.name).ok_or_else(|| SetupError::Invalid {
         key: "dataset._component_".into(),
@@ -26,7 +31,10 @@ pub fn spec(cfg: &DatasetConfig) -> Result<(DatasetSpec, DatasetKind), SetupErro
     })?;
     let spec = DatasetSpec {
         component: Some(builder.name.to_string()),
-        source: cfg.source.clone().or_else(|| builder.default_source.map(String::from)),
+        source: cfg
+            .source
+            .clone()
+            .or_else(|| builder.default_source.map(String::from)),
         data_files: cfg.data_files.as_ref().map(|f| match f {
             DataFiles::One(s) => OneOrMany::One(s.clone()),
             DataFiles::Many(v) => OneOrMany::Many(v.clone()),
@@ -57,12 +65,73 @@ pub fn dataset(
 ) -> Result<Dataset, SetupError> {
     let mut parts = Vec::with_capacity(entries.len());
     for entry in entries {
-        let (spec, kind) = spec(entry)?;
-        parts.push(Dataset::build(&spec, kind, tokenizer, max_seq_len, base_dir)?);
+        let (mut spec, kind) = spec(entry)?;
+        fetch_if_hub(&mut spec)?;
+        parts.push(Dataset::build(
+            &spec,
+            kind,
+            tokenizer,
+            max_seq_len,
+            base_dir,
+        )?);
     }
     Ok(Dataset::concat(parts)?)
 }
 
-pub fn loader(dataset: &Dataset, batch_size: usize, shuffle: bool, seed: u64) -> Result<DataLoader, SetupError> {
-    Ok(DataLoader::new(dataset.len(), LoaderConfig { batch_size, shuffle, seed, drop_last: true })?)
+pub fn loader(
+    dataset: &Dataset,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+) -> Result<DataLoader, SetupError> {
+    Ok(DataLoader::new(
+        dataset.len(),
+        LoaderConfig {
+            batch_size,
+            shuffle,
+            seed,
+            drop_last: true,
+        },
+    )?)
+}
+
+/// A `source` naming a Hub dataset repo (`tatsu-lab/alpaca`) is fetched into the HF cache and
+/// replaced by its local files, so the rest of the pipeline only sees local data.
+fn fetch_if_hub(spec: &mut DatasetSpec) -> Result<(), SetupError> {
+    let Some(source) = spec
+        .source
+        .clone()
+        .filter(|s| crate::hub::datasets::is_hub_source(s))
+    else {
+        return Ok(());
+    };
+    let patterns = spec
+        .data_files
+        .as_ref()
+        .map(OneOrMany::to_vec)
+        .unwrap_or_default();
+    let opts = crate::hub::DatasetFetchOptions {
+        progress: true,
+        ..Default::default()
+    };
+    let files = crate::hub::fetch_dataset_files(&source, None, &patterns, &opts).map_err(|e| {
+        SetupError::Invalid {
+            key: "dataset.source".into(),
+            message: e.to_string(),
+        }
+    })?;
+    let ext = files
+        .first()
+        .and_then(|f| f.extension())
+        .and_then(|e| e.to_str())
+        .unwrap_or("json");
+    spec.source = Some(if ext == "jsonl" {
+        "json".into()
+    } else {
+        ext.to_string()
+    });
+    spec.data_files = Some(OneOrMany::Many(
+        files.iter().map(|f| f.display().to_string()).collect(),
+    ));
+    Ok(())
 }

@@ -8,17 +8,27 @@ use crate::config::schema::MetricLoggerConfig;
 use crate::training::metrics::{JsonlSink, MetricLoggers, MetricSink, StdoutSink, TensorBoardSink};
 
 /// `None` logs to disk under `<output_dir>/logs`, as torchtune's configs do by default.
-pub fn loggers(cfg: Option<&MetricLoggerConfig>, output_dir: &Path) -> Result<(MetricLoggers, String), SetupError> {
+pub fn loggers(
+    cfg: Option<&MetricLoggerConfig>,
+    output_dir: &Path,
+) -> Result<(MetricLoggers, String), SetupError> {
     let kind = match cfg.map(|c| &c.component) {
         Some(Component::MetricLogger(k)) => *k,
         _ => LoggerKind::Disk,
     };
-    let log_dir = cfg.and_then(|c| c.log_dir.clone()).unwrap_or_else(|| output_dir.join("logs"));
-    let io = |source| SetupError::Io { path: log_dir.clone(), source };
+    let log_dir = cfg
+        .and_then(|c| c.log_dir.clone())
+        .unwrap_or_else(|| output_dir.join("logs"));
+    let io = |source| SetupError::Io {
+        path: log_dir.clone(),
+        source,
+    };
     let sink: Box<dyn MetricSink> = match kind {
         LoggerKind::Disk => Box::new(JsonlSink::create(&log_dir).map_err(io)?),
         LoggerKind::TensorBoard => Box::new(TensorBoardSink::create(&log_dir).map_err(io)?),
-        LoggerKind::Stdout => Box::new(StdoutSink { printer: Box::new(|line| println!("{line}")) }),
+        LoggerKind::Stdout => Box::new(StdoutSink {
+            printer: Box::new(|line| println!("{line}")),
+        }),
     };
     let mut sinks = vec![sink];
     // metrics.jsonl is always written: `tune plot` and the model card read it.

@@ -14,9 +14,15 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     #[error("{key}: {source}")]
-    Model { key: &'static str, source: crate::models::ModelError },
+    Model {
+        key: &'static str,
+        source: crate::models::ModelError,
+    },
     #[error("{key}: {source}")]
-    Checkpoint { key: &'static str, source: crate::checkpoint::CheckpointError },
+    Checkpoint {
+        key: &'static str,
+        source: crate::checkpoint::CheckpointError,
+    },
     #[error("tokenizer.path: {0}")]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
     #[error("dataset: {0}")]
@@ -24,5 +30,8 @@ pub enum SetupError {
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }

@@ -8,7 +8,9 @@ use super::SetupError;
 use crate::checkpoint::hf::{LoadedModel, load_model};
 use crate::checkpoint::peft;
 use crate::config::components::{Component, ModelVariant};
-use crate::config::schema::{CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt};
+use crate::config::schema::{
+    CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt,
+};
 use crate::models::CausalLm;
 use crate::modules::LoraSettings;
 
@@ -17,7 +19,10 @@ use crate::modules::LoraSettings;
 pub fn checkpoint_files(cfg: &CheckpointerConfig) -> Option<Vec<String>> {
     match cfg.checkpoint_files.as_ref()? {
         CheckpointFiles::List(files) => Some(files.clone()),
-        CheckpointFiles::Format { filename_format, max_filename } => {
+        CheckpointFiles::Format {
+            filename_format,
+            max_filename,
+        } => {
             let max = match max_filename {
                 StrOrInt::Str(s) => s.clone(),
                 StrOrInt::Int(i) => format!("{i:05}"),
@@ -27,7 +32,9 @@ pub fn checkpoint_files(cfg: &CheckpointerConfig) -> Option<Vec<String>> {
                 (1..=n)
                     .map(|i| {
                         let idx = format!("{i:0width$}", width = max.len());
-                        filename_format.replacen("{}", &idx, 1).replacen("{}", &max, 1)
+                        filename_format
+                            .replacen("{}", &idx, 1)
+                            .replacen("{}", &max, 1)
                     })
                     .collect(),
             )
@@ -43,7 +50,8 @@ pub fn load<B: Backend>(
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
     let files = checkpoint_files(cfg);
-    load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device).map_err(|source| SetupError::Model { key, source })
+    load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device)
+        .map_err(|source| SetupError::Model { key, source })
 }
 
 /// LoRA settings and target modules (Hugging Face leaf names) from the `model` section.
@@ -86,7 +94,14 @@ pub fn lora_plan(model: &ModelConfig) -> Result<LoraPlan, SetupError> {
                 .into(),
         });
     }
-    Ok(LoraPlan { settings: LoraSettings { rank, alpha, dropout: model.lora_dropout }, targets })
+    Ok(LoraPlan {
+        settings: LoraSettings {
+            rank,
+            alpha,
+            dropout: model.lora_dropout,
+        },
+        targets,
+    })
 }
 
 /// Attaches fresh adapters per `plan` (or loads `checkpointer.adapter_checkpoint`), and
@@ -103,7 +118,9 @@ pub fn attach_adapters<B: Backend>(
             message: "this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False".into(),
         });
     }
-    if let Some(mut config) = load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")? {
+    if let Some(mut config) =
+        load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")?
+    {
         config.base_model_name_or_path = Some(checkpointer.checkpoint_dir.display().to_string());
         return Ok(config);
     }
@@ -132,7 +149,8 @@ pub fn load_adapter_checkpoint<B: Backend>(
         return Ok(None);
     };
     let path = adapter_dir(&checkpointer.checkpoint_dir, adapter);
-    let config = peft::load_adapter(model, &path).map_err(|source| SetupError::Checkpoint { key, source })?;
+    let config = peft::load_adapter(model, &path)
+        .map_err(|source| SetupError::Checkpoint { key, source })?;
     Ok(Some(config))
 }
 
@@ -140,6 +158,14 @@ pub fn load_adapter_checkpoint<B: Backend>(
 /// `adapter_model.safetensors`), absolute or relative to the checkpoint directory.
 pub fn adapter_dir(checkpoint_dir: &Path, adapter: &str) -> std::path::PathBuf {
     let given = Path::new(adapter);
-    let path = if given.is_absolute() || given.exists() { given.to_path_buf() } else { checkpoint_dir.join(given) };
-    if path.is_file() { path.parent().map(Path::to_path_buf).unwrap_or(path) } else { path }
+    let path = if given.is_absolute() || given.exists() {
+        given.to_path_buf()
+    } else {
+        checkpoint_dir.join(given)
+    };
+    if path.is_file() {
+        path.parent().map(Path::to_path_buf).unwrap_or(path)
+    } else {
+        path
+    }
 }

@@ -13,7 +13,9 @@ use super::optim;
 /// reported so the run can be repeated.
 pub fn seed(cfg: &TrainConfig) -> u64 {
     cfg.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
     })
 }
 
@@ -33,7 +35,10 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
 
 /// Where checkpoints go: `checkpointer.output_dir`, else `output_dir`.
 pub fn checkpoint_dir(cfg: &TrainConfig) -> PathBuf {
-    cfg.checkpointer.output_dir.clone().unwrap_or_else(|| cfg.output_dir.clone())
+    cfg.checkpointer
+        .output_dir
+        .clone()
+        .unwrap_or_else(|| cfg.output_dir.clone())
 }
 
 /// What a resumed run must share with its checkpoint: the model, its adapters, the data and
@@ -45,19 +50,34 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
     };
     let json = |v: &dyn erased::Ser| v.to_json();
     put("model", json(&cfg.model));
-    put("checkpointer.checkpoint_dir", serde_json::json!(cfg.checkpointer.checkpoint_dir));
-    put("checkpointer.adapter_checkpoint", serde_json::json!(cfg.checkpointer.adapter_checkpoint));
+    put(
+        "checkpointer.checkpoint_dir",
+        serde_json::json!(cfg.checkpointer.checkpoint_dir),
+    );
+    put(
+        "checkpointer.adapter_checkpoint",
+        serde_json::json!(cfg.checkpointer.adapter_checkpoint),
+    );
     put("tokenizer", json(&cfg.tokenizer));
     put("dataset", json(&cfg.dataset));
     put("batch_size", cfg.batch_size.into());
-    put("gradient_accumulation_steps", cfg.gradient_accumulation_steps.into());
+    put(
+        "gradient_accumulation_steps",
+        cfg.gradient_accumulation_steps.into(),
+    );
     put("shuffle", cfg.shuffle.into());
     put("seed", seed.into());
     put("optimizer", json(&cfg.optimizer));
     // Distillation: the teacher and the objective shape every step.
     if let Some(teacher) = &cfg.teacher_checkpointer {
-        put("teacher_checkpointer.checkpoint_dir", serde_json::json!(teacher.checkpoint_dir));
-        put("teacher_checkpointer.adapter_checkpoint", serde_json::json!(teacher.adapter_checkpoint));
+        put(
+            "teacher_checkpointer.checkpoint_dir",
+            serde_json::json!(teacher.checkpoint_dir),
+        );
+        put(
+            "teacher_checkpointer.adapter_checkpoint",
+            serde_json::json!(teacher.adapter_checkpoint),
+        );
         put("kd_loss", json(&cfg.kd_loss));
         put("kd_ratio", cfg.kd_ratio().into());
     }

@@ -23,7 +23,8 @@ use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
-    CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError, latest_complete,
+    CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError,
+    clean_partial, latest_complete,
 };
 use crate::models::CausalLm;
 
@@ -33,7 +34,10 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 #[derive(Debug, Clone)]
 pub enum SaveContent {
     /// LoRA: the PEFT adapter; with `merged_model`, also the base with adapters folded in.
-    Adapter { config: AdapterConfig, merged_model: bool },
+    Adapter {
+        config: AdapterConfig,
+        merged_model: bool,
+    },
     /// Full fine-tuning: the whole model in Hugging Face layout.
     FullModel,
 }
@@ -49,7 +53,10 @@ impl RunFingerprint {
         let mut keys: Vec<&String> = self.0.keys().chain(other.0.keys()).collect();
         keys.sort();
         keys.dedup();
-        keys.into_iter().filter(|k| self.0.get(*k) != other.0.get(*k)).cloned().collect()
+        keys.into_iter()
+            .filter(|k| self.0.get(*k) != other.0.get(*k))
+            .cloned()
+            .collect()
     }
 
     pub fn hash(&self) -> String {
@@ -109,7 +116,11 @@ impl RunCheckpointer {
 
     /// Waits for a background save still in flight (call before exiting).
     pub fn finish(&mut self) -> Result<(), TrainError> {
-        if let Some(p) = self.client.wait().map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+        if let Some(p) = self
+            .client
+            .wait()
+            .map_err(|e| TrainError::Checkpoint(e.to_string()))?
+        {
             self.last_published = Some(p);
         }
         Ok(())
@@ -127,11 +138,15 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         // Everything below up to the request is the blocking part: copying state to the host.
         let started = std::time::Instant::now();
         let adapter = match &self.content {
-            SaveContent::Adapter { config, .. } => Some((adapter_state_dict(model), config.clone())),
+            SaveContent::Adapter { config, .. } => {
+                Some((adapter_state_dict(model), config.clone()))
+            }
             SaveContent::FullModel => None,
         };
         let full = match &self.content {
-            SaveContent::Adapter { merged_model: true, .. } if kind == SaveKind::Final || kind == SaveKind::EpochEnd => {
+            SaveContent::Adapter {
+                merged_model: true, ..
+            } if kind == SaveKind::Final || kind == SaveKind::EpochEnd => {
                 Some(model.merged_hf_state_dict())
             }
             SaveContent::Adapter { .. } => None,
@@ -139,16 +154,31 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         };
         let optimizer_state = optimizer.state_dict();
         let config_json = model.args.raw.clone();
-        let (source_dir, dtype, shard) = (self.source_dir.clone(), self.storage_dtype, self.max_shard_bytes);
+        let (source_dir, dtype, shard) = (
+            self.source_dir.clone(),
+            self.storage_dtype,
+            self.max_shard_bytes,
+        );
         let snapshot_time = started.elapsed();
 
         let name = match kind {
             SaveKind::Periodic => format!("step_{}", state.global_step),
-            SaveKind::EpochEnd | SaveKind::Final => format!("epoch_{}", state.epoch.saturating_sub(1)),
+            SaveKind::EpochEnd | SaveKind::Final => {
+                format!("epoch_{}", state.epoch.saturating_sub(1))
+            }
         };
-        let mut meta = CheckpointMeta::new(&self.recipe, self.fingerprint.hash(), state.global_step as u64, state.epoch as u64);
+        let mut meta = CheckpointMeta::new(
+            &self.recipe,
+            self.fingerprint.hash(),
+            state.global_step as u64,
+            state.epoch as u64,
+        );
         meta.steps_in_epoch = Some(state.steps_per_epoch as u64);
-        let info = ResumeInfo { state: state.clone(), optimizer_step: optimizer.step, fingerprint: self.fingerprint.clone() };
+        let info = ResumeInfo {
+            state: state.clone(),
+            optimizer_step: optimizer.step,
+            fingerprint: self.fingerprint.clone(),
+        };
         meta.extra = serde_json::to_value(&info).unwrap_or_default();
 
         let writer = move |dir: &Path| -> Result<(), WriteError> {
@@ -157,9 +187,15 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
                 write_adapter(dir, &tensors, &config).map_err(fail)?;
             }
             if let Some(state) = full {
-                save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir)).map_err(fail)?;
+                save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir))
+                    .map_err(fail)?;
             }
-            write_file(&dir.join(OPTIMIZER_FILE), &optimizer_state, StorageDtype::F32).map_err(fail)?;
+            write_file(
+                &dir.join(OPTIMIZER_FILE),
+                &optimizer_state,
+                StorageDtype::F32,
+            )
+            .map_err(fail)?;
             Ok(())
         };
         let request = SaveRequest::new(name.clone(), meta, writer);
@@ -170,7 +206,10 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         }
         .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         if report.waited.as_millis() > 0 {
-            (self.log)(format!("checkpoint {name}: waited {:.2}s for the previous save to finish", report.waited.as_secs_f64()));
+            (self.log)(format!(
+                "checkpoint {name}: waited {:.2}s for the previous save to finish",
+                report.waited.as_secs_f64()
+            ));
         }
         if kind != SaveKind::Final {
             (self.log)(format!(
@@ -194,12 +233,27 @@ pub struct Resume {
 }
 
 /// Finds the latest complete checkpoint under `output_dir` and checks it belongs to this run.
-pub fn find_resume(output_dir: &Path, fingerprint: &RunFingerprint) -> Result<Option<Resume>, TrainError> {
-    let Some(found) = latest_complete(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? else {
+pub fn find_resume(
+    output_dir: &Path,
+    fingerprint: &RunFingerprint,
+) -> Result<Option<Resume>, TrainError> {
+    // Partial directories of a crashed run are never resumed from; tidy them away first.
+    for cleaned in clean_partial(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+        eprintln!(
+            "removed the partial checkpoint {} left by an interrupted run",
+            cleaned.path.display()
+        );
+    }
+    let Some(found) =
+        latest_complete(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?
+    else {
         return Ok(None);
     };
     let info: ResumeInfo = serde_json::from_value(found.meta().extra.clone()).map_err(|e| {
-        TrainError::Checkpoint(format!("{}: not a tune training checkpoint ({e})", found.dir.display()))
+        TrainError::Checkpoint(format!(
+            "{}: not a tune training checkpoint ({e})",
+            found.dir.display()
+        ))
     })?;
     let changed = info.fingerprint.differences(fingerprint);
     if !changed.is_empty() {
@@ -213,7 +267,16 @@ pub fn find_resume(output_dir: &Path, fingerprint: &RunFingerprint) -> Result<Op
     let file = SafetensorsFile::open(&path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
     let mut optimizer_state = Vec::new();
     for name in file.names() {
-        optimizer_state.push((name.clone(), file.read(&name).map_err(|e| TrainError::Checkpoint(e.to_string()))?));
+        optimizer_state.push((
+            name.clone(),
+            file.read(&name)
+                .map_err(|e| TrainError::Checkpoint(e.to_string()))?,
+        ));
     }
-    Ok(Some(Resume { dir: found.dir.clone(), state: info.state, optimizer_step: info.optimizer_step, optimizer_state }))
+    Ok(Some(Resume {
+        dir: found.dir.clone(),
+        state: info.state,
+        optimizer_step: info.optimizer_step,
+        optimizer_state,
+    }))
 }

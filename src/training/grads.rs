@@ -24,14 +24,22 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = param.val().grad(self.grads) {
-            self.out.push((self.path.join("."), HostTensor::from_tensor(&grad)));
+            self.out
+                .push((self.path.join("."), HostTensor::from_tensor(&grad)));
         }
     }
 }
 
 /// The gradient of every parameter that has one, by module path.
-pub fn named_grads<B: AutodiffBackend>(model: &CausalLm<B>, grads: &B::Gradients) -> Vec<(String, HostTensor)> {
-    let mut v = GradCollector { grads, path: Vec::new(), out: Vec::new() };
+pub fn named_grads<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    grads: &B::Gradients,
+) -> Vec<(String, HostTensor)> {
+    let mut v = GradCollector {
+        grads,
+        path: Vec::new(),
+        out: Vec::new(),
+    };
     model.visit(&mut v);
     v.out
 }

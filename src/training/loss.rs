@@ -34,7 +34,9 @@ pub fn target_log_probs<B: Backend>(logits: Tensor<B, 2>, targets: &[i32]) -> Te
 /// Drops the last position of each row: `[batch, seq, vocab]` -> `[batch * (seq - 1), vocab]`.
 pub fn shift_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
     let [batch, seq, vocab] = logits.dims();
-    logits.narrow(1, 0, seq - 1).reshape([batch * (seq - 1), vocab])
+    logits
+        .narrow(1, 0, seq - 1)
+        .reshape([batch * (seq - 1), vocab])
 }
 
 /// Per-position masked log-probabilities `[batch * (seq - 1)]` (zero where ignored) and the
@@ -46,7 +48,10 @@ pub fn masked_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> (Te
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
     let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
-    (target_log_probs(shift_logits(logits), &targets) * mask, count)
+    (
+        target_log_probs(shift_logits(logits), &targets) * mask,
+        count,
+    )
 }
 
 /// Mean cross-entropy over the positions whose shifted label is not -100, as
@@ -60,5 +65,8 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor
 pub fn sequence_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
     let [batch, seq, _] = logits.dims();
     let (log_probs, _) = masked_log_probs(logits, labels);
-    log_probs.reshape([batch, seq - 1]).sum_dim(1).reshape([batch])
+    log_probs
+        .reshape([batch, seq - 1])
+        .sum_dim(1)
+        .reshape([batch])
 }

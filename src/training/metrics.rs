@@ -27,7 +27,13 @@ impl MetricSink for StdoutSink {
         let body: Vec<String> = metrics
             .iter()
             .filter(|(k, _)| k != "step")
-            .map(|(k, v)| if *v == v.trunc() && v.abs() < 1e15 { format!("{k}:{v}") } else { format!("{k}:{v:.6}") })
+            .map(|(k, v)| {
+                if *v == v.trunc() && v.abs() < 1e15 {
+                    format!("{k}:{v}")
+                } else {
+                    format!("{k}:{v:.6}")
+                }
+            })
             .collect();
         (self.printer)(format!("Step {step} | {}", body.join(" ")));
         Ok(())
@@ -46,7 +52,10 @@ impl JsonlSink {
         std::fs::create_dir_all(log_dir)?;
         let path = log_dir.join("metrics.jsonl");
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
-        Ok(Self { path, out: BufWriter::new(file) })
+        Ok(Self {
+            path,
+            out: BufWriter::new(file),
+        })
     }
 }
 
@@ -55,11 +64,14 @@ impl MetricSink for JsonlSink {
         let mut obj = serde_json::Map::new();
         for (k, v) in metrics {
             // Counters stay integers in the JSON (step, epoch, bytes, token counts).
-            let integral = matches!(k.as_str(), "step" | "epoch" | "peak_memory_bytes") || k.starts_with("num_");
+            let integral = matches!(k.as_str(), "step" | "epoch" | "peak_memory_bytes")
+                || k.starts_with("num_");
             let value = if integral && v.fract() == 0.0 {
                 serde_json::Value::from(*v as u64)
             } else {
-                serde_json::Number::from_f64(*v).map(serde_json::Value::Number).unwrap_or(serde_json::Value::Null)
+                serde_json::Number::from_f64(*v)
+                    .map(serde_json::Value::Number)
+                    .unwrap_or(serde_json::Value::Null)
             };
             obj.insert(k.clone(), value);
         }
@@ -78,7 +90,9 @@ pub struct TensorBoardSink {
 
 impl TensorBoardSink {
     pub fn create(log_dir: &Path) -> std::io::Result<Self> {
-        Ok(Self { writer: EventWriter::create(log_dir)? })
+        Ok(Self {
+            writer: EventWriter::create(log_dir)?,
+        })
     }
 }
 
@@ -117,9 +131,11 @@ pub fn peak_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
         })
         .map_or(0, |kb| kb * 1024)
 }

@@ -1,5 +1,6 @@
 //! Training: losses, optimizers, schedules, metrics and the trainer core every recipe shares.
 
+pub mod checkpointing;
 pub mod grads;
 pub mod kd;
 pub mod loss;
@@ -8,9 +9,11 @@ pub mod optimizer;
 pub mod progress;
 pub mod schedule;
 pub mod sft;
-pub mod checkpointing;
 pub mod step;
 pub mod tensorboard;
 pub mod trainer;
 
-pub use trainer::{LossStep, SaveHook, SaveKind, StepInfo, StepOutput, TrainError, TrainState, Trainer, TrainerSettings};
+pub use trainer::{
+    LossStep, SaveHook, SaveKind, StepInfo, StepOutput, TrainError, TrainState, Trainer,
+    TrainerSettings,
+};

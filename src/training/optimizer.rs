@@ -14,7 +14,9 @@ pub enum OptimizerKind {
     AdamW,
     /// L2 penalty added to the gradient (`torch.optim.Adam`).
     Adam,
-    Sgd { momentum: f64 },
+    Sgd {
+        momentum: f64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -42,7 +44,11 @@ pub struct Optimizer<B: Backend> {
 
 impl<B: Backend> Optimizer<B> {
     pub fn new(settings: OptimizerSettings) -> Self {
-        Self { settings, step: 0, state: BTreeMap::new() }
+        Self {
+            settings,
+            step: 0,
+            state: BTreeMap::new(),
+        }
     }
 
     /// Call once per optimizer step, before the per-parameter updates.
@@ -51,7 +57,13 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Updates one parameter (`[n]`, flattened) with its gradient and returns the new value.
-    pub fn update(&mut self, name: &str, param: Tensor<B, 1>, grad: Tensor<B, 1>, lr: f64) -> Tensor<B, 1> {
+    pub fn update(
+        &mut self,
+        name: &str,
+        param: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        lr: f64,
+    ) -> Tensor<B, 1> {
         let s = &self.settings;
         let t = self.step.max(1) as i32;
         match s.kind {
@@ -64,12 +76,19 @@ impl<B: Backend> Optimizer<B> {
                 } else {
                     (param, grad)
                 };
-                let state = self.state.entry(name.to_string()).or_insert_with(|| ParamState {
-                    exp_avg: grad.zeros_like(),
-                    exp_avg_sq: Some(grad.zeros_like()),
-                });
+                let state = self
+                    .state
+                    .entry(name.to_string())
+                    .or_insert_with(|| ParamState {
+                        exp_avg: grad.zeros_like(),
+                        exp_avg_sq: Some(grad.zeros_like()),
+                    });
                 let m = state.exp_avg.clone() * beta1 + grad.clone() * (1.0 - beta1);
-                let v = state.exp_avg_sq.clone().unwrap_or_else(|| grad.zeros_like()) * beta2
+                let v = state
+                    .exp_avg_sq
+                    .clone()
+                    .unwrap_or_else(|| grad.zeros_like())
+                    * beta2
                     + grad.clone() * grad * (1.0 - beta2);
                 let bias1 = 1.0 - beta1.powi(t);
                 let bias2_sqrt = (1.0 - beta2.powi(t)).sqrt();
@@ -80,13 +99,23 @@ impl<B: Backend> Optimizer<B> {
                 new
             }
             OptimizerKind::Sgd { momentum } => {
-                let grad = if s.weight_decay != 0.0 { grad + param.clone() * s.weight_decay } else { grad };
+                let grad = if s.weight_decay != 0.0 {
+                    grad + param.clone() * s.weight_decay
+                } else {
+                    grad
+                };
                 let step = if momentum != 0.0 {
                     let buf = match self.state.get(name) {
                         Some(state) => state.exp_avg.clone() * momentum + grad,
                         None => grad,
                     };
-                    self.state.insert(name.to_string(), ParamState { exp_avg: buf.clone(), exp_avg_sq: None });
+                    self.state.insert(
+                        name.to_string(),
+                        ParamState {
+                            exp_avg: buf.clone(),
+                            exp_avg_sq: None,
+                        },
+                    );
                     buf
                 } else {
                     grad
@@ -100,7 +129,10 @@ impl<B: Backend> Optimizer<B> {
     pub fn state_dict(&self) -> Vec<(String, HostTensor)> {
         let mut out = Vec::new();
         for (name, s) in &self.state {
-            out.push((format!("exp_avg.{name}"), HostTensor::from_tensor(&s.exp_avg)));
+            out.push((
+                format!("exp_avg.{name}"),
+                HostTensor::from_tensor(&s.exp_avg),
+            ));
             if let Some(v) = &s.exp_avg_sq {
                 out.push((format!("exp_avg_sq.{name}"), HostTensor::from_tensor(v)));
             }
@@ -109,7 +141,12 @@ impl<B: Backend> Optimizer<B> {
     }
 
     /// Restores state saved by [`Self::state_dict`].
-    pub fn load_state_dict(&mut self, step: u64, tensors: Vec<(String, HostTensor)>, device: &B::Device) {
+    pub fn load_state_dict(
+        &mut self,
+        step: u64,
+        tensors: Vec<(String, HostTensor)>,
+        device: &B::Device,
+    ) {
         self.step = step;
         self.state.clear();
         let mut sq = BTreeMap::new();
@@ -118,7 +155,13 @@ impl<B: Backend> Optimizer<B> {
                 sq.insert(name.to_string(), t);
             } else if let Some(name) = key.strip_prefix("exp_avg.") {
                 let flat = HostTensor::new(vec![t.numel()], t.data);
-                self.state.insert(name.to_string(), ParamState { exp_avg: flat.to_tensor(device), exp_avg_sq: None });
+                self.state.insert(
+                    name.to_string(),
+                    ParamState {
+                        exp_avg: flat.to_tensor(device),
+                        exp_avg_sq: None,
+                    },
+                );
             }
         }
         for (name, t) in sq {

@@ -10,9 +10,15 @@ impl EpochProgress {
     pub fn new(epoch: usize, steps: usize, done: usize, visible: bool) -> Self {
         let bar = ProgressBar::with_draw_target(
             Some(steps as u64),
-            if visible { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+            if visible {
+                ProgressDrawTarget::stderr()
+            } else {
+                ProgressDrawTarget::hidden()
+            },
         );
-        if let Ok(style) = ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}") {
+        if let Ok(style) =
+            ProgressStyle::with_template("{prefix} {bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}")
+        {
             bar.set_style(style);
         }
         bar.set_prefix(format!("epoch {}", epoch + 1));
@@ -21,7 +27,9 @@ impl EpochProgress {
     }
 
     pub fn advance(&mut self, loss: f64, lr: f64, tokens_per_second: f64) {
-        self.bar.set_message(format!("loss {loss:.4} lr {lr:.2e} tok/s {tokens_per_second:.0}"));
+        self.bar.set_message(format!(
+            "loss {loss:.4} lr {lr:.2e} tok/s {tokens_per_second:.0}"
+        ));
         self.bar.inc(1);
     }
 

@@ -25,7 +25,12 @@ pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
 }
 
 impl<B: AutodiffBackend> LossStep<B> for SftLoss {
-    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, info: StepInfo) -> Result<StepOutput<B>, TrainError> {
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError> {
         let mode = ForwardMode {
             adapters: true,
             fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
@@ -33,6 +38,11 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         };
         let logits = model.forward(token_batch(batch), mode);
         let loss = loss::cross_entropy(logits, &batch.labels);
-        Ok(StepOutput { loss, weight: batch.num_trained_tokens, tokens: batch.tokens.len(), metrics: vec![] })
+        Ok(StepOutput {
+            loss,
+            weight: batch.num_trained_tokens,
+            tokens: batch.tokens.len(),
+            metrics: vec![],
+        })
     }
 }

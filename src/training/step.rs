@@ -3,8 +3,8 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{ElementConversion, Tensor};
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
 
 use super::optimizer::Optimizer;
 use crate::models::CausalLm;
@@ -17,7 +17,10 @@ pub struct GradAccumulator<B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> Default for GradAccumulator<B> {
     fn default() -> Self {
-        Self { inner: GradientsAccumulator::new(), micro_batches: 0 }
+        Self {
+            inner: GradientsAccumulator::new(),
+            micro_batches: 0,
+        }
     }
 }
 
@@ -49,7 +52,11 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it,
 /// after scaling every gradient by `scale`.
-pub fn grad_norm<B: AutodiffBackend>(model: &CausalLm<B>, grads: &GradientsParams, scale: f64) -> f64 {
+pub fn grad_norm<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    grads: &GradientsParams,
+    scale: f64,
+) -> f64 {
     let mut v = SquaredNorm { grads, total: 0.0 };
     model.visit(&mut v);
     v.total.sqrt() * scale.abs()
@@ -81,7 +88,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
         let n = shape.num_elements();
         let name = self.path.join(".");
         let inner = tensor.inner().reshape([n]);
-        let updated = self.optimizer.update(&name, inner, grad.reshape([n]) * self.scale, self.lr);
+        let updated = self
+            .optimizer
+            .update(&name, inner, grad.reshape([n]) * self.scale, self.lr);
         let value = Tensor::from_inner(updated.reshape(shape)).require_grad();
         Param::from_mapped_value(id, value, mapper)
     }
@@ -97,6 +106,12 @@ pub fn apply<B: AutodiffBackend>(
     scale: f64,
 ) -> CausalLm<B> {
     optimizer.begin_step();
-    let mut mapper = ApplyUpdate::<B> { grads: &mut grads, optimizer, lr, scale, path: Vec::new() };
+    let mut mapper = ApplyUpdate::<B> {
+        grads: &mut grads,
+        optimizer,
+        lr,
+        scale,
+        path: Vec::new(),
+    };
     model.map(&mut mapper)
 }

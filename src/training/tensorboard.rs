@@ -12,7 +12,9 @@ pub struct EventWriter {
 }
 
 fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn varint(mut v: u64, out: &mut Vec<u8>) {
@@ -44,7 +46,9 @@ impl EventWriter {
         std::fs::create_dir_all(log_dir)?;
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "localhost".into());
         let name = format!("events.out.tfevents.{}.{}", now() as u64, host.trim());
-        let mut w = Self { out: BufWriter::new(File::create(log_dir.join(name))?) };
+        let mut w = Self {
+            out: BufWriter::new(File::create(log_dir.join(name))?),
+        };
         // Event { wall_time = 1, file_version = 3 }
         let mut event = Vec::new();
         tag(1, 1, &mut event);

@@ -59,7 +59,12 @@ pub struct StepInfo {
 }
 
 pub trait LossStep<B: AutodiffBackend> {
-    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, info: StepInfo) -> Result<StepOutput<B>, TrainError>;
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,9 +93,19 @@ pub enum TrainError {
     #[error(
         "the loss became {value} at step {step} (epoch {epoch}); training stopped and the last complete checkpoint is kept. Lower optimizer.lr, set clip_grad_norm, or check the data"
     )]
-    NonFiniteLoss { value: f64, step: usize, epoch: usize },
-    #[error("the dataset yields {batches} batches of {batch_size}, fewer than gradient_accumulation_steps ({accum}): lower batch_size or gradient_accumulation_steps, or add data")]
-    TooLittleData { batches: usize, batch_size: usize, accum: usize },
+    NonFiniteLoss {
+        value: f64,
+        step: usize,
+        epoch: usize,
+    },
+    #[error(
+        "the dataset yields {batches} batches of {batch_size}, fewer than gradient_accumulation_steps ({accum}): lower batch_size or gradient_accumulation_steps, or add data"
+    )]
+    TooLittleData {
+        batches: usize,
+        batch_size: usize,
+        accum: usize,
+    },
     #[error("data: {0}")]
     Data(#[from] crate::data::DataError),
     #[error("writing metrics: {0}")]
@@ -151,11 +166,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         while self.state.epoch < s.epochs {
             let epoch = self.state.epoch;
             let batches = loader.batches_for_epoch(epoch as u64);
-            let mut progress = EpochProgress::new(epoch, steps_per_epoch, self.state.step_in_epoch, self.show_progress);
+            let mut progress = EpochProgress::new(
+                epoch,
+                steps_per_epoch,
+                self.state.step_in_epoch,
+                self.show_progress,
+            );
             let mut window_tokens = 0usize;
             let mut window_start = Instant::now();
             while self.state.step_in_epoch < steps_per_epoch {
-                let info = StepInfo { epoch, global_step: self.state.global_step };
+                let info = StepInfo {
+                    epoch,
+                    global_step: self.state.global_step,
+                };
                 // Reseeding per step makes dropout reproducible and resumable.
                 B::seed(&device, s.seed.wrapping_add(self.state.global_step as u64));
                 let mut weight_total = 0usize;
@@ -167,7 +190,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let out = loss_step.step(&self.model, &batch, info)?;
                     let value: f64 = out.loss.clone().into_scalar().elem();
                     if !value.is_finite() {
-                        return Err(TrainError::NonFiniteLoss { value, step: self.state.global_step + 1, epoch });
+                        return Err(TrainError::NonFiniteLoss {
+                            value,
+                            step: self.state.global_step + 1,
+                            epoch,
+                        });
                     }
                     // Weighting each micro-batch by its size makes the accumulated gradient the
                     // mean over all tokens of the step, as torchtune normalises it.
@@ -191,15 +218,25 @@ impl<B: AutodiffBackend> Trainer<B> {
                     scale *= (max / (norm + 1e-6)).min(1.0);
                     norm
                 });
-                let lr = s.lr * s.schedule.factor(self.state.global_step, self.state.total_steps);
+                let lr = s.lr
+                    * s.schedule
+                        .factor(self.state.global_step, self.state.total_steps);
                 self.model = step::apply(self.model, grads, &mut self.optimizer, lr, scale);
                 self.state.global_step += 1;
                 self.state.step_in_epoch += 1;
                 let loss = loss_sum / weight_total.max(1) as f64;
                 losses.push(loss);
-                progress.advance(loss, lr, window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9));
+                progress.advance(
+                    loss,
+                    lr,
+                    window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9),
+                );
 
-                if self.state.global_step % s.log_every_n_steps.max(1) == 0 {
+                if self
+                    .state
+                    .global_step
+                    .is_multiple_of(s.log_every_n_steps.max(1))
+                {
                     let elapsed = window_start.elapsed().as_secs_f64().max(1e-9);
                     let mut m: Metrics = vec![
                         ("step".into(), self.state.global_step as f64),
@@ -222,17 +259,38 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 // The epoch-end save follows the last step of an epoch: no periodic one then.
                 let epoch_done = self.state.step_in_epoch == steps_per_epoch;
-                if !epoch_done && s.save_every_n_steps.is_some_and(|n| n > 0 && self.state.global_step % n == 0) {
-                    progress.suspend(|| saver.save(SaveKind::Periodic, &mut self.model, &self.optimizer, &self.state))?;
+                if !epoch_done
+                    && s.save_every_n_steps
+                        .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n))
+                {
+                    progress.suspend(|| {
+                        saver.save(
+                            SaveKind::Periodic,
+                            &mut self.model,
+                            &self.optimizer,
+                            &self.state,
+                        )
+                    })?;
                 }
             }
             progress.finish();
             self.state.epoch += 1;
             self.state.step_in_epoch = 0;
-            let kind = if self.state.epoch == s.epochs { SaveKind::Final } else { SaveKind::EpochEnd };
+            let kind = if self.state.epoch == s.epochs {
+                SaveKind::Final
+            } else {
+                SaveKind::EpochEnd
+            };
             saver.save(kind, &mut self.model, &self.optimizer, &self.state)?;
         }
         self.loggers.flush()?;
-        Ok((TrainSummary { state: self.state, losses, last_metrics }, self.model))
+        Ok((
+            TrainSummary {
+                state: self.state,
+                losses,
+                last_metrics,
+            },
+            self.model,
+        ))
     }
 }

@@ -10,7 +10,9 @@ pub type Cpu = burn::backend::Flex;
 pub type CpuAutodiff = burn::backend::Autodiff<burn::backend::Flex>;
 
 pub fn fixture(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(path)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(path)
 }
 
 pub struct Reference(pub SafetensorsFile);
@@ -23,7 +25,9 @@ impl Reference {
         self.0.read(name).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
     pub fn i64(&self, name: &str) -> Vec<i64> {
-        self.0.read_i64(name).unwrap_or_else(|e| panic!("{name}: {e}"))
+        self.0
+            .read_i64(name)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
     }
     pub fn tokens(&self) -> (Vec<u32>, Vec<i64>, usize) {
         let ids = self.i64("input_ids");
@@ -39,7 +43,11 @@ impl Reference {
 /// Largest |a - b|, after checking the shapes agree.
 pub fn max_abs_diff(what: &str, got: &HostTensor, want: &HostTensor) -> f32 {
     assert_eq!(got.shape, want.shape, "{what}: shape");
-    got.data.iter().zip(&want.data).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    got.data
+        .iter()
+        .zip(&want.data)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Fixture tolerance for logits and losses: 1e-4 absolute.
@@ -60,4 +68,75 @@ pub fn assert_grad_close(what: &str, got: &HostTensor, want: &HostTensor) {
 /// Position ids 0..seq for each row.
 pub fn positions(batch: usize, seq: usize) -> Vec<u32> {
     (0..batch).flat_map(|_| 0..seq as u32).collect()
+}
+
+/// A fresh temporary directory, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("tune-test-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `tune <args>` run from the repository root (so `assets/` resolves); returns the output.
+pub fn tune(args: &[&str]) -> std::process::Output {
+    tune_command(args).output().expect("running tune")
+}
+
+pub fn tune_command(args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tune"));
+    cmd.args(args).current_dir(env!("CARGO_MANIFEST_DIR"));
+    cmd
+}
+
+/// Runs tune and panics with its stderr unless it succeeded.
+pub fn tune_ok(args: &[&str]) -> std::process::Output {
+    let out = tune(args);
+    assert!(
+        out.status.success(),
+        "tune {args:?} failed ({:?}):\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The objects of a metrics.jsonl file.
+pub fn read_metrics(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+pub fn column(metrics: &[serde_json::Value], key: &str) -> Vec<f64> {
+    metrics
+        .iter()
+        .map(|m| {
+            m[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing in {m}"))
+        })
+        .collect()
+}
+
+pub fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
 }

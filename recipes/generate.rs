@@ -1,0 +1,140 @@
+//! Generation from a checkpoint (torchtune's `generate.py`).
+//!
+//! Loads the model (architecture from the checkpoint's config.json) on the non-autodiff
+//! backend, applies a PEFT adapter if given, formats the prompt (the checkpoint's chat
+//! template with `chat: True`, else plain text with the tokenizer's own special tokens),
+//! decodes with the KV cache and prints only the completion on stdout. Logs and timings go
+//! to stderr so `tune run generate ... > out.txt` captures just the text.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use burn::tensor::backend::AutodiffBackend;
+
+use tune::checkpoint::peft;
+use tune::config::schema::{Dtype, GenerateConfig};
+use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
+use tune::setup::{data, model};
+use tune::tokenizer::{Message, Tokenizer};
+
+use super::RunContext;
+
+pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+    // Model: gradients are never needed, so load on the inner (non-autodiff) backend.
+    let started = Instant::now();
+    let loaded = model::load::<B::InnerBackend>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let mut lm = loaded.model;
+    if let Some(dir) = &cfg.adapter_dir {
+        peft::load_adapter(&mut lm, dir).with_context(|| {
+            format!("adapter_dir: loading the PEFT adapter in {}", dir.display())
+        })?;
+        eprintln!("Applied the LoRA adapter in {}", dir.display());
+    }
+    eprintln!(
+        "Loaded {} ({} model, {:.1}M parameters) in {:.2}s",
+        cfg.checkpointer.checkpoint_dir.display(),
+        lm.args.family.model_type(),
+        lm.args.num_params() as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+    if cfg.dtype != Dtype::Fp32 {
+        eprintln!(
+            "Note: dtype {} requested; tune generates in fp32",
+            serde_yaml::to_string(&cfg.dtype).unwrap_or_default().trim()
+        );
+    }
+
+    // Prompt.
+    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
+    let prompt = prompt_ids(cfg, &tokenizer)?;
+
+    // Decode.
+    let seed = cfg.seed.unwrap_or_else(clock_seed);
+    let sampling = SamplingParams {
+        temperature: cfg.temperature,
+        top_k: cfg.top_k,
+        top_p: cfg.top_p,
+    };
+    let mut stop_ids = tokenizer.stop_ids().to_vec();
+    for id in &lm.args.eos_token_ids {
+        if !stop_ids.contains(id) {
+            stop_ids.push(*id);
+        }
+    }
+    let opts = GenerateOptions {
+        max_new_tokens: cfg.max_new_tokens,
+        sampling,
+        seed,
+        stop_ids,
+        stop_at_eos: cfg.stop_at_eos,
+        use_kv_cache: cfg.enable_kv_cache,
+    };
+    let how = if sampling.is_greedy() {
+        "greedy".to_string()
+    } else {
+        format!("sampling, seed {seed}")
+    };
+    eprintln!(
+        "Generating up to {} tokens after a {}-token prompt ({how})",
+        cfg.max_new_tokens,
+        prompt.len()
+    );
+    let out = generate(&lm, &prompt, &opts, |_| {}).context("generation failed")?;
+
+    // Only the completion on stdout.
+    let text = tokenizer
+        .decode(&out.tokens, true)
+        .context("decoding the generated tokens")?;
+    println!("{text}");
+
+    let stop = match out.stop {
+        StopReason::StopToken(id) => format!("stop token {id}"),
+        StopReason::MaxNewTokens => "max_new_tokens".to_string(),
+    };
+    eprintln!(
+        "Prefill: {} tokens in {:.3}s ({:.1} tokens/s); generated {} tokens in {:.3}s, {} tokens/s after the first; stopped at {stop}",
+        out.prompt_len,
+        out.prefill.as_secs_f64(),
+        out.prefill_tokens_per_sec().unwrap_or(0.0),
+        out.tokens.len(),
+        (out.prefill + out.decode).as_secs_f64(),
+        out.decode_tokens_per_sec()
+            .map_or("-".to_string(), |t| format!("{t:.1}")),
+    );
+    Ok(())
+}
+
+/// With `chat: True` the messages go through the checkpoint's chat template (which writes
+/// BOS itself, so no special tokens are added); otherwise the user prompt is plain text with
+/// the tokenizer's own special tokens (e.g. BOS).
+fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    if cfg.chat {
+        if !tokenizer.has_chat_template() {
+            anyhow::bail!(
+                "chat: True, but {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); set chat=False",
+                tokenizer.path().display()
+            );
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = &cfg.prompt.system {
+            messages.push(Message::system(system.clone()));
+        }
+        messages.push(Message::user(cfg.prompt.user.clone()));
+        let text = tokenizer
+            .apply_chat_template(&messages, true)
+            .context("prompt: rendering the chat template")?;
+        Ok(tokenizer.encode(&text, false)?)
+    } else {
+        if cfg.prompt.system.is_some() {
+            eprintln!("Note: prompt.system is only used with chat=True; ignoring it");
+        }
+        Ok(tokenizer.encode(&cfg.prompt.user, true)?)
+    }
+}
+
+/// torchtune draws a random seed when none is given; report it so the text can be repeated.
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
+}

@@ -1,0 +1,315 @@
+//! `tune bench`: throughput, step-time split, memory, load time, checkpoint blocking and the
+//! machine's matmul peak, on random weights of a known shape and synthetic tokens.
+
+pub mod shapes;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, ElementConversion, Tensor};
+use rand::{Rng, SeedableRng};
+
+use crate::checkpoint::StorageDtype;
+use crate::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
+use crate::checkpoint::peft::attach_lora;
+use crate::models::{ModelArgs, RandomInit, TokenBatch, Trainable, build};
+use crate::modules::{ForwardMode, LoraSettings};
+use crate::training::metrics::peak_memory_bytes;
+use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
+use crate::training::{loss, step};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchMode {
+    Forward,
+    Lora,
+    Full,
+}
+
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    pub shape: String,
+    pub mode: BenchMode,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub steps: usize,
+    pub lora_rank: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct BenchReport {
+    pub params: usize,
+    pub save_seconds: f64,
+    pub load_seconds: f64,
+    pub tokens_per_second: f64,
+    pub forward_seconds: f64,
+    pub backward_seconds: f64,
+    pub optimizer_seconds: f64,
+    pub step_seconds: f64,
+    pub peak_memory_bytes: u64,
+    pub achieved_flops: f64,
+    pub matmul_peak_flops: f64,
+    /// Checkpoint: training blocked per save (host snapshot) vs a synchronous save of the same state.
+    pub snapshot_seconds: f64,
+    pub sync_save_seconds: f64,
+    pub checkpoint_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("unknown shape `{0}`; known: {known}", known = shapes::SHAPES.join(", "))]
+    UnknownShape(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// Float multiply-adds of one step: 2 * params * tokens forward (+ attention), x3 with backward.
+fn step_flops(args: &ModelArgs, tokens: usize, seq: usize, mode: BenchMode) -> f64 {
+    let dense = 2.0 * args.num_params() as f64 * tokens as f64;
+    let attention =
+        4.0 * args.num_layers as f64 * args.q_dim() as f64 * seq as f64 * tokens as f64 / 2.0;
+    let forward = dense + attention;
+    match mode {
+        BenchMode::Forward => forward,
+        // Frozen weights need no weight gradients: backward is about one forward.
+        BenchMode::Lora => 2.0 * forward,
+        BenchMode::Full => 3.0 * forward,
+    }
+}
+
+/// The best of a few square matmuls, in FLOP/s: the machine's practical peak on this backend.
+pub fn matmul_peak<B: burn::tensor::backend::Backend>(device: &B::Device) -> f64 {
+    let n = 1024;
+    let a = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
+    let b = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let c = a.clone().matmul(b.clone());
+        let _: f32 = c.slice([0..1, 0..1]).into_scalar().elem();
+        best = best.min(secs(t.elapsed()));
+    }
+    2.0 * (n as f64).powi(3) / best
+}
+
+pub fn run<B: AutodiffBackend>(
+    s: &BenchSettings,
+    device: &B::Device,
+    scratch: &Path,
+) -> Result<BenchReport, BenchError> {
+    let config =
+        shapes::config(&s.shape).ok_or_else(|| BenchError::UnknownShape(s.shape.clone()))?;
+    let args = ModelArgs::from_json(config).map_err(BenchError::Failed)?;
+    let fail = |e: &dyn std::fmt::Display| BenchError::Failed(e.to_string());
+    let mut report = BenchReport {
+        params: args.num_params(),
+        ..Default::default()
+    };
+
+    // Save and load a checkpoint of this shape.
+    let model =
+        build::<B::InnerBackend>(&args, &mut RandomInit::new(0, &args), &Default::default())
+            .map_err(|e| fail(&e))?;
+    let dir = scratch.join(format!("bench-{}", s.shape));
+    let t = Instant::now();
+    save_model(
+        &model,
+        &dir,
+        None,
+        StorageDtype::F32,
+        DEFAULT_MAX_SHARD_BYTES,
+    )
+    .map_err(|e| fail(&e))?;
+    report.save_seconds = secs(t.elapsed());
+    drop(model);
+    let t = Instant::now();
+    let mut model = load_model::<B>(&dir, None, device)
+        .map_err(|e| fail(&e))?
+        .model;
+    report.load_seconds = secs(t.elapsed());
+    report.checkpoint_bytes = std::fs::read_dir(&dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0);
+
+    let trainable = match s.mode {
+        BenchMode::Lora => {
+            let targets: Vec<String> = [
+                "q_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .map(String::from)
+            .to_vec();
+            let settings = LoraSettings {
+                rank: s.lora_rank,
+                alpha: 2.0 * s.lora_rank as f64,
+                dropout: 0.0,
+            };
+            attach_lora(&mut model, &targets, &settings, 0);
+            Trainable::AdaptersOnly
+        }
+        BenchMode::Full => Trainable::All,
+        BenchMode::Forward => Trainable::Nothing,
+    };
+    let mut model = model.set_trainable(trainable);
+    let mut optimizer = Optimizer::<B::InnerBackend>::new(OptimizerSettings {
+        kind: OptimizerKind::AdamW,
+        weight_decay: 0.01,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+    });
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let tokens_per_step = s.batch_size * s.seq_len;
+    let positions: Vec<u32> = (0..s.batch_size)
+        .flat_map(|_| 0..s.seq_len as u32)
+        .collect();
+    let (mut fwd, mut bwd, mut opt) = (0.0, 0.0, 0.0);
+    let warmup = 1;
+    for i in 0..s.steps + warmup {
+        let tokens: Vec<u32> = (0..tokens_per_step)
+            .map(|_| rng.random_range(0..args.vocab_size as u32))
+            .collect();
+        let labels: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        let input = TokenBatch {
+            tokens: &tokens,
+            positions: &positions,
+            document_ids: None,
+            batch: s.batch_size,
+        };
+        let t0 = Instant::now();
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: false,
+            train: s.mode != BenchMode::Forward,
+        };
+        let logits = model.forward(input, mode);
+        let loss_value = loss::cross_entropy(logits, &labels);
+        // Reading the scalar forces the (eager) computation to finish before timing it.
+        let _: f32 = loss_value.clone().into_scalar().elem();
+        let t1 = Instant::now();
+        if s.mode != BenchMode::Forward {
+            let grads = loss_value.backward();
+            let mut acc = step::GradAccumulator::<B>::default();
+            acc.add(&model, grads);
+            let t2 = Instant::now();
+            model = step::apply(model, acc.take(), &mut optimizer, 1e-5, 1.0);
+            let _: f32 = model
+                .model
+                .norm
+                .weight
+                .val()
+                .slice(0..1)
+                .into_scalar()
+                .elem();
+            let t3 = Instant::now();
+            if i >= warmup {
+                bwd += secs(t2 - t1);
+                opt += secs(t3 - t2);
+            }
+        }
+        if i >= warmup {
+            fwd += secs(t1 - t0);
+        }
+    }
+    let n = s.steps as f64;
+    report.forward_seconds = fwd / n;
+    report.backward_seconds = bwd / n;
+    report.optimizer_seconds = opt / n;
+    report.step_seconds = (fwd + bwd + opt) / n;
+    report.tokens_per_second = tokens_per_step as f64 / report.step_seconds;
+    report.peak_memory_bytes = peak_memory_bytes();
+    report.achieved_flops =
+        step_flops(&args, tokens_per_step, s.seq_len, s.mode) / report.step_seconds;
+    report.matmul_peak_flops = matmul_peak::<B::InnerBackend>(&Default::default());
+
+    // Checkpointing: what blocks training (the host snapshot) vs writing it all synchronously.
+    if s.mode != BenchMode::Forward {
+        let t = Instant::now();
+        let state = if s.mode == BenchMode::Lora {
+            crate::checkpoint::peft::adapter_state_dict(&mut model)
+        } else {
+            model.hf_state_dict()
+        };
+        let optim_state = optimizer.state_dict();
+        report.snapshot_seconds = secs(t.elapsed());
+        let t = Instant::now();
+        let out = scratch.join(format!("bench-{}-ckpt", s.shape));
+        std::fs::create_dir_all(&out).map_err(|e| fail(&e))?;
+        let state = if s.mode == BenchMode::Lora {
+            state
+        } else {
+            model.hf_state_dict()
+        };
+        crate::checkpoint::safetensors_io::write_file(
+            &out.join("weights.safetensors"),
+            &state,
+            StorageDtype::F32,
+        )
+        .map_err(|e| fail(&e))?;
+        crate::checkpoint::safetensors_io::write_file(
+            &out.join("optimizer.safetensors"),
+            &optim_state,
+            StorageDtype::F32,
+        )
+        .map_err(|e| fail(&e))?;
+        for f in ["weights.safetensors", "optimizer.safetensors"] {
+            if let Ok(file) = std::fs::File::open(out.join(f)) {
+                let _ = file.sync_all();
+            }
+        }
+        report.sync_save_seconds = report.snapshot_seconds + secs(t.elapsed());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+impl BenchReport {
+    pub fn to_markdown(&self, s: &BenchSettings) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        let mut out = format!(
+            "| shape | mode | batch x seq | params | tokens/s | step s (fwd / bwd / opt) | peak RSS GB | load s | MFU vs matmul peak |\n\
+             |---|---|---|---|---|---|---|---|---|\n\
+             | {} | {:?} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
+            s.shape,
+            s.mode,
+            s.batch_size,
+            s.seq_len,
+            self.params as f64 / 1e6,
+            self.tokens_per_second,
+            self.step_seconds,
+            self.forward_seconds,
+            self.backward_seconds,
+            self.optimizer_seconds,
+            gb(self.peak_memory_bytes),
+            self.load_seconds,
+            100.0 * self.achieved_flops / self.matmul_peak_flops.max(1.0),
+            self.matmul_peak_flops / 1e9,
+        );
+        if self.sync_save_seconds > 0.0 {
+            out.push_str(&format!(
+                "\ncheckpoint: training blocked {:.3} s per save (host snapshot) vs {:.3} s for a synchronous save ({:.1}x); model checkpoint {:.1} MB saved in {:.2} s ({:.0} MB/s)\n",
+                self.snapshot_seconds,
+                self.sync_save_seconds,
+                self.sync_save_seconds / self.snapshot_seconds.max(1e-9),
+                self.checkpoint_bytes as f64 / 1e6,
+                self.save_seconds,
+                self.checkpoint_bytes as f64 / 1e6 / self.save_seconds.max(1e-9),
+            ));
+        }
+        out
+    }
+}

@@ -1,0 +1,20 @@
+//! Text generation: a decoding loop over the KV cache and the token sampler. Runs on any
+//! backend; recipes use the non-autodiff one since nothing here needs gradients.
+
+pub mod decode;
+pub mod sampling;
+
+pub use decode::{Decoder, GenerateOptions, Generation, StopReason, generate};
+pub use sampling::{Sampler, SamplingParams};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty: give at least one token (e.g. a non-empty prompt.user)")]
+    EmptyPrompt,
+    #[error(
+        "token id {id} is outside the model's vocabulary of {vocab}; is the tokenizer from the same model as the checkpoint?"
+    )]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("{0}")]
+    BadSampling(String),
+}

@@ -1,0 +1,234 @@
+//! Choosing the next token from the last position's logits: greedy at temperature 0, else
+//! temperature, top-k and top-p (nucleus) filtering and a draw from a seeded host RNG. The
+//! draw happens on the host so a seed gives the same text on every backend.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::GenerateError;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 selects greedy decoding.
+    pub temperature: f64,
+    /// Keep only the k most likely tokens (`None` or 0: all).
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches p (`None`: all).
+    pub top_p: Option<f64>,
+}
+
+impl SamplingParams {
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: None,
+        top_p: None,
+    };
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn validate(&self) -> Result<(), GenerateError> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(GenerateError::BadSampling(format!(
+                "temperature must be 0 (greedy) or positive, got {}",
+                self.temperature
+            )));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(GenerateError::BadSampling(format!(
+                "top_p must be in (0, 1], got {p}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Picks tokens; owns the RNG so a whole generation is one reproducible stream.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, seed: u64) -> Result<Self, GenerateError> {
+        params.validate()?;
+        Ok(Self {
+            params,
+            rng: StdRng::seed_from_u64(seed),
+        })
+    }
+
+    pub fn params(&self) -> SamplingParams {
+        self.params
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let probs = filtered_probs(logits, &self.params);
+        draw(&probs, self.rng.random::<f64>())
+    }
+}
+
+/// The first index of the largest logit (as `torch.argmax`); NaNs never win.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Probabilities after temperature, top-k and top-p, as `(token, probability)` in order of
+/// decreasing probability (ties by token id), renormalised to sum to one.
+pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
+    let t = params.temperature.max(f64::MIN_POSITIVE);
+    let mut order: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l as f64 / t))
+        .collect();
+    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if let Some(k) = params.top_k.filter(|&k| k > 0 && k < order.len()) {
+        // torchtune keeps every token tied with the k-th (`probs < pivot` are dropped).
+        let pivot = order[k - 1].1;
+        let keep = order.iter().take_while(|(_, l)| *l >= pivot).count();
+        order.truncate(keep);
+    }
+    let max = order.first().map_or(0.0, |(_, l)| *l);
+    let mut probs: Vec<(u32, f64)> = order
+        .into_iter()
+        .map(|(i, l)| (i, (l - max).exp()))
+        .collect();
+    normalise(&mut probs);
+    if let Some(p) = params.top_p.filter(|&p| p < 1.0) {
+        // Keep tokens while the mass before them is below p: the token that crosses p stays,
+        // so at least one token always survives.
+        let mut mass = 0.0;
+        let keep = probs
+            .iter()
+            .take_while(|(_, q)| {
+                let before = mass;
+                mass += q;
+                before < p
+            })
+            .count();
+        probs.truncate(keep.max(1));
+        normalise(&mut probs);
+    }
+    probs
+}
+
+fn normalise(probs: &mut [(u32, f64)]) {
+    let sum: f64 = probs.iter().map(|(_, q)| q).sum();
+    if sum > 0.0 {
+        probs.iter_mut().for_each(|(_, q)| *q /= sum);
+    }
+}
+
+/// Inverse-CDF draw with `u` in [0, 1).
+fn draw(probs: &[(u32, f64)], u: f64) -> u32 {
+    let mut acc = 0.0;
+    for &(id, q) in probs {
+        acc += q;
+        if u < acc {
+            return id;
+        }
+    }
+    // Rounding left the sum a hair below one: the last kept token.
+    probs.last().map_or(0, |(id, _)| *id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_first_maximum() {
+        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
+        let mut s = Sampler::new(SamplingParams::GREEDY, 0).unwrap();
+        assert_eq!(s.sample(&[0.0, -2.0, 5.0]), 2);
+    }
+
+    #[test]
+    fn top_k_keeps_k_tokens() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: Some(2),
+            top_p: None,
+        };
+        let probs = filtered_probs(&[1.0, 4.0, 3.0, 2.0], &p);
+        let ids: Vec<u32> = probs.iter().map(|(i, _)| *i).collect();
+        assert_eq!(ids, vec![1, 2]);
+        let sum: f64 = probs.iter().map(|(_, q)| q).sum();
+        assert!((sum - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn top_p_keeps_the_token_that_crosses_p() {
+        // softmax of ln([0.5, 0.3, 0.2]) = [0.5, 0.3, 0.2]
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.6),
+        };
+        let ids: Vec<u32> = filtered_probs(&logits, &p)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
+        assert_eq!(ids, vec![0, 1]);
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(0.1),
+        };
+        let ids: Vec<u32> = filtered_probs(&logits, &p)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
+        assert_eq!(ids, vec![0]);
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+        };
+        let logits = [0.0f32; 50];
+        let run = |seed| {
+            let mut s = Sampler::new(p, seed).unwrap();
+            (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn bad_parameters_are_rejected() {
+        let e = SamplingParams {
+            temperature: -1.0,
+            top_k: None,
+            top_p: None,
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("temperature"), "{e}");
+        let e = SamplingParams {
+            temperature: 1.0,
+            top_k: None,
+            top_p: Some(1.5),
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("top_p"), "{e}");
+    }
+}

@@ -1,0 +1,242 @@
+use std::path::Path;
+
+use super::fake_hub::{self, COMMIT, FakeRepo, sha256_hex};
+use super::support::{TempDir, refused_endpoint};
+use crate::hub::download::{DownloadOptions, download_with_env};
+use crate::hub::env::HubEnv;
+use crate::hub::error::HubError;
+
+fn weights(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+fn model_repo() -> FakeRepo {
+    FakeRepo {
+        files: vec![
+            ("config.json".into(), br#"{"model_type":"llama"}"#.to_vec()),
+            ("model.safetensors".into(), weights(1400)),
+            ("tokenizer.json".into(), b"{\"version\":\"1.0\"}".to_vec()),
+            ("original/consolidated.00.pth".into(), weights(300)),
+            ("extra.pth".into(), weights(10)),
+        ],
+        ..FakeRepo::default()
+    }
+}
+
+fn opts(endpoint: &str, cache: &Path) -> DownloadOptions {
+    DownloadOptions {
+        repo_id: "org/model".into(),
+        endpoint: Some(endpoint.to_string()),
+        cache_dir: Some(cache.to_path_buf()),
+        offline: Some(false),
+        ignore_patterns: vec!["*.pth".into(), "original/*".into()],
+        ..DownloadOptions::default()
+    }
+}
+
+fn env(home: &TempDir) -> HubEnv {
+    HubEnv::isolated(home.path().join("hf-home"))
+}
+
+#[test]
+fn download_writes_the_standard_cache_layout_and_output_dir() {
+    let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
+    let tmp = TempDir::new("layout");
+    let cache = tmp.path().join("hub");
+    let out = tmp.path().join("out");
+    let mut options = opts(&server.url(), &cache);
+    options.output_dir = Some(out.clone());
+    let report = download_with_env(options, &env(&tmp)).expect("download");
+
+    assert_eq!(report.commit, COMMIT);
+    assert_eq!(
+        report.files,
+        vec!["config.json", "model.safetensors", "tokenizer.json"]
+    );
+    assert_eq!(report.root, out);
+    let repo_dir = cache.join("models--org--model");
+    assert_eq!(
+        std::fs::read_to_string(repo_dir.join("refs/main")).expect("ref"),
+        COMMIT
+    );
+    // LFS file: blob named by its sha256 (X-Linked-Etag), snapshot entry a relative symlink.
+    let oid = sha256_hex(&weights(1400));
+    assert_eq!(
+        std::fs::read(repo_dir.join("blobs").join(&oid)).expect("blob"),
+        weights(1400)
+    );
+    let pointer = repo_dir
+        .join("snapshots")
+        .join(COMMIT)
+        .join("model.safetensors");
+    #[cfg(unix)]
+    assert_eq!(
+        std::fs::read_link(&pointer).expect("symlink"),
+        Path::new("../../blobs").join(&oid)
+    );
+    assert_eq!(std::fs::read(&pointer).expect("pointer"), weights(1400));
+    // Ignored files were neither fetched nor exported.
+    assert!(
+        !repo_dir
+            .join("snapshots")
+            .join(COMMIT)
+            .join("original")
+            .exists()
+    );
+    assert!(
+        !repo_dir
+            .join("snapshots")
+            .join(COMMIT)
+            .join("extra.pth")
+            .exists()
+    );
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).expect("out"),
+        weights(1400)
+    );
+    assert_eq!(
+        std::fs::read(out.join("config.json")).expect("out"),
+        br#"{"model_type":"llama"}"#
+    );
+    assert!(!out.join("original").exists());
+    assert!(
+        !server.requests().iter().any(|r| r.target.contains(".pth")),
+        "ignored files must not be requested"
+    );
+
+    // Again online: everything is in the snapshot, only the listing is asked.
+    let before = server.requests().len();
+    let again = download_with_env(opts(&server.url(), &cache), &env(&tmp)).expect("again");
+    assert_eq!(again.downloaded_bytes, 0);
+    assert_eq!(again.cached_files, 3);
+    assert_eq!(server.requests().len(), before + 1);
+
+    // Offline: served from the cache with no server at all.
+    drop(server);
+    let mut offline = opts(&refused_endpoint(), &cache);
+    offline.offline = Some(true);
+    let report = download_with_env(offline.clone(), &env(&tmp)).expect("offline");
+    assert!(report.offline);
+    assert_eq!(report.commit, COMMIT);
+    assert_eq!(
+        report.files,
+        vec!["config.json", "model.safetensors", "tokenizer.json"]
+    );
+    assert_eq!(
+        std::fs::read(&report.paths()[1]).expect("read"),
+        weights(1400)
+    );
+
+    // Offline, asking for a file never downloaded: the error names it.
+    offline.allow_patterns = vec!["original/consolidated.00.pth".into()];
+    offline.ignore_patterns.clear();
+    let err = download_with_env(offline, &env(&tmp)).expect_err("not cached");
+    assert!(matches!(err, HubError::NotCached { .. }));
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "HF_HUB_OFFLINE=1 but original/consolidated.00.pth of org/model@main is not in the cache {}; run once without HF_HUB_OFFLINE to download it",
+            cache.display()
+        )
+    );
+}
+
+#[test]
+fn offline_without_any_snapshot_says_so() {
+    let tmp = TempDir::new("offline-empty");
+    let mut options = opts(&refused_endpoint(), &tmp.path().join("hub"));
+    options.offline = Some(true);
+    let err = download_with_env(options, &env(&tmp)).expect_err("empty cache");
+    assert!(
+        err.to_string()
+            .starts_with("HF_HUB_OFFLINE=1 but the snapshot of org/model@main is not in the cache")
+    );
+}
+
+#[test]
+fn unreachable_hub_falls_back_to_a_cached_snapshot() {
+    let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
+    let tmp = TempDir::new("fallback");
+    let cache = tmp.path().join("hub");
+    download_with_env(opts(&server.url(), &cache), &env(&tmp)).expect("download");
+    drop(server);
+    let report =
+        download_with_env(opts(&refused_endpoint(), &cache), &env(&tmp)).expect("fallback");
+    assert!(report.offline);
+    assert_eq!(report.files.len(), 3);
+}
+
+#[test]
+fn partial_download_resumes_with_a_range_request() {
+    let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
+    let tmp = TempDir::new("resume");
+    let cache = tmp.path().join("hub");
+    let oid = sha256_hex(&weights(1400));
+    let blobs = cache.join("models--org--model").join("blobs");
+    std::fs::create_dir_all(&blobs).expect("blobs");
+    std::fs::write(
+        blobs.join(format!("{oid}.incomplete")),
+        &weights(1400)[..700],
+    )
+    .expect("partial");
+
+    let mut options = opts(&server.url(), &cache);
+    options.allow_patterns = vec!["model.safetensors".into()];
+    let report = download_with_env(options, &env(&tmp)).expect("resume");
+
+    assert_eq!(report.downloaded_bytes, 700);
+    assert_eq!(
+        std::fs::read(blobs.join(&oid)).expect("blob"),
+        weights(1400)
+    );
+    assert!(!blobs.join(format!("{oid}.incomplete")).exists());
+    let ranges: Vec<String> = server
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET" && r.path().starts_with("/cdn/"))
+        .filter_map(|r| r.header("range").map(str::to_string))
+        .collect();
+    assert_eq!(ranges, vec!["bytes=700-".to_string()]);
+}
+
+#[test]
+fn corrupted_partial_is_detected_by_sha256_and_removed() {
+    let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
+    let tmp = TempDir::new("corrupt");
+    let cache = tmp.path().join("hub");
+    let oid = sha256_hex(&weights(1400));
+    let blobs = cache.join("models--org--model").join("blobs");
+    std::fs::create_dir_all(&blobs).expect("blobs");
+    std::fs::write(blobs.join(format!("{oid}.incomplete")), vec![0u8; 700]).expect("partial");
+    let mut options = opts(&server.url(), &cache);
+    options.allow_patterns = vec!["model.safetensors".into()];
+    let err = download_with_env(options.clone(), &env(&tmp)).expect_err("corrupt");
+    assert!(matches!(err, HubError::Corrupted { .. }), "{err}");
+    assert!(!blobs.join(format!("{oid}.incomplete")).exists());
+    // The rerun starts over and succeeds.
+    download_with_env(options, &env(&tmp)).expect("rerun");
+    assert_eq!(
+        std::fs::read(blobs.join(&oid)).expect("blob"),
+        weights(1400)
+    );
+}
+
+#[test]
+fn token_is_sent_as_bearer() {
+    let repo = FakeRepo {
+        token: Some(fake_hub::GOOD_TOKEN.into()),
+        ..model_repo()
+    };
+    let (server, _state) = fake_hub::start(vec![("models/org/model", repo)]);
+    let tmp = TempDir::new("token");
+    let mut options = opts(&server.url(), &tmp.path().join("hub"));
+    options.token = Some(fake_hub::GOOD_TOKEN.into());
+    options.allow_patterns = vec!["config.json".into()];
+    download_with_env(options, &env(&tmp)).expect("with token");
+    assert!(
+        server
+            .requests()
+            .iter()
+            .all(|r| r.header("authorization") == Some("Bearer hf_good"))
+    );
+}

@@ -1,0 +1,175 @@
+//! `tune run generate` end to end: only the completion on stdout, and the same text the
+//! library produces for the same prompt.
+
+mod support;
+
+use std::process::Command;
+
+use support::*;
+use tune::checkpoint::hf::load_model;
+use tune::checkpoint::peft::load_adapter;
+use tune::generation::{GenerateOptions, SamplingParams, generate};
+use tune::tokenizer::{Message, Tokenizer};
+
+const PROMPT: &str = "Give three tips for staying healthy.";
+
+struct Run {
+    stdout: String,
+    stderr: String,
+}
+
+fn tune_generate(extra: &[&str]) -> Run {
+    let mut args = vec![
+        "run",
+        "generate",
+        "--config",
+        "tiny/generation",
+        "max_new_tokens=8",
+    ];
+    args.extend_from_slice(extra);
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run tune");
+    let run = Run {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        out.status.success(),
+        "tune {args:?} failed:\n{}",
+        run.stderr
+    );
+    run
+}
+
+/// The completion the library gives for the tiny config's model, greedy, 8 tokens.
+fn expected(chat: bool, adapter: bool) -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    let mut lm = load_model::<Cpu>(&dir, None, &Default::default())
+        .unwrap()
+        .model;
+    if adapter {
+        load_adapter(&mut lm, &fixture("tiny-llama-lora")).unwrap();
+    }
+    let tok = Tokenizer::from_path(dir.join("tokenizer.json")).unwrap();
+    let prompt = if chat {
+        let text = tok
+            .apply_chat_template(&[Message::user(PROMPT)], true)
+            .unwrap();
+        tok.encode(&text, false).unwrap()
+    } else {
+        tok.encode(PROMPT, true).unwrap()
+    };
+    let opts = GenerateOptions {
+        max_new_tokens: 8,
+        sampling: SamplingParams::GREEDY,
+        seed: 0,
+        stop_ids: tok.stop_ids().to_vec(),
+        stop_at_eos: true,
+        use_kv_cache: true,
+    };
+    let out = generate(&lm, &prompt, &opts, |_| {}).unwrap();
+    tok.decode(&out.tokens, true).unwrap()
+}
+
+fn prompt_arg() -> String {
+    format!("prompt.user={PROMPT}")
+}
+
+#[test]
+fn greedy_prints_only_the_completion() {
+    let run = tune_generate(&[&prompt_arg(), "temperature=0"]);
+    assert_eq!(run.stdout, format!("{}\n", expected(false, false)));
+    assert!(!run.stdout.trim().is_empty(), "empty completion");
+    for log in ["Loaded", "Prefill", "tokens/s"] {
+        assert!(
+            !run.stdout.contains(log),
+            "log line on stdout: {}",
+            run.stdout
+        );
+        assert!(
+            run.stderr.contains(log),
+            "missing `{log}` on stderr: {}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn chat_uses_the_chat_template() {
+    let run = tune_generate(&[&prompt_arg(), "temperature=0", "chat=true"]);
+    assert_eq!(run.stdout, format!("{}\n", expected(true, false)));
+    // The Llama 3 template adds headers, so the prompt is longer than the plain one.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    let tok = Tokenizer::from_path(dir.join("tokenizer.json")).unwrap();
+    let text = tok
+        .apply_chat_template(&[Message::user(PROMPT)], true)
+        .unwrap();
+    let n = tok.encode(&text, false).unwrap().len();
+    assert!(
+        run.stderr.contains(&format!("after a {n}-token prompt")),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn adapter_changes_the_completion() {
+    let plain = tune_generate(&[&prompt_arg(), "temperature=0"]);
+    let adapted = tune_generate(&[
+        &prompt_arg(),
+        "temperature=0",
+        "adapter_dir=tests/fixtures/tiny-llama-lora",
+    ]);
+    assert_eq!(adapted.stdout, format!("{}\n", expected(false, true)));
+    assert_ne!(
+        plain.stdout, adapted.stdout,
+        "the adapter made no difference"
+    );
+    assert!(
+        adapted.stderr.contains("Applied the LoRA adapter"),
+        "{}",
+        adapted.stderr
+    );
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let sample = |seed: u64| {
+        tune_generate(&[
+            &prompt_arg(),
+            "temperature=1.5",
+            "top_k=500",
+            "top_p=0.95",
+            &format!("seed={seed}"),
+        ])
+        .stdout
+    };
+    let a = sample(5);
+    assert_eq!(a, sample(5));
+    assert!(
+        (6..10).any(|s| sample(s) != a),
+        "different seeds always gave the same text"
+    );
+}
+
+#[test]
+fn bad_adapter_dir_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args([
+            "run",
+            "generate",
+            "--config",
+            "tiny/generation",
+            "adapter_dir=tests/fixtures/tiny-llama",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("adapter_config.json"), "{err}");
+}
