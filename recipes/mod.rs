@@ -5,6 +5,7 @@
 pub mod full_dpo_single_device;
 pub mod full_finetune_single_device;
 pub mod generate;
+pub mod knowledge_distillation_single_device;
 pub mod lora_dpo_single_device;
 pub mod lora_finetune_single_device;
 
@@ -48,6 +49,9 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
                 Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx),
                 Recipe::FullDpo => full_dpo_single_device::run(cfg, ctx),
+                Recipe::KnowledgeDistillation => {
+                    knowledge_distillation_single_device::run(cfg, ctx)
+                }
                 other => anyhow::bail!(
                     "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                     other.torchtune_name()

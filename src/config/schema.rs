@@ -214,6 +214,8 @@ pub struct LossConfig {
     pub label_smoothing: f64,
     /// Accepted for torchtune compatibility; chunking does not change the maths.
     pub num_output_chunks: Option<usize>,
+    /// `SymmetricKLLoss`: the forward KL's share (torchtune's default 0.5).
+    pub sym_kd_ratio: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -224,6 +224,7 @@ pub static LOSS: Section = section(
         opt("beta", Ty::Float),
         opt("label_smoothing", Ty::Float),
         opt("num_output_chunks", Ty::UInt),
+        opt("sym_kd_ratio", Ty::Float),
     ],
 );
 

@@ -7,6 +7,7 @@ pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod run;
+pub mod teacher;
 
 use std::path::PathBuf;
 

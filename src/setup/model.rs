@@ -118,13 +118,9 @@ pub fn attach_adapters<B: Backend>(
             message: "this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False".into(),
         });
     }
-    if let Some(adapter) = &checkpointer.adapter_checkpoint {
-        let path = adapter_dir(&checkpointer.checkpoint_dir, adapter);
-        let mut config =
-            peft::load_adapter(model, &path).map_err(|source| SetupError::Checkpoint {
-                key: "checkpointer.adapter_checkpoint",
-                source,
-            })?;
+    if let Some(mut config) =
+        load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")?
+    {
         config.base_model_name_or_path = Some(checkpointer.checkpoint_dir.display().to_string());
         return Ok(config);
     }
@@ -140,6 +136,22 @@ pub fn attach_adapters<B: Backend>(
         &plan.settings,
         plan.targets.clone(),
     ))
+}
+
+/// Loads the PEFT adapter `checkpointer.adapter_checkpoint` names, if any, into `model`.
+/// `key` names that setting for error messages (`teacher_checkpointer.adapter_checkpoint`, ...).
+pub fn load_adapter_checkpoint<B: Backend>(
+    model: &mut CausalLm<B>,
+    checkpointer: &CheckpointerConfig,
+    key: &'static str,
+) -> Result<Option<peft::AdapterConfig>, SetupError> {
+    let Some(adapter) = &checkpointer.adapter_checkpoint else {
+        return Ok(None);
+    };
+    let path = adapter_dir(&checkpointer.checkpoint_dir, adapter);
+    let config = peft::load_adapter(model, &path)
+        .map_err(|source| SetupError::Checkpoint { key, source })?;
+    Ok(Some(config))
 }
 
 /// `adapter_checkpoint` may name a PEFT directory, or a file inside one (torchtune names

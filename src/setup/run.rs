@@ -76,6 +76,19 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
             serde_json::json!(reference.checkpoint_dir),
         );
     }
+    // Distillation: the teacher and the objective shape every step.
+    if let Some(teacher) = &cfg.teacher_checkpointer {
+        put(
+            "teacher_checkpointer.checkpoint_dir",
+            serde_json::json!(teacher.checkpoint_dir),
+        );
+        put(
+            "teacher_checkpointer.adapter_checkpoint",
+            serde_json::json!(teacher.adapter_checkpoint),
+        );
+        put("kd_loss", json(&cfg.kd_loss));
+        put("kd_ratio", cfg.kd_ratio().into());
+    }
     RunFingerprint(map)
 }
 

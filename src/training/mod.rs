@@ -3,6 +3,7 @@
 pub mod checkpointing;
 pub mod dpo;
 pub mod grads;
+pub mod kd;
 pub mod loss;
 pub mod metrics;
 pub mod optimizer;
