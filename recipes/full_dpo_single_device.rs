@@ -22,10 +22,18 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let fingerprint = settings::fingerprint(cfg, seed);
 
     // Policy: from the checkpointer, or from the checkpoint being resumed (it holds every weight).
-    let resume = if cfg.resume_from_checkpoint { find_resume(&output_dir, &fingerprint)? } else { None };
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
     let loaded = match &resume {
         Some(r) => {
-            eprintln!("Resuming from {} at step {}", r.dir.display(), r.state.global_step);
+            eprintln!(
+                "Resuming from {} at step {}",
+                r.dir.display(),
+                r.state.global_step
+            );
             load_model::<B>(&r.dir, None, &ctx.device)?
         }
         None => model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?,
@@ -42,12 +50,17 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
 
     // Data: chosen / rejected pairs.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;
-    let dataset = data::dataset(&cfg.dataset, &tokenizer, cfg.tokenizer.max_seq_len, &ctx.base_dir)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
     super::require_preference_data(&dataset)?;
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Loss: DPO against the frozen reference.
-    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::Frozen(reference));
+    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::Frozen(Box::new(reference)));
 
     // Optimizer, schedule, metrics, checkpoints.
     let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));

@@ -33,17 +33,30 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let adapter_config = model::attach_adapters(&mut policy, &plan, &cfg.checkpointer, seed)?;
 
     // Resume: the adapter and optimizer state of the latest complete checkpoint.
-    let resume = if cfg.resume_from_checkpoint { find_resume(&output_dir, &fingerprint)? } else { None };
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint)?
+    } else {
+        None
+    };
     if let Some(r) = &resume {
         tune::checkpoint::peft::load_adapter(&mut policy, &r.dir)
             .with_context(|| format!("loading the adapter to resume from {}", r.dir.display()))?;
-        eprintln!("Resuming from {} at step {}", r.dir.display(), r.state.global_step);
+        eprintln!(
+            "Resuming from {} at step {}",
+            r.dir.display(),
+            r.state.global_step
+        );
     }
     let policy = policy.set_trainable(Trainable::AdaptersOnly);
 
     // Data: chosen / rejected pairs.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;
-    let dataset = data::dataset(&cfg.dataset, &tokenizer, cfg.tokenizer.max_seq_len, &ctx.base_dir)?;
+    let dataset = data::dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        &ctx.base_dir,
+    )?;
     super::require_preference_data(&dataset)?;
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
@@ -58,7 +71,10 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         state = r.state;
     }
     let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
-    let content = SaveContent::Adapter { config: adapter_config, merged_model: !cfg.save_adapter_weights_only };
+    let content = SaveContent::Adapter {
+        config: adapter_config,
+        merged_model: !cfg.save_adapter_weights_only,
+    };
     let mut saver = RunCheckpointer::new(
         output_dir.clone(),
         cfg.keep_last_n_checkpoints,

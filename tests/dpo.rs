@@ -20,7 +20,9 @@ use tune::training::{LossStep, StepInfo};
 
 fn lora_model() -> CausalLm<CpuAutodiff> {
     let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device).unwrap().model;
+    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
+        .unwrap()
+        .model;
     load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
     model.set_trainable(Trainable::AdaptersOnly)
 }
@@ -34,7 +36,10 @@ fn to_peft(name: &str) -> String {
 fn fixture_batch(r: &Reference) -> Batch {
     let (tokens, labels, batch) = r.tokens();
     let seq_len = tokens.len() / batch;
-    let num_trained_tokens = labels.chunks(seq_len).map(|row| row[1..].iter().filter(|&&l| l != -100).count()).sum();
+    let num_trained_tokens = labels
+        .chunks(seq_len)
+        .map(|row| row[1..].iter().filter(|&&l| l != -100).count())
+        .sum();
     Batch {
         position_ids: positions(batch, seq_len),
         tokens,
@@ -59,36 +64,91 @@ fn lora_dpo_matches_torch() {
     let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
 
     let out = dpo.forward(&model, &batch).unwrap();
-    assert_close("policy_chosen_logps", &scalar(&out.policy.chosen), &r.f32("policy_chosen_logps"), 1e-4);
-    assert_close("policy_rejected_logps", &scalar(&out.policy.rejected), &r.f32("policy_rejected_logps"), 1e-4);
-    assert_close("reference_chosen_logps", &scalar(&out.reference.chosen), &r.f32("reference_chosen_logps"), 1e-4);
+    assert_close(
+        "policy_chosen_logps",
+        &scalar(&out.policy.chosen),
+        &r.f32("policy_chosen_logps"),
+        1e-4,
+    );
+    assert_close(
+        "policy_rejected_logps",
+        &scalar(&out.policy.rejected),
+        &r.f32("policy_rejected_logps"),
+        1e-4,
+    );
+    assert_close(
+        "reference_chosen_logps",
+        &scalar(&out.reference.chosen),
+        &r.f32("reference_chosen_logps"),
+        1e-4,
+    );
     assert_close(
         "reference_rejected_logps",
         &scalar(&out.reference.rejected),
         &r.f32("reference_rejected_logps"),
         1e-4,
     );
-    assert_close("chosen_reward", &scalar(&out.terms.chosen_rewards), &r.f32("chosen_reward"), 1e-4);
-    assert_close("rejected_reward", &scalar(&out.terms.rejected_rewards), &r.f32("rejected_reward"), 1e-4);
+    assert_close(
+        "chosen_reward",
+        &scalar(&out.terms.chosen_rewards),
+        &r.f32("chosen_reward"),
+        1e-4,
+    );
+    assert_close(
+        "rejected_reward",
+        &scalar(&out.terms.rejected_rewards),
+        &r.f32("rejected_reward"),
+        1e-4,
+    );
 
     // The loss step: mean over the one pair, weighted by pairs, with the gradient of torch.
     let mut step = dpo;
-    let out = step.step(&model, &batch, StepInfo { epoch: 0, global_step: 0 }).unwrap();
+    let out = step
+        .step(
+            &model,
+            &batch,
+            StepInfo {
+                epoch: 0,
+                global_step: 0,
+            },
+        )
+        .unwrap();
     assert_eq!(out.weight, 1, "one pair");
     assert_close("loss", &scalar(&out.loss), &r.f32("loss"), 1e-4);
-    let metric = |k: &str| out.metrics.iter().find(|(n, _)| *n == k).unwrap_or_else(|| panic!("metric {k}")).1;
-    let (c, rj) = (r.f32("chosen_reward").data[0] as f64, r.f32("rejected_reward").data[0] as f64);
+    let metric = |k: &str| {
+        out.metrics
+            .iter()
+            .find(|(n, _)| *n == k)
+            .unwrap_or_else(|| panic!("metric {k}"))
+            .1
+    };
+    let (c, rj) = (
+        r.f32("chosen_reward").data[0] as f64,
+        r.f32("rejected_reward").data[0] as f64,
+    );
     assert!((metric("rewards/chosen") - c).abs() < 1e-4);
     assert!((metric("rewards/rejected") - rj).abs() < 1e-4);
     assert!((metric("rewards/margins") - (c - rj)).abs() < 1e-4);
     assert_eq!(metric("rewards/accuracies"), if c > rj { 1.0 } else { 0.0 });
-    assert!((metric("log_probs/chosen") - r.f32("policy_chosen_logps").data[0] as f64).abs() < 1e-4);
-    assert!((metric("log_probs/rejected") - r.f32("policy_rejected_logps").data[0] as f64).abs() < 1e-4);
+    assert!(
+        (metric("log_probs/chosen") - r.f32("policy_chosen_logps").data[0] as f64).abs() < 1e-4
+    );
+    assert!(
+        (metric("log_probs/rejected") - r.f32("policy_rejected_logps").data[0] as f64).abs() < 1e-4
+    );
 
     let grads = out.loss.backward();
     let named = tune::training::grads::named_grads(&model, &grads);
-    let expected = r.names().into_iter().filter(|n| n.starts_with("grad.")).count();
-    assert_eq!(named.len(), expected, "gradients for every adapter tensor and nothing else");
+    let expected = r
+        .names()
+        .into_iter()
+        .filter(|n| n.starts_with("grad."))
+        .count();
+    assert_eq!(
+        named.len(),
+        expected,
+        "gradients for every adapter tensor and nothing else"
+    );
     for (name, grad) in &named {
         assert_grad_close(name, grad, &r.f32(&format!("grad.{}", to_peft(name))));
     }
@@ -101,10 +161,17 @@ fn frozen_reference_model_matches_adapters_disabled() {
     let r = Reference::open("dpo.safetensors");
     let batch = fixture_batch(&r);
     let device = Default::default();
-    let reference = load_model::<Cpu>(&fixture("tiny-llama"), None, &device).unwrap().model;
-    let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::Frozen(reference));
+    let reference = load_model::<Cpu>(&fixture("tiny-llama"), None, &device)
+        .unwrap()
+        .model;
+    let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::Frozen(Box::new(reference)));
     let out = dpo.forward(&lora_model(), &batch).unwrap();
-    assert_close("reference_chosen_logps", &scalar(&out.reference.chosen), &r.f32("reference_chosen_logps"), 1e-4);
+    assert_close(
+        "reference_chosen_logps",
+        &scalar(&out.reference.chosen),
+        &r.f32("reference_chosen_logps"),
+        1e-4,
+    );
     assert_close(
         "reference_rejected_logps",
         &scalar(&out.reference.rejected),
@@ -126,7 +193,10 @@ fn log_sigmoid(x: f64) -> f64 {
 fn loss_formula_with_label_smoothing() {
     let (pc, pr, rc, rr) = ([-10.0, -3.0], [-12.0, -2.0], [-11.0, -2.5], [-11.5, -2.5]);
     for ls in [0.0, 0.2] {
-        let settings = DpoSettings { beta: 0.5, label_smoothing: ls };
+        let settings = DpoSettings {
+            beta: 0.5,
+            label_smoothing: ls,
+        };
         let terms = dpo_loss(settings, t(&pc), t(&pr), t(&rc), t(&rr));
         let losses = HostTensor::from_tensor(&terms.losses).data;
         let chosen = HostTensor::from_tensor(&terms.chosen_rewards).data;
@@ -134,7 +204,11 @@ fn loss_formula_with_label_smoothing() {
         for i in 0..2 {
             let logits = ((pc[i] - pr[i]) - (rc[i] - rr[i])) as f64;
             let want = -log_sigmoid(0.5 * logits) * (1.0 - ls) - log_sigmoid(-0.5 * logits) * ls;
-            assert!((losses[i] as f64 - want).abs() < 1e-6, "ls {ls} pair {i}: {} vs {want}", losses[i]);
+            assert!(
+                (losses[i] as f64 - want).abs() < 1e-6,
+                "ls {ls} pair {i}: {} vs {want}",
+                losses[i]
+            );
             assert!((chosen[i] - 0.5 * (pc[i] - rc[i])).abs() < 1e-6);
             assert!((rejected[i] - 0.5 * (pr[i] - rr[i])).abs() < 1e-6);
         }
@@ -152,8 +226,15 @@ fn odd_batch_is_an_error() {
     batch.position_ids.truncate(seq);
     batch.batch_size = 1;
     let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
-    let err = dpo.forward(&lora_model(), &batch).err().expect("odd batch").to_string();
-    assert!(err.contains("preference dataset") && err.contains("1 rows"), "{err}");
+    let err = dpo
+        .forward(&lora_model(), &batch)
+        .err()
+        .expect("odd batch")
+        .to_string();
+    assert!(
+        err.contains("preference dataset") && err.contains("1 rows"),
+        "{err}"
+    );
 }
 
 fn build_pairs(name: &str, text: &str, kind: DatasetKind) -> String {
@@ -163,7 +244,9 @@ fn build_pairs(name: &str, text: &str, kind: DatasetKind) -> String {
     std::fs::write(&path, text).unwrap();
     let tok = Tokenizer::from_path(fixture("tiny-llama")).unwrap();
     let spec: DatasetSpec = serde_yaml::from_str(&format!("source: {}\n", path.display())).unwrap();
-    Dataset::build(&spec, kind, &tok, None, Path::new("/")).expect_err("bad row").to_string()
+    Dataset::build(&spec, kind, &tok, None, Path::new("/"))
+        .expect_err("bad row")
+        .to_string()
 }
 
 #[test]
@@ -172,27 +255,41 @@ fn bad_preference_rows_name_the_row() {
                  "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]}"#;
     let msg = build_pairs(
         "no_rejected.json",
-        &format!(r#"[{ok}, {{"chosen": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "yo"}}]}}]"#),
+        &format!(
+            r#"[{ok}, {{"chosen": [{{"role": "user", "content": "hi"}}, {{"role": "assistant", "content": "yo"}}]}}]"#
+        ),
         DatasetKind::Preference,
     );
-    assert!(msg.contains("no_rejected.json") && msg.contains("row 1") && msg.contains("`rejected`"), "{msg}");
+    assert!(
+        msg.contains("no_rejected.json") && msg.contains("row 1") && msg.contains("`rejected`"),
+        "{msg}"
+    );
     let msg = build_pairs(
         "empty_answer.json",
         r#"[{"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
               "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]}]"#,
         DatasetKind::Preference,
     );
-    assert!(msg.contains("row 0") && msg.contains("`chosen`") && msg.contains("empty"), "{msg}");
+    assert!(
+        msg.contains("row 0") && msg.contains("`chosen`") && msg.contains("empty"),
+        "{msg}"
+    );
     let msg = build_pairs(
         "se_empty.json",
         r#"[{"question": "q", "response_j": "a", "response_k": "b"}, {"question": "q", "response_j": "a", "response_k": ""}]"#,
         DatasetKind::StackExchangePaired,
     );
-    assert!(msg.contains("se_empty.json") && msg.contains("row 1") && msg.contains("`response_k`"), "{msg}");
+    assert!(
+        msg.contains("se_empty.json") && msg.contains("row 1") && msg.contains("`response_k`"),
+        "{msg}"
+    );
     let msg = build_pairs(
         "se_missing.json",
         r#"[{"question": "q", "response_k": "b"}]"#,
         DatasetKind::StackExchangePaired,
     );
-    assert!(msg.contains("row 0") && msg.contains("`response_j`"), "{msg}");
+    assert!(
+        msg.contains("row 0") && msg.contains("`response_j`"),
+        "{msg}"
+    );
 }

@@ -35,7 +35,10 @@ fn tune(recipe: &str, config: &str, out: &Path, overrides: &[&str]) -> (bool, St
         .args(overrides)
         .output()
         .expect("run tune");
-    (output.status.success(), String::from_utf8_lossy(&output.stderr).into_owned())
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }
 
 fn run_ok(recipe: &str, config: &str, out: &Path, overrides: &[&str]) {
@@ -45,11 +48,19 @@ fn run_ok(recipe: &str, config: &str, out: &Path, overrides: &[&str]) {
 
 fn metrics(out: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(out.join("logs/metrics.jsonl")).expect("metrics.jsonl");
-    text.lines().map(|l| serde_json::from_str(l).expect("metrics line")).collect()
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("metrics line"))
+        .collect()
 }
 
 fn series(rows: &[Value], key: &str) -> Vec<f64> {
-    rows.iter().map(|r| r[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {r}"))).collect()
+    rows.iter()
+        .map(|r| {
+            r[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing in {r}"))
+        })
+        .collect()
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -64,7 +75,13 @@ fn tensors(path: &Path) -> Vec<(String, Vec<u32>)> {
     names
         .into_iter()
         .map(|n| {
-            let bits = file.read(&n).expect("read").data.iter().map(|v| v.to_bits()).collect();
+            let bits = file
+                .read(&n)
+                .expect("read")
+                .data
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
             (n, bits)
         })
         .collect()
@@ -75,15 +92,21 @@ fn tensors(path: &Path) -> Vec<(String, Vec<u32>)> {
 /// truncation leaves most pairs without a response to score. Each short alpaca_tiny row gives a
 /// pair: its own output is chosen, the next short row's output is rejected.
 fn alpaca_pairs(dir: &Path) -> String {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/data/alpaca_tiny.json"))
-        .expect("alpaca_tiny.json");
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/data/alpaca_tiny.json"),
+    )
+    .expect("alpaca_tiny.json");
     let rows: Vec<Value> = serde_json::from_str(&text).expect("json");
     let field = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
     let short: Vec<(String, String)> = rows
         .iter()
         .map(|r| {
             let input = field(r, "input");
-            let q = if input.is_empty() { field(r, "instruction") } else { format!("{}\n\n{input}", field(r, "instruction")) };
+            let q = if input.is_empty() {
+                field(r, "instruction")
+            } else {
+                format!("{}\n\n{input}", field(r, "instruction"))
+            };
             (q, field(r, "output"))
         })
         .filter(|(q, a)| q.len() + a.len() < 200)
@@ -114,7 +137,12 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     let data = alpaca_pairs(&full.0);
     let mut args = LORA.to_vec();
     args.extend(["epochs=4", &data]);
-    run_ok("lora_dpo_single_device", "lora_dpo_single_device", &full.0, &args);
+    run_ok(
+        "lora_dpo_single_device",
+        "lora_dpo_single_device",
+        &full.0,
+        &args,
+    );
 
     // Preference learning: the implicit reward margin and the share of pairs ranked right rise.
     let rows = metrics(&full.0);
@@ -129,41 +157,72 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     assert!(m1 > m0 + 0.05, "margins should rise: {m0} -> {m1}");
     assert!(a1 > a0, "accuracies should rise: {a0} -> {a1}");
     assert!(l1 < l0, "loss should fall: {l0} -> {l1}");
-    for key in ["rewards/chosen", "rewards/rejected", "log_probs/chosen", "log_probs/rejected", "logits/chosen"] {
+    for key in [
+        "rewards/chosen",
+        "rewards/rejected",
+        "log_probs/chosen",
+        "log_probs/rejected",
+        "logits/chosen",
+    ] {
         assert!(rows[0][key].is_number(), "{key} logged");
     }
 
     // The adapter in PEFT layout.
     let last = full.0.join("epoch_3");
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(last.join("adapter_config.json")).expect("adapter_config.json"))
-            .expect("json");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(last.join("adapter_config.json")).expect("adapter_config.json"),
+    )
+    .expect("json");
     assert_eq!(config["peft_type"], "LORA");
     assert_eq!(config["r"], 8);
     let adapter = tensors(&last.join("adapter_model.safetensors"));
     assert!(
-        adapter.iter().any(|(n, _)| n == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
+        adapter
+            .iter()
+            .any(|(n, _)| n == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
         "PEFT keys: {:?}",
         adapter.iter().map(|(n, _)| n).collect::<Vec<_>>()
     );
-    assert!(adapter.iter().all(|(n, _)| n.starts_with("base_model.model.") && n.contains(".lora_")));
+    assert!(
+        adapter
+            .iter()
+            .all(|(n, _)| n.starts_with("base_model.model.") && n.contains(".lora_"))
+    );
 
     // Resume: 2 epochs, stop; then resume to 4. Same per-step losses and the same adapter.
     let split = TempDir::new("lora-split");
     let mut first = LORA.to_vec();
     first.extend(["epochs=2", &data]);
-    run_ok("lora_dpo_single_device", "lora_dpo_single_device", &split.0, &first);
+    run_ok(
+        "lora_dpo_single_device",
+        "lora_dpo_single_device",
+        &split.0,
+        &first,
+    );
     assert_eq!(metrics(&split.0).len(), 20);
     let mut second = LORA.to_vec();
     second.extend(["epochs=4", "resume_from_checkpoint=True", &data]);
-    let (ok, stderr) = tune("lora_dpo_single_device", "lora_dpo_single_device", &split.0, &second);
+    let (ok, stderr) = tune(
+        "lora_dpo_single_device",
+        "lora_dpo_single_device",
+        &split.0,
+        &second,
+    );
     assert!(ok, "resume failed:\n{stderr}");
     assert!(stderr.contains("Resuming from"), "{stderr}");
     let resumed = metrics(&split.0);
     assert_eq!(series(&resumed, "step"), series(&rows, "step"));
-    assert_eq!(series(&resumed, "loss"), losses, "per-step losses of the resumed run");
+    assert_eq!(
+        series(&resumed, "loss"),
+        losses,
+        "per-step losses of the resumed run"
+    );
     assert_eq!(series(&resumed, "rewards/margins"), margins);
-    assert_eq!(tensors(&split.0.join("epoch_3/adapter_model.safetensors")), adapter, "final adapter");
+    assert_eq!(
+        tensors(&split.0.join("epoch_3/adapter_model.safetensors")),
+        adapter,
+        "final adapter"
+    );
 }
 
 /// Full DPO at the config's learning rate (1e-5): 3 epochs over the 20 pairs, 10 steps each;
@@ -172,7 +231,12 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
 fn full_dpo_trains_against_frozen_reference() {
     let out = TempDir::new("full");
     let data = alpaca_pairs(&out.0);
-    run_ok("full_dpo_single_device", "full_dpo_single_device", &out.0, &["batch_size=2", "epochs=3", &data]);
+    run_ok(
+        "full_dpo_single_device",
+        "full_dpo_single_device",
+        &out.0,
+        &["batch_size=2", "epochs=3", &data],
+    );
     let rows = metrics(&out.0);
     assert_eq!(rows.len(), 30);
     let margins = series(&rows, "rewards/margins");
@@ -181,12 +245,27 @@ fn full_dpo_trains_against_frozen_reference() {
     let (m0, m1) = (mean(&margins[..10]), mean(&margins[20..]));
     let (a0, a1) = (mean(&accuracies[..10]), mean(&accuracies[20..]));
     let (l0, l1) = (mean(&losses[..10]), mean(&losses[20..]));
-    eprintln!("full DPO: margins {m0:.4} -> {m1:.4}; accuracies {a0:.3} -> {a1:.3}; loss {l0:.4} -> {l1:.4}");
-    assert!(m1 > m0 + 0.05 && a1 > a0 && l1 < l0, "margins {m0} -> {m1}, accuracies {a0} -> {a1}, loss {l0} -> {l1}");
+    eprintln!(
+        "full DPO: margins {m0:.4} -> {m1:.4}; accuracies {a0:.3} -> {a1:.3}; loss {l0:.4} -> {l1:.4}"
+    );
+    assert!(
+        m1 > m0 + 0.05 && a1 > a0 && l1 < l0,
+        "margins {m0} -> {m1}, accuracies {a0} -> {a1}, loss {l0} -> {l1}"
+    );
     // At step 1 the policy is the reference, so the loss is ln 2.
-    assert!((losses[0] - std::f64::consts::LN_2).abs() < 1e-5, "first loss {}", losses[0]);
-    assert!(out.0.join("epoch_2/config.json").is_file(), "a full Hugging Face model is saved");
-    assert!(out.0.join("epoch_2/model.safetensors").is_file(), "a full Hugging Face model is saved");
+    assert!(
+        (losses[0] - std::f64::consts::LN_2).abs() < 1e-5,
+        "first loss {}",
+        losses[0]
+    );
+    assert!(
+        out.0.join("epoch_2/config.json").is_file(),
+        "a full Hugging Face model is saved"
+    );
+    assert!(
+        out.0.join("epoch_2/model.safetensors").is_file(),
+        "a full Hugging Face model is saved"
+    );
 }
 
 #[test]
@@ -199,21 +278,45 @@ fn dpo_on_bad_data_names_the_row() {
     )
     .unwrap();
     let file = format!("dataset.data_files={}", data.display());
-    let (ok, stderr) = tune("lora_dpo_single_device", "lora_dpo_single_device", &out.0, &[&file]);
+    let (ok, stderr) = tune(
+        "lora_dpo_single_device",
+        "lora_dpo_single_device",
+        &out.0,
+        &[&file],
+    );
     assert!(!ok);
-    assert!(stderr.contains("pairs.json") && stderr.contains("row 1") && stderr.contains("`response_j`"), "{stderr}");
+    assert!(
+        stderr.contains("pairs.json")
+            && stderr.contains("row 1")
+            && stderr.contains("`response_j`"),
+        "{stderr}"
+    );
 
     // An SFT dataset has no rejected side.
     let (ok, stderr) = tune(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
         &out.0,
-        &["dataset._component_=torchtune.datasets.alpaca_dataset", "dataset.data_files=assets/data/alpaca_tiny.json"],
+        &[
+            "dataset._component_=torchtune.datasets.alpaca_dataset",
+            "dataset.data_files=assets/data/alpaca_tiny.json",
+        ],
     );
     assert!(!ok);
-    assert!(stderr.contains("dataset") && stderr.contains("preference"), "{stderr}");
+    assert!(
+        stderr.contains("dataset") && stderr.contains("preference"),
+        "{stderr}"
+    );
 
-    let (ok, stderr) = tune("lora_dpo_single_device", "lora_dpo_single_device", &out.0, &["loss.beta=-1"]);
+    let (ok, stderr) = tune(
+        "lora_dpo_single_device",
+        "lora_dpo_single_device",
+        &out.0,
+        &["loss.beta=-1"],
+    );
     assert!(!ok);
-    assert!(stderr.contains("loss.beta") && stderr.contains("positive"), "{stderr}");
+    assert!(
+        stderr.contains("loss.beta") && stderr.contains("positive"),
+        "{stderr}"
+    );
 }

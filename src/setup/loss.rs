@@ -10,7 +10,10 @@ pub fn dpo(cfg: &LossConfig) -> Result<DpoSettings, SetupError> {
     if !(cfg.beta.is_finite() && cfg.beta > 0.0) {
         return Err(SetupError::Invalid {
             key: "loss.beta".into(),
-            message: format!("must be a positive number (torchtune's default is 0.1), found {}", cfg.beta),
+            message: format!(
+                "must be a positive number (torchtune's default is 0.1), found {}",
+                cfg.beta
+            ),
         });
     }
     if !(0.0..0.5).contains(&cfg.label_smoothing) {
@@ -22,5 +25,8 @@ pub fn dpo(cfg: &LossConfig) -> Result<DpoSettings, SetupError> {
             ),
         });
     }
-    Ok(DpoSettings { beta: cfg.beta, label_smoothing: cfg.label_smoothing })
+    Ok(DpoSettings {
+        beta: cfg.beta,
+        label_smoothing: cfg.label_smoothing,
+    })
 }

@@ -29,7 +29,10 @@ pub struct DpoSettings {
 
 impl Default for DpoSettings {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0 }
+        Self {
+            beta: 0.1,
+            label_smoothing: 0.0,
+        }
     }
 }
 
@@ -52,8 +55,12 @@ pub fn dpo_loss<B: Backend>(
     reference_chosen: Tensor<B, 1>,
     reference_rejected: Tensor<B, 1>,
 ) -> DpoTerms<B> {
-    let DpoSettings { beta, label_smoothing } = settings;
-    let logits = (policy_chosen.clone() - policy_rejected.clone()) - (reference_chosen.clone() - reference_rejected.clone());
+    let DpoSettings {
+        beta,
+        label_smoothing,
+    } = settings;
+    let logits = (policy_chosen.clone() - policy_rejected.clone())
+        - (reference_chosen.clone() - reference_rejected.clone());
     let mut losses = log_sigmoid(logits.clone() * beta).neg() * (1.0 - label_smoothing);
     // Skipping the smoothing term when it is zero keeps the graph (and the gradient) exactly
     // torchtune's for the default.
@@ -78,7 +85,7 @@ pub struct PairLogProbs<B: Backend> {
 /// Pairs in a preference batch: its rows are chosen then rejected, so there must be an even
 /// number of them.
 pub fn pairs_in(batch: &Batch) -> Result<usize, TrainError> {
-    if batch.batch_size == 0 || batch.batch_size % 2 != 0 {
+    if batch.batch_size == 0 || !batch.batch_size.is_multiple_of(2) {
         return Err(TrainError::Other(format!(
             "DPO needs a preference dataset (chosen rows then rejected rows in each batch), but a batch has {} rows; \
              use a preference dataset such as torchtune.datasets.stack_exchange_paired_dataset or preference_dataset",
@@ -98,7 +105,10 @@ pub fn concatenated_forward<B: Backend>(
     let pairs = pairs_in(batch)?;
     let logits = model.forward(token_batch(batch), mode);
     let all = sequence_log_probs(logits.clone(), &batch.labels);
-    let log_probs = PairLogProbs { chosen: all.clone().narrow(0, 0, pairs), rejected: all.narrow(0, pairs, pairs) };
+    let log_probs = PairLogProbs {
+        chosen: all.clone().narrow(0, 0, pairs),
+        rejected: all.narrow(0, pairs, pairs),
+    };
     Ok((log_probs, logits))
 }
 
@@ -107,7 +117,7 @@ pub enum DpoReference<B: AutodiffBackend> {
     /// LoRA DPO: the policy itself with its adapters disabled.
     AdaptersDisabled,
     /// Full DPO: a frozen model, kept off the autodiff graph.
-    Frozen(CausalLm<B::InnerBackend>),
+    Frozen(Box<CausalLm<B::InnerBackend>>),
 }
 
 /// Everything one DPO step computes, for the loss step and for tests.
@@ -129,31 +139,55 @@ pub struct DpoLoss<B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> DpoLoss<B> {
     pub fn new(settings: DpoSettings, reference: DpoReference<B>) -> Self {
-        Self { settings, reference }
+        Self {
+            settings,
+            reference,
+        }
     }
 
-    fn reference_log_probs(&self, model: &CausalLm<B>, batch: &Batch) -> Result<PairLogProbs<B>, TrainError> {
-        let mode = ForwardMode { adapters: false, fake_quant: true, train: false };
+    fn reference_log_probs(
+        &self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+    ) -> Result<PairLogProbs<B>, TrainError> {
+        let mode = ForwardMode {
+            adapters: false,
+            fake_quant: true,
+            train: false,
+        };
         Ok(match &self.reference {
             DpoReference::AdaptersDisabled => {
                 let (lp, _) = concatenated_forward(model, batch, mode)?;
-                PairLogProbs { chosen: lp.chosen.detach(), rejected: lp.rejected.detach() }
+                PairLogProbs {
+                    chosen: lp.chosen.detach(),
+                    rejected: lp.rejected.detach(),
+                }
             }
             DpoReference::Frozen(reference) => {
                 let (lp, _) = concatenated_forward(reference, batch, mode)?;
-                PairLogProbs { chosen: Tensor::from_inner(lp.chosen), rejected: Tensor::from_inner(lp.rejected) }
+                PairLogProbs {
+                    chosen: Tensor::from_inner(lp.chosen),
+                    rejected: Tensor::from_inner(lp.rejected),
+                }
             }
         })
     }
 
     /// Policy and reference scores and the loss terms for one preference batch.
     pub fn forward(&self, model: &CausalLm<B>, batch: &Batch) -> Result<DpoForward<B>, TrainError> {
-        let policy_mode = ForwardMode { adapters: true, fake_quant: true, train: true };
+        let policy_mode = ForwardMode {
+            adapters: true,
+            fake_quant: true,
+            train: true,
+        };
         let (policy, logits) = concatenated_forward(model, batch, policy_mode)?;
         let reference = self.reference_log_probs(model, batch)?;
         let pairs = policy.chosen.dims()[0];
         let mean = |t: Tensor<B, 3>| -> f64 { t.detach().mean().into_scalar().elem() };
-        let logits_mean = (mean(logits.clone().narrow(0, 0, pairs)), mean(logits.narrow(0, pairs, pairs)));
+        let logits_mean = (
+            mean(logits.clone().narrow(0, 0, pairs)),
+            mean(logits.narrow(0, pairs, pairs)),
+        );
         let terms = dpo_loss(
             self.settings,
             policy.chosen.clone(),
@@ -161,7 +195,12 @@ impl<B: AutodiffBackend> DpoLoss<B> {
             reference.chosen.clone(),
             reference.rejected.clone(),
         );
-        Ok(DpoForward { policy, reference, terms, logits_mean })
+        Ok(DpoForward {
+            policy,
+            reference,
+            terms,
+            logits_mean,
+        })
     }
 }
 
@@ -177,25 +216,45 @@ fn mean(v: &[f64]) -> f64 {
 pub fn metrics<B: AutodiffBackend>(out: &DpoForward<B>) -> Vec<(&'static str, f64)> {
     let chosen = host(&out.terms.chosen_rewards);
     let rejected = host(&out.terms.rejected_rewards);
-    let wins: Vec<f64> = chosen.iter().zip(&rejected).map(|(c, r)| if c > r { 1.0 } else { 0.0 }).collect();
+    let wins: Vec<f64> = chosen
+        .iter()
+        .zip(&rejected)
+        .map(|(c, r)| if c > r { 1.0 } else { 0.0 })
+        .collect();
     let margins: Vec<f64> = chosen.iter().zip(&rejected).map(|(c, r)| c - r).collect();
     vec![
         ("rewards/chosen", mean(&chosen)),
         ("rewards/rejected", mean(&rejected)),
         ("rewards/accuracies", mean(&wins)),
         ("rewards/margins", mean(&margins)),
-        ("log_probs/chosen", mean(&host(&out.policy.chosen.clone().detach()))),
-        ("log_probs/rejected", mean(&host(&out.policy.rejected.clone().detach()))),
+        (
+            "log_probs/chosen",
+            mean(&host(&out.policy.chosen.clone().detach())),
+        ),
+        (
+            "log_probs/rejected",
+            mean(&host(&out.policy.rejected.clone().detach())),
+        ),
         ("logits/chosen", out.logits_mean.0),
         ("logits/rejected", out.logits_mean.1),
     ]
 }
 
 impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
-    fn step(&mut self, model: &CausalLm<B>, batch: &Batch, _info: StepInfo) -> Result<StepOutput<B>, TrainError> {
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError> {
         let out = self.forward(model, batch)?;
         let pairs = out.policy.chosen.dims()[0];
         let metrics = metrics(&out);
-        Ok(StepOutput { loss: out.terms.losses.mean(), weight: pairs, tokens: batch.tokens.len(), metrics })
+        Ok(StepOutput {
+            loss: out.terms.losses.mean(),
+            weight: pairs,
+            tokens: batch.tokens.len(),
+            metrics,
+        })
     }
 }
