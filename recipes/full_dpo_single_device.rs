@@ -60,7 +60,10 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Loss: DPO against the frozen reference.
-    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::Frozen(reference));
+    let mut dpo = DpoLoss::new(
+        loss::dpo(&cfg.loss)?,
+        DpoReference::Frozen(Box::new(reference)),
+    );
 
     // Optimizer, schedule, metrics, checkpoints.
     let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));

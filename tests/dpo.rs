@@ -164,7 +164,10 @@ fn frozen_reference_model_matches_adapters_disabled() {
     let reference = load_model::<Cpu>(&fixture("tiny-llama"), None, &device)
         .unwrap()
         .model;
-    let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::Frozen(reference));
+    let dpo = DpoLoss::<CpuAutodiff>::new(
+        DpoSettings::default(),
+        DpoReference::Frozen(Box::new(reference)),
+    );
     let out = dpo.forward(&lora_model(), &batch).unwrap();
     assert_close(
         "reference_chosen_logps",

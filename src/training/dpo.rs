@@ -85,7 +85,7 @@ pub struct PairLogProbs<B: Backend> {
 /// Pairs in a preference batch: its rows are chosen then rejected, so there must be an even
 /// number of them.
 pub fn pairs_in(batch: &Batch) -> Result<usize, TrainError> {
-    if batch.batch_size == 0 || batch.batch_size % 2 != 0 {
+    if batch.batch_size == 0 || !batch.batch_size.is_multiple_of(2) {
         return Err(TrainError::Other(format!(
             "DPO needs a preference dataset (chosen rows then rejected rows in each batch), but a batch has {} rows; \
              use a preference dataset such as torchtune.datasets.stack_exchange_paired_dataset or preference_dataset",
@@ -117,7 +117,7 @@ pub enum DpoReference<B: AutodiffBackend> {
     /// LoRA DPO: the policy itself with its adapters disabled.
     AdaptersDisabled,
     /// Full DPO: a frozen model, kept off the autodiff graph.
-    Frozen(CausalLm<B::InnerBackend>),
+    Frozen(Box<CausalLm<B::InnerBackend>>),
 }
 
 /// Everything one DPO step computes, for the loss step and for tests.
