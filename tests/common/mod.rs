@@ -60,6 +60,7 @@ pub fn tiny_assets() -> TempDir {
         "alpaca_tiny.json",
         "hh_rlhf_tiny.json",
         "stack_exchange_paired_tiny.json",
+        "alpaca_pairs_tiny.json",
     ] {
         t.touch(&format!("assets/data/{f}"));
     }
