@@ -7,7 +7,7 @@ use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
 use tune::setup::{data, logging, model, optim, run as settings};
-use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::checkpointing::{SaveContent, find_resume};
 use tune::training::optimizer::Optimizer;
 use tune::training::sft::SftLoss;
 use tune::training::{TrainState, Trainer};
@@ -57,15 +57,12 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         state = r.state;
     }
     let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
-    let mut saver = RunCheckpointer::new(
-        output_dir.clone(),
-        cfg.keep_last_n_checkpoints,
+    let mut saver = settings::checkpointer(
+        cfg,
         ctx.recipe.torchtune_name(),
         SaveContent::FullModel,
         fingerprint,
-        cfg.checkpointer.checkpoint_dir.clone(),
         storage_dtype,
-        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
     )?;
     eprintln!(
         "Full fine-tuning {} ({} parameters) on {} samples; seed {seed}; metrics in {log_dir}",

@@ -15,7 +15,7 @@ use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
 use tune::setup::{data, logging, model, optim, run as settings, teacher};
-use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::checkpointing::{SaveContent, find_resume};
 use tune::training::kd::KdLoss;
 use tune::training::optimizer::Optimizer;
 use tune::training::{TrainState, Trainer};
@@ -115,15 +115,12 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         state = r.state;
     }
     let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
-    let mut saver = RunCheckpointer::new(
-        output_dir.clone(),
-        cfg.keep_last_n_checkpoints,
+    let mut saver = settings::checkpointer(
+        cfg,
         ctx.recipe.torchtune_name(),
         content,
         fingerprint,
-        cfg.checkpointer.checkpoint_dir.clone(),
         storage_dtype,
-        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
     )?;
     eprintln!(
         "Distilling {} ({} parameters) into {} ({shape}) with {objective:?}, kd_ratio {kd_ratio}, on {} samples; seed {seed}; metrics in {log_dir}",

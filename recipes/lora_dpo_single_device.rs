@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
 use tune::setup::{data, logging, loss, model, optim, run as settings};
-use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::checkpointing::{SaveContent, find_resume};
 use tune::training::dpo::{DpoLoss, DpoReference};
 use tune::training::optimizer::Optimizer;
 use tune::training::{TrainState, Trainer};
@@ -75,15 +75,12 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         config: adapter_config,
         merged_model: !cfg.save_adapter_weights_only,
     };
-    let mut saver = RunCheckpointer::new(
-        output_dir.clone(),
-        cfg.keep_last_n_checkpoints,
+    let mut saver = settings::checkpointer(
+        cfg,
         ctx.recipe.torchtune_name(),
         content,
         fingerprint,
-        cfg.checkpointer.checkpoint_dir.clone(),
         storage_dtype,
-        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
     )?;
     eprintln!(
         "LoRA DPO of {} (rank {}, alpha {}, on {}; beta {}) on {} pairs; seed {seed}; metrics in {log_dir}",

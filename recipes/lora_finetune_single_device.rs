@@ -10,7 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
 use tune::setup::{data, logging, model, optim, run as settings};
-use tune::training::checkpointing::{RunCheckpointer, SaveContent, find_resume};
+use tune::training::checkpointing::{SaveContent, find_resume};
 use tune::training::optimizer::Optimizer;
 use tune::training::sft::SftLoss;
 use tune::training::{TrainState, Trainer};
@@ -68,15 +68,12 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         config: adapter_config,
         merged_model: !cfg.save_adapter_weights_only,
     };
-    let mut saver = RunCheckpointer::new(
-        output_dir.clone(),
-        cfg.keep_last_n_checkpoints,
+    let mut saver = settings::checkpointer(
+        cfg,
         ctx.recipe.torchtune_name(),
         content,
         fingerprint,
-        cfg.checkpointer.checkpoint_dir.clone(),
         storage_dtype,
-        tune::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
     )?;
     eprintln!(
         "LoRA fine-tuning {} (rank {}, alpha {}, on {}) on {} samples; seed {seed}; metrics in {log_dir}",

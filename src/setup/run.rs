@@ -104,3 +104,24 @@ mod erased {
         }
     }
 }
+
+/// The run's one checkpoint client, saving `content` under [`checkpoint_dir`] with the
+/// config's `keep_last_n_checkpoints`, companion files from `checkpointer.checkpoint_dir`.
+pub fn checkpointer(
+    cfg: &TrainConfig,
+    recipe: &str,
+    content: crate::training::checkpointing::SaveContent,
+    fingerprint: RunFingerprint,
+    storage_dtype: crate::checkpoint::StorageDtype,
+) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
+    crate::training::checkpointing::RunCheckpointer::new(
+        checkpoint_dir(cfg),
+        cfg.keep_last_n_checkpoints,
+        recipe,
+        content,
+        fingerprint,
+        cfg.checkpointer.checkpoint_dir.clone(),
+        storage_dtype,
+        crate::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
+    )
+}
