@@ -4,6 +4,8 @@
 
 pub mod full_finetune_single_device;
 pub mod lora_finetune_single_device;
+pub mod qat_lora_finetune_single_device;
+pub mod qat_single_device;
 
 use std::path::PathBuf;
 
@@ -31,6 +33,8 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             match recipe {
             Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
             Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
+            Recipe::Qat => qat_single_device::run(cfg, ctx),
+            Recipe::QatLora => qat_lora_finetune_single_device::run(cfg, ctx),
             other => anyhow::bail!(
                 "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                 other.torchtune_name()

@@ -39,6 +39,11 @@ fn dispatch(command: Command) -> Result<(), CliError> {
         }
         Command::Checkpoints { output_dir, no_verify } => commands::checkpoints(&output_dir, !no_verify, &mut out),
         Command::Run { recipe, config, overrides } => run(&recipe, &config, &overrides),
+        Command::Quantize { config, overrides, recipe } => {
+            let dir = tune::cli::quantize::quantize(&config, &overrides, recipe.as_deref())?;
+            eprintln!("Wrote the quantized export to {}", dir.display());
+            Ok(())
+        }
     }
 }
 

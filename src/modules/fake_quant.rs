@@ -12,23 +12,39 @@ pub enum QuantScheme {
     Int8DynActInt4Weight { group_size: usize },
     /// torchao `Int4WeightOnlyQATQuantizer`: int4 per-group weights only.
     Int4WeightOnly { group_size: usize },
+    /// A model loaded from a quantized export of an `Int8DynActInt4Weight` run: its weights
+    /// already hold int4 values (dequantized on load), so only the int8 dynamic activation
+    /// quantization remains to simulate. Re-quantizing the weights would not be idempotent.
+    Int8DynActOnly,
 }
 
 impl QuantScheme {
-    pub fn group_size(self) -> usize {
+    /// The weight group size; `None` when the weights are not fake-quantized.
+    pub fn group_size(self) -> Option<usize> {
         match self {
-            Self::Int8DynActInt4Weight { group_size } | Self::Int4WeightOnly { group_size } => group_size,
+            Self::Int8DynActInt4Weight { group_size } | Self::Int4WeightOnly { group_size } => Some(group_size),
+            Self::Int8DynActOnly => None,
         }
     }
 
     pub fn quantizes_activations(self) -> bool {
-        matches!(self, Self::Int8DynActInt4Weight { .. })
+        matches!(self, Self::Int8DynActInt4Weight { .. } | Self::Int8DynActOnly)
+    }
+
+    /// The scheme for the same model after its weights were quantized for real (export).
+    pub fn after_weight_export(self) -> Option<Self> {
+        match self {
+            Self::Int8DynActInt4Weight { .. } | Self::Int8DynActOnly => Some(Self::Int8DynActOnly),
+            Self::Int4WeightOnly { .. } => None,
+        }
     }
 }
 
-/// `x + (q(x) - x).detach()`: quantized forward, identity backward.
+/// Quantized forward, identity backward. Written `q + (x - x.detach())` rather than the usual
+/// `x + (q - x).detach()` because `x - x` is exactly zero, so the forward value is `q` to the
+/// bit (the other form can be one ulp off), which the quantized export relies on.
 fn straight_through<B: Backend, const D: usize>(x: Tensor<B, D>, quantized: Tensor<B, D>) -> Tensor<B, D> {
-    x.clone() + (quantized - x).detach()
+    quantized.detach() + (x.clone() - x.detach())
 }
 
 /// Symmetric int4 per group of `group_size` input features:
@@ -67,8 +83,13 @@ pub fn fake_quantize_activation<B: Backend, const D: usize>(x: Tensor<B, D>) -> 
 }
 
 pub fn weight<B: Backend>(w: Tensor<B, 2>, scheme: QuantScheme) -> Tensor<B, 2> {
-    let quantized = fake_quantize_weight(w.clone().detach(), scheme.group_size());
-    straight_through(w, quantized)
+    match scheme.group_size() {
+        Some(group_size) => {
+            let quantized = fake_quantize_weight(w.clone().detach(), group_size);
+            straight_through(w, quantized)
+        }
+        None => w,
+    }
 }
 
 pub fn activation<B: Backend>(x: Tensor<B, 2>, scheme: QuantScheme) -> Tensor<B, 2> {

@@ -5,6 +5,7 @@ pub mod data;
 pub mod logging;
 pub mod model;
 pub mod optim;
+pub mod quant;
 pub mod run;
 
 use std::path::PathBuf;
@@ -22,6 +23,8 @@ pub enum SetupError {
     Data(#[from] crate::data::DataError),
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
+    #[error(transparent)]
+    Quant(#[from] quant::QuantError),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 }

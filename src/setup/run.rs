@@ -54,6 +54,10 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
     put("shuffle", cfg.shuffle.into());
     put("seed", seed.into());
     put("optimizer", json(&cfg.optimizer));
+    // Only QAT runs have one; leaving it out otherwise keeps other recipes' fingerprints stable.
+    if let Some(q) = &cfg.quantizer {
+        put("quantizer", json(q));
+    }
     RunFingerprint(map)
 }
 

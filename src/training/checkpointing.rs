@@ -7,6 +7,7 @@
 //! - `adapter_model.safetensors` + `adapter_config.json` (LoRA), loadable by peft;
 //! - `model*.safetensors` (+ index) + `config.json` + tokenizer files (full, or merged LoRA),
 //!   loadable by transformers;
+//! - `quantized/` (QAT runs, final checkpoint): the int4 export, see `checkpoint::quantized`;
 //! - `optimizer.safetensors`: optimizer moments by parameter name;
 //! - `tune_checkpoint.json`: the client's metadata (format version, files and checksums),
 //!   whose `extra` carries the [`TrainState`] and the config fingerprint used on resume.
@@ -20,12 +21,14 @@ use super::optimizer::Optimizer;
 use super::trainer::{SaveHook, SaveKind, TrainError, TrainState};
 use crate::checkpoint::hf::save_hf_dir;
 use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
+use crate::checkpoint::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
     CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError, latest_complete,
 };
 use crate::models::CausalLm;
+use crate::modules::fake_quant::QuantScheme;
 
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
@@ -78,6 +81,8 @@ pub struct RunCheckpointer {
     pub last_published: Option<PublishedCheckpoint>,
     /// Logs "waited for the previous save" and "saved" lines.
     pub log: Box<dyn Fn(String) + Send>,
+    /// QAT: the final checkpoint also holds the int4 export in `quantized/` (adapters merged).
+    pub quantized_export: Option<QuantScheme>,
 }
 
 impl RunCheckpointer {
@@ -104,6 +109,7 @@ impl RunCheckpointer {
             max_shard_bytes,
             last_published: None,
             log: Box::new(|line| eprintln!("{line}")),
+            quantized_export: None,
         })
     }
 
@@ -137,6 +143,19 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             SaveContent::Adapter { .. } => None,
             SaveContent::FullModel => Some(model.hf_state_dict()),
         };
+        // Quantizing needs the model's device, so it happens in the blocking part too.
+        let quantized = match self.quantized_export {
+            Some(scheme) if kind == SaveKind::Final => {
+                let group_size = scheme.group_size().ok_or_else(|| {
+                    TrainError::Checkpoint("the quantized export needs a weight-quantizing scheme".into())
+                })?;
+                let state = model.merged_hf_state_dict();
+                let tensors = quantize_state::<B>(&state, group_size, &model.device())
+                    .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+                Some((tensors, scheme, group_size))
+            }
+            _ => None,
+        };
         let optimizer_state = optimizer.state_dict();
         let config_json = model.args.raw.clone();
         let (source_dir, dtype, shard) = (self.source_dir.clone(), self.storage_dtype, self.max_shard_bytes);
@@ -158,6 +177,10 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             }
             if let Some(state) = full {
                 save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir)).map_err(fail)?;
+            }
+            if let Some((tensors, scheme, group_size)) = quantized {
+                let qdir = dir.join(QUANTIZED_DIR);
+                write_quantized(&qdir, &tensors, &config_json, scheme, group_size, dtype, Some(&source_dir)).map_err(fail)?;
             }
             write_file(&dir.join(OPTIMIZER_FILE), &optimizer_state, StorageDtype::F32).map_err(fail)?;
             Ok(())
