@@ -96,7 +96,7 @@ fn group_size_must_divide_every_layer() {
         err.to_string().starts_with("quantizer.groupsize 48 does not divide model.layers.0.self_attn.q_proj in_features 64"),
         "{err}"
     );
-    // 64 divides the attention inputs (64) but not... it divides 128 too; 128 does not divide 64.
+    // 128 divides the MLP's down_proj (128 inputs) but not the attention inputs (64).
     let err = prepare(&mut model, QuantScheme::Int4WeightOnly { group_size: 128 }).unwrap_err();
     assert!(err.to_string().contains("model.layers.0.self_attn.q_proj in_features 64"), "{err}");
     assert!(model.linears_mut().iter().all(|(_, l)| l.quant.is_none()), "the model is unchanged on error");
