@@ -34,9 +34,7 @@ fn tune(args: &[&str]) -> std::process::Output {
 
 fn losses(output_dir: &Path) -> Vec<f64> {
     let text = std::fs::read_to_string(output_dir.join("logs/metrics.jsonl")).expect("metrics.jsonl");
-    text.lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
-        .collect()
+    text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()).collect()
 }
 
 fn logits(model: &CausalLm<Cpu>, tokens: &[u32]) -> HostTensor {
@@ -90,6 +88,7 @@ fn qat_lora_trains_and_its_quantized_export_matches_the_fake_quantized_model() {
     assert!(n >= 10, "{n} steps logged");
     let head: f64 = l[..3].iter().sum::<f64>() / 3.0;
     let tail: f64 = l[n - 3..].iter().sum::<f64>() / 3.0;
+    eprintln!("QAT LoRA loss: first 3 steps {head:.4}, last 3 steps {tail:.4} over {n} steps");
     assert!(tail < head - 0.05, "loss fell: first steps {head:.4}, last steps {tail:.4} ({l:?})");
 
     // The merged float model, fake-quantized as in training, against the dequantized export.

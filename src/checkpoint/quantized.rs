@@ -39,9 +39,18 @@ pub const FORMAT_VERSION: u64 = 1;
 /// One tensor of the export.
 #[derive(Debug, Clone)]
 pub enum ExportTensor {
-    Float { name: String, value: HostTensor },
+    Float {
+        name: String,
+        value: HostTensor,
+    },
     /// `module` is the linear's path (`...q_proj`); `packed` is `[out, in / 2]`.
-    Int4 { module: String, out: usize, inp: usize, packed: Vec<u8>, scales: HostTensor },
+    Int4 {
+        module: String,
+        out: usize,
+        inp: usize,
+        packed: Vec<u8>,
+        scales: HostTensor,
+    },
 }
 
 impl ExportTensor {
@@ -79,7 +88,9 @@ pub fn quantize_state<B: Backend>(
         if group_size < 2 || cols % group_size != 0 || cols % 2 != 0 {
             return Err(CheckpointError::Invalid {
                 path: name.into(),
-                message: format!("cannot quantize with group size {group_size}: in_features {cols} is not a multiple of it"),
+                message: format!(
+                    "cannot quantize with group size {group_size}: in_features {cols} is not a multiple of it"
+                ),
             });
         }
         let (q, scales) = int4_weight_values(value.to_tensor::<B, 2>(device), group_size);
@@ -164,9 +175,12 @@ pub fn write_quantized(
     let mut modules = Vec::new();
     for t in tensors {
         match t {
-            ExportTensor::Float { name, value } => {
-                entries.push((name.clone(), float_dtype.safetensors(), value.shape.clone(), float_dtype.encode(&value.data)))
-            }
+            ExportTensor::Float { name, value } => entries.push((
+                name.clone(),
+                float_dtype.safetensors(),
+                value.shape.clone(),
+                float_dtype.encode(&value.data),
+            )),
             ExportTensor::Int4 { module, out, inp, packed, scales } => {
                 entries.push((format!("{module}.qweight"), Dtype::U8, vec![*out, inp / 2], packed.clone()));
                 entries.push((
@@ -231,17 +245,24 @@ pub fn read_quantization_config(config: &Value, path: &Path) -> Result<ExportInf
         .ok_or_else(|| bad(path, "no \"quantization_config\": not a tune quantized export"))?;
     let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
     if method != QUANT_METHOD {
-        return Err(bad(path, format!("quantization_config.quant_method is \"{method}\"; tune reads \"{QUANT_METHOD}\"")));
+        return Err(bad(
+            path,
+            format!("quantization_config.quant_method is \"{method}\"; tune reads \"{QUANT_METHOD}\""),
+        ));
     }
     let version = q.get("format_version").and_then(Value::as_u64).unwrap_or(0);
     if version != FORMAT_VERSION {
-        return Err(bad(path, format!("quantization_config.format_version {version} is not supported (expected {FORMAT_VERSION})")));
+        return Err(bad(
+            path,
+            format!("quantization_config.format_version {version} is not supported (expected {FORMAT_VERSION})"),
+        ));
     }
     let group_size = q
         .pointer("/weight/group_size")
         .and_then(Value::as_u64)
         .filter(|&g| g >= 2)
-        .ok_or_else(|| bad(path, "quantization_config.weight.group_size: missing or less than 2"))? as usize;
+        .ok_or_else(|| bad(path, "quantization_config.weight.group_size: missing or less than 2"))?
+        as usize;
     let scheme = match q.get("scheme").and_then(Value::as_str) {
         Some("int8_dynamic_activation_int4_weight") => QuantScheme::Int8DynActInt4Weight { group_size },
         Some("int4_weight_only") => QuantScheme::Int4WeightOnly { group_size },
@@ -313,7 +334,8 @@ impl ParamSource for QuantizedSource {
 /// the fake-quantized model's that produced it.
 pub fn load_quantized_model<B: Backend>(dir: &Path, device: &B::Device) -> Result<CausalLm<B>, ModelError> {
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io { path: config_path.clone(), source })?;
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io { path: config_path.clone(), source })?;
     let mut raw: Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::BadConfig { path: config_path.clone(), message: e.to_string() })?;
     let info = read_quantization_config(&raw, &config_path)?;

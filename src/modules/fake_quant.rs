@@ -10,7 +10,9 @@ pub enum QuantScheme {
     /// torchao `Int8DynActInt4WeightQATQuantizer`: int8 per-token asymmetric dynamic
     /// activations, int4 symmetric per-group weights.
     Int8DynActInt4Weight { group_size: usize },
-    /// torchao `Int4WeightOnlyQATQuantizer`: int4 per-group weights only.
+    /// torchao `Int4WeightOnlyQATQuantizer`: int4 per-group weights only. Simplification:
+    /// the same symmetric int4 weights as above (f32 scales), where torchao simulates
+    /// tinygemm's asymmetric uint4 with bf16 scales and float zero points.
     Int4WeightOnly { group_size: usize },
     /// A model loaded from a quantized export of an `Int8DynActInt4Weight` run: its weights
     /// already hold int4 values (dequantized on load), so only the int8 dynamic activation

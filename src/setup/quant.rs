@@ -17,7 +17,9 @@ pub enum QuantError {
     GroupSize { group_size: usize, layer: String, in_features: usize },
     #[error("quantizer.groupsize must be at least 2 (got {0})")]
     GroupTooSmall(usize),
-    #[error("quantizer: missing; QAT recipes need a `quantizer` section (e.g. `_component_: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`, `groupsize: 32`)")]
+    #[error(
+        "quantizer: missing; QAT recipes need a `quantizer` section (e.g. `_component_: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`, `groupsize: 32`)"
+    )]
     Missing,
     #[error("quantizer._component_: {0} is not a quantizer")]
     NotAQuantizer(String),
@@ -38,7 +40,9 @@ pub fn scheme(cfg: &QuantizerConfig) -> Result<QuantScheme, QuantError> {
         Component::Quantizer { kind: QuantizerKind::Int8DynActInt4Weight, .. } => {
             Ok(QuantScheme::Int8DynActInt4Weight { group_size })
         }
-        Component::Quantizer { kind: QuantizerKind::Int4WeightOnly, .. } => Ok(QuantScheme::Int4WeightOnly { group_size }),
+        Component::Quantizer { kind: QuantizerKind::Int4WeightOnly, .. } => {
+            Ok(QuantScheme::Int4WeightOnly { group_size })
+        }
         other => Err(QuantError::NotAQuantizer(other.canonical_name())),
     }
 }
