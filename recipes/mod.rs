@@ -8,6 +8,8 @@ pub mod generate;
 pub mod knowledge_distillation_single_device;
 pub mod lora_dpo_single_device;
 pub mod lora_finetune_single_device;
+pub mod qat_lora_finetune_single_device;
+pub mod qat_single_device;
 
 use std::path::PathBuf;
 
@@ -52,6 +54,8 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 Recipe::KnowledgeDistillation => {
                     knowledge_distillation_single_device::run(cfg, ctx)
                 }
+                Recipe::Qat => qat_single_device::run(cfg, ctx),
+                Recipe::QatLora => qat_lora_finetune_single_device::run(cfg, ctx),
                 other => anyhow::bail!(
                     "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                     other.torchtune_name()

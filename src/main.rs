@@ -114,6 +114,15 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             };
             commands::push(opts, &mut out)
         }
+        Command::Quantize {
+            config,
+            overrides,
+            recipe,
+        } => {
+            let dir = tune::cli::quantize::quantize(&config, &overrides, recipe.as_deref())?;
+            eprintln!("Wrote the quantized export to {}", dir.display());
+            Ok(())
+        }
     }
 }
 

@@ -5,6 +5,7 @@ pub mod error;
 pub mod hf;
 pub mod host;
 pub mod peft;
+pub mod quantized;
 pub mod safetensors_io;
 pub mod weights;
 

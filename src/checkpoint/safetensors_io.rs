@@ -109,6 +109,24 @@ impl SafetensorsFile {
         }
     }
 
+    /// The stored bytes of a tensor, undecoded (packed int4 weights), with dtype and shape.
+    pub fn raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8]), CheckpointError> {
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+                expected: vec![],
+            })?;
+        let (start, end) = info.data_offsets;
+        Ok((
+            info.dtype,
+            info.shape.clone(),
+            &self.mmap[8 + self.header_len + start..8 + self.header_len + end],
+        ))
+    }
+
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
         self.meta.info(name).map(|i| i.dtype)
     }
@@ -158,7 +176,7 @@ impl StorageDtype {
         }
     }
 
-    fn safetensors(self) -> Dtype {
+    pub fn safetensors(self) -> Dtype {
         match self {
             Self::F32 => Dtype::F32,
             Self::BF16 => Dtype::BF16,
@@ -166,7 +184,7 @@ impl StorageDtype {
         }
     }
 
-    fn encode(self, data: &[f32]) -> Vec<u8> {
+    pub fn encode(self, data: &[f32]) -> Vec<u8> {
         match self {
             Self::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
             Self::BF16 => data
@@ -214,6 +232,28 @@ pub fn write_encoded(
                 path: path.to_path_buf(),
                 message: format!("{name}: {e}"),
             })?;
+        views.push((name.clone(), view));
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| CheckpointError::Invalid {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Writes tensors that each carry their own dtype (a quantized export mixes U8 and floats).
+pub fn write_mixed(
+    path: &Path,
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) -> Result<(), CheckpointError> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, bytes) in tensors {
+        let view = TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
+            CheckpointError::Invalid {
+                path: path.to_path_buf(),
+                message: format!("{name}: {e}"),
+            }
+        })?;
         views.push((name.clone(), view));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();

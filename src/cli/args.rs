@@ -135,6 +135,21 @@ pub enum Command {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
+    /// Write the int4 export of a model (linear weights packed two per byte, per-group scales)
+    /// to `<output_dir>/quantized/`, using a QAT config's `checkpointer` and `quantizer`.
+    #[command(
+        after_help = "Examples:\n  tune quantize --config tiny/qat_single_device\n  tune quantize --config tiny/qat_single_device checkpointer.checkpoint_dir=/tmp/tune/tiny/qat_single_device/epoch_0 output_dir=/tmp/q"
+    )]
+    Quantize {
+        /// Built-in config name or YAML file (a QAT config).
+        #[arg(long)]
+        config: String,
+        /// key=value overrides, as for `tune run`.
+        overrides: Vec<String>,
+        /// The recipe the config is for (default: from the config's header or built-in entry).
+        #[arg(long)]
+        recipe: Option<String>,
+    },
     /// List the checkpoints in an output directory and verify their checksums.
     #[command(
         after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device"

@@ -4,6 +4,7 @@
 pub mod args;
 pub mod commands;
 pub mod exit;
+pub mod quantize;
 
 pub use args::{Cli, Command};
 pub use exit::CliError;

@@ -1,5 +1,5 @@
-//! Fake quantization as torchao computes it for QAT, with straight-through gradients: the
-//! forward pass sees quantized values, the backward pass treats quantization as identity.
+//! Fake quantization as torchao computes it for QAT: the forward pass sees quantized values;
+//! the backward pass is torchao's masked straight-through estimator.
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -10,79 +10,109 @@ pub enum QuantScheme {
     /// torchao `Int8DynActInt4WeightQATQuantizer`: int8 per-token asymmetric dynamic
     /// activations, int4 symmetric per-group weights.
     Int8DynActInt4Weight { group_size: usize },
-    /// torchao `Int4WeightOnlyQATQuantizer`: int4 per-group weights only.
+    /// torchao `Int4WeightOnlyQATQuantizer`: int4 per-group weights only. Simplification:
+    /// the same symmetric int4 weights as above (f32 scales), where torchao simulates
+    /// tinygemm's asymmetric uint4 with bf16 scales and float zero points.
     Int4WeightOnly { group_size: usize },
+    /// A model loaded from a quantized export of an `Int8DynActInt4Weight` run: its weights
+    /// already hold int4 values (dequantized on load), so only the int8 dynamic activation
+    /// quantization remains to simulate. Re-quantizing the weights would not be idempotent.
+    Int8DynActOnly,
 }
 
 impl QuantScheme {
-    pub fn group_size(self) -> usize {
+    /// The weight group size; `None` when the weights are not fake-quantized.
+    pub fn group_size(self) -> Option<usize> {
         match self {
             Self::Int8DynActInt4Weight { group_size } | Self::Int4WeightOnly { group_size } => {
-                group_size
+                Some(group_size)
             }
+            Self::Int8DynActOnly => None,
         }
     }
 
     pub fn quantizes_activations(self) -> bool {
-        matches!(self, Self::Int8DynActInt4Weight { .. })
+        matches!(
+            self,
+            Self::Int8DynActInt4Weight { .. } | Self::Int8DynActOnly
+        )
+    }
+
+    /// The scheme for the same model after its weights were quantized for real (export).
+    pub fn after_weight_export(self) -> Option<Self> {
+        match self {
+            Self::Int8DynActInt4Weight { .. } | Self::Int8DynActOnly => Some(Self::Int8DynActOnly),
+            Self::Int4WeightOnly { .. } => None,
+        }
     }
 }
 
-/// `x + (q(x) - x).detach()`: quantized forward, identity backward.
-fn straight_through<B: Backend, const D: usize>(
+/// torchao's `_GenericFakeQuantize`: the forward value is the fake-quantized `dq`; the
+/// gradient passes straight through to `x` where the integer value `q` lies strictly inside
+/// `(qmin, qmax)` and is zero where it sits on a bound (torchao's mask is strict), and no
+/// gradient flows into the dynamically chosen scales. `x - x.detach()` is exactly zero, so
+/// the forward value is `dq` to the bit (which the quantized export relies on).
+fn masked_straight_through<B: Backend, const D: usize>(
     x: Tensor<B, D>,
-    quantized: Tensor<B, D>,
+    dq: Tensor<B, D>,
+    q: Tensor<B, D>,
+    (qmin, qmax): (f32, f32),
 ) -> Tensor<B, D> {
-    x.clone() + (quantized - x).detach()
+    let inside = q.clone().greater_elem(qmin).float() * q.lower_elem(qmax).float();
+    dq.detach() + (x.clone() - x.detach()) * inside.detach()
 }
 
-/// Symmetric int4 per group of `group_size` input features:
-/// `scale = max|g| / 7.5` (at least f32 eps), `q = clamp(round(w * (1/scale)), -8, 7)`,
-/// `w' = q * scale`. The multiplication by the reciprocal matches torchao to the bit.
+/// Symmetric int4 per group of `group_size` input features, torchao's formula to the bit:
+/// `scale = max|g| / 7.5` (at least f32 eps), `q = clamp(round(w * (1/scale)), -8, 7)`.
+/// Returns `q` `[groups, group_size]` and `scale` `[groups, 1]`, both without gradient.
 pub fn int4_weight_values<B: Backend>(
     w: Tensor<B, 2>,
     group_size: usize,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [out, inp] = w.dims();
-    let groups = w.reshape([out * inp / group_size, group_size]);
+    let groups = w.detach().reshape([out * inp / group_size, group_size]);
     let scale = (groups.clone().abs().max_dim(1) / 7.5).clamp_min(f32::EPSILON);
-    let q = (groups * scale.clone().recip()).round().clamp(-8.0, 7.0);
+    // `+ 0.0` turns round's -0 into +0, as torchao's integer arithmetic does.
+    let q = ((groups * scale.clone().recip()).round() + 0.0).clamp(-8.0, 7.0);
     (q, scale)
 }
 
+/// The fake-quantized weight `q * scale`, same shape as `w`, with torchao's masked
+/// straight-through gradient.
 pub fn fake_quantize_weight<B: Backend>(w: Tensor<B, 2>, group_size: usize) -> Tensor<B, 2> {
     let shape = w.dims();
-    let (q, scale) = int4_weight_values(w, group_size);
-    (q * scale).reshape(shape)
+    let (q, scale) = int4_weight_values(w.clone(), group_size);
+    let dq = (q.clone() * scale).reshape(shape);
+    masked_straight_through(w, dq, q.reshape(shape), (-8.0, 7.0))
 }
 
-/// Asymmetric int8 per token (last dimension), dynamic, as torchao's
-/// `_choose_qparams_per_token_asymmetric` + `fake_quantize_per_token`.
+/// Asymmetric int8 per token (last dimension), dynamic, as torchao's `IntxFakeQuantizer`
+/// computes it (`choose_qparams_affine` + fake quantization): `scale = (max(x, 0) -
+/// min(x, 0)) / 255` (at least f32 eps), `zp = clamp(-128 - round(min / scale), -128, 127)`,
+/// `q = clamp(round(x * (1/scale)) + zp, -128, 127)`, `x' = (q - zp) * scale`; gradient as
+/// [`masked_straight_through`].
 pub fn fake_quantize_activation<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let (qmin, qmax) = (-128.0f32, 127.0f32);
-    let min_val = x.clone().min_dim(D - 1).clamp_max(0.0);
-    let max_val = x.clone().max_dim(D - 1).clamp_min(0.0);
-    let scale = ((max_val.clone() - min_val.clone()) / (qmax - qmin)).clamp_min(f32::EPSILON);
-    let descaled_min = min_val / scale.clone();
-    let descaled_max = max_val / scale.clone();
-    let from_min_error = descaled_min.clone() + qmin;
-    let from_max_error = descaled_max.clone() + qmax;
-    let use_min = (from_min_error + from_max_error).greater_elem(0.0);
-    let zero_point = (descaled_max.neg() + qmax).mask_where(use_min, descaled_min.neg() + qmin);
-    let zero_point = zero_point.clamp(qmin, qmax).round();
-    let q = ((x * scale.clone().recip()).round() + zero_point.clone()).clamp(qmin, qmax);
-    (q - zero_point) * scale
+    let v = x.clone().detach();
+    let min_val = v.clone().min_dim(D - 1).clamp_max(0.0);
+    let max_val = v.clone().max_dim(D - 1).clamp_min(0.0);
+    let scale = ((max_val - min_val.clone()) / (qmax - qmin) as f64).clamp_min(f32::EPSILON);
+    let zero_point = ((min_val / scale.clone()).round().neg() + qmin as f64).clamp(qmin, qmax);
+    let q = ((v * scale.clone().recip()).round() + zero_point.clone()).clamp(qmin, qmax);
+    let dq = (q.clone() - zero_point) * scale;
+    masked_straight_through(x, dq, q, (qmin, qmax))
 }
 
 pub fn weight<B: Backend>(w: Tensor<B, 2>, scheme: QuantScheme) -> Tensor<B, 2> {
-    let quantized = fake_quantize_weight(w.clone().detach(), scheme.group_size());
-    straight_through(w, quantized)
+    match scheme.group_size() {
+        Some(group_size) => fake_quantize_weight(w, group_size),
+        None => w,
+    }
 }
 
 pub fn activation<B: Backend>(x: Tensor<B, 2>, scheme: QuantScheme) -> Tensor<B, 2> {
     if !scheme.quantizes_activations() {
         return x;
     }
-    let quantized = fake_quantize_activation(x.clone().detach());
-    straight_through(x, quantized)
+    fake_quantize_activation(x)
 }

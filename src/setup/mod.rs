@@ -6,6 +6,7 @@ pub mod logging;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod quant;
 pub mod run;
 pub mod teacher;
 
@@ -30,6 +31,8 @@ pub enum SetupError {
     Data(#[from] crate::data::DataError),
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
+    #[error(transparent)]
+    Quant(#[from] quant::QuantError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -6,7 +6,7 @@ use burn::tensor::backend::Backend;
 
 use super::SetupError;
 use crate::checkpoint::hf::{LoadedModel, load_model};
-use crate::checkpoint::peft;
+use crate::checkpoint::{StorageDtype, peft, quantized};
 use crate::config::components::{Component, ModelVariant};
 use crate::config::schema::{
     CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt,
@@ -49,6 +49,20 @@ pub fn load<B: Backend>(
     key: &'static str,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
+    // A QAT run's int4 export (`<checkpoint>/quantized/`) loads dequantized, so `generate`
+    // and every recipe read it like any other checkpoint.
+    if quantized::is_quantized_export(&cfg.checkpoint_dir) {
+        let model = quantized::load_quantized_model::<B>(&cfg.checkpoint_dir, device)
+            .map_err(|source| SetupError::Model { key, source })?;
+        eprintln!(
+            "{key}: {} is a tune int4 export; its weights are dequantized on load",
+            cfg.checkpoint_dir.display()
+        );
+        return Ok(LoadedModel {
+            model,
+            storage_dtype: StorageDtype::F32,
+        });
+    }
     let files = checkpoint_files(cfg);
     load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device)
         .map_err(|source| SetupError::Model { key, source })

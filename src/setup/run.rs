@@ -89,6 +89,10 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
         put("kd_loss", json(&cfg.kd_loss));
         put("kd_ratio", cfg.kd_ratio().into());
     }
+    // Only QAT runs have one; leaving it out otherwise keeps other recipes' fingerprints stable.
+    if let Some(q) = &cfg.quantizer {
+        put("quantizer", json(q));
+    }
     RunFingerprint(map)
 }
 

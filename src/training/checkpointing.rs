@@ -7,6 +7,7 @@
 //! - `adapter_model.safetensors` + `adapter_config.json` (LoRA), loadable by peft;
 //! - `model*.safetensors` (+ index) + `config.json` + tokenizer files (full, or merged LoRA),
 //!   loadable by transformers;
+//! - `quantized/` (QAT runs, final checkpoint): the int4 export, see `checkpoint::quantized`;
 //! - `optimizer.safetensors`: optimizer moments by parameter name;
 //! - `tune_checkpoint.json`: the client's metadata (format version, files and checksums),
 //!   whose `extra` carries the [`TrainState`] and the config fingerprint used on resume.
@@ -20,6 +21,7 @@ use super::optimizer::Optimizer;
 use super::trainer::{SaveHook, SaveKind, TrainError, TrainState};
 use crate::checkpoint::hf::save_hf_dir;
 use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
+use crate::checkpoint::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
@@ -27,6 +29,7 @@ use crate::checkpoint_client::{
     clean_partial, latest_complete,
 };
 use crate::models::CausalLm;
+use crate::modules::fake_quant::QuantScheme;
 
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
@@ -85,6 +88,8 @@ pub struct RunCheckpointer {
     pub last_published: Option<PublishedCheckpoint>,
     /// Logs "waited for the previous save" and "saved" lines.
     pub log: Box<dyn Fn(String) + Send>,
+    /// QAT: the final checkpoint also holds the int4 export in `quantized/` (adapters merged).
+    pub quantized_export: Option<QuantScheme>,
 }
 
 impl RunCheckpointer {
@@ -111,6 +116,7 @@ impl RunCheckpointer {
             max_shard_bytes,
             last_published: None,
             log: Box::new(|line| eprintln!("{line}")),
+            quantized_export: None,
         })
     }
 
@@ -152,6 +158,21 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             SaveContent::Adapter { .. } => None,
             SaveContent::FullModel => Some(model.hf_state_dict()),
         };
+        // Quantizing needs the model's device, so it happens in the blocking part too.
+        let quantized = match self.quantized_export {
+            Some(scheme) if kind == SaveKind::Final => {
+                let group_size = scheme.group_size().ok_or_else(|| {
+                    TrainError::Checkpoint(
+                        "the quantized export needs a weight-quantizing scheme".into(),
+                    )
+                })?;
+                let state = model.merged_hf_state_dict();
+                let tensors = quantize_state::<B>(&state, group_size, &model.device())
+                    .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+                Some((tensors, scheme, group_size))
+            }
+            _ => None,
+        };
         let optimizer_state = optimizer.state_dict();
         let config_json = model.args.raw.clone();
         let (source_dir, dtype, shard) = (
@@ -189,6 +210,19 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             if let Some(state) = full {
                 save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir))
                     .map_err(fail)?;
+            }
+            if let Some((tensors, scheme, group_size)) = quantized {
+                let qdir = dir.join(QUANTIZED_DIR);
+                write_quantized(
+                    &qdir,
+                    &tensors,
+                    &config_json,
+                    scheme,
+                    group_size,
+                    dtype,
+                    Some(&source_dir),
+                )
+                .map_err(fail)?;
             }
             write_file(
                 &dir.join(OPTIMIZER_FILE),

@@ -1,0 +1,54 @@
+//! `tune quantize`: the int4 export of a model without training it, from a QAT config
+//! (`checkpointer` says which model, `quantizer` how; the export goes to
+//! `<output_dir>/quantized/`). Typical use: point `checkpointer.checkpoint_dir` at a finished
+//! run's float checkpoint.
+
+use std::path::PathBuf;
+
+use anyhow::anyhow;
+
+use super::commands::{infer_recipe, resolve};
+use super::exit::CliError;
+use crate::checkpoint::quantized::{QUANTIZED_DIR, save_quantized};
+use crate::config::RecipeConfig;
+use crate::config::recipes;
+use crate::setup::{model, quant};
+
+/// Returns the export directory.
+pub fn quantize(
+    config: &str,
+    overrides: &[String],
+    recipe: Option<&str>,
+) -> Result<PathBuf, CliError> {
+    let recipe = match recipe {
+        Some(r) => recipes::find(r).map_err(CliError::bad)?,
+        None => infer_recipe(config).ok_or_else(|| {
+            CliError::bad(anyhow!(
+                "cannot tell which recipe {config} is for: pass --recipe qat_single_device"
+            ))
+        })?,
+    };
+    let (typed, _) = resolve(recipe.name(), config, overrides)?;
+    let RecipeConfig::Train(_, cfg) = typed else {
+        return Err(CliError::bad(anyhow!(
+            "{config}: `tune quantize` needs a QAT training config (with `quantizer`)"
+        )));
+    };
+    let scheme = quant::from_train_config(&cfg).map_err(CliError::bad)?;
+    type B = burn::backend::Flex;
+    let device = Default::default();
+    let loaded =
+        model::load::<B>(&cfg.checkpointer, "checkpointer", &device).map_err(CliError::bad)?;
+    let mut m = loaded.model;
+    quant::prepare(&mut m, scheme).map_err(CliError::bad)?;
+    let dir = cfg.output_dir.join(QUANTIZED_DIR);
+    save_quantized(
+        &mut m,
+        scheme,
+        &dir,
+        loaded.storage_dtype,
+        Some(&cfg.checkpointer.checkpoint_dir),
+    )
+    .map_err(CliError::failed)?;
+    Ok(dir)
+}

@@ -1,0 +1,106 @@
+//! The `quantizer` section: which fake quantization QAT simulates, applied to the decoder's
+//! linear layers as torchtune's QAT recipes apply torchao's quantizers to `model.model`
+//! (every projection of every layer; never the output projection, tied or not).
+
+use crate::config::components::{Component, QuantizerKind};
+use crate::config::schema::QuantizerConfig;
+use crate::models::CausalLm;
+use crate::modules::fake_quant::QuantScheme;
+use burn::tensor::backend::Backend;
+
+/// A quantizer that cannot apply to this model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    #[error(
+        "quantizer.groupsize {group_size} does not divide {layer} in_features {in_features}; choose a group size that divides the in_features of every decoder linear layer (e.g. 32)"
+    )]
+    GroupSize {
+        group_size: usize,
+        layer: String,
+        in_features: usize,
+    },
+    #[error("quantizer.groupsize must be at least 2 (got {0})")]
+    GroupTooSmall(usize),
+    #[error(
+        "quantizer: missing; QAT recipes need a `quantizer` section (e.g. `_component_: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`, `groupsize: 32`)"
+    )]
+    Missing,
+    #[error("quantizer._component_: {0} is not a quantizer")]
+    NotAQuantizer(String),
+}
+
+/// The QAT recipes' quantizer: the `quantizer` section, which they require.
+pub fn from_train_config(
+    cfg: &crate::config::schema::TrainConfig,
+) -> Result<QuantScheme, QuantError> {
+    cfg.quantizer
+        .as_ref()
+        .ok_or(QuantError::Missing)
+        .and_then(scheme)
+}
+
+/// The scheme a `quantizer` section asks for.
+pub fn scheme(cfg: &QuantizerConfig) -> Result<QuantScheme, QuantError> {
+    let group_size = cfg.groupsize;
+    if group_size < 2 {
+        return Err(QuantError::GroupTooSmall(group_size));
+    }
+    match &cfg.component {
+        Component::Quantizer {
+            kind: QuantizerKind::Int8DynActInt4Weight,
+            ..
+        } => Ok(QuantScheme::Int8DynActInt4Weight { group_size }),
+        Component::Quantizer {
+            kind: QuantizerKind::Int4WeightOnly,
+            ..
+        } => Ok(QuantScheme::Int4WeightOnly { group_size }),
+        other => Err(QuantError::NotAQuantizer(other.canonical_name())),
+    }
+}
+
+/// Whether a linear layer (by module path) is one QAT quantizes: the decoder's, not `lm_head`.
+pub fn is_quantized_layer(path: &str) -> bool {
+    path.starts_with("model.layers.")
+}
+
+/// Sets `scheme` on every decoder linear layer, after checking the group size divides each
+/// one's input features (the groups run along the input dimension). Returns the module paths
+/// quantized, in model order; the model is unchanged on error.
+pub fn prepare<B: Backend>(
+    model: &mut CausalLm<B>,
+    scheme: QuantScheme,
+) -> Result<Vec<String>, QuantError> {
+    let Some(group_size) = scheme.group_size() else {
+        // Activation-only: nothing to check.
+        return Ok(set_all(model, scheme));
+    };
+    if group_size < 2 {
+        return Err(QuantError::GroupTooSmall(group_size));
+    }
+    let mut layers = model.linears_mut();
+    layers.retain(|(path, _)| is_quantized_layer(path));
+    for (path, linear) in &layers {
+        let in_features = linear.in_features();
+        if in_features % group_size != 0 {
+            return Err(QuantError::GroupSize {
+                group_size,
+                layer: path.clone(),
+                in_features,
+            });
+        }
+    }
+    drop(layers);
+    Ok(set_all(model, scheme))
+}
+
+fn set_all<B: Backend>(model: &mut CausalLm<B>, scheme: QuantScheme) -> Vec<String> {
+    model
+        .linears_mut()
+        .into_iter()
+        .filter(|(path, _)| is_quantized_layer(path))
+        .map(|(path, linear)| {
+            linear.quant = Some(scheme);
+            path
+        })
+        .collect()
+}
