@@ -61,6 +61,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             steps,
             lora_rank,
             device,
+            json,
         } => {
             let settings = tune::bench::BenchSettings {
                 shape,
@@ -74,7 +75,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 steps,
                 lora_rank,
             };
-            bench(&settings, &device)
+            bench(&settings, &device, json)
         }
         Command::Download {
             repo_id,
@@ -181,7 +182,7 @@ fn run_cuda(_: &RecipeConfig, _: String, _: std::path::PathBuf) -> Result<(), Cl
     )))
 }
 
-fn bench(settings: &tune::bench::BenchSettings, device: &str) -> Result<(), CliError> {
+fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Result<(), CliError> {
     let scratch = std::env::temp_dir();
     let report = match device {
         "cpu" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(
@@ -205,6 +206,10 @@ fn bench(settings: &tune::bench::BenchSettings, device: &str) -> Result<(), CliE
         tune::bench::BenchError::UnknownShape(_) => CliError::bad(e),
         other => CliError::failed(other),
     })?;
-    println!("{}", report.to_markdown(settings));
+    if json {
+        println!("{}", report.to_json(settings));
+    } else {
+        println!("{}", report.to_markdown(settings));
+    }
     Ok(())
 }

@@ -278,6 +278,28 @@ pub fn run<B: AutodiffBackend>(
 }
 
 impl BenchReport {
+    /// One JSON object with the keys `benches/pytorch_reference.py` prints, so
+    /// `benches/compare.py` can put the two side by side.
+    pub fn to_json(&self, s: &BenchSettings) -> serde_json::Value {
+        serde_json::json!({
+            "impl": "tune",
+            "shape": s.shape,
+            "mode": format!("{:?}", s.mode).to_lowercase(),
+            "batch_size": s.batch_size,
+            "seq_len": s.seq_len,
+            "params": self.params,
+            "tokens_per_second": self.tokens_per_second,
+            "step_seconds": self.step_seconds,
+            "forward_seconds": self.forward_seconds,
+            "backward_seconds": self.backward_seconds,
+            "optimizer_seconds": self.optimizer_seconds,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "load_seconds": self.load_seconds,
+            "achieved_flops": self.achieved_flops,
+            "matmul_peak_flops": self.matmul_peak_flops,
+        })
+    }
+
     pub fn to_markdown(&self, s: &BenchSettings) -> String {
         let gb = |b: u64| b as f64 / 1e9;
         let mut out = format!(

@@ -134,6 +134,9 @@ pub enum Command {
         /// cpu, or cuda in a build with the cuda feature.
         #[arg(long, default_value = "cpu")]
         device: String,
+        /// Print one JSON object (the keys benches/pytorch_reference.py prints) instead of markdown.
+        #[arg(long)]
+        json: bool,
     },
     /// Write the int4 export of a model (linear weights packed two per byte, per-group scales)
     /// to `<output_dir>/quantized/`, using a QAT config's `checkpointer` and `quantizer`.

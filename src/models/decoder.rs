@@ -9,7 +9,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
-use super::{mask, rope};
+use super::mask;
+use super::rope::{self, RopeTables};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -25,30 +26,20 @@ pub struct Attention<B: Backend> {
     pub head_dim: usize,
 }
 
-/// Tensors shared by every layer of one forward pass.
+/// What every layer of one forward pass shares: RoPE tables, the attention mask, switches.
 pub struct PassContext<B: Backend> {
-    pub cos: Tensor<B, 4>,
-    pub sin: Tensor<B, 4>,
-    /// `[batch, 1, 1, q_len, k_len]`, additive.
+    pub rope_q: RopeTables<B>,
+    pub rope_k: RopeTables<B>,
+    /// Additive, broadcastable to the scores `[batch, kv_heads, n_rep, q_len, k_len]`.
     pub mask: Tensor<B, 5>,
     pub mode: ForwardMode,
 }
 
 impl<B: Backend> Attention<B> {
-    fn heads(
-        &self,
-        proj: &Linear<B>,
-        x: Tensor<B, 2>,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        mode: ForwardMode,
-    ) -> Tensor<B, 4> {
-        proj.forward(x, mode)
-            .reshape([batch, seq, heads, self.head_dim])
-            .swap_dims(1, 2)
-    }
-
+    /// Layout: projections stay `[batch, seq, heads, head_dim]` (contiguous) through RoPE;
+    /// queries are then viewed as `[batch, kv_heads, n_rep, seq, head_dim]` so grouped-query
+    /// attention is one batched matmul against keys `[batch, kv_heads, 1, head_dim, k_len]`
+    /// broadcast over `n_rep`: no key/value repetition and no copies before the scores.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -58,38 +49,43 @@ impl<B: Backend> Attention<B> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let mut q = self.heads(&self.q_proj, rows.clone(), batch, seq, h, ctx.mode);
-        let mut k = self.heads(&self.k_proj, rows.clone(), batch, seq, kvh, ctx.mode);
-        let mut v = self.heads(&self.v_proj, rows, batch, seq, kvh, ctx.mode);
+        let n_rep = h / kvh;
+        let mode = ctx.mode;
+        let mut q = self
+            .q_proj
+            .forward(rows.clone(), mode)
+            .reshape([batch, seq, h, d]);
+        let mut k = self
+            .k_proj
+            .forward(rows.clone(), mode)
+            .reshape([batch, seq, kvh, d]);
+        let v = self
+            .v_proj
+            .forward(rows, mode)
+            .reshape([batch, seq, kvh, d]);
         if let Some(norm) = &self.q_norm {
             q = norm.forward(q);
         }
         if let Some(norm) = &self.k_norm {
             k = norm.forward(k);
         }
-        q = rope::apply(q, &ctx.cos, &ctx.sin);
-        k = rope::apply(k, &ctx.cos, &ctx.sin);
+        let q = rope::apply(q, &ctx.rope_q) * (1.0 / (d as f64).sqrt());
+        let k = rope::apply(k, &ctx.rope_k);
+        // Keys and values as `[batch, kv_heads, k_len, head_dim]`, the cache's layout.
+        let (mut k, mut v) = (k.swap_dims(1, 2), v.swap_dims(1, 2));
         if let Some(cache) = cache {
             (k, v) = cache.append(k, v);
         }
-        let k_len = k.dims()[2];
-        let n_rep = h / kvh;
-        // Grouped-query attention without repeating K and V: the query heads that share a KV
-        // head are stacked along the sequence axis, so one matmul serves the whole group.
-        let q = q.reshape([batch, kvh, n_rep * seq, d]) * (1.0 / (d as f64).sqrt());
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .reshape([batch, kvh, n_rep, seq, k_len])
-            + ctx.mask.clone();
-        let probs = softmax(scores, 4).reshape([batch, kvh, n_rep * seq, k_len]);
+        let q = q
+            .reshape([batch, seq, kvh, n_rep, d])
+            .permute([0, 2, 3, 1, 4]);
+        let scores = q.matmul(k.unsqueeze_dim::<5>(2).swap_dims(3, 4)) + ctx.mask.clone();
+        let probs = softmax(scores, 4);
         let out = probs
-            .matmul(v)
-            .reshape([batch, h, seq, d])
-            .swap_dims(1, 2)
+            .matmul(v.unsqueeze_dim::<5>(2))
+            .permute([0, 3, 1, 2, 4])
             .reshape([batch * seq, h * d]);
-        self.o_proj
-            .forward(out, ctx.mode)
-            .reshape([batch, seq, hidden])
+        self.o_proj.forward(out, mode).reshape([batch, seq, hidden])
     }
 }
 
@@ -217,12 +213,22 @@ impl<B: Backend> CausalLm<B> {
             x = x * (self.args.hidden_size as f32).sqrt() as f64;
         }
         let offset = cache.as_ref().map_or(0, |c| c.len());
-        let (cos, sin) = self.rope.tables::<B>(input.positions, batch, &device);
-        let mask = mask::causal::<B>(batch, seq, offset, input.document_ids, &device);
+        let (heads, kv_heads) = (self.args.num_heads, self.args.num_kv_heads);
         let ctx = PassContext {
-            cos,
-            sin,
-            mask,
+            rope_q: self
+                .rope
+                .tables::<B>(input.positions, batch, heads, &device),
+            rope_k: self
+                .rope
+                .tables::<B>(input.positions, batch, kv_heads, &device),
+            mask: mask::causal::<B>(
+                batch,
+                (kv_heads, heads / kv_heads),
+                seq,
+                offset,
+                input.document_ids,
+                &device,
+            ),
             mode,
         };
         match cache {

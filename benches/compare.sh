@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark: `tune bench` and the PyTorch reference (benches/pytorch_reference.py)
+# on the same shapes and settings, on this machine, one run after the other, then a markdown
+# table of tune/PyTorch ratios. Not part of CI: it installs PyTorch from PyPI into
+# benches/.venv on first use (a few GB with its CUDA libraries).
+#
+#   benches/compare.sh                 # CPU: tiny and SmolLM2-135M shapes, LoRA and full
+#   DEVICE=cuda benches/compare.sh     # a build with --features cuda on an NVIDIA GPU (bf16 in PyTorch)
+#   RUNS="smollm2-135m:lora:1:128:3" benches/compare.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=${DEVICE:-cpu}
+# shape:mode:batch:seq:steps
+RUNS=${RUNS:-"tiny:lora:4:128:10 tiny:full:4:128:10 smollm2-135m:lora:1:128:3 smollm2-135m:full:1:128:3 smollm2-135m:lora:4:256:2"}
+VENV=benches/.venv
+OUT=${OUT:-target/bench-compare.jsonl}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch numpy safetensors
+  # torchtune's builders for --impl torchtune; torchtune 0.6 needs a torchao of its time.
+  "$VENV/bin/pip" install -q torchtune "torchao==0.11.0" || true
+fi
+
+FEATURES=()
+[ "$DEVICE" = cuda ] && FEATURES=(--features cuda)
+cargo build --release "${FEATURES[@]}" >&2
+TUNE=target/release/tune
+
+: > "$OUT"
+for run in $RUNS; do
+  IFS=: read -r shape mode batch seq steps <<< "$run"
+  args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE")
+  echo "== $run" >&2
+  "$TUNE" bench "${args[@]}" --json >> "$OUT"
+  "$VENV/bin/python" benches/pytorch_reference.py "${args[@]}" >> "$OUT"
+  if "$VENV/bin/python" -c "import torchtune.models.llama3" 2>/dev/null; then
+    "$VENV/bin/python" benches/pytorch_reference.py "${args[@]}" --impl torchtune >> "$OUT" || true
+  fi
+done
+"$VENV/bin/python" benches/compare.py "$OUT"
