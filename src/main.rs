@@ -13,6 +13,12 @@ use tune::cli::{Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
 
+// A training step allocates and frees the same activation buffers every time. mimalloc
+// reuses them from thread-local pages instead of going back to glibc's arenas and the
+// kernel: 1.4-1.6x the tokens/s of the tiny LoRA benchmark (see BENCHMARKS.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match dispatch(cli.command) {

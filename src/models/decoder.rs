@@ -30,7 +30,7 @@ pub struct Attention<B: Backend> {
 pub struct PassContext<B: Backend> {
     pub rope_q: RopeTables<B>,
     pub rope_k: RopeTables<B>,
-    /// Additive, broadcastable to the scores `[batch, kv_heads, n_rep, q_len, k_len]`.
+    /// Additive, at the scores' shape `[batch, kv_heads, n_rep, q_len, k_len]`.
     pub mask: Tensor<B, 5>,
     pub mode: ForwardMode,
 }

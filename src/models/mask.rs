@@ -11,10 +11,10 @@ const MASKED: f32 = -1.0e30;
 /// (absolute position `offset + i`) may see key `j` when `j <= offset + i` and, with document
 /// ids, both belong to the same document.
 ///
-/// Without document ids every row shares one `[1, 1, 1, q_len, k_len]` mask. With them and
-/// more than one row, the mask is written out at the scores' full shape: Flex adds a
-/// broadcast operand with its SIMD kernel only when every outer axis broadcasts, and a
-/// per-row mask broadcast over the heads would take its strided scalar path in every layer.
+/// The mask is written out at the scores' full shape, once per forward pass: Flex adds a
+/// broadcast operand with its SIMD kernel only when it is a single row (or one scalar per
+/// row); a `[q_len, k_len]` mask broadcast over batch and heads takes its strided scalar path,
+/// which was the largest non-matmul cost of a training step in every layer.
 pub fn causal<B: Backend>(
     batch: usize,
     heads: (usize, usize),
@@ -38,19 +38,18 @@ pub fn causal<B: Backend>(
             }
         }
     }
-    if rows == 1 {
-        return Tensor::from_data(TensorData::new(mask, [1, 1, 1, q_len, k_len]), device);
-    }
     let (kv_heads, n_rep) = heads;
     let per_row = q_len * k_len;
-    let mut full = Vec::with_capacity(rows * kv_heads * n_rep * per_row);
-    for row in mask.chunks(per_row) {
+    let mut full = Vec::with_capacity(batch * kv_heads * n_rep * per_row);
+    for b in 0..batch {
+        // Without document ids every row shares row 0's causal mask.
+        let row = &mask[(b % rows) * per_row..][..per_row];
         for _ in 0..kv_heads * n_rep {
             full.extend_from_slice(row);
         }
     }
     Tensor::from_data(
-        TensorData::new(full, [rows, kv_heads, n_rep, q_len, k_len]),
+        TensorData::new(full, [batch, kv_heads, n_rep, q_len, k_len]),
         device,
     )
 }

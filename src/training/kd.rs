@@ -10,7 +10,7 @@ use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
-use super::loss::{self, shift_logits, shifted_targets};
+use super::loss::{self, flat_logits, next_token_targets};
 use super::sft::token_batch;
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
@@ -61,13 +61,13 @@ fn shifted<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i
     );
     let batch = student.dims()[0];
     let device = student.device();
-    let (_, mask) = shifted_targets(labels, batch);
+    let (_, mask) = next_token_targets(labels, batch);
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
     let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
     Shifted {
-        student: shift_logits(student),
-        teacher: shift_logits(teacher),
+        student: flat_logits(student),
+        teacher: flat_logits(teacher),
         mask,
         count,
     }

@@ -7,16 +7,22 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 pub const IGNORE_INDEX: i64 = -100;
 
-/// Shifted targets for a `[batch, seq]` label grid: `(targets, mask)` of `[batch * (seq - 1)]`,
-/// where ignored positions get target 0 and mask 0.
-pub fn shifted_targets(labels: &[i64], batch: usize) -> (Vec<i32>, Vec<f32>) {
+/// Next-token targets for a `[batch, seq]` label grid: `(targets, mask)` of `[batch * seq]`,
+/// where position `t` predicts the label at `t + 1`. The last position of each row and
+/// ignored labels get target 0 and mask 0.
+///
+/// Every position keeps its slot (rather than dropping the last one per row) so the logits
+/// `[batch, seq, vocab]` are used as `[batch * seq, vocab]` without a copy: narrowing away
+/// the last position made Flex copy the whole logits tensor element by element.
+pub fn next_token_targets(labels: &[i64], batch: usize) -> (Vec<i32>, Vec<f32>) {
     let seq = labels.len() / batch.max(1);
-    let mut targets = Vec::with_capacity(batch * seq.saturating_sub(1));
-    let mut mask = Vec::with_capacity(targets.capacity());
+    let mut targets = Vec::with_capacity(labels.len());
+    let mut mask = Vec::with_capacity(labels.len());
     for row in labels.chunks(seq) {
-        for &l in &row[1..] {
-            let keep = l != IGNORE_INDEX;
-            targets.push(if keep { l as i32 } else { 0 });
+        for t in 0..seq {
+            let next = row.get(t + 1).copied().unwrap_or(IGNORE_INDEX);
+            let keep = next != IGNORE_INDEX;
+            targets.push(if keep { next as i32 } else { 0 });
             mask.push(if keep { 1.0 } else { 0.0 });
         }
     }
@@ -31,25 +37,23 @@ pub fn target_log_probs<B: Backend>(logits: Tensor<B, 2>, targets: &[i32]) -> Te
     log_softmax(logits, 1).gather(1, idx).reshape([rows])
 }
 
-/// Drops the last position of each row: `[batch, seq, vocab]` -> `[batch * (seq - 1), vocab]`.
-pub fn shift_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
+/// `[batch, seq, vocab]` -> `[batch * seq, vocab]` (a view).
+pub fn flat_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
     let [batch, seq, vocab] = logits.dims();
-    logits
-        .narrow(1, 0, seq - 1)
-        .reshape([batch * (seq - 1), vocab])
+    logits.reshape([batch * seq, vocab])
 }
 
-/// Per-position masked log-probabilities `[batch * (seq - 1)]` (zero where ignored) and the
-/// number of positions that count.
+/// Per-position masked log-probabilities `[batch * seq]` (zero where ignored, and at each
+/// row's last position) and the number of positions that count.
 pub fn masked_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
     let batch = logits.dims()[0];
     let device = logits.device();
-    let (targets, mask) = shifted_targets(labels, batch);
+    let (targets, mask) = next_token_targets(labels, batch);
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
     let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
     (
-        target_log_probs(shift_logits(logits), &targets) * mask,
+        target_log_probs(flat_logits(logits), &targets) * mask,
         count,
     )
 }
@@ -65,8 +69,5 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor
 pub fn sequence_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> Tensor<B, 1> {
     let [batch, seq, _] = logits.dims();
     let (log_probs, _) = masked_log_probs(logits, labels);
-    log_probs
-        .reshape([batch, seq - 1])
-        .sum_dim(1)
-        .reshape([batch])
+    log_probs.reshape([batch, seq]).sum_dim(1).reshape([batch])
 }
