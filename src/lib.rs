@@ -11,6 +11,7 @@ pub mod generation;
 pub mod hub;
 pub mod models;
 pub mod modules;
+pub mod plot;
 pub mod setup;
 pub mod tokenizer;
 pub mod training;

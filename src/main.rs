@@ -132,6 +132,25 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             };
             commands::push(opts, &mut out)
         }
+        Command::Plot {
+            metrics,
+            output,
+            width,
+            height,
+        } => {
+            let curves = tune::plot::read_metrics(&metrics).map_err(CliError::bad)?;
+            tune::plot::plot(&curves, &output, (width, height)).map_err(|e| match e {
+                tune::plot::PlotError::UnknownFormat { .. } => CliError::bad(e),
+                other => CliError::failed(other),
+            })?;
+            eprintln!(
+                "Wrote {} ({} loss points, {} lr points)",
+                output.display(),
+                curves.loss.len(),
+                curves.lr.len()
+            );
+            Ok(())
+        }
         Command::Quantize {
             config,
             overrides,

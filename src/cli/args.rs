@@ -153,6 +153,21 @@ pub enum Command {
         #[arg(long)]
         recipe: Option<String>,
     },
+    /// Draw the loss and learning-rate curves of a run's metrics.jsonl (PNG, or SVG by extension).
+    #[command(
+        after_help = "Example:\n  tune plot /tmp/tune/tiny/lora_finetune_single_device/logs/metrics.jsonl -o loss.png"
+    )]
+    Plot {
+        /// A metrics file written by `tune run` (`<output_dir>/logs/metrics.jsonl`).
+        metrics: PathBuf,
+        /// Output image: .png or .svg.
+        #[arg(short, long, default_value = "loss.png")]
+        output: PathBuf,
+        #[arg(long, default_value_t = 1200)]
+        width: u32,
+        #[arg(long, default_value_t = 800)]
+        height: u32,
+    },
     /// List the checkpoints in an output directory and verify their checksums.
     #[command(
         after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device"
