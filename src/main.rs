@@ -15,22 +15,12 @@ use tune::config::schema::Device;
 
 // A training step allocates and frees the same activation buffers every time. mimalloc
 // reuses them from thread-local pages instead of going back to glibc's arenas and the
-// kernel: 1.4-1.6x the tokens/s of the tiny LoRA benchmark (see BENCHMARKS.md).
+// kernel: 1.4-1.6x the tokens/s of the tiny LoRA benchmark (see BENCHMARKS.md). Training
+// also tells it to keep freed pages mapped (tune::training::memory).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `mi_option_purge_delay` in mimalloc v2's `mi_option_t` (not in libmimalloc-sys's bindings).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
 fn main() -> ExitCode {
-    // Keep freed pages mapped: a step frees and re-allocates the same large buffers (logits,
-    // attention scores), and returning them to the kernel made it zero fresh pages every step
-    // (13% of a SmolLM2-135M 4x256 forward). Resident memory then stays at the run's peak,
-    // which it reaches every step anyway. MIMALLOC_PURGE_DELAY in the environment wins.
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        // SAFETY: sets a process-wide allocator option; no pointers involved.
-        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
-    }
     let cli = Cli::parse();
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,

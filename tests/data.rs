@@ -808,3 +808,67 @@ fn non_prefix_stable_template_falls_back_to_search() {
     assert_ne!(s.tokens[1], 2000, "BOS not doubled");
     assert_eq!(trained_text(&t, s), " Yo there<|eot_id|> Fine.<|eot_id|>");
 }
+
+#[test]
+fn parquet_sources_give_the_same_samples_as_json() {
+    let t = tok("tiny-llama");
+    // Snappy-compressed, three row groups, as `datasets`/pyarrow write them.
+    let from_json = spec(
+        "_component_: torchtune.datasets.alpaca_dataset\nsource: json\ndata_files: alpaca_tiny.json\n",
+    );
+    let from_parquet = spec(
+        "_component_: torchtune.datasets.alpaca_dataset\nsource: parquet\ndata_files: alpaca_tiny.parquet\n",
+    );
+    let by_path =
+        spec("_component_: torchtune.datasets.alpaca_dataset\nsource: alpaca_tiny.parquet\n");
+    let want =
+        Dataset::build(&from_json, DatasetKind::Alpaca, &t, None, &fixtures()).expect("json");
+    for s in [from_parquet, by_path] {
+        let got = Dataset::build(&s, DatasetKind::Alpaca, &t, None, &fixtures()).expect("parquet");
+        assert_eq!(got.len(), 100);
+        assert_eq!(sft(&got), sft(&want));
+    }
+
+    // A zstd-compressed chat file whose column is a list of {from, value} structs.
+    let chat = |file: &str| {
+        spec(&format!(
+            "_component_: torchtune.datasets.chat_dataset\nsource: {file}\nconversation_column: conversations\nconversation_style: sharegpt\n"
+        ))
+    };
+    let want = Dataset::build(
+        &chat("chat_tiny.json"),
+        DatasetKind::Chat,
+        &t,
+        None,
+        &fixtures(),
+    )
+    .expect("json");
+    let got = Dataset::build(
+        &chat("chat_tiny.parquet"),
+        DatasetKind::Chat,
+        &t,
+        None,
+        &fixtures(),
+    )
+    .expect("parquet");
+    assert_eq!(sft(&got), sft(&want));
+}
+
+#[test]
+fn a_corrupt_parquet_file_is_named() {
+    let dir = std::env::temp_dir().join(format!("tune-data-parquet-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = std::fs::read(fixtures().join("alpaca_tiny.parquet")).unwrap();
+    std::fs::write(dir.join("broken.parquet"), &bytes[..bytes.len() / 2]).unwrap();
+    let t = tok("tiny-llama");
+    let s = spec("_component_: torchtune.datasets.alpaca_dataset\nsource: broken.parquet\n");
+    let err = match Dataset::build(&s, DatasetKind::Alpaca, &t, None, &dir) {
+        Ok(_) => panic!("a truncated file fails"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("broken.parquet") && err.contains("Parquet"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

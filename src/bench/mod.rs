@@ -15,7 +15,8 @@ use crate::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use crate::checkpoint::peft::attach_lora;
 use crate::models::{ModelArgs, RandomInit, TokenBatch, Trainable, build};
 use crate::modules::{ForwardMode, LoraSettings};
-use crate::training::metrics::{peak_memory_bytes, reset_peak_memory};
+use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
+use crate::training::metrics::peak_memory_bytes;
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use crate::training::{loss, step};
 
@@ -173,6 +174,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Peak memory is the training phase's: the save/load above peaks differently per
     // allocator and is measured by its own timing.
+    enter_training_steady_state();
     reset_peak_memory();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let tokens_per_step = s.batch_size * s.seq_len;

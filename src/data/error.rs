@@ -6,7 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error(
-        "dataset source `{repo}` looks like a Hugging Face Hub dataset, which this build cannot download; download it and point `source: json` + `data_files:` (or `source:`) at the local .json/.jsonl/.csv/.txt file"
+        "dataset source `{repo}` looks like a Hugging Face Hub dataset, which this build cannot download; download it and point `source: json` + `data_files:` (or `source:`) at the local .json/.jsonl/.csv/.parquet/.txt file"
     )]
     HubDatasetNotAvailable { repo: String },
     #[error("dataset config: {message}")]

@@ -1,4 +1,5 @@
-//! Loads the rows of local dataset files: JSON (an array of objects), JSON Lines, CSV, text.
+//! Loads the rows of local dataset files: JSON (an array of objects), JSON Lines, CSV,
+//! Parquet (the format of most Hugging Face Hub datasets), text.
 use super::error::{DataError, Result};
 use super::spec::DatasetSpec;
 use serde_json::{Map, Value};
@@ -21,6 +22,8 @@ pub enum FileFormat {
     /// is read as JSON Lines.
     Json,
     Csv,
+    /// Apache Parquet, read row by row with the `parquet` crate's record API (no Arrow).
+    Parquet,
     /// One row per non-blank line, in the column `text`.
     Text,
 }
@@ -30,6 +33,7 @@ impl FileFormat {
         match name {
             "json" => Some(FileFormat::Json),
             "csv" => Some(FileFormat::Csv),
+            "parquet" => Some(FileFormat::Parquet),
             "text" => Some(FileFormat::Text),
             _ => None,
         }
@@ -40,6 +44,7 @@ impl FileFormat {
         match ext.as_str() {
             "json" | "jsonl" | "ndjson" => Some(FileFormat::Json),
             "csv" => Some(FileFormat::Csv),
+            "parquet" => Some(FileFormat::Parquet),
             "txt" | "text" => Some(FileFormat::Text),
             _ => None,
         }
@@ -51,11 +56,9 @@ pub fn resolve_files(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<(PathBuf
     let source = spec.source.as_deref().ok_or_else(|| DataError::Spec {
         message: "the dataset has no `source`; set `source: json` with `data_files: path/to/file.json`, or `source: path/to/file.json`".into(),
     })?;
-    if matches!(source, "parquet" | "arrow") {
+    if source == "arrow" {
         return Err(DataError::Spec {
-            message: format!(
-                "`source: {source}` is not supported by this build; convert the data to JSON Lines or CSV"
-            ),
+            message: "`source: arrow` is not supported; use the dataset's Parquet, JSON Lines or CSV files".into(),
         });
     }
     if let Some(format) = FileFormat::from_builder(source) {
@@ -77,7 +80,7 @@ pub fn resolve_files(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<(PathBuf
     if path.is_file() {
         let format = FileFormat::from_extension(&path).ok_or_else(|| DataError::Spec {
             message: format!(
-                "cannot tell the format of {}: name it .json/.jsonl/.csv/.txt, or write `source: json` and `data_files: {source}`",
+                "cannot tell the format of {}: name it .json/.jsonl/.csv/.parquet/.txt, or write `source: json` and `data_files: {source}`",
                 path.display()
             ),
         })?;
@@ -125,6 +128,9 @@ pub fn load_rows(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<Row>> {
 
 /// Reads one file into JSON values (one per row).
 pub fn read_file(path: &Path, format: FileFormat) -> Result<Vec<Value>> {
+    if format == FileFormat::Parquet {
+        return parse_parquet(path);
+    }
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -132,6 +138,7 @@ pub fn read_file(path: &Path, format: FileFormat) -> Result<Vec<Value>> {
     match format {
         FileFormat::Json => parse_json(path, &text),
         FileFormat::Csv => parse_csv(path, &text),
+        FileFormat::Parquet => unreachable!("parquet files are read above"),
         FileFormat::Text => Ok(text
             .lines()
             .filter(|l| !l.trim().is_empty())
@@ -213,6 +220,33 @@ fn parse_csv(path: &Path, text: &str) -> Result<Vec<Value>> {
             .map(|(h, v)| (h.to_string(), Value::String(v.to_string())))
             .collect();
         rows.push(Value::Object(map));
+    }
+    Ok(rows)
+}
+
+/// Every row of a Parquet file as a JSON object (nested lists and structs included, e.g.
+/// a chat dataset's `messages` column), in file order.
+fn parse_parquet(path: &Path) -> Result<Vec<Value>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let file = std::fs::File::open(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let parse_err = |location: String, e: parquet::errors::ParquetError| DataError::Parse {
+        path: path.to_path_buf(),
+        location,
+        format: "Parquet",
+        message: e.to_string(),
+    };
+    let reader = SerializedFileReader::new(file).map_err(|e| parse_err(String::new(), e))?;
+    let mut rows = Vec::with_capacity(reader.metadata().file_metadata().num_rows().max(0) as usize);
+    for (i, row) in reader
+        .get_row_iter(None)
+        .map_err(|e| parse_err(String::new(), e))?
+        .enumerate()
+    {
+        let row = row.map_err(|e| parse_err(format!("row {} ", i + 1), e))?;
+        rows.push(row.to_json_value());
     }
     Ok(rows)
 }

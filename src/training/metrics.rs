@@ -127,13 +127,6 @@ impl MetricLoggers {
 }
 
 /// Peak resident memory of this process in bytes (Linux `VmHWM`), 0 where unknown.
-/// Restarts the peak-resident-memory count (Linux: writing 5 to `/proc/self/clear_refs`
-/// resets VmHWM), so a benchmark can report the training phase's peak rather than a
-/// checkpoint load's. Returns whether the platform allowed it.
-pub fn reset_peak_memory() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
 pub fn peak_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()

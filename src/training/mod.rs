@@ -5,6 +5,7 @@ pub mod dpo;
 pub mod grads;
 pub mod kd;
 pub mod loss;
+pub mod memory;
 pub mod metrics;
 pub mod optimizer;
 pub mod progress;

@@ -143,6 +143,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         saver: &mut dyn SaveHook<B>,
     ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
         let s = self.settings.clone();
+        super::memory::enter_training_steady_state();
         let accum = s.gradient_accumulation_steps.max(1);
         let batches_per_epoch = loader.num_batches();
         let mut steps_per_epoch = batches_per_epoch / accum;
