@@ -6,11 +6,9 @@ use burn::tensor::backend::AutodiffBackend;
 use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, logging, model, optim, run as settings};
+use tune::setup::{data, model, run as settings};
 use tune::training::checkpointing::{SaveContent, find_resume};
-use tune::training::optimizer::Optimizer;
 use tune::training::sft::SftLoss;
-use tune::training::{TrainState, Trainer};
 
 use super::RunContext;
 
@@ -50,13 +48,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Optimizer, schedule, metrics, checkpoints.
-    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
-    let mut state = TrainState::default();
-    if let Some(r) = resume {
-        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &ctx.device);
-        state = r.state;
-    }
-    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let (trainer, log_dir) = settings::trainer(cfg, seed, policy, resume, &ctx.device)?;
     let mut saver = settings::checkpointer(
         cfg,
         ctx.recipe.torchtune_name(),
@@ -67,19 +59,11 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     eprintln!(
         "Full fine-tuning {} ({} parameters) on {} samples; seed {seed}; metrics in {log_dir}",
         cfg.checkpointer.checkpoint_dir.display(),
-        policy.args.num_params(),
+        trainer.model.args.num_params(),
         dataset.len(),
     );
 
     // Train.
-    let trainer = Trainer {
-        settings: settings::trainer_settings(cfg, seed),
-        model: policy,
-        optimizer,
-        state,
-        loggers,
-        show_progress: true,
-    };
     let (summary, _policy) = trainer.fit(&dataset, &loader, &mut SftLoss::default(), &mut saver)?;
     saver.finish()?;
     super::report(&summary, saver.last_published.as_ref());

@@ -14,11 +14,9 @@ use burn::tensor::backend::AutodiffBackend;
 use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, logging, model, optim, run as settings, teacher};
+use tune::setup::{data, model, run as settings, teacher};
 use tune::training::checkpointing::{SaveContent, find_resume};
 use tune::training::kd::KdLoss;
-use tune::training::optimizer::Optimizer;
-use tune::training::{TrainState, Trainer};
 
 use super::RunContext;
 
@@ -108,13 +106,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
     // Optimizer, schedule, metrics, checkpoints.
-    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
-    let mut state = TrainState::default();
-    if let Some(r) = resume {
-        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &ctx.device);
-        state = r.state;
-    }
-    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let (trainer, log_dir) = settings::trainer(cfg, seed, student, resume, &ctx.device)?;
     let mut saver = settings::checkpointer(
         cfg,
         ctx.recipe.torchtune_name(),
@@ -131,14 +123,6 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     );
 
     // Train.
-    let trainer = Trainer {
-        settings: settings::trainer_settings(cfg, seed),
-        model: student,
-        optimizer,
-        state,
-        loggers,
-        show_progress: true,
-    };
     let mut loss = KdLoss::<B> {
         teacher: teacher_model,
         objective,

@@ -3,11 +3,15 @@
 
 use std::path::PathBuf;
 
-use crate::config::schema::TrainConfig;
-use crate::training::TrainerSettings;
-use crate::training::checkpointing::RunFingerprint;
+use burn::tensor::backend::AutodiffBackend;
 
-use super::optim;
+use crate::config::schema::TrainConfig;
+use crate::models::CausalLm;
+use crate::training::checkpointing::{Resume, RunFingerprint};
+use crate::training::optimizer::Optimizer;
+use crate::training::{TrainState, Trainer, TrainerSettings};
+
+use super::{SetupError, logging, optim};
 
 /// The run's seed: the config's, or one drawn from the clock (torchtune draws a random one),
 /// reported so the run can be repeated.
@@ -128,4 +132,32 @@ pub fn checkpointer(
         storage_dtype,
         crate::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
     )
+}
+
+/// The trainer core for `model` as the config asks: its loop settings, optimizer and metric
+/// loggers. A resume checkpoint restores the optimizer moments and the position in the data.
+/// Also returns the log directory, for the recipe's start-up line.
+pub fn trainer<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    seed: u64,
+    model: CausalLm<B>,
+    resume: Option<Resume>,
+    device: &B::Device,
+) -> Result<(Trainer<B>, String), SetupError> {
+    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
+    let mut state = TrainState::default();
+    if let Some(r) = resume {
+        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, device);
+        state = r.state;
+    }
+    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let trainer = Trainer {
+        settings: trainer_settings(cfg, seed),
+        model,
+        optimizer,
+        state,
+        loggers,
+        show_progress: true,
+    };
+    Ok((trainer, log_dir))
 }
