@@ -9,6 +9,7 @@ pub mod config;
 pub mod data;
 pub mod generation;
 pub mod hub;
+pub mod kernels;
 pub mod models;
 pub mod modules;
 pub mod plot;

@@ -3,7 +3,6 @@
 //! (`model.layers.0.self_attn.q_proj.weight`).
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -11,6 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
+use crate::kernels::{silu, softmax};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -80,7 +80,7 @@ impl<B: Backend> Attention<B> {
             .reshape([batch, seq, kvh, n_rep, d])
             .permute([0, 2, 3, 1, 4]);
         let scores = q.matmul(k.unsqueeze_dim::<5>(2).swap_dims(3, 4)) + ctx.mask.clone();
-        let probs = softmax(scores, 4);
+        let probs = softmax(scores);
         let out = probs
             .matmul(v.unsqueeze_dim::<5>(2))
             .permute([0, 3, 1, 2, 4])

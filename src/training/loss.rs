@@ -1,9 +1,8 @@
 //! Losses over vocabulary logits, computed in fp32 over the positions whose label is not -100,
 //! with the causal shift: the logits at position t predict the label at t + 1.
 
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -31,10 +30,7 @@ pub fn next_token_targets(labels: &[i64], batch: usize) -> (Vec<i32>, Vec<f32>) 
 
 /// Log-probability of each target under `logits` `[rows, vocab]`: `[rows]`.
 pub fn target_log_probs<B: Backend>(logits: Tensor<B, 2>, targets: &[i32]) -> Tensor<B, 1> {
-    let device = logits.device();
-    let rows = targets.len();
-    let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(targets.to_vec(), [rows, 1]), &device);
-    log_softmax(logits, 1).gather(1, idx).reshape([rows])
+    crate::kernels::target_log_probs(logits, targets)
 }
 
 /// `[batch, seq, vocab]` -> `[batch * seq, vocab]` (a view).

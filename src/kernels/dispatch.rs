@@ -1,0 +1,90 @@
+//! Choosing the fused kernel at run time: model code is generic over `B: Backend`, and Rust has
+//! no specialisation, so [`on_flex`] compares `B` with the Flex backends by `TypeId` and, on a
+//! match, moves the tensor across to the concrete type (a move, never a copy).
+
+use std::any::Any;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_flex::{Flex, FlexTensor};
+
+use super::flex;
+
+/// The autodiff tensor primitive over Flex with checkpoint strategy `C`.
+pub type AutodiffFlexTensor<C> = FloatTensor<Autodiff<Flex, C>>;
+
+/// A fused operation with a Flex forward and an autodiff version with its own backward.
+pub trait FlexOp {
+    fn forward(&self, x: &FlexTensor) -> FlexTensor;
+    fn autodiff<C: CheckpointStrategy>(&self, x: AutodiffFlexTensor<C>) -> AutodiffFlexTensor<C>;
+}
+
+/// `Ok(x)` as a `To` when `From` and `To` are the same type, else `Err(x)` unchanged.
+fn cast<From: 'static, To: 'static>(x: From) -> Result<To, From> {
+    let mut slot = Some(x);
+    if let Some(x) = (&mut slot as &mut dyn Any)
+        .downcast_mut::<Option<To>>()
+        .and_then(Option::take)
+    {
+        return Ok(x);
+    }
+    match slot {
+        Some(x) => Err(x),
+        None => unreachable!("the value is only taken when the types are equal"),
+    }
+}
+
+/// Moves a value back to the type it was cast from (the types are equal by construction).
+fn cast_back<From: 'static, To: 'static>(x: From) -> To {
+    match cast(x) {
+        Ok(x) => x,
+        Err(_) => unreachable!("cast_back is only called after a successful cast"),
+    }
+}
+
+/// Runs `op` on `x` when `B` is Flex or `Autodiff<Flex>` (either checkpoint strategy) and `x`
+/// is f32; otherwise hands `x` back for the caller's generic path.
+pub fn on_flex<B: Backend, const D: usize, const E: usize, Op: FlexOp>(
+    x: Tensor<B, D>,
+    op: Op,
+) -> Result<Tensor<B, E>, Tensor<B, D>> {
+    let x = match on_autodiff::<B, NoCheckpointing, D, E, Op>(x, &op) {
+        Ok(y) => return Ok(y),
+        Err(x) => x,
+    };
+    let x = match on_autodiff::<B, BalancedCheckpointing, D, E, Op>(x, &op) {
+        Ok(y) => return Ok(y),
+        Err(x) => x,
+    };
+    let x = cast::<Tensor<B, D>, Tensor<Flex, D>>(x)?;
+    let primitive = x.into_primitive().tensor();
+    if !flex::is_f32(&primitive) {
+        return Err(cast_back(Tensor::<Flex, D>::from_primitive(
+            TensorPrimitive::Float(primitive),
+        )));
+    }
+    let y = Tensor::<Flex, E>::from_primitive(TensorPrimitive::Float(op.forward(&primitive)));
+    Ok(cast_back(y))
+}
+
+fn on_autodiff<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize, Op: FlexOp>(
+    x: Tensor<B, D>,
+    op: &Op,
+) -> Result<Tensor<B, E>, Tensor<B, D>> {
+    let x = cast::<Tensor<B, D>, Tensor<Autodiff<Flex, C>, D>>(x)?;
+    let primitive = x.into_primitive().tensor();
+    if !flex::is_f32(&primitive.primitive) {
+        return Err(cast_back(Tensor::<Autodiff<Flex, C>, D>::from_primitive(
+            TensorPrimitive::Float(primitive),
+        )));
+    }
+    let y = Tensor::<Autodiff<Flex, C>, E>::from_primitive(TensorPrimitive::Float(
+        op.autodiff::<C>(primitive),
+    ));
+    Ok(cast_back(y))
+}

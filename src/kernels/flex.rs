@@ -1,0 +1,216 @@
+//! The fused kernels as burn operations on the Flex backend, with their own backward on
+//! `Autodiff<Flex, C>`: the forward keeps what the backward needs (the softmax output, the
+//! logits and their log-sum-exp, SiLU's input) instead of burn's default, which re-runs `exp`
+//! in the backward and materialises every intermediate of the composed ops.
+
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
+use burn_flex::{Flex, FlexTensor};
+
+use super::rows;
+
+/// A contiguous f32 copy-free view of `t` (copies only when `t` is a strided view).
+fn contiguous(t: &FlexTensor) -> FlexTensor {
+    t.to_contiguous()
+}
+
+fn new_tensor(values: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+fn last_dim(shape: &Shape) -> usize {
+    shape.last().copied().unwrap_or(1).max(1)
+}
+
+pub fn is_f32(t: &FlexTensor) -> bool {
+    t.dtype() == DType::F32
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax over the last dimension.
+
+pub fn softmax_forward(x: &FlexTensor) -> FlexTensor {
+    let x = contiguous(x);
+    let shape = x.shape();
+    let input: &[f32] = x.storage();
+    let mut out = vec![0.0; input.len()];
+    rows::softmax(input, &mut out, last_dim(&shape));
+    new_tensor(out, shape)
+}
+
+fn softmax_backward(y: &FlexTensor, grad: FlexTensor) -> FlexTensor {
+    let grad = contiguous(&grad);
+    let shape = y.shape();
+    let mut out = vec![0.0; grad.shape().num_elements()];
+    rows::softmax_backward(y.storage(), grad.storage(), &mut out, last_dim(&shape));
+    new_tensor(out, shape)
+}
+
+#[derive(Debug)]
+struct SoftmaxBackward;
+
+impl Backward<Flex, 1> for SoftmaxBackward {
+    /// The forward output.
+    type State = FlexTensor;
+
+    fn backward(self, ops: Ops<FlexTensor, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let y = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            softmax_backward(&y, grad)
+        });
+    }
+}
+
+pub fn softmax_autodiff<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let y = softmax_forward(&x.primitive);
+    match SoftmaxBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(y.clone(), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SiLU, elementwise.
+
+pub fn silu_forward(x: &FlexTensor) -> FlexTensor {
+    let x = contiguous(x);
+    let shape = x.shape();
+    let input: &[f32] = x.storage();
+    let mut out = vec![0.0; input.len()];
+    rows::silu(input, &mut out);
+    new_tensor(out, shape)
+}
+
+#[derive(Debug)]
+struct SiluBackward;
+
+impl Backward<Flex, 1> for SiluBackward {
+    /// The forward input (contiguous).
+    type State = FlexTensor;
+
+    fn backward(self, ops: Ops<FlexTensor, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let x = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = contiguous(&grad);
+            let mut out = vec![0.0; grad.shape().num_elements()];
+            rows::silu_backward(x.storage(), grad.storage(), &mut out);
+            new_tensor(out, x.shape())
+        });
+    }
+}
+
+pub fn silu_autodiff<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let input = contiguous(&x.primitive);
+    let y = silu_forward(&input);
+    match SiluBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(input, y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// log_softmax(logits)[target] per row: the cross-entropy's inner term.
+
+/// What the backward needs: the logits (shared, not copied), each row's log-sum-exp and the
+/// targets.
+#[derive(Debug, Clone)]
+struct TargetLogProbsState {
+    logits: FlexTensor,
+    lse: Arc<Vec<f32>>,
+    targets: Arc<Vec<usize>>,
+}
+
+/// Forward: `(log-probabilities [rows], log-sum-exp per row, contiguous logits)`.
+fn target_log_probs_forward(
+    logits: &FlexTensor,
+    targets: &[usize],
+) -> (FlexTensor, Vec<f32>, FlexTensor) {
+    let logits = contiguous(logits);
+    let shape = logits.shape();
+    let vocab = last_dim(&shape);
+    let rows_n = targets.len();
+    let values: &[f32] = logits.storage();
+    let mut lse = vec![0.0; rows_n];
+    rows::log_sum_exp(values, &mut lse, vocab);
+    let log_probs: Vec<f32> = targets
+        .iter()
+        .enumerate()
+        .map(|(r, &t)| values[r * vocab + t] - lse[r])
+        .collect();
+    (new_tensor(log_probs, Shape::new([rows_n])), lse, logits)
+}
+
+pub fn target_log_probs_inference(logits: &FlexTensor, targets: &[usize]) -> FlexTensor {
+    target_log_probs_forward(logits, targets).0
+}
+
+#[derive(Debug)]
+struct TargetLogProbsBackward;
+
+impl Backward<Flex, 1> for TargetLogProbsBackward {
+    type State = TargetLogProbsState;
+
+    fn backward(
+        self,
+        ops: Ops<TargetLogProbsState, 1>,
+        grads: &mut Gradients,
+        _: &mut Checkpointer,
+    ) {
+        let state = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = contiguous(&grad);
+            let shape = state.logits.shape();
+            let mut out = vec![0.0; shape.num_elements()];
+            rows::target_log_probs_backward(
+                state.logits.storage(),
+                &state.lse,
+                &state.targets,
+                grad.storage(),
+                &mut out,
+                last_dim(&shape),
+            );
+            new_tensor(out, shape)
+        });
+    }
+}
+
+pub fn target_log_probs_autodiff<C: CheckpointStrategy>(
+    logits: FloatTensor<Autodiff<Flex, C>>,
+    targets: Vec<usize>,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let (log_probs, lse, contiguous_logits) = target_log_probs_forward(&logits.primitive, &targets);
+    match TargetLogProbsBackward
+        .prepare::<C>([logits.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            TargetLogProbsState {
+                logits: contiguous_logits,
+                lse: Arc::new(lse),
+                targets: Arc::new(targets),
+            },
+            log_probs,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(log_probs),
+    }
+}

@@ -1,0 +1,99 @@
+//! Fused CPU kernels for the operations a training step spends its non-matmul time in:
+//! softmax (attention), SiLU (the MLP gate) and the target log-probability under a softmax
+//! (cross-entropy over the vocabulary).
+//!
+//! The model and loss code stays generic over the backend and calls the functions here. When
+//! the backend is Flex (the CPU backend), with or without autodiff, they run the fused row
+//! kernels in [`rows`] with a vectorised `exp` and a hand-written backward. On any other
+//! backend they are burn's own composed operations, so CUDA is untouched.
+//!
+//! Why: burn 0.21 composes softmax from five ops (max, sub, exp, sum, div) whose autodiff
+//! keeps every intermediate and recomputes `exp` in the backward, and Flex's `exp` is scalar
+//! libm. Together that was about a third of a tiny-model LoRA step.
+
+mod dispatch;
+mod flex;
+pub mod rows;
+pub mod simd;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_flex::FlexTensor;
+
+/// Softmax over the last dimension.
+pub fn softmax<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    struct Softmax;
+    impl FlexOp for Softmax {
+        fn forward(&self, x: &FlexTensor) -> FlexTensor {
+            flex::softmax_forward(x)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::softmax_autodiff::<C>(x)
+        }
+    }
+    match on_flex(x, Softmax) {
+        Ok(y) => y,
+        Err(x) => burn::tensor::activation::softmax(x, D - 1),
+    }
+}
+
+/// `x * sigmoid(x)`.
+pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    struct Silu;
+    impl FlexOp for Silu {
+        fn forward(&self, x: &FlexTensor) -> FlexTensor {
+            flex::silu_forward(x)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::silu_autodiff::<C>(x)
+        }
+    }
+    match on_flex(x, Silu) {
+        Ok(y) => y,
+        Err(x) => burn::tensor::activation::silu(x),
+    }
+}
+
+/// `log_softmax(logits)[row, targets[row]]` for `logits` `[rows, vocab]`: `[rows]`.
+///
+/// Every target must be in `0..vocab`; the trainer checks label ids against the model's
+/// vocabulary before a step.
+pub fn target_log_probs<B: Backend>(logits: Tensor<B, 2>, targets: &[i32]) -> Tensor<B, 1> {
+    struct TargetLogProbs(Vec<usize>);
+    impl FlexOp for TargetLogProbs {
+        fn forward(&self, logits: &FlexTensor) -> FlexTensor {
+            flex::target_log_probs_inference(logits, &self.0)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            logits: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::target_log_probs_autodiff::<C>(logits, self.0.clone())
+        }
+    }
+    let rows = targets.len();
+    let as_index = targets.iter().map(|&t| t.max(0) as usize).collect();
+    match on_flex(logits, TargetLogProbs(as_index)) {
+        Ok(log_probs) => log_probs,
+        Err(logits) => {
+            let device = logits.device();
+            let idx = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(targets.to_vec(), [rows, 1]),
+                &device,
+            );
+            burn::tensor::activation::log_softmax(logits, 1)
+                .gather(1, idx)
+                .reshape([rows])
+        }
+    }
+}
