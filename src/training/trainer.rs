@@ -7,6 +7,7 @@ use std::time::Instant;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 
+use super::loss;
 use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
 use super::optimizer::Optimizer;
 use super::progress::EpochProgress;
@@ -108,12 +109,42 @@ pub enum TrainError {
     },
     #[error("data: {0}")]
     Data(#[from] crate::data::DataError),
+    #[error(
+        "the batch at step {step} holds token id {id}, but the model's vocabulary has {vocab_size} entries: the tokenizer does not match the model (check tokenizer.path against checkpointer.checkpoint_dir)"
+    )]
+    TokenOutOfVocabulary {
+        id: i64,
+        vocab_size: usize,
+        step: usize,
+    },
     #[error("writing metrics: {0}")]
     Metrics(#[from] std::io::Error),
     #[error("{0}")]
     Checkpoint(String),
     #[error("{0}")]
     Other(String),
+}
+
+/// Every token and label must index the model's vocabulary: an id past it would index outside
+/// the embedding and the logits.
+fn check_vocabulary(batch: &Batch, vocab_size: usize, step: usize) -> Result<(), TrainError> {
+    let tokens = batch.tokens.iter().map(|&t| t as i64);
+    let labels = batch
+        .labels
+        .iter()
+        .copied()
+        .filter(|&l| l != loss::IGNORE_INDEX);
+    match tokens
+        .chain(labels)
+        .find(|&id| id < 0 || id >= vocab_size as i64)
+    {
+        Some(id) => Err(TrainError::TokenOutOfVocabulary {
+            id,
+            vocab_size,
+            step: step + 1,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The outcome of `fit`, for the final report.
@@ -188,6 +219,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 for micro in 0..accum {
                     let indices = &batches[self.state.step_in_epoch * accum + micro];
                     let batch = data.collate(indices)?;
+                    check_vocabulary(&batch, self.model.args.vocab_size, self.state.global_step)?;
                     let out = loss_step.step(&self.model, &batch, info)?;
                     let value: f64 = out.loss.clone().into_scalar().elem();
                     if !value.is_finite() {
@@ -293,5 +325,34 @@ impl<B: AutodiffBackend> Trainer<B> {
             },
             self.model,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(tokens: Vec<u32>, labels: Vec<i64>) -> Batch {
+        let n = tokens.len();
+        Batch {
+            tokens,
+            labels,
+            position_ids: (0..n as u32).collect(),
+            document_ids: None,
+            batch_size: 1,
+            seq_len: n,
+            num_trained_tokens: n - 1,
+        }
+    }
+
+    #[test]
+    fn ids_past_the_vocabulary_are_an_error_naming_id_and_size() {
+        assert!(check_vocabulary(&batch(vec![1, 2, 3], vec![-100, 2, 3]), 4, 0).is_ok());
+        let err = check_vocabulary(&batch(vec![1, 7, 3], vec![-100, 2, 3]), 4, 2).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("token id 7") && msg.contains("4 entries") && msg.contains("step 3"));
+        let err = check_vocabulary(&batch(vec![1, 2, 3], vec![-100, 9, 3]), 4, 0).unwrap_err();
+        assert!(err.to_string().contains("token id 9"));
+        assert!(check_vocabulary(&batch(vec![1, 2, 3], vec![-1, 2, 3]), 4, 0).is_err());
     }
 }
