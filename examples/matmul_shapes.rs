@@ -1,5 +1,7 @@
 //! Times the SmolLM2-135M linear shapes on Flex: `x @ w^T` with `w` in HF `[out, in]` layout
 //! (a strided transpose) against a contiguous `[in, out]` copy. Profiling aid for BENCHMARKS.md.
+//! Uses the allocator setup `tune` trains with: without it every fresh output buffer is faulted
+//! in and zeroed by the kernel, which understates the matmul by up to 1.5x.
 use std::time::Instant;
 
 use burn::backend::Flex;
@@ -16,7 +18,11 @@ fn time<F: FnMut() -> Tensor<Flex, 2>>(mut f: F) -> f64 {
     best
 }
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
+    tune::training::memory::enter_training_steady_state();
     let rows: usize = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())

@@ -7,7 +7,7 @@ use burn::tensor::{Tensor, TensorData};
 /// Large and finite, so a fully masked row cannot turn into NaN through `-inf - -inf`.
 const MASKED: f32 = -1.0e30;
 
-/// The additive mask for scores `[batch, kv_heads, n_rep, q_len, k_len]`: query `i`
+/// The additive mask for scores `[batch, kv_heads, n_rep * q_len, k_len]`: query `i`
 /// (absolute position `offset + i`) may see key `j` when `j <= offset + i` and, with document
 /// ids, both belong to the same document.
 ///
@@ -22,7 +22,7 @@ pub fn causal<B: Backend>(
     offset: usize,
     document_ids: Option<&[u32]>,
     device: &B::Device,
-) -> Tensor<B, 5> {
+) -> Tensor<B, 4> {
     let k_len = offset + q_len;
     let rows = if document_ids.is_some() { batch } else { 1 };
     let mut mask = vec![0.0f32; rows * q_len * k_len];
@@ -49,7 +49,7 @@ pub fn causal<B: Backend>(
         }
     }
     Tensor::from_data(
-        TensorData::new(full, [batch, kv_heads, n_rep, q_len, k_len]),
+        TensorData::new(full, [batch, kv_heads, n_rep * q_len, k_len]),
         device,
     )
 }
