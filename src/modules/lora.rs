@@ -73,9 +73,9 @@ impl<B: Backend> Lora<B> {
         } else {
             x
         };
-        x.matmul(self.a.val().transpose())
-            .matmul(self.b.val().transpose())
-            * self.scale
+        // The scale applied to the rank-r intermediate rather than to the `[rows, out]` result:
+        // the same product, one pass over `rows * r` values instead of `rows * out`.
+        (x.matmul(self.a.val().transpose()) * self.scale).matmul(self.b.val().transpose())
     }
 
     /// `scale * B @ A`, the update merged into the base weight on export.
