@@ -53,6 +53,19 @@ fn softmax_backward(y: &FlexTensor, grad: FlexTensor) -> FlexTensor {
     new_tensor(out, shape)
 }
 
+pub fn masked_softmax_forward(
+    x: &FlexTensor,
+    mask: &[f32],
+    layout: rows::MaskLayout,
+) -> FlexTensor {
+    let x = contiguous(x);
+    let shape = x.shape();
+    let input: &[f32] = x.storage();
+    let mut out = vec![0.0; input.len()];
+    rows::masked_softmax(input, mask, &mut out, last_dim(&shape), layout);
+    new_tensor(out, shape)
+}
+
 #[derive(Debug)]
 struct SoftmaxBackward;
 
@@ -68,10 +81,13 @@ impl Backward<Flex, 1> for SoftmaxBackward {
     }
 }
 
+/// Softmax with its own backward; `forward` computes the output from the input primitive
+/// (plain or masked softmax: the mask is a constant, so both have the same backward).
 pub fn softmax_autodiff<C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<Flex, C>>,
+    forward: impl FnOnce(&FlexTensor) -> FlexTensor,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let y = softmax_forward(&x.primitive);
+    let y = forward(&x.primitive);
     match SoftmaxBackward
         .prepare::<C>([x.node.clone()])
         .compute_bound()

@@ -23,6 +23,22 @@ use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_flex::FlexTensor;
+use std::sync::Arc;
+
+/// An additive attention mask `[mask_batch, q_len, k_len]` (0 where a query may see a key,
+/// a large negative value elsewhere), shared by every head: `mask_batch` is 1 when all rows
+/// share the causal pattern, or the batch size when packed documents differ per row.
+///
+/// It is kept on the host as well as on the device: the fused CPU softmax
+/// ([`masked_softmax`]) reads it per score row instead of adding a mask
+/// tensor at the scores' full shape in every layer.
+#[derive(Debug, Clone)]
+pub struct AttentionMask<B: Backend> {
+    pub host: Arc<Vec<f32>>,
+    /// `[mask_batch, q_len, k_len]`.
+    pub dims: [usize; 3],
+    pub tensor: Tensor<B, 3>,
+}
 
 /// Softmax over the last dimension.
 pub fn softmax<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
@@ -35,12 +51,55 @@ pub fn softmax<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
             &self,
             x: AutodiffFlexTensor<C>,
         ) -> AutodiffFlexTensor<C> {
-            flex::softmax_autodiff::<C>(x)
+            flex::softmax_autodiff::<C>(x, flex::softmax_forward)
         }
     }
     match on_flex(x, Softmax) {
         Ok(y) => y,
         Err(x) => burn::tensor::activation::softmax(x, D - 1),
+    }
+}
+
+/// Attention probabilities `softmax(scores + mask)` over the last dimension, for scores
+/// `[batch, kv_heads, n_rep * q_len, k_len]` and the layer-shared mask `[mask_batch, q_len,
+/// k_len]`. On Flex the mask is read per row inside the softmax; elsewhere it is broadcast
+/// and added.
+pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>) -> Tensor<B, 4> {
+    struct MaskedSoftmax<'a> {
+        mask: &'a [f32],
+        layout: rows::MaskLayout,
+    }
+    impl FlexOp for MaskedSoftmax<'_> {
+        fn forward(&self, x: &FlexTensor) -> FlexTensor {
+            flex::masked_softmax_forward(x, self.mask, self.layout)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::softmax_autodiff::<C>(x, |x| {
+                flex::masked_softmax_forward(x, self.mask, self.layout)
+            })
+        }
+    }
+    let [batch, kv_heads, rows, k_len] = scores.dims();
+    let [mask_batch, q_len, _] = mask.dims;
+    let op = MaskedSoftmax {
+        mask: &mask.host,
+        layout: rows::MaskLayout {
+            q_len,
+            rows_per_batch: kv_heads * rows,
+            mask_batch,
+        },
+    };
+    match on_flex(scores, op) {
+        Ok(probs) => probs,
+        Err(scores) => {
+            let heads = kv_heads * rows / q_len;
+            let scores = scores.reshape([batch, heads, q_len, k_len])
+                + mask.tensor.clone().reshape([mask_batch, 1, q_len, k_len]);
+            burn::tensor::activation::softmax(scores, 3).reshape([batch, kv_heads, rows, k_len])
+        }
     }
 }
 

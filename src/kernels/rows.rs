@@ -49,6 +49,67 @@ pub fn softmax(input: &[f32], out: &mut [f32], row_len: usize) {
     });
 }
 
+/// Where each score row finds its mask row: scores are `[batch, rows_per_batch, k_len]` with
+/// `rows_per_batch = heads * q_len` (query position fastest); the mask is
+/// `[mask_batch, q_len, k_len]`, with `mask_batch` 1 (shared) or the batch size.
+#[derive(Debug, Clone, Copy)]
+pub struct MaskLayout {
+    pub q_len: usize,
+    pub rows_per_batch: usize,
+    pub mask_batch: usize,
+}
+
+impl MaskLayout {
+    fn mask_row(self, score_row: usize) -> usize {
+        let batch = score_row / self.rows_per_batch;
+        (batch % self.mask_batch) * self.q_len + score_row % self.q_len
+    }
+}
+
+multiversion! {
+    fn masked_softmax_chunk(
+        input: &[f32],
+        mask: &[f32],
+        out: &mut [f32],
+        row0: usize,
+        row_len: usize,
+        layout: MaskLayout,
+    ) {
+        for (i, (x, y)) in input.chunks_exact(row_len).zip(out.chunks_exact_mut(row_len)).enumerate() {
+            let m = &mask[layout.mask_row(row0 + i) * row_len..][..row_len];
+            for ((t, &a), &b) in y.iter_mut().zip(x).zip(m) {
+                *t = a + b;
+            }
+            let max = simd::max(y);
+            let inv = 1.0 / simd::exp_shifted_in_place(y, max);
+            for v in y.iter_mut() {
+                *v *= inv;
+            }
+        }
+    }
+}
+
+/// `softmax(scores + mask)` per row, reading each row's mask row through `layout` (the mask
+/// is never broadcast to the scores' shape).
+pub fn masked_softmax(
+    input: &[f32],
+    mask: &[f32],
+    out: &mut [f32],
+    row_len: usize,
+    layout: MaskLayout,
+) {
+    for_row_chunks(out, row_len, |row0, y| {
+        masked_softmax_chunk(
+            &input[row0 * row_len..][..y.len()],
+            mask,
+            y,
+            row0,
+            row_len,
+            layout,
+        )
+    });
+}
+
 multiversion! {
     fn softmax_backward_chunk(y: &[f32], grad: &[f32], out: &mut [f32], row_len: usize) {
         for ((y, g), dx) in y
@@ -211,6 +272,49 @@ mod tests {
                 assert!((y[r * len + j] as f64 - want[j]).abs() < 1e-6);
                 let want_dx = want[j] * (gr[j] as f64 - dot);
                 assert!((dx[r * len + j] as f64 - want_dx).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn masked_softmax_reads_the_mask_row_of_each_batch_and_query() {
+        // 2 batches x 3 heads x 4 queries, 5 keys; a per-batch mask.
+        let (q_len, k_len, heads, batch) = (4, 5, 3, 2);
+        let layout = MaskLayout {
+            q_len,
+            rows_per_batch: heads * q_len,
+            mask_batch: batch,
+        };
+        let x = sample(batch * heads * q_len, k_len);
+        let mask: Vec<f32> = (0..batch * q_len * k_len)
+            .map(|i| {
+                if (i * 31) % 7 < 3 {
+                    -1.0e30
+                } else {
+                    (i % 5) as f32 * 0.1
+                }
+            })
+            .collect();
+        let mut got = vec![0.0; x.len()];
+        masked_softmax(&x, &mask, &mut got, k_len, layout);
+        for b in 0..batch {
+            for h in 0..heads {
+                for qi in 0..q_len {
+                    let r = (b * heads + h) * q_len + qi;
+                    let m = &mask[(b * q_len + qi) * k_len..][..k_len];
+                    let row: Vec<f32> = x[r * k_len..][..k_len]
+                        .iter()
+                        .zip(m)
+                        .map(|(a, b)| a + b)
+                        .collect();
+                    let want = softmax_f64(&row);
+                    for j in 0..k_len {
+                        assert!(
+                            (got[r * k_len + j] as f64 - want[j]).abs() < 1e-6,
+                            "row {r} col {j}"
+                        );
+                    }
+                }
             }
         }
     }

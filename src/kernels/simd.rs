@@ -94,6 +94,25 @@ pub fn exp_shifted(xs: &[f32], shift: f32, mut out: Option<&mut [f32]>) -> f32 {
     sum
 }
 
+/// `xs[i] = e^(xs[i] - shift)`, returning the sum.
+#[inline(always)]
+pub fn exp_shifted_in_place(xs: &mut [f32], shift: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(chunk.iter_mut()) {
+            *v = exp(*v - shift);
+            *a += *v;
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for v in chunks.into_remainder() {
+        *v = exp(*v - shift);
+        sum += *v;
+    }
+    sum
+}
+
 /// `sum(a * b)`.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -10,7 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
-use crate::kernels::{silu, softmax};
+use crate::kernels::{masked_softmax, silu};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -30,8 +30,7 @@ pub struct Attention<B: Backend> {
 pub struct PassContext<B: Backend> {
     pub rope_q: RopeTables<B>,
     pub rope_k: RopeTables<B>,
-    /// Additive, at the scores' shape `[batch, kv_heads, n_rep * q_len, k_len]`.
-    pub mask: Tensor<B, 4>,
+    pub mask: mask::AttentionMask<B>,
     pub mode: ForwardMode,
 }
 
@@ -83,8 +82,8 @@ impl<B: Backend> Attention<B> {
             .reshape([batch, seq, kvh, n_rep, d])
             .permute([0, 2, 3, 1, 4])
             .reshape([batch, kvh, n_rep * seq, d]);
-        let scores = q.matmul(k.swap_dims(2, 3)) + ctx.mask.clone();
-        let probs = softmax(scores);
+        let scores = q.matmul(k.swap_dims(2, 3));
+        let probs = masked_softmax(scores, &ctx.mask);
         let out = probs
             .matmul(v)
             .reshape([batch, kvh, n_rep, seq, d])
@@ -226,14 +225,7 @@ impl<B: Backend> CausalLm<B> {
             rope_k: self
                 .rope
                 .tables::<B>(input.positions, batch, kv_heads, &device),
-            mask: mask::causal::<B>(
-                batch,
-                (kv_heads, heads / kv_heads),
-                seq,
-                offset,
-                input.document_ids,
-                &device,
-            ),
+            mask: mask::causal::<B>(batch, seq, offset, input.document_ids, &device),
             mode,
         };
         match cache {

@@ -1,28 +1,25 @@
 //! Additive attention masks built on the host: causal, with an offset for cached keys, and
 //! block-diagonal for packed sequences so packed samples never attend to each other.
 
+use std::sync::Arc;
+
 use burn::tensor::backend::Backend;
+
+pub use crate::kernels::AttentionMask;
 use burn::tensor::{Tensor, TensorData};
 
 /// Large and finite, so a fully masked row cannot turn into NaN through `-inf - -inf`.
 const MASKED: f32 = -1.0e30;
 
-/// The additive mask for scores `[batch, kv_heads, n_rep * q_len, k_len]`: query `i`
-/// (absolute position `offset + i`) may see key `j` when `j <= offset + i` and, with document
-/// ids, both belong to the same document.
-///
-/// The mask is written out at the scores' full shape, once per forward pass: Flex adds a
-/// broadcast operand with its SIMD kernel only when it is a single row (or one scalar per
-/// row); a `[q_len, k_len]` mask broadcast over batch and heads takes its strided scalar path,
-/// which was the largest non-matmul cost of a training step in every layer.
+/// Query `i` (absolute position `offset + i`) may see key `j` when `j <= offset + i` and, with
+/// document ids, both belong to the same document.
 pub fn causal<B: Backend>(
     batch: usize,
-    heads: (usize, usize),
     q_len: usize,
     offset: usize,
     document_ids: Option<&[u32]>,
     device: &B::Device,
-) -> Tensor<B, 4> {
+) -> AttentionMask<B> {
     let k_len = offset + q_len;
     let rows = if document_ids.is_some() { batch } else { 1 };
     let mut mask = vec![0.0f32; rows * q_len * k_len];
@@ -38,18 +35,11 @@ pub fn causal<B: Backend>(
             }
         }
     }
-    let (kv_heads, n_rep) = heads;
-    let per_row = q_len * k_len;
-    let mut full = Vec::with_capacity(batch * kv_heads * n_rep * per_row);
-    for b in 0..batch {
-        // Without document ids every row shares row 0's causal mask.
-        let row = &mask[(b % rows) * per_row..][..per_row];
-        for _ in 0..kv_heads * n_rep {
-            full.extend_from_slice(row);
-        }
+    let dims = [rows, q_len, k_len];
+    let tensor = Tensor::from_data(TensorData::new(mask.clone(), dims), device);
+    AttentionMask {
+        host: Arc::new(mask),
+        dims,
+        tensor,
     }
-    Tensor::from_data(
-        TensorData::new(full, [batch, kv_heads, n_rep * q_len, k_len]),
-        device,
-    )
 }
