@@ -162,3 +162,38 @@ fn masked_softmax_matches_the_generic_broadcast_path() {
         .unwrap();
     assert_eq!(row, vec![0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
 }
+
+#[test]
+fn permute_matches_burn_with_gradients() {
+    let x0 = random::<Flex, 5>([2, 5, 3, 2, 4], 1.0);
+    let w = random::<Flex, 5>([2, 3, 2, 5, 4], 1.0);
+    let axes = [0, 2, 3, 1, 4];
+    close(
+        "permute (Flex)",
+        kernels::permute(x0.clone(), axes),
+        x0.clone().permute(axes),
+        0.0,
+    );
+    // A permute of a strided view (the input is itself a transposed view).
+    let view = x0.clone().swap_dims(1, 2);
+    close(
+        "permute of a view",
+        kernels::permute(view.clone(), [0, 1, 3, 2, 4]),
+        view.permute([0, 1, 3, 2, 4]),
+        0.0,
+    );
+    let run = |fused: bool| {
+        let x = Tensor::<Ad, 5>::from_inner(x0.clone()).require_grad();
+        let y = if fused {
+            kernels::permute(x.clone(), axes)
+        } else {
+            x.clone().permute(axes)
+        };
+        let grads = (y.clone() * Tensor::from_inner(w.clone())).sum().backward();
+        (y.inner(), x.grad(&grads).unwrap())
+    };
+    let (y_fused, g_fused) = run(true);
+    let (y_burn, g_burn) = run(false);
+    close("permute (autodiff)", y_fused, y_burn, 0.0);
+    close("permute gradient", g_fused, g_burn, 0.0);
+}

@@ -230,3 +230,87 @@ pub fn target_log_probs_autodiff<C: CheckpointStrategy>(
         OpsKind::UnTracked(prep) => prep.finish(log_probs),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Permute into a contiguous buffer.
+
+/// A contiguous copy of `x`. When the innermost dimension is contiguous (every permute that
+/// keeps the last axis last, e.g. splitting or merging attention heads), it copies whole
+/// innermost runs with `memcpy`; Flex's own copy walks such 4-D and 5-D layouts one element
+/// at a time.
+pub fn contiguous_copy(x: &FlexTensor) -> FlexTensor {
+    let layout = x.layout();
+    let shape = layout.shape().clone();
+    let strides = layout.strides().to_vec();
+    let rank = strides.len();
+    let total = shape.num_elements();
+    let runs_are_contiguous =
+        rank >= 2 && strides[rank - 1] == 1 && strides.iter().all(|&s| s >= 0);
+    if x.is_contiguous() || !is_f32(x) || !runs_are_contiguous || total == 0 {
+        return x.to_contiguous();
+    }
+    let run = shape[rank - 1];
+    let src: &[f32] = x.storage();
+    let mut out: Vec<f32> = Vec::with_capacity(total);
+    let mut index = vec![0usize; rank - 1];
+    let mut offset = layout.start_offset() as isize;
+    loop {
+        let start = offset as usize;
+        out.extend_from_slice(&src[start..start + run]);
+        // Odometer over the outer dimensions, last one fastest.
+        let mut dim = rank - 1;
+        loop {
+            if dim == 0 {
+                return new_tensor(out, shape);
+            }
+            dim -= 1;
+            index[dim] += 1;
+            offset += strides[dim];
+            if index[dim] < shape[dim] {
+                break;
+            }
+            offset -= strides[dim] * shape[dim] as isize;
+            index[dim] = 0;
+        }
+    }
+}
+
+pub fn permute_forward(x: &FlexTensor, axes: &[usize]) -> FlexTensor {
+    contiguous_copy(&x.permute(axes))
+}
+
+#[derive(Debug)]
+struct PermuteBackward;
+
+impl Backward<Flex, 1> for PermuteBackward {
+    /// The inverse permutation.
+    type State = Vec<usize>;
+
+    fn backward(self, ops: Ops<Vec<usize>, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let inverse = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            permute_forward(&grad, &inverse)
+        });
+    }
+}
+
+pub fn permute_autodiff<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+    axes: &[usize],
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let y = permute_forward(&x.primitive, axes);
+    match PermuteBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let mut inverse = vec![0; axes.len()];
+            for (i, &a) in axes.iter().enumerate() {
+                inverse[a] = i;
+            }
+            prep.finish(inverse, y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}

@@ -103,6 +103,28 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
     }
 }
 
+/// `x.permute(axes)` materialised contiguously, with a backward that does the same for the
+/// gradient: on Flex both copy whole innermost runs (the last axis must stay last) instead of
+/// leaving a strided view that a later reshape copies element by element.
+pub fn permute<B: Backend, const D: usize>(x: Tensor<B, D>, axes: [usize; D]) -> Tensor<B, D> {
+    struct Permute<const D: usize>([usize; D]);
+    impl<const D: usize> FlexOp for Permute<D> {
+        fn forward(&self, x: &FlexTensor) -> FlexTensor {
+            flex::permute_forward(x, &self.0)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::permute_autodiff::<C>(x, &self.0)
+        }
+    }
+    match on_flex(x, Permute(axes)) {
+        Ok(y) => y,
+        Err(x) => x.permute(axes),
+    }
+}
+
 /// `x * sigmoid(x)`.
 pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     struct Silu;
