@@ -64,7 +64,11 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     );
 
     // Train.
-    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut SftLoss::default(), &mut saver)?;
+    let mut loss = SftLoss {
+        activation_checkpointing: cfg.enable_activation_checkpointing,
+        ..SftLoss::default()
+    };
+    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;
     super::report(&summary, saver.last_published.as_ref());
     super::push_if_configured(cfg.push_to_hub.as_ref(), saver.last_published.as_ref())

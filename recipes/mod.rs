@@ -38,9 +38,16 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                     cfg.dtype
                 );
             }
-            if cfg.enable_activation_checkpointing {
+            let checkpointing_recipes = [
+                Recipe::LoraFinetune,
+                Recipe::FullFinetune,
+                Recipe::Qat,
+                Recipe::QatLora,
+            ];
+            if cfg.enable_activation_checkpointing && !checkpointing_recipes.contains(recipe) {
                 eprintln!(
-                    "warning: enable_activation_checkpointing is not implemented yet; activations are kept"
+                    "warning: enable_activation_checkpointing is not implemented for {} yet; activations are kept",
+                    recipe.torchtune_name()
                 );
             }
             // The resolved config beside the outputs, as torchtune saves it.

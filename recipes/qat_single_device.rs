@@ -79,6 +79,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     // Train.
     let mut loss = SftLoss {
         fake_quant_after: cfg.fake_quant_after_n_steps,
+        activation_checkpointing: cfg.enable_activation_checkpointing,
     };
     let (summary, _policy) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;

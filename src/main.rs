@@ -67,6 +67,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             seq_len,
             steps,
             lora_rank,
+            activation_checkpointing,
             device,
             json,
         } => {
@@ -81,6 +82,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 seq_len,
                 steps,
                 lora_rank,
+                activation_checkpointing,
             };
             bench(&settings, &device, json)
         }

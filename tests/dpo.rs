@@ -110,6 +110,7 @@ fn lora_dpo_matches_torch() {
             StepInfo {
                 epoch: 0,
                 global_step: 0,
+                seed: 0,
             },
         )
         .unwrap();

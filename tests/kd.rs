@@ -112,6 +112,7 @@ fn kd_step_matches_torchtune_logits_losses_and_lora_grads() {
             StepInfo {
                 epoch: 0,
                 global_step: 0,
+                seed: 0,
             },
         )
         .unwrap();

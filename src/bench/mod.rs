@@ -35,6 +35,9 @@ pub struct BenchSettings {
     pub seq_len: usize,
     pub steps: usize,
     pub lora_rank: usize,
+    /// Per-layer activation checkpointing (forward and backward interleave, so the step time
+    /// is reported whole, under backward).
+    pub activation_checkpointing: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -200,6 +203,35 @@ pub fn run<B: AutodiffBackend>(
             fake_quant: false,
             train: s.mode != BenchMode::Forward,
         };
+        if s.activation_checkpointing && s.mode != BenchMode::Forward {
+            let (_, parts) = crate::training::activation_checkpointing::forward_backward(
+                &model,
+                input,
+                mode,
+                i as u64,
+                1.0,
+                |logits| loss::cross_entropy(logits, &labels),
+            );
+            let mut acc = step::GradAccumulator::<B>::default();
+            for grads in parts {
+                acc.add(&model, grads);
+            }
+            let t2 = Instant::now();
+            model = step::apply(model, acc.take(), &mut optimizer, 1e-5, 1.0);
+            let _: f32 = model
+                .model
+                .norm
+                .weight
+                .val()
+                .slice(0..1)
+                .into_scalar()
+                .elem();
+            if i >= warmup {
+                bwd += secs(t2 - t0);
+                opt += secs(t2.elapsed());
+            }
+            continue;
+        }
         let logits = model.forward(input, mode);
         let loss_value = loss::cross_entropy(logits, &labels);
         // Reading the scalar forces the (eager) computation to finish before timing it.

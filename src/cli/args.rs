@@ -131,6 +131,9 @@ pub enum Command {
         steps: usize,
         #[arg(long, default_value_t = 8)]
         lora_rank: usize,
+        /// Per-layer activation checkpointing, as `enable_activation_checkpointing: true`.
+        #[arg(long)]
+        activation_checkpointing: bool,
         /// cpu, or cuda in a build with the cuda feature.
         #[arg(long, default_value = "cpu")]
         device: String,

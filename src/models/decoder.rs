@@ -203,33 +203,9 @@ impl<B: Backend> CausalLm<B> {
         mode: ForwardMode,
         cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
-        let device = self.device();
-        let (batch, seq) = (input.batch, input.seq_len());
-        let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
-        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
-        let mut x = self
-            .model
-            .embed_tokens
-            .weight
-            .val()
-            .select(0, ids)
-            .reshape([batch, seq, self.args.hidden_size]);
-        if self.args.scale_embeddings {
-            // Gemma rounds the normaliser to the activation dtype; fp32 here.
-            x = x * (self.args.hidden_size as f32).sqrt() as f64;
-        }
+        let mut x = self.embed(input);
         let offset = cache.as_ref().map_or(0, |c| c.len());
-        let (heads, kv_heads) = (self.args.num_heads, self.args.num_kv_heads);
-        let ctx = PassContext {
-            rope_q: self
-                .rope
-                .tables::<B>(input.positions, batch, heads, &device),
-            rope_k: self
-                .rope
-                .tables::<B>(input.positions, batch, kv_heads, &device),
-            mask: mask::causal::<B>(batch, seq, offset, input.document_ids, &device),
-            mode,
-        };
+        let ctx = self.pass_context::<B>(input, offset, mode, &self.device());
         match cache {
             Some(cache) => {
                 for (layer, layer_cache) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
@@ -243,6 +219,51 @@ impl<B: Backend> CausalLm<B> {
             }
         }
         self.model.norm.forward(x)
+    }
+
+    /// Token embeddings `[batch, seq, hidden]` (scaled for Gemma).
+    pub fn embed(&self, input: TokenBatch<'_>) -> Tensor<B, 3> {
+        let device = self.device();
+        let (batch, seq) = (input.batch, input.seq_len());
+        let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
+        let x = self
+            .model
+            .embed_tokens
+            .weight
+            .val()
+            .select(0, ids)
+            .reshape([batch, seq, self.args.hidden_size]);
+        if self.args.scale_embeddings {
+            // Gemma rounds the normaliser to the activation dtype; fp32 here.
+            x * (self.args.hidden_size as f32).sqrt() as f64
+        } else {
+            x
+        }
+    }
+
+    /// What every layer of a forward pass shares (RoPE tables, mask), on backend `B2`: the
+    /// model's own, or its inner backend for a pass without autodiff (activation
+    /// checkpointing).
+    pub fn pass_context<B2: Backend>(
+        &self,
+        input: TokenBatch<'_>,
+        offset: usize,
+        mode: ForwardMode,
+        device: &B2::Device,
+    ) -> PassContext<B2> {
+        let (batch, seq) = (input.batch, input.seq_len());
+        let (heads, kv_heads) = (self.args.num_heads, self.args.num_kv_heads);
+        PassContext {
+            rope_q: self
+                .rope
+                .tables::<B2>(input.positions, batch, heads, device),
+            rope_k: self
+                .rope
+                .tables::<B2>(input.positions, batch, kv_heads, device),
+            mask: mask::causal::<B2>(batch, seq, offset, input.document_ids, device),
+            mode,
+        }
     }
 
     /// Vocabulary logits for hidden states `[rows, hidden]` -> `[rows, vocab]`.

@@ -255,6 +255,7 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
             weight: pairs,
             tokens: batch.tokens.len(),
             metrics,
+            grads: None,
         })
     }
 }

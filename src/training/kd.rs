@@ -187,6 +187,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             weight: batch.num_trained_tokens,
             tokens: batch.tokens.len(),
             metrics,
+            grads: None,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! Training: losses, optimizers, schedules, metrics and the trainer core every recipe shares.
 
+pub mod activation_checkpointing;
 pub mod checkpointing;
 pub mod dpo;
 pub mod grads;

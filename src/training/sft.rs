@@ -3,8 +3,8 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::loss;
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use super::{activation_checkpointing, loss};
 use crate::data::Batch;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
@@ -13,6 +13,8 @@ use crate::modules::ForwardMode;
 pub struct SftLoss {
     /// QAT: fake quantization switches on at this step (`fake_quant_after_n_steps`).
     pub fake_quant_after: Option<usize>,
+    /// `enable_activation_checkpointing`: recompute each layer in the backward pass.
+    pub activation_checkpointing: bool,
 }
 
 pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
@@ -36,13 +38,30 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
             train: true,
         };
-        let logits = model.forward(token_batch(batch), mode);
-        let loss = loss::cross_entropy(logits, &batch.labels);
+        let weight = batch.num_trained_tokens;
+        let loss_of_logits = |logits| loss::cross_entropy(logits, &batch.labels);
+        let (loss, grads) = if self.activation_checkpointing {
+            let (loss, grads) = activation_checkpointing::forward_backward(
+                model,
+                token_batch(batch),
+                mode,
+                info.seed,
+                weight as f64,
+                loss_of_logits,
+            );
+            (loss, Some(grads))
+        } else {
+            (
+                loss_of_logits(model.forward(token_batch(batch), mode)),
+                None,
+            )
+        };
         Ok(StepOutput {
             loss,
-            weight: batch.num_trained_tokens,
+            weight,
             tokens: batch.tokens.len(),
             metrics: vec![],
+            grads,
         })
     }
 }

@@ -9,17 +9,16 @@ use burn::tensor::{ElementConversion, Tensor};
 use super::optimizer::Optimizer;
 use crate::models::CausalLm;
 
-/// Sums gradients over the micro-batches of one optimizer step.
+/// Sums gradients over the backward passes of one optimizer step (one per micro-batch, or
+/// one per layer with activation checkpointing).
 pub struct GradAccumulator<B: AutodiffBackend> {
     inner: GradientsAccumulator<CausalLm<B>>,
-    pub micro_batches: usize,
 }
 
 impl<B: AutodiffBackend> Default for GradAccumulator<B> {
     fn default() -> Self {
         Self {
             inner: GradientsAccumulator::new(),
-            micro_batches: 0,
         }
     }
 }
@@ -28,11 +27,9 @@ impl<B: AutodiffBackend> GradAccumulator<B> {
     pub fn add(&mut self, model: &CausalLm<B>, grads: B::Gradients) {
         let grads = GradientsParams::from_grads(grads, model);
         self.inner.accumulate(model, grads);
-        self.micro_batches += 1;
     }
 
     pub fn take(&mut self) -> GradientsParams {
-        self.micro_batches = 0;
         self.inner.grads()
     }
 }

@@ -51,12 +51,17 @@ pub struct StepOutput<B: AutodiffBackend> {
     pub tokens: usize,
     /// Extra per-micro-batch metrics, averaged over the step by weight.
     pub metrics: Vec<(&'static str, f64)>,
+    /// Gradients the step already computed (activation checkpointing runs its own backward
+    /// passes, for `loss * weight`); `None` lets the trainer back-propagate `loss * weight`.
+    pub grads: Option<Vec<B::Gradients>>,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub struct StepInfo {
     pub epoch: usize,
     pub global_step: usize,
+    /// The seed the backend's RNG was reset to for this step.
+    pub seed: u64,
 }
 
 pub trait LossStep<B: AutodiffBackend> {
@@ -207,12 +212,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             let mut window_tokens = 0usize;
             let mut window_start = Instant::now();
             while self.state.step_in_epoch < steps_per_epoch {
+                // Reseeding per step makes dropout reproducible and resumable.
+                let step_seed = s.seed.wrapping_add(self.state.global_step as u64);
                 let info = StepInfo {
                     epoch,
                     global_step: self.state.global_step,
+                    seed: step_seed,
                 };
-                // Reseeding per step makes dropout reproducible and resumable.
-                B::seed(&device, s.seed.wrapping_add(self.state.global_step as u64));
+                B::seed(&device, step_seed);
                 let mut weight_total = 0usize;
                 let mut loss_sum = 0.0;
                 let mut extra: Vec<(&'static str, f64)> = Vec::new();
@@ -231,8 +238,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                     // Weighting each micro-batch by its size makes the accumulated gradient the
                     // mean over all tokens of the step, as torchtune normalises it.
-                    let grads = (out.loss * out.weight as f64).backward();
-                    accumulator.add(&self.model, grads);
+                    match out.grads {
+                        Some(parts) => {
+                            for grads in parts {
+                                accumulator.add(&self.model, grads);
+                            }
+                        }
+                        None => {
+                            accumulator.add(&self.model, (out.loss * out.weight as f64).backward())
+                        }
+                    }
                     weight_total += out.weight;
                     loss_sum += value * out.weight as f64;
                     window_tokens += out.tokens;
