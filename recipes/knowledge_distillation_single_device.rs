@@ -127,6 +127,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         teacher: teacher_model,
         objective,
         kd_ratio,
+        activation_checkpointing: cfg.enable_activation_checkpointing,
     };
     let (summary, _student) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;

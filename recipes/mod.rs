@@ -43,6 +43,7 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 Recipe::FullFinetune,
                 Recipe::Qat,
                 Recipe::QatLora,
+                Recipe::KnowledgeDistillation,
             ];
             if cfg.enable_activation_checkpointing && !checkpointing_recipes.contains(recipe) {
                 eprintln!(

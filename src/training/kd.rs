@@ -10,6 +10,7 @@ use burn::tensor::activation::{log_softmax, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
+use super::activation_checkpointing;
 use super::loss::{self, flat_logits, next_token_targets};
 use super::sft::token_batch;
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
@@ -146,6 +147,8 @@ pub struct KdLoss<B: AutodiffBackend> {
     pub teacher: CausalLm<B::InnerBackend>,
     pub objective: KdObjective,
     pub kd_ratio: f64,
+    /// `enable_activation_checkpointing`: recompute each student layer in the backward pass.
+    pub activation_checkpointing: bool,
 }
 
 impl<B: AutodiffBackend> KdLoss<B> {
@@ -166,28 +169,45 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         &mut self,
         model: &CausalLm<B>,
         batch: &Batch,
-        _info: StepInfo,
+        info: StepInfo,
     ) -> Result<StepOutput<B>, TrainError> {
         let mode = ForwardMode {
             adapters: true,
             fake_quant: false,
             train: true,
         };
-        let logits = model.forward(token_batch(batch), mode);
         let teacher_logits = self.teacher_logits(batch);
-        let class_loss = loss::cross_entropy(logits.clone(), &batch.labels);
-        let kd_loss = self.objective.loss(logits, teacher_logits, &batch.labels);
-        let metrics = vec![
-            ("class_loss", scalar(&class_loss)),
-            ("kd_loss", scalar(&kd_loss)),
-        ];
-        let loss = total_loss(class_loss, kd_loss, self.kd_ratio);
+        let weight = batch.num_trained_tokens;
+        let mut metrics = Vec::new();
+        let loss_of_logits = |logits: Tensor<B, 3>| {
+            let class_loss = loss::cross_entropy(logits.clone(), &batch.labels);
+            let kd_loss = self.objective.loss(logits, teacher_logits, &batch.labels);
+            metrics.push(("class_loss", scalar(&class_loss)));
+            metrics.push(("kd_loss", scalar(&kd_loss)));
+            total_loss(class_loss, kd_loss, self.kd_ratio)
+        };
+        let (loss, grads) = if self.activation_checkpointing {
+            let (loss, grads) = activation_checkpointing::forward_backward(
+                model,
+                token_batch(batch),
+                mode,
+                info.seed,
+                weight as f64,
+                loss_of_logits,
+            );
+            (loss, Some(grads))
+        } else {
+            (
+                loss_of_logits(model.forward(token_batch(batch), mode)),
+                None,
+            )
+        };
         Ok(StepOutput {
             loss,
-            weight: batch.num_trained_tokens,
+            weight,
             tokens: batch.tokens.len(),
             metrics,
-            grads: None,
+            grads,
         })
     }
 }
