@@ -388,7 +388,7 @@ fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
         global_step: 0,
         seed: 0,
     };
-    let mut run = |checkpointing: bool| {
+    let run = |checkpointing: bool| {
         let mut step = KdLoss::<CpuAutodiff> {
             teacher: teacher(),
             objective: KdObjective::ForwardKl,
