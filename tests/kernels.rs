@@ -197,3 +197,40 @@ fn permute_matches_burn_with_gradients() {
     close("permute (autodiff)", y_fused, y_burn, 0.0);
     close("permute gradient", g_fused, g_burn, 0.0);
 }
+
+/// The fused Adam(W) update against the same formula composed from burn's ops.
+#[test]
+fn fused_adam_matches_the_composed_update() {
+    use tune::kernels::optim::{AdamStep, adam};
+    let n = 50_001;
+    let p = random::<Flex, 1>([n], 1.0);
+    let g = random::<Flex, 1>([n], 0.1);
+    let m = random::<Flex, 1>([n], 0.01);
+    let v = random::<Flex, 1>([n], 0.001).abs();
+    for (decay, l2) in [(1.0 - 1e-3 * 0.01, 0.0), (1.0, 0.01)] {
+        let (beta1, beta2, eps, lr, t, scale) = (0.9f64, 0.999f64, 1e-8, 1e-3, 3, 0.25);
+        let bias1 = 1.0 - beta1.powi(t);
+        let bias2_sqrt = (1.0 - beta2.powi(t)).sqrt();
+        let step = AdamStep {
+            grad_scale: scale as f32,
+            decay: decay as f32,
+            l2: l2 as f32,
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            bias2_sqrt: bias2_sqrt as f32,
+            eps: eps as f32,
+            step_size: (lr / bias1) as f32,
+        };
+        let (p2, m2, v2) = adam(p.clone(), g.clone(), m.clone(), v.clone(), step).unwrap();
+        let grad = g.clone() * scale + p.clone() * l2;
+        let m_want = m.clone() * beta1 + grad.clone() * (1.0 - beta1);
+        let v_want = v.clone() * beta2 + grad.clone() * grad * (1.0 - beta2);
+        let denom = v_want.clone().sqrt() / bias2_sqrt + eps;
+        let p_want = p.clone() * decay - m_want.clone() / denom * (lr / bias1);
+        close("exp_avg", m2, m_want, 1e-7);
+        close("exp_avg_sq", v2, v_want, 1e-9);
+        close("param", p2, p_want, 1e-6);
+    }
+}

@@ -88,3 +88,21 @@ fn on_autodiff<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize
     ));
     Ok(cast_back(y))
 }
+
+/// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `x` is f32.
+pub fn as_flex<B: Backend, const D: usize>(x: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {
+    let x = cast::<Tensor<B, D>, Tensor<Flex, D>>(x)?;
+    let primitive = x.into_primitive().tensor();
+    if flex::is_f32(&primitive) {
+        Ok(primitive)
+    } else {
+        Err(cast_back(Tensor::<Flex, D>::from_primitive(
+            TensorPrimitive::Float(primitive),
+        )))
+    }
+}
+
+/// The inverse of [`as_flex`]: only called with `B` = Flex.
+pub fn from_flex<B: Backend, const D: usize>(x: FlexTensor) -> Tensor<B, D> {
+    cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(x)))
+}

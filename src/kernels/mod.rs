@@ -13,6 +13,7 @@
 
 mod dispatch;
 mod flex;
+pub mod optim;
 pub mod rows;
 pub mod simd;
 

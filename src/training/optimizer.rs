@@ -7,6 +7,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::checkpoint::HostTensor;
+use crate::kernels::{self, optim::AdamStep};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OptimizerKind {
@@ -56,12 +57,14 @@ impl<B: Backend> Optimizer<B> {
         self.step += 1;
     }
 
-    /// Updates one parameter (`[n]`, flattened) with its gradient and returns the new value.
+    /// Updates one parameter (`[n]`, flattened) with its gradient times `grad_scale` (token
+    /// normalisation and clipping folded together) and returns the new value.
     pub fn update(
         &mut self,
         name: &str,
         param: Tensor<B, 1>,
         grad: Tensor<B, 1>,
+        grad_scale: f64,
         lr: f64,
     ) -> Tensor<B, 1> {
         let s = &self.settings;
@@ -69,30 +72,57 @@ impl<B: Backend> Optimizer<B> {
         match s.kind {
             OptimizerKind::AdamW | OptimizerKind::Adam => {
                 let (beta1, beta2) = s.betas;
-                let (param, grad) = if s.kind == OptimizerKind::AdamW {
-                    (param * (1.0 - lr * s.weight_decay), grad)
-                } else if s.weight_decay != 0.0 {
-                    (param.clone(), grad + param * s.weight_decay)
-                } else {
-                    (param, grad)
-                };
                 // The moments are taken out of the map (and put back below) so each tensor
-                // has one owner: Flex then updates it in place instead of allocating a copy
-                // for every term, which halved the optimizer's share of a full fine-tuning step.
-                let state = self.state.remove(name);
-                let (exp_avg, exp_avg_sq) = match state {
+                // has one owner and can be updated in place.
+                let (exp_avg, exp_avg_sq) = match self.state.remove(name) {
                     Some(ParamState {
                         exp_avg,
                         exp_avg_sq: Some(sq),
                     }) => (exp_avg, sq),
                     _ => (grad.zeros_like(), grad.zeros_like()),
                 };
-                let m = exp_avg * beta1 + grad.clone() * (1.0 - beta1);
-                let v = exp_avg_sq * beta2 + grad.clone() * grad * (1.0 - beta2);
+                let adamw = s.kind == OptimizerKind::AdamW;
                 let bias1 = 1.0 - beta1.powi(t);
                 let bias2_sqrt = (1.0 - beta2.powi(t)).sqrt();
-                let denom = v.clone().sqrt() / bias2_sqrt + s.eps;
-                let new = param - m.clone() / denom * (lr / bias1);
+                let constants = AdamStep {
+                    grad_scale: grad_scale as f32,
+                    decay: if adamw {
+                        (1.0 - lr * s.weight_decay) as f32
+                    } else {
+                        1.0
+                    },
+                    l2: if adamw { 0.0 } else { s.weight_decay as f32 },
+                    beta1: beta1 as f32,
+                    one_minus_beta1: (1.0 - beta1) as f32,
+                    beta2: beta2 as f32,
+                    one_minus_beta2: (1.0 - beta2) as f32,
+                    bias2_sqrt: bias2_sqrt as f32,
+                    eps: s.eps as f32,
+                    step_size: (lr / bias1) as f32,
+                };
+                let (new, m, v) =
+                    match kernels::optim::adam(param, grad, exp_avg, exp_avg_sq, constants) {
+                        Ok(updated) => updated,
+                        // Composed from burn's ops on other backends.
+                        Err((param, grad, exp_avg, exp_avg_sq)) => {
+                            let grad = scaled(grad, grad_scale);
+                            let grad = if adamw || s.weight_decay == 0.0 {
+                                grad
+                            } else {
+                                grad + param.clone() * s.weight_decay
+                            };
+                            let param = if adamw {
+                                param * (1.0 - lr * s.weight_decay)
+                            } else {
+                                param
+                            };
+                            let m = exp_avg * beta1 + grad.clone() * (1.0 - beta1);
+                            let v = exp_avg_sq * beta2 + grad.clone() * grad * (1.0 - beta2);
+                            let denom = v.clone().sqrt() / bias2_sqrt + s.eps;
+                            let new = param - m.clone() / denom * (lr / bias1);
+                            (new, m, v)
+                        }
+                    };
                 self.state.insert(
                     name.to_string(),
                     ParamState {
@@ -103,6 +133,7 @@ impl<B: Backend> Optimizer<B> {
                 new
             }
             OptimizerKind::Sgd { momentum } => {
+                let grad = scaled(grad, grad_scale);
                 let grad = if s.weight_decay != 0.0 {
                     grad + param.clone() * s.weight_decay
                 } else {
@@ -174,4 +205,9 @@ impl<B: Backend> Optimizer<B> {
             }
         }
     }
+}
+
+/// `grad * scale`, skipping the pass over the gradient when the scale is 1.
+fn scaled<B: Backend>(grad: Tensor<B, 1>, scale: f64) -> Tensor<B, 1> {
+    if scale == 1.0 { grad } else { grad * scale }
 }

@@ -85,17 +85,12 @@ impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
         let n = shape.num_elements();
         let name = self.path.join(".");
         let inner = tensor.inner().reshape([n]);
-        let updated =
-            self.optimizer
-                .update(&name, inner, scaled(grad.reshape([n]), self.scale), self.lr);
+        let updated = self
+            .optimizer
+            .update(&name, inner, grad.reshape([n]), self.scale, self.lr);
         let value = Tensor::from_inner(updated.reshape(shape)).require_grad();
         Param::from_mapped_value(id, value, mapper)
     }
-}
-
-/// `grad * scale`, skipping the pass over the gradient when the scale is 1.
-fn scaled<B: burn::tensor::backend::Backend>(grad: Tensor<B, 1>, scale: f64) -> Tensor<B, 1> {
-    if scale == 1.0 { grad } else { grad * scale }
 }
 
 /// Applies one optimizer step to every parameter that has a gradient; each gradient is

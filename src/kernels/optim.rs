@@ -1,0 +1,99 @@
+//! Adam/AdamW as one fused, in-place, parallel pass over a parameter, its gradient and both
+//! moments, on Flex. burn-flex runs each element-wise op of the composed update on one core
+//! with a fresh buffer per term; PyTorch's `foreach` AdamW is one multi-threaded pass.
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn_flex::FlexTensor;
+use rayon::prelude::*;
+
+use super::dispatch::{as_flex, from_flex};
+use super::simd::multiversion;
+
+/// The step's constants, as `torch.optim.Adam(W)` computes them, already in f32.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamStep {
+    /// Multiplies the gradient first (token normalisation and clipping).
+    pub grad_scale: f32,
+    /// AdamW: `1 - lr * weight_decay` (1 for Adam).
+    pub decay: f32,
+    /// Adam: the L2 coefficient added to the gradient (0 for AdamW).
+    pub l2: f32,
+    pub beta1: f32,
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bias2_sqrt: f32,
+    pub eps: f32,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+}
+
+const CHUNK: usize = 1 << 14;
+
+multiversion! {
+    fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: AdamStep) {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            // The composed path's order of operations, so both paths agree to the last bit
+            // wherever the compiler does not contract into FMAs.
+            let g = if s.grad_scale == 1.0 { g } else { g * s.grad_scale };
+            let g = g + *p * s.l2;
+            let param = *p * s.decay;
+            *m = *m * s.beta1 + g * s.one_minus_beta1;
+            *v = *v * s.beta2 + g * g * s.one_minus_beta2;
+            let denom = v.sqrt() / s.bias2_sqrt + s.eps;
+            *p = param - *m / denom * s.step_size;
+        }
+    }
+}
+
+fn owned_f32(t: FlexTensor) -> FlexTensor {
+    // Contiguous and uniquely owned, so `storage_mut` writes in place without a copy when the
+    // caller held the only reference.
+    if t.is_contiguous() && t.layout().start_offset() == 0 {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
+/// One update of `param` with `grad` and the moments `(exp_avg, exp_avg_sq)`, all `[n]`:
+/// `Ok((param, exp_avg, exp_avg_sq))` on Flex, or the inputs back for the composed path.
+#[allow(clippy::type_complexity)]
+pub fn adam<B: Backend>(
+    param: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    exp_avg: Tensor<B, 1>,
+    exp_avg_sq: Tensor<B, 1>,
+    step: AdamStep,
+) -> Result<
+    (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>),
+    (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>),
+> {
+    let p = match as_flex(param) {
+        Ok(p) => p,
+        Err(param) => return Err((param, grad, exp_avg, exp_avg_sq)),
+    };
+    // Same backend from here on: the casts cannot fail unless a tensor is not f32.
+    let (g, m, v) = match (as_flex(grad), as_flex(exp_avg), as_flex(exp_avg_sq)) {
+        (Ok(g), Ok(m), Ok(v)) => (g, m, v),
+        (g, m, v) => {
+            let back = |t: Result<FlexTensor, Tensor<B, 1>>| t.map_or_else(|t| t, from_flex);
+            return Err((from_flex(p), back(g), back(m), back(v)));
+        }
+    };
+    let (mut p, g, mut m, mut v) = (owned_f32(p), g.to_contiguous(), owned_f32(m), owned_f32(v));
+    {
+        let ps: &mut [f32] = p.storage_mut();
+        let gs: &[f32] = g.storage();
+        let ms: &mut [f32] = m.storage_mut();
+        let vs: &mut [f32] = v.storage_mut();
+        ps.par_chunks_mut(CHUNK)
+            .zip(gs.par_chunks(CHUNK))
+            .zip(ms.par_chunks_mut(CHUNK))
+            .zip(vs.par_chunks_mut(CHUNK))
+            .for_each(|(((p, g), m), v)| adam_chunk(p, g, m, v, step));
+    }
+    Ok((from_flex(p), from_flex(m), from_flex(v)))
+}
