@@ -203,44 +203,27 @@ pub fn run<B: AutodiffBackend>(
             fake_quant: false,
             train: s.mode != BenchMode::Forward,
         };
-        if s.activation_checkpointing && s.mode != BenchMode::Forward {
-            let (_, parts) = crate::training::activation_checkpointing::forward_backward(
-                &model,
-                input,
-                mode,
-                i as u64,
-                1.0,
-                |logits| loss::cross_entropy(logits, &labels),
-            );
+        // With activation checkpointing forward and backward interleave: the whole pass is
+        // timed as backward.
+        let checkpointing = s.activation_checkpointing && s.mode != BenchMode::Forward;
+        let (loss_value, parts) = crate::training::activation_checkpointing::loss_and_grads(
+            &model,
+            input,
+            mode,
+            checkpointing,
+            i as u64,
+            1.0,
+            |logits| loss::cross_entropy(logits, &labels),
+        );
+        // Reading the scalar forces the (eager) computation to finish before timing it.
+        let _: f32 = loss_value.clone().into_scalar().elem();
+        let t1 = if checkpointing { t0 } else { Instant::now() };
+        if s.mode != BenchMode::Forward {
+            let parts = parts.unwrap_or_else(|| vec![loss_value.backward()]);
             let mut acc = step::GradAccumulator::<B>::default();
             for grads in parts {
                 acc.add(&model, grads);
             }
-            let t2 = Instant::now();
-            model = step::apply(model, acc.take(), &mut optimizer, 1e-5, 1.0);
-            let _: f32 = model
-                .model
-                .norm
-                .weight
-                .val()
-                .slice(0..1)
-                .into_scalar()
-                .elem();
-            if i >= warmup {
-                bwd += secs(t2 - t0);
-                opt += secs(t2.elapsed());
-            }
-            continue;
-        }
-        let logits = model.forward(input, mode);
-        let loss_value = loss::cross_entropy(logits, &labels);
-        // Reading the scalar forces the (eager) computation to finish before timing it.
-        let _: f32 = loss_value.clone().into_scalar().elem();
-        let t1 = Instant::now();
-        if s.mode != BenchMode::Forward {
-            let grads = loss_value.backward();
-            let mut acc = step::GradAccumulator::<B>::default();
-            acc.add(&model, grads);
             let t2 = Instant::now();
             model = step::apply(model, acc.take(), &mut optimizer, 1e-5, 1.0);
             let _: f32 = model

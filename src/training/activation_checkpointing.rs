@@ -75,3 +75,24 @@ pub fn forward_backward<B: AutodiffBackend>(
     }
     (loss, grads)
 }
+
+/// A loss step's forward (and, with checkpointing, backward) pass: `(loss, None)` for the
+/// trainer to back-propagate, or `(loss, Some(gradients))` already computed with per-layer
+/// recomputation when `checkpointing` is on.
+#[allow(clippy::type_complexity)]
+pub fn loss_and_grads<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    mode: ForwardMode,
+    checkpointing: bool,
+    step_seed: u64,
+    weight: f64,
+    loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
+) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
+    if checkpointing {
+        let (loss, grads) = forward_backward(model, input, mode, step_seed, weight, loss_of_logits);
+        (loss, Some(grads))
+    } else {
+        (loss_of_logits(model.forward(input, mode)), None)
+    }
+}

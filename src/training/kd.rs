@@ -186,22 +186,15 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             metrics.push(("kd_loss", scalar(&kd_loss)));
             total_loss(class_loss, kd_loss, self.kd_ratio)
         };
-        let (loss, grads) = if self.activation_checkpointing {
-            let (loss, grads) = activation_checkpointing::forward_backward(
-                model,
-                token_batch(batch),
-                mode,
-                info.seed,
-                weight as f64,
-                loss_of_logits,
-            );
-            (loss, Some(grads))
-        } else {
-            (
-                loss_of_logits(model.forward(token_batch(batch), mode)),
-                None,
-            )
-        };
+        let (loss, grads) = activation_checkpointing::loss_and_grads(
+            model,
+            token_batch(batch),
+            mode,
+            self.activation_checkpointing,
+            info.seed,
+            weight as f64,
+            loss_of_logits,
+        );
         Ok(StepOutput {
             loss,
             weight,
