@@ -62,6 +62,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         loss::dpo(&cfg.loss)?,
         DpoReference::Frozen(Box::new(reference)),
     );
+    dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
 
     // Optimizer, schedule, metrics, checkpoints.
     let (trainer, log_dir) = settings::trainer(cfg, seed, policy, resume, &ctx.device)?;

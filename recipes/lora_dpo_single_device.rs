@@ -60,6 +60,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
 
     // Loss: DPO against the adapter-free model.
     let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::AdaptersDisabled);
+    dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
 
     // Optimizer, schedule, metrics, checkpoints.
     let (trainer, log_dir) = settings::trainer(cfg, seed, policy, resume, &ctx.device)?;

@@ -38,19 +38,6 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                     cfg.dtype
                 );
             }
-            let checkpointing_recipes = [
-                Recipe::LoraFinetune,
-                Recipe::FullFinetune,
-                Recipe::Qat,
-                Recipe::QatLora,
-                Recipe::KnowledgeDistillation,
-            ];
-            if cfg.enable_activation_checkpointing && !checkpointing_recipes.contains(recipe) {
-                eprintln!(
-                    "warning: enable_activation_checkpointing is not implemented for {} yet; activations are kept",
-                    recipe.torchtune_name()
-                );
-            }
             // The resolved config beside the outputs, as torchtune saves it.
             std::fs::create_dir_all(&cfg.output_dir)?;
             std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;

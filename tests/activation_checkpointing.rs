@@ -4,38 +4,12 @@
 
 mod support;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
 use support::*;
 use tune::checkpoint::hf::load_model;
 use tune::checkpoint::peft::load_adapter;
 use tune::models::{CausalLm, TokenBatch, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::{activation_checkpointing, loss, step};
-
-struct Collect<'a> {
-    grads: &'a GradientsParams,
-    out: Vec<Vec<f32>>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.out.push(g.into_data().to_vec().unwrap());
-        }
-    }
-}
-
-fn collect(model: &CausalLm<CpuAutodiff>, grads: &GradientsParams) -> Vec<Vec<f32>> {
-    let mut c = Collect {
-        grads,
-        out: Vec::new(),
-    };
-    model.visit(&mut c);
-    c.out
-}
 
 fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: usize) {
     let r = Reference::open("tiny-llama.safetensors");
@@ -56,7 +30,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
     let plain_loss = loss::cross_entropy(model.forward(input, mode), &labels);
     let mut acc = step::GradAccumulator::default();
     acc.add(&model, (plain_loss.clone() * weight).backward());
-    let plain = collect(&model, &acc.take());
+    let plain = grad_values(&model, acc.take());
 
     let (ckpt_loss, parts) =
         activation_checkpointing::forward_backward(&model, input, mode, 7, weight, |logits| {
@@ -70,7 +44,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
     for g in parts {
         acc.add(&model, g);
     }
-    let ckpt = collect(&model, &acc.take());
+    let ckpt = grad_values(&model, acc.take());
 
     let a: f32 = plain_loss.into_scalar();
     let b: f32 = ckpt_loss.into_scalar();
@@ -80,18 +54,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
         expected_params,
         "trainable parameters with gradients"
     );
-    assert_eq!(ckpt.len(), plain.len());
-    for (i, (p, c)) in plain.iter().zip(&ckpt).enumerate() {
-        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-        let diff = p
-            .iter()
-            .zip(c)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(
-            diff <= 1e-5 * scale,
-            "param {i}: max diff {diff} (scale {scale})"
-        );
-    }
+    assert_same_grads(&plain, &ckpt);
 }
 
 #[test]

@@ -297,3 +297,36 @@ fn bad_preference_rows_name_the_row() {
         "{msg}"
     );
 }
+
+#[test]
+fn dpo_step_with_activation_checkpointing_matches_the_plain_step() {
+    let r = Reference::open("dpo.safetensors");
+    let batch = fixture_batch(&r);
+    let model = lora_model();
+    let info = StepInfo {
+        epoch: 0,
+        global_step: 0,
+        seed: 0,
+    };
+    let run = |checkpointing: bool| {
+        let mut step = DpoLoss::new(
+            DpoSettings {
+                beta: 0.1,
+                ..DpoSettings::default()
+            },
+            DpoReference::AdaptersDisabled,
+        );
+        step.activation_checkpointing = checkpointing;
+        let out = step.step(&model, &batch, info).unwrap();
+        let loss: f32 = out.loss.clone().into_scalar();
+        let metrics = out.metrics.clone();
+        (loss, metrics, step_grads(&model, out))
+    };
+    let (plain_loss, plain_metrics, plain) = run(false);
+    let (ckpt_loss, ckpt_metrics, ckpt) = run(true);
+    assert!((plain_loss - ckpt_loss).abs() < 1e-6);
+    for ((k, a), (_, b)) in plain_metrics.iter().zip(&ckpt_metrics) {
+        assert!((a - b).abs() < 1e-5, "{k}: {a} vs {b}");
+    }
+    assert_same_grads(&plain, &ckpt);
+}

@@ -5,8 +5,6 @@
 
 mod support;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
@@ -17,7 +15,6 @@ use tune::models::{CausalLm, Trainable};
 use tune::setup::teacher::check_compatible;
 use tune::tokenizer::Tokenizer;
 use tune::training::kd::{KdLoss, KdObjective, forward_kl, reverse_kl, symmetric_kl};
-use tune::training::step::GradAccumulator;
 use tune::training::{LossStep, StepInfo};
 
 fn student() -> CausalLm<CpuAutodiff> {
@@ -363,21 +360,6 @@ fn teacher_with_a_peft_adapter_loads_it() {
     );
 }
 
-/// Values of every gradient in `grads`, in module order.
-fn grad_values(model: &CausalLm<CpuAutodiff>, grads: GradientsParams) -> Vec<Vec<f32>> {
-    struct Collect(GradientsParams, Vec<Vec<f32>>);
-    impl ModuleVisitor<CpuAutodiff> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<CpuAutodiff, D>>) {
-            if let Some(g) = self.0.get::<Cpu, D>(param.id) {
-                self.1.push(g.into_data().to_vec().unwrap());
-            }
-        }
-    }
-    let mut c = Collect(grads, Vec::new());
-    model.visit(&mut c);
-    c.1
-}
-
 #[test]
 fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
     let r = Reference::open("kd.safetensors");
@@ -397,12 +379,8 @@ fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
         };
         let out = step.step(&model, &batch, info).unwrap();
         let loss: f32 = out.loss.clone().into_scalar();
-        let mut acc = GradAccumulator::default();
-        match out.grads {
-            Some(parts) => parts.into_iter().for_each(|g| acc.add(&model, g)),
-            None => acc.add(&model, (out.loss * out.weight as f64).backward()),
-        }
-        (loss, out.metrics, grad_values(&model, acc.take()))
+        let metrics = out.metrics.clone();
+        (loss, metrics, step_grads(&model, out))
     };
     let (plain_loss, plain_metrics, plain) = run(false);
     let (ckpt_loss, ckpt_metrics, ckpt) = run(true);
@@ -411,14 +389,5 @@ fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
     for ((k, a), (_, b)) in plain_metrics.iter().zip(&ckpt_metrics) {
         assert!((a - b).abs() < 1e-6, "{k}: {a} vs {b}");
     }
-    assert!(!plain.is_empty());
-    assert_eq!(plain.len(), ckpt.len());
-    for (p, c) in plain.iter().zip(&ckpt) {
-        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-        let diff = p
-            .iter()
-            .zip(c)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(diff <= 1e-5 * scale, "max diff {diff} (scale {scale})");
-    }
+    assert_same_grads(&plain, &ckpt);
 }

@@ -11,6 +11,7 @@ use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
+use super::activation_checkpointing;
 use super::loss::sequence_log_probs;
 use super::sft::token_batch;
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
@@ -135,6 +136,8 @@ pub struct DpoForward<B: AutodiffBackend> {
 pub struct DpoLoss<B: AutodiffBackend> {
     pub settings: DpoSettings,
     pub reference: DpoReference<B>,
+    /// `enable_activation_checkpointing`: recompute each policy layer in the backward pass.
+    pub activation_checkpointing: bool,
 }
 
 impl<B: AutodiffBackend> DpoLoss<B> {
@@ -142,6 +145,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
         Self {
             settings,
             reference,
+            activation_checkpointing: false,
         }
     }
 
@@ -175,14 +179,25 @@ impl<B: AutodiffBackend> DpoLoss<B> {
 
     /// Policy and reference scores and the loss terms for one preference batch.
     pub fn forward(&self, model: &CausalLm<B>, batch: &Batch) -> Result<DpoForward<B>, TrainError> {
-        let policy_mode = ForwardMode {
-            adapters: true,
-            fake_quant: true,
-            train: true,
-        };
-        let (policy, logits) = concatenated_forward(model, batch, policy_mode)?;
+        let pairs = pairs_in(batch)?;
         let reference = self.reference_log_probs(model, batch)?;
-        let pairs = policy.chosen.dims()[0];
+        let logits = model.forward(token_batch(batch), POLICY_MODE);
+        Ok(self.score(logits, reference, pairs, &batch.labels))
+    }
+
+    /// The loss terms from the policy's logits over the concatenated `[chosen; rejected]` rows.
+    fn score(
+        &self,
+        logits: Tensor<B, 3>,
+        reference: PairLogProbs<B>,
+        pairs: usize,
+        labels: &[i64],
+    ) -> DpoForward<B> {
+        let all = sequence_log_probs(logits.clone(), labels);
+        let policy = PairLogProbs {
+            chosen: all.clone().narrow(0, 0, pairs),
+            rejected: all.narrow(0, pairs, pairs),
+        };
         let mean = |t: Tensor<B, 3>| -> f64 { t.detach().mean().into_scalar().elem() };
         let logits_mean = (
             mean(logits.clone().narrow(0, 0, pairs)),
@@ -195,14 +210,21 @@ impl<B: AutodiffBackend> DpoLoss<B> {
             reference.chosen.clone(),
             reference.rejected.clone(),
         );
-        Ok(DpoForward {
+        DpoForward {
             policy,
             reference,
             terms,
             logits_mean,
-        })
+        }
     }
 }
+
+/// The policy's forward mode: adapters and fake quantization on, dropout on.
+const POLICY_MODE: ForwardMode = ForwardMode {
+    adapters: true,
+    fake_quant: true,
+    train: true,
+};
 
 fn host<B: Backend>(t: &Tensor<B, 1>) -> Vec<f64> {
     t.to_data().iter::<f64>().collect()
@@ -245,17 +267,36 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
         &mut self,
         model: &CausalLm<B>,
         batch: &Batch,
-        _info: StepInfo,
+        info: StepInfo,
     ) -> Result<StepOutput<B>, TrainError> {
-        let out = self.forward(model, batch)?;
-        let pairs = out.policy.chosen.dims()[0];
-        let metrics = metrics(&out);
+        let pairs = pairs_in(batch)?;
+        let reference = self.reference_log_probs(model, batch)?;
+        let mut scored = None;
+        let (loss, grads) = activation_checkpointing::loss_and_grads(
+            model,
+            token_batch(batch),
+            POLICY_MODE,
+            self.activation_checkpointing,
+            info.seed,
+            pairs as f64,
+            |logits| {
+                let out = self.score(logits, reference, pairs, &batch.labels);
+                let loss = out.terms.losses.clone().mean();
+                scored = Some(out);
+                loss
+            },
+        );
+        let Some(out) = scored else {
+            return Err(TrainError::Other(
+                "the DPO loss was not computed for this batch".into(),
+            ));
+        };
         Ok(StepOutput {
-            loss: out.terms.losses.mean(),
+            loss,
             weight: pairs,
             tokens: batch.tokens.len(),
-            metrics,
-            grads: None,
+            metrics: metrics(&out),
+            grads,
         })
     }
 }

@@ -140,3 +140,54 @@ pub fn column(metrics: &[serde_json::Value], key: &str) -> Vec<f64> {
 pub fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
+
+/// Every gradient in `grads` (summed over any number of backward passes), in module order.
+pub fn grad_values(
+    model: &tune::models::CausalLm<CpuAutodiff>,
+    grads: burn::optim::GradientsParams,
+) -> Vec<Vec<f32>> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Collect(burn::optim::GradientsParams, Vec<Vec<f32>>);
+    impl ModuleVisitor<CpuAutodiff> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<CpuAutodiff, D>>) {
+            if let Some(g) = self.0.get::<Cpu, D>(param.id) {
+                self.1.push(g.into_data().to_vec().unwrap());
+            }
+        }
+    }
+    let mut c = Collect(grads, Vec::new());
+    model.visit(&mut c);
+    c.1
+}
+
+/// Sums a loss step's gradients: its own backward passes (activation checkpointing) or one
+/// backward of `loss * weight`, as the trainer does.
+pub fn step_grads(
+    model: &tune::models::CausalLm<CpuAutodiff>,
+    out: tune::training::StepOutput<CpuAutodiff>,
+) -> Vec<Vec<f32>> {
+    let mut acc = tune::training::step::GradAccumulator::default();
+    match out.grads {
+        Some(parts) => parts.into_iter().for_each(|g| acc.add(model, g)),
+        None => acc.add(model, (out.loss * out.weight as f64).backward()),
+    }
+    grad_values(model, acc.take())
+}
+
+/// Two gradient sets agree within `1e-5` of each tensor's largest magnitude.
+pub fn assert_same_grads(plain: &[Vec<f32>], other: &[Vec<f32>]) {
+    assert!(!plain.is_empty(), "no gradients");
+    assert_eq!(plain.len(), other.len(), "number of gradients");
+    for (i, (p, c)) in plain.iter().zip(other).enumerate() {
+        let scale = p.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let diff = p
+            .iter()
+            .zip(c)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 1e-5 * scale,
+            "gradient {i}: max diff {diff} (scale {scale})"
+        );
+    }
+}
