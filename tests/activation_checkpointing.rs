@@ -87,22 +87,15 @@ fn full_gradients_equal_a_plain_backward_including_tied_embeddings() {
 fn the_recipe_trains_with_checkpointing_and_matches_the_plain_losses() {
     let run = |tag: &str, extra: &[&str]| {
         let out = TempDir::new(tag);
-        let output_dir = format!("output_dir={}", out.path().display());
-        let mut args = vec![
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            "tiny/lora_single_device",
-            &output_dir,
-            "max_steps_per_epoch=12",
-            "batch_size=2",
-        ];
+        let mut args = vec!["max_steps_per_epoch=12", "batch_size=2"];
         args.extend_from_slice(extra);
-        tune_ok(&args);
-        column(
-            &read_metrics(&out.path().join("logs/metrics.jsonl")),
-            "loss",
-        )
+        let metrics = run_recipe(
+            "lora_finetune_single_device",
+            "tiny/lora_single_device",
+            &out,
+            &args,
+        );
+        column(&metrics, "loss")
     };
     let plain = run("ac-plain", &[]);
     let ckpt = run("ac-on", &["enable_activation_checkpointing=true"]);

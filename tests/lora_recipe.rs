@@ -5,17 +5,12 @@ mod support;
 use support::*;
 
 fn lora_run(out: &TempDir, extra: &[&str]) -> Vec<serde_json::Value> {
-    let output_dir = format!("output_dir={}", out.path().display());
-    let mut args = vec![
-        "run",
+    run_recipe(
         "lora_finetune_single_device",
-        "--config",
         "tiny/lora_single_device",
-        &output_dir,
-    ];
-    args.extend_from_slice(extra);
-    tune_ok(&args);
-    read_metrics(&out.path().join("logs/metrics.jsonl"))
+        out,
+        extra,
+    )
 }
 
 #[test]

@@ -191,3 +191,18 @@ pub fn assert_same_grads(plain: &[Vec<f32>], other: &[Vec<f32>]) {
         );
     }
 }
+
+/// Runs `tune run <recipe> --config <config> output_dir=<out> <extra...>` and returns its
+/// metrics.jsonl lines.
+pub fn run_recipe(
+    recipe: &str,
+    config: &str,
+    out: &TempDir,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
+    let output_dir = format!("output_dir={}", out.path().display());
+    let mut args = vec!["run", recipe, "--config", config, &output_dir];
+    args.extend_from_slice(extra);
+    tune_ok(&args);
+    read_metrics(&out.path().join("logs/metrics.jsonl"))
+}
