@@ -40,8 +40,10 @@ fn alpaca_rows() -> Vec<serde_json::Value> {
     serde_json::from_str(&text).expect("json")
 }
 
+/// Scratch files live in cargo's per-target temporary folder (`target/tmp`), under fixed names
+/// that each run overwrites, so nothing accumulates in `/tmp`.
 fn temp_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tune-data-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tune-data");
     std::fs::create_dir_all(&dir).expect("mkdir");
     let p = dir.join(name);
     std::fs::write(&p, text).expect("write");
@@ -756,7 +758,7 @@ fn loader_is_deterministic_and_resumable() {
 
 /// A checkpoint folder with the tiny-llama tokenizer and a custom chat template.
 fn llama_with_template(name: &str, template: &str) -> Tokenizer {
-    let dir = std::env::temp_dir().join(format!("tune-data-tpl-{name}-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("tune-data-tpl-{name}"));
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::copy(
         fixtures().join("tiny-llama/tokenizer.json"),
@@ -856,7 +858,7 @@ fn parquet_sources_give_the_same_samples_as_json() {
 
 #[test]
 fn a_corrupt_parquet_file_is_named() {
-    let dir = std::env::temp_dir().join(format!("tune-data-parquet-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tune-data-parquet");
     std::fs::create_dir_all(&dir).unwrap();
     let bytes = std::fs::read(fixtures().join("alpaca_tiny.parquet")).unwrap();
     std::fs::write(dir.join("broken.parquet"), &bytes[..bytes.len() / 2]).unwrap();
