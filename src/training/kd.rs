@@ -6,7 +6,7 @@
 //! recipe shifts the labels (`hstack(labels[..., 1:], ignore)`) before calling the loss.
 //! Positions where a logit is infinite contribute nothing (torchtune's `inf_mask`).
 
-use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
@@ -15,6 +15,7 @@ use super::loss::{self, flat_logits, next_token_targets};
 use super::sft::token_batch;
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
+use crate::kernels;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
 
@@ -93,7 +94,7 @@ pub fn forward_kl<B: Backend>(
 ) -> Tensor<B, 1> {
     let s = shifted(student, teacher, labels);
     let inf = s.student.clone().is_inf();
-    let teacher_prob = softmax(s.teacher, 1);
+    let teacher_prob = kernels::softmax(s.teacher);
     let student_logprob = log_softmax(s.student, 1);
     let prod = (teacher_prob * student_logprob).mask_fill(inf, 0.0);
     negative_masked_mean(prod.sum_dim(1), s.mask, s.count)
@@ -111,7 +112,7 @@ pub fn reverse_kl<B: Backend>(
         .clone()
         .is_inf()
         .bool_or(s.teacher.clone().is_inf());
-    let student_prob = softmax(s.student.clone(), 1);
+    let student_prob = kernels::softmax(s.student.clone());
     let student_logprob = log_softmax(s.student, 1);
     let teacher_logprob = log_softmax(s.teacher, 1);
     let cross = (student_prob.clone() * teacher_logprob).mask_fill(inf.clone(), 0.0);
