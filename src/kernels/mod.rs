@@ -1,6 +1,6 @@
 //! Fused CPU kernels for the operations a training step spends its non-matmul time in:
-//! softmax (attention), SiLU (the MLP gate) and the target log-probability under a softmax
-//! (cross-entropy over the vocabulary).
+//! softmax (attention, distillation), SiLU (the MLP gate), the target log-probability under a
+//! softmax (cross-entropy over the vocabulary), attention-head permutes and the Adam update.
 //!
 //! The model and loss code stays generic over the backend and calls the functions here. When
 //! the backend is Flex (the CPU backend), with or without autodiff, they run the fused row
@@ -17,14 +17,14 @@ pub mod optim;
 pub mod rows;
 pub mod simd;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
-
-use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
+use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
 use burn_flex::FlexTensor;
-use std::sync::Arc;
+
+use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
 
 /// An additive attention mask `[mask_batch, q_len, k_len]` (0 where a query may see a key,
 /// a large negative value elsewhere), shared by every head: `mask_batch` is 1 when all rows

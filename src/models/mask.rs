@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 
 pub use crate::kernels::AttentionMask;
-use burn::tensor::{Tensor, TensorData};
 
 /// Large and finite, so a fully masked row cannot turn into NaN through `-inf - -inf`.
 const MASKED: f32 = -1.0e30;

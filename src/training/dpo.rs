@@ -105,12 +105,20 @@ pub fn concatenated_forward<B: Backend>(
 ) -> Result<(PairLogProbs<B>, Tensor<B, 3>), TrainError> {
     let pairs = pairs_in(batch)?;
     let logits = model.forward(token_batch(batch), mode);
-    let all = sequence_log_probs(logits.clone(), &batch.labels);
-    let log_probs = PairLogProbs {
+    Ok((pair_log_probs(logits.clone(), &batch.labels, pairs), logits))
+}
+
+/// Sequence log-probabilities of `[chosen; rejected]` rows, split in halves.
+fn pair_log_probs<B: Backend>(
+    logits: Tensor<B, 3>,
+    labels: &[i64],
+    pairs: usize,
+) -> PairLogProbs<B> {
+    let all = sequence_log_probs(logits, labels);
+    PairLogProbs {
         chosen: all.clone().narrow(0, 0, pairs),
         rejected: all.narrow(0, pairs, pairs),
-    };
-    Ok((log_probs, logits))
+    }
 }
 
 /// What the reference scores come from.
@@ -193,11 +201,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
         pairs: usize,
         labels: &[i64],
     ) -> DpoForward<B> {
-        let all = sequence_log_probs(logits.clone(), labels);
-        let policy = PairLogProbs {
-            chosen: all.clone().narrow(0, 0, pairs),
-            rejected: all.narrow(0, pairs, pairs),
-        };
+        let policy = pair_log_probs(logits.clone(), labels, pairs);
         let mean = |t: Tensor<B, 3>| -> f64 { t.detach().mean().into_scalar().elem() };
         let logits_mean = (
             mean(logits.clone().narrow(0, 0, pairs)),

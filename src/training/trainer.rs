@@ -56,6 +56,17 @@ pub struct StepOutput<B: AutodiffBackend> {
     pub grads: Option<Vec<B::Gradients>>,
 }
 
+impl<B: AutodiffBackend> StepOutput<B> {
+    /// The gradients of `loss * weight`: the ones the step computed itself, or one backward
+    /// pass here.
+    pub fn take_gradients(&mut self) -> Vec<B::Gradients> {
+        match self.grads.take() {
+            Some(parts) => parts,
+            None => vec![(self.loss.clone() * self.weight as f64).backward()],
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct StepInfo {
     pub epoch: usize,
@@ -227,7 +238,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let indices = &batches[self.state.step_in_epoch * accum + micro];
                     let batch = data.collate(indices)?;
                     check_vocabulary(&batch, self.model.args.vocab_size, self.state.global_step)?;
-                    let out = loss_step.step(&self.model, &batch, info)?;
+                    let mut out = loss_step.step(&self.model, &batch, info)?;
                     let value: f64 = out.loss.clone().into_scalar().elem();
                     if !value.is_finite() {
                         return Err(TrainError::NonFiniteLoss {
@@ -238,15 +249,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                     // Weighting each micro-batch by its size makes the accumulated gradient the
                     // mean over all tokens of the step, as torchtune normalises it.
-                    match out.grads {
-                        Some(parts) => {
-                            for grads in parts {
-                                accumulator.add(&self.model, grads);
-                            }
-                        }
-                        None => {
-                            accumulator.add(&self.model, (out.loss * out.weight as f64).backward())
-                        }
+                    for grads in out.take_gradients() {
+                        accumulator.add(&self.model, grads);
                     }
                     weight_total += out.weight;
                     loss_sum += value * out.weight as f64;

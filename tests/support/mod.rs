@@ -165,12 +165,11 @@ pub fn grad_values(
 /// backward of `loss * weight`, as the trainer does.
 pub fn step_grads(
     model: &tune::models::CausalLm<CpuAutodiff>,
-    out: tune::training::StepOutput<CpuAutodiff>,
+    mut out: tune::training::StepOutput<CpuAutodiff>,
 ) -> Vec<Vec<f32>> {
     let mut acc = tune::training::step::GradAccumulator::default();
-    match out.grads {
-        Some(parts) => parts.into_iter().for_each(|g| acc.add(model, g)),
-        None => acc.add(model, (out.loss * out.weight as f64).backward()),
+    for grads in out.take_gradients() {
+        acc.add(model, grads);
     }
     grad_values(model, acc.take())
 }
