@@ -1,8 +1,8 @@
 //! Families without fixtures (Qwen3, Mistral, Phi-3, Gemma): realistic config.json objects
 //! with tiny sizes, random weights, saved as transformers saves them and loaded back bit-exactly.
 
-mod common;
-mod support;
+use crate::common;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;

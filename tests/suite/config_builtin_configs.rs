@@ -1,6 +1,6 @@
 //! Every built-in config loads and validates for its recipe.
 
-mod common;
+use crate::common;
 
 use tune::config::builtin;
 use tune::config::components::{Component, ModelVariant};

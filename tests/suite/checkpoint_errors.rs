@@ -1,7 +1,7 @@
 //! Bad checkpoints give one clear error naming the file or tensor, never a panic.
 
-mod common;
-mod support;
+use crate::common;
+use crate::support;
 
 use common::TempDir;
 use serde_json::{Value, json};

@@ -1,7 +1,7 @@
 //! Generation through the library: greedy decoding against transformers' output, and the KV
 //! cache path against recomputing the whole sequence each step.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tune::checkpoint::hf::load_model;

@@ -1,7 +1,7 @@
 //! Golden tests for LoRA: the fixture PEFT adapter's logits, loss, gradients and one AdamW
 //! step against peft + torch, and a byte-exact PEFT round trip.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tune::checkpoint::HostTensor;

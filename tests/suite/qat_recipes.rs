@@ -3,7 +3,7 @@
 //! then greedy tokens) at a fraction of the float weights' size; bad quantizer settings fail
 //! with the documented message.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! torchtune's own `llama3_2/1B_lora_single_device.yaml`, verbatim, validates once
 //! its paths point at real files.
 
-mod common;
+use crate::common;
 
 use common::{TempDir, args};
 use tune::config::{load_config, validate};

@@ -1,6 +1,6 @@
 //! Golden tests: the decoder against transformers' logits, losses and gradients.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tune::checkpoint::HostTensor;

@@ -1,7 +1,7 @@
 //! `tune bench --json`: the object `benches/compare.py` reads beside the PyTorch reference's,
 //! with the same keys and measured (non-zero) figures; an unknown shape is bad input.
 
-mod support;
+use crate::support;
 
 use support::*;
 

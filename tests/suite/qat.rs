@@ -2,7 +2,7 @@
 //! `Int8DynActInt4WeightQATQuantizer(groupsize=32)`: the two fake quantizers on their own,
 //! then logits, loss and base-weight gradients of the fake-quantized tiny llama.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tune::checkpoint::HostTensor;

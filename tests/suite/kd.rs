@@ -3,7 +3,7 @@
 //! adapter, teacher = tiny-llama-teacher, kd_ratio 0.5. Plus the other KD divergences against
 //! a plain f64 re-statement of torchtune's formulas, and the teacher compatibility checks.
 
-mod support;
+use crate::support;
 
 use burn::tensor::{Tensor, TensorData};
 use support::*;

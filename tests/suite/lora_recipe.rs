@@ -1,6 +1,6 @@
 //! End to end: the LoRA recipe through the binary on the shipped tiny model and data.
 
-mod support;
+use crate::support;
 
 use support::*;
 

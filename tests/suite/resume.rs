@@ -1,7 +1,7 @@
 //! Exact resume and crash safety, through the binary: an interrupted run resumed from its last
 //! complete checkpoint ends bit-identical to an uninterrupted one.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

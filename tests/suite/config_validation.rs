@@ -1,6 +1,6 @@
 //! Bad inputs: each asserts the message a user sees.
 
-mod common;
+use crate::common;
 
 use common::{TempDir, args};
 use tune::config::{

@@ -1,5 +1,4 @@
 //! Shared helpers for the golden-value tests: fixture paths and tolerance checks.
-#![allow(dead_code)]
 
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! `tune plot`: a metrics.jsonl becomes a PNG with the loss and learning-rate curves; bad
 //! input is a clear error naming the file and line.
 
-mod support;
+use crate::support;
 
 use support::*;
 

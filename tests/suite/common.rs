@@ -1,7 +1,5 @@
 //! Shared test helpers: temp dirs that mimic the repository's `assets/`.
 
-#![allow(dead_code)]
-
 use std::path::{Path, PathBuf};
 
 use serde_yaml::Value;

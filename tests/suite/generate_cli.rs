@@ -1,7 +1,7 @@
 //! `tune run generate` end to end: only the completion on stdout, and the same text the
 //! library produces for the same prompt.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 

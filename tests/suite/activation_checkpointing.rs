@@ -2,7 +2,7 @@
 //! backward pass (LoRA adapters and full fine-tuning with tied embeddings), and the recipe
 //! trains with it.
 
-mod support;
+use crate::support;
 
 use support::*;
 use tune::checkpoint::hf::load_model;

@@ -3,7 +3,7 @@
 //! reference = the same model with the adapter disabled, beta 0.1); the loss formula with
 //! label smoothing; and bad preference data.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

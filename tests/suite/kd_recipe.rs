@@ -3,7 +3,7 @@
 //! mid-run checkpoint reproduces the uninterrupted run exactly; a teacher with another
 //! vocabulary is refused with the documented message.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,28 @@
+//! The integration tests, compiled as one test binary: each file here is a module, so cargo
+//! links one executable instead of one per file (each link of burn's generic code is large).
+
+mod activation_checkpointing;
+mod bench_cli;
+mod checkpoint_errors;
+mod checkpoint_families;
+mod common;
+mod config_builtin_configs;
+mod config_torchtune_fixture;
+mod config_validation;
+mod data;
+mod dpo;
+mod dpo_recipes;
+mod generate;
+mod generate_cli;
+mod kd;
+mod kd_recipe;
+mod kernels;
+mod lora;
+mod lora_recipe;
+mod models;
+mod plot;
+mod qat;
+mod qat_recipes;
+mod resume;
+mod support;
+mod tokenizer;
