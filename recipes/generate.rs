@@ -12,15 +12,22 @@ use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::checkpoint::peft;
-use tune::config::schema::{Dtype, GenerateConfig};
+use tune::config::schema::GenerateConfig;
 use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
+use tune::precision;
 use tune::setup::{data, model};
 use tune::tokenizer::{Message, Tokenizer};
 
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    // Model: gradients are never needed, so load on the inner (non-autodiff) backend.
+    // Model: gradients are never needed, so load on the inner (non-autodiff) backend, in
+    // `dtype` (set before the first tensor exists).
+    precision::set_device_dtype::<B::InnerBackend>(
+        &ctx.device,
+        cfg.dtype,
+        precision::Use::Generation,
+    )?;
     let started = Instant::now();
     let loaded = model::load::<B::InnerBackend>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
     let mut lm = loaded.model;
@@ -31,18 +38,13 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         eprintln!("Applied the LoRA adapter in {}", dir.display());
     }
     eprintln!(
-        "Loaded {} ({} model, {:.1}M parameters) in {:.2}s",
+        "Loaded {} ({} model, {:.1}M parameters, {}) in {:.2}s",
         cfg.checkpointer.checkpoint_dir.display(),
         lm.args.family.model_type(),
         lm.args.num_params() as f64 / 1e6,
+        precision::name(cfg.dtype),
         started.elapsed().as_secs_f64()
     );
-    if cfg.dtype != Dtype::Fp32 {
-        eprintln!(
-            "Note: dtype {} requested; tune generates in fp32",
-            serde_yaml::to_string(&cfg.dtype).unwrap_or_default().trim()
-        );
-    }
 
     // Prompt.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;

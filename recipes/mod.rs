@@ -17,6 +17,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::recipes::Recipe;
 use tune::config::schema::RecipeConfig;
+use tune::precision;
 
 /// What every recipe gets besides its typed config.
 pub struct RunContext<B: AutodiffBackend> {
@@ -31,11 +32,12 @@ pub struct RunContext<B: AutodiffBackend> {
 pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
     match config {
         RecipeConfig::Train(recipe, cfg) => {
-            // Accepted for torchtune compatibility, not implemented yet: say so, never silently.
+            // Before any tensor exists: bf16 becomes the device's float dtype.
+            precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
             if cfg.dtype != tune::config::schema::Dtype::Fp32 {
                 eprintln!(
-                    "warning: dtype: {:?} is not implemented yet; training runs in fp32",
-                    cfg.dtype
+                    "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
+                    precision::name(cfg.dtype)
                 );
             }
             // The resolved config beside the outputs, as torchtune saves it.

@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod models;
 pub mod modules;
 pub mod plot;
+pub mod precision;
 pub mod setup;
 pub mod tokenizer;
 pub mod training;

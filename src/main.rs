@@ -68,6 +68,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             steps,
             lora_rank,
             activation_checkpointing,
+            dtype,
             device,
             json,
         } => {
@@ -83,6 +84,11 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 steps,
                 lora_rank,
                 activation_checkpointing,
+                dtype: if dtype == "bf16" {
+                    tune::config::schema::Dtype::Bf16
+                } else {
+                    tune::config::schema::Dtype::Fp32
+                },
             };
             bench(&settings, &device, json)
         }
@@ -165,6 +171,16 @@ fn run(recipe: &str, config: &str, overrides: &[String]) -> Result<(), CliError>
     let yaml = resolved.to_yaml_string();
     match device.unwrap_or(default_device()) {
         Device::Cpu => {
+            let dtype = match &typed {
+                RecipeConfig::Train(_, t) => t.dtype,
+                RecipeConfig::Generate(g) => g.dtype,
+            };
+            if dtype == tune::config::schema::Dtype::Bf16 {
+                // Measured (BENCHMARKS.md): 2x the step time of fp32 on the CPU backend.
+                eprintln!(
+                    "note: bf16 on the CPU backend converts every matmul through fp32: about twice the step time of fp32, with memory saved only on weights, gradients and optimizer state; use it to check a GPU config, fp32 for CPU runs"
+                );
+            }
             type B = burn::backend::Autodiff<burn::backend::Flex>;
             let ctx = recipes::RunContext::<B> {
                 recipe: typed.recipe(),

@@ -13,8 +13,10 @@ use rand::{Rng, SeedableRng};
 use crate::checkpoint::StorageDtype;
 use crate::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use crate::checkpoint::peft::attach_lora;
+use crate::config::schema::Dtype;
 use crate::models::{ModelArgs, RandomInit, TokenBatch, Trainable, build};
 use crate::modules::{ForwardMode, LoraSettings};
+use crate::precision;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
 use crate::training::metrics::peak_memory_bytes;
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
@@ -38,6 +40,8 @@ pub struct BenchSettings {
     /// Per-layer activation checkpointing (forward and backward interleave, so the step time
     /// is reported whole, under backward).
     pub activation_checkpointing: bool,
+    /// The run's float dtype, as a config's `dtype` (bf16 is what GPU runs use).
+    pub dtype: Dtype,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -107,6 +111,8 @@ pub fn run<B: AutodiffBackend>(
 ) -> Result<BenchReport, BenchError> {
     let config =
         shapes::config(&s.shape).ok_or_else(|| BenchError::UnknownShape(s.shape.clone()))?;
+    precision::set_device_dtype::<B>(device, s.dtype, precision::Use::Training)
+        .map_err(|e| BenchError::Failed(e.to_string()))?;
     let args = ModelArgs::from_json(config).map_err(BenchError::Failed)?;
     let fail = |e: &dyn std::fmt::Display| BenchError::Failed(e.to_string());
     let mut report = BenchReport {
@@ -305,6 +311,7 @@ impl BenchReport {
             "impl": "tune",
             "shape": s.shape,
             "mode": format!("{:?}", s.mode).to_lowercase(),
+            "dtype": precision::name(s.dtype),
             "batch_size": s.batch_size,
             "seq_len": s.seq_len,
             "params": self.params,
@@ -325,9 +332,10 @@ impl BenchReport {
         let mut out = format!(
             "| shape | mode | batch x seq | params | tokens/s | step s (fwd / bwd / opt) | peak RSS GB | load s | MFU vs matmul peak |\n\
              |---|---|---|---|---|---|---|---|---|\n\
-             | {} | {:?} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
+             | {} | {:?} {} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
             s.shape,
             s.mode,
+            precision::name(s.dtype),
             s.batch_size,
             s.seq_len,
             self.params as f64 / 1e6,

@@ -134,6 +134,9 @@ pub enum Command {
         /// Per-layer activation checkpointing, as `enable_activation_checkpointing: true`.
         #[arg(long)]
         activation_checkpointing: bool,
+        /// Float dtype of weights, activations and optimizer state, as a config's `dtype`.
+        #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+        dtype: String,
         /// cpu, or cuda in a build with the cuda feature.
         #[arg(long, default_value = "cpu")]
         device: String,

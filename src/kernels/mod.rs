@@ -26,6 +26,8 @@ use burn_flex::FlexTensor;
 
 use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
 
+use crate::precision;
+
 /// An additive attention mask `[mask_batch, q_len, k_len]` (0 where a query may see a key,
 /// a large negative value elsewhere), shared by every head: `mask_batch` is 1 when all rows
 /// share the causal pattern, or the batch size when packed documents differ per row.
@@ -83,6 +85,10 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
             })
         }
     }
+    // In fp32 whatever the scores' dtype, as PyTorch's attention accumulates half-precision
+    // scores; the probabilities go back to that dtype for the values matmul.
+    let dtype = scores.dtype();
+    let scores = precision::to_f32(scores);
     let [batch, kv_heads, rows, k_len] = scores.dims();
     let [mask_batch, q_len, _] = mask.dims;
     let op = MaskedSoftmax {
@@ -93,7 +99,7 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
             mask_batch,
         },
     };
-    match on_flex(scores, op) {
+    let probs = match on_flex(scores, op) {
         Ok(probs) => probs,
         Err(scores) => {
             let heads = kv_heads * rows / q_len;
@@ -101,7 +107,8 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
                 + mask.tensor.clone().reshape([mask_batch, 1, q_len, k_len]);
             burn::tensor::activation::softmax(scores, 3).reshape([batch, kv_heads, rows, k_len])
         }
-    }
+    };
+    precision::to_dtype(probs, dtype)
 }
 
 /// `x.permute(axes)` materialised contiguously, with a backward that does the same for the

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
 
 pub use crate::kernels::AttentionMask;
 
@@ -36,7 +35,8 @@ pub fn causal<B: Backend>(
         }
     }
     let dims = [rows, q_len, k_len];
-    let tensor = Tensor::from_data(TensorData::new(mask.clone(), dims), device);
+    // fp32 whatever the run's dtype: it is added to scores that the softmax upcasts.
+    let tensor = crate::precision::f32_tensor(mask.clone(), dims, device);
     AttentionMask {
         host: Arc::new(mask),
         dims,

@@ -4,6 +4,8 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use crate::precision;
+
 /// Which quantization a linear layer simulates during training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantScheme {
@@ -58,8 +60,10 @@ fn masked_straight_through<B: Backend, const D: usize>(
     q: Tensor<B, D>,
     (qmin, qmax): (f32, f32),
 ) -> Tensor<B, D> {
+    let dtype = x.dtype();
     let inside = q.clone().greater_elem(qmin).float() * q.lower_elem(qmax).float();
-    dq.detach() + (x.clone() - x.detach()) * inside.detach()
+    let inside = precision::to_dtype(inside, dtype);
+    precision::to_dtype(dq, dtype).detach() + (x.clone() - x.detach()) * inside.detach()
 }
 
 /// Symmetric int4 per group of `group_size` input features, torchao's formula to the bit:
@@ -70,7 +74,8 @@ pub fn int4_weight_values<B: Backend>(
     group_size: usize,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [out, inp] = w.dims();
-    let groups = w.detach().reshape([out * inp / group_size, group_size]);
+    // fp32 quantization parameters whatever the weight's dtype, as torchao computes them.
+    let groups = precision::to_f32(w.detach()).reshape([out * inp / group_size, group_size]);
     let scale = (groups.clone().abs().max_dim(1) / 7.5).clamp_min(f32::EPSILON);
     // `+ 0.0` turns round's -0 into +0, as torchao's integer arithmetic does.
     let q = ((groups * scale.clone().recip()).round() + 0.0).clamp(-8.0, 7.0);
@@ -93,7 +98,7 @@ pub fn fake_quantize_weight<B: Backend>(w: Tensor<B, 2>, group_size: usize) -> T
 /// [`masked_straight_through`].
 pub fn fake_quantize_activation<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let (qmin, qmax) = (-128.0f32, 127.0f32);
-    let v = x.clone().detach();
+    let v = precision::to_f32(x.clone().detach());
     let min_val = v.clone().min_dim(D - 1).clamp_max(0.0);
     let max_val = v.clone().max_dim(D - 1).clamp_min(0.0);
     let scale = ((max_val - min_val.clone()) / (qmax - qmin) as f64).clamp_min(f32::EPSILON);

@@ -4,6 +4,8 @@ use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use crate::precision;
+
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
@@ -21,9 +23,13 @@ impl<B: Backend> RmsNorm<B> {
         }
     }
 
+    /// In bf16 runs the normalisation is computed in fp32 and cast back before the weight
+    /// multiplies it, as transformers' `LlamaRMSNorm` does.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = precision::to_f32(x);
         let variance = x.clone().powi_scalar(2).mean_dim(D - 1);
-        let normed = x * (variance + self.eps).sqrt().recip();
+        let normed = precision::to_dtype(x * (variance + self.eps).sqrt().recip(), dtype);
         let mut w = self.weight.val();
         if self.weight_offset {
             w = w + 1.0;

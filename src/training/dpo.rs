@@ -202,7 +202,12 @@ impl<B: AutodiffBackend> DpoLoss<B> {
         labels: &[i64],
     ) -> DpoForward<B> {
         let policy = pair_log_probs(logits.clone(), labels, pairs);
-        let mean = |t: Tensor<B, 3>| -> f64 { t.detach().mean().into_scalar().elem() };
+        let mean = |t: Tensor<B, 3>| -> f64 {
+            crate::precision::to_f32(t.detach())
+                .mean()
+                .into_scalar()
+                .elem()
+        };
         let logits_mean = (
             mean(logits.clone().narrow(0, 0, pairs)),
             mean(logits.narrow(0, pairs, pairs)),

@@ -8,7 +8,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing;
 use super::loss::{self, flat_logits, next_token_targets};
@@ -18,6 +18,7 @@ use crate::data::Batch;
 use crate::kernels;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
+use crate::precision;
 
 /// Which divergence the student minimises against the teacher (`kd_loss._component_`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,10 +67,10 @@ fn shifted<B: Backend>(student: Tensor<B, 3>, teacher: Tensor<B, 3>, labels: &[i
     let (_, mask) = next_token_targets(labels, batch);
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
-    let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
+    let mask = precision::f32_tensor::<B, 1>(mask, [n], &device);
     Shifted {
-        student: flat_logits(student),
-        teacher: flat_logits(teacher),
+        student: flat_logits(precision::to_f32(student)),
+        teacher: flat_logits(precision::to_f32(teacher)),
         mask,
         count,
     }

@@ -1,8 +1,10 @@
-//! Losses over vocabulary logits, computed in fp32 over the positions whose label is not -100,
+//! Losses over vocabulary logits, computed in fp32 (half-precision logits are upcast) over the positions whose label is not -100,
 //! with the causal shift: the logits at position t predict the label at t + 1.
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+
+use crate::precision;
 
 pub const IGNORE_INDEX: i64 = -100;
 
@@ -44,10 +46,11 @@ pub fn flat_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
 pub fn masked_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> (Tensor<B, 1>, usize) {
     let batch = logits.dims()[0];
     let device = logits.device();
+    let logits = precision::to_f32(logits);
     let (targets, mask) = next_token_targets(labels, batch);
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let n = mask.len();
-    let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [n]), &device);
+    let mask = precision::f32_tensor::<B, 1>(mask, [n], &device);
     (
         target_log_probs(flat_logits(logits), &targets) * mask,
         count,

@@ -42,6 +42,7 @@ struct SquaredNorm<'a> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let g = crate::precision::to_f32(g);
             self.total += g.powi_scalar(2).sum().into_scalar().elem::<f64>();
         }
     }

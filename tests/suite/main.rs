@@ -21,6 +21,7 @@ mod lora;
 mod lora_recipe;
 mod models;
 mod plot;
+mod precision;
 mod qat;
 mod qat_recipes;
 mod resume;

@@ -1,0 +1,114 @@
+//! The float precision a run computes in (the config's `dtype`), and the few places that stay
+//! in fp32 whatever it is.
+//!
+//! A bf16 run makes bf16 the device's default float dtype before the first tensor exists, so
+//! everything created on it (loaded weights, new adapters, RoPE tables, masks, optimizer state)
+//! is bf16 without each builder being told. As torchtune and transformers do, the numerically
+//! sensitive reductions upcast: RMSNorm's variance, attention's softmax, the losses' log-softmax
+//! and the gradient norm run in fp32 and cast back where the result feeds the model again.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::backend::{DeviceError, set_default_float_dtype};
+use burn::tensor::{
+    DType, FloatDType, Tensor, TensorCreationOptions, TensorData, get_device_settings,
+};
+
+use crate::config::schema::Dtype;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrecisionError {
+    #[error(
+        "dtype: fp16 training is not supported (its range overflows without loss scaling); use bf16 or fp32"
+    )]
+    Fp16Training,
+    #[error("dtype: {dtype} is not supported on this device ({source}); use fp32")]
+    Unsupported {
+        dtype: &'static str,
+        source: DeviceError,
+    },
+}
+
+/// Whether a run trains (fp16 is refused, as torchtune's recipes refuse it) or only generates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    Training,
+    Generation,
+}
+
+fn float_dtype(dtype: Dtype) -> FloatDType {
+    match dtype {
+        Dtype::Fp32 => FloatDType::F32,
+        Dtype::Bf16 => FloatDType::BF16,
+        Dtype::Fp16 => FloatDType::F16,
+    }
+}
+
+pub fn name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Fp32 => "fp32",
+        Dtype::Bf16 => "bf16",
+        Dtype::Fp16 => "fp16",
+    }
+}
+
+/// Makes `dtype` the float dtype of every tensor later created on `device`. Call it before the
+/// first tensor: burn fixes a device's defaults once per process. fp32 is the backends' own
+/// default and sets nothing, so an fp32 run works whatever ran before it in the process.
+pub fn set_device_dtype<B: Backend>(
+    device: &B::Device,
+    dtype: Dtype,
+    usage: Use,
+) -> Result<(), PrecisionError> {
+    if dtype == Dtype::Fp16 && usage == Use::Training {
+        return Err(PrecisionError::Fp16Training);
+    }
+    if dtype == Dtype::Fp32 {
+        return Ok(());
+    }
+    match set_default_float_dtype::<B>(device, float_dtype(dtype)) {
+        Ok(()) => Ok(()),
+        // Already fixed to the same dtype (a second run in one process): nothing to change.
+        Err(DeviceError::AlreadyInitialized { .. }) if device_dtype::<B>(device) == dtype => Ok(()),
+        Err(source) => Err(PrecisionError::Unsupported {
+            dtype: name(dtype),
+            source,
+        }),
+    }
+}
+
+/// The float dtype new tensors on `device` get.
+pub fn device_dtype<B: Backend>(device: &B::Device) -> Dtype {
+    match get_device_settings::<B>(device).float_dtype {
+        FloatDType::BF16 => Dtype::Bf16,
+        FloatDType::F16 => Dtype::Fp16,
+        _ => Dtype::Fp32,
+    }
+}
+
+/// Whether `t` is a half-precision float (bf16 or fp16).
+pub fn is_half<B: Backend, const D: usize>(t: &Tensor<B, D>) -> bool {
+    matches!(t.dtype(), DType::BF16 | DType::F16)
+}
+
+/// `t` in fp32 (no operation when it already is).
+pub fn to_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if is_half(&t) { t.cast(DType::F32) } else { t }
+}
+
+/// `t` cast to `dtype` (no operation when it already is).
+pub fn to_dtype<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    if t.dtype() == dtype { t } else { t.cast(dtype) }
+}
+
+/// An fp32 tensor from host values, whatever the device's default float dtype (loss masks,
+/// which meet fp32 log-probabilities).
+pub fn f32_tensor<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::from_data(
+        TensorData::new(values, shape),
+        TensorCreationOptions::new(device.clone()).with_dtype(DType::F32),
+    )
+}
