@@ -22,7 +22,7 @@ use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::config::schema::Dtype;
-use tune::models::{CausalLm, TokenBatch};
+use tune::models::CausalLm;
 use tune::modules::ForwardMode;
 use tune::precision::{self, Use};
 use tune::training::{grads::named_grads, loss};
@@ -72,7 +72,6 @@ fn bf16_forward_loss_and_gradients_track_transformers_fp32() {
     let device = bf16_device();
     let r = Reference::open("tiny-llama.safetensors");
     let (tokens, labels, batch) = r.tokens();
-    let seq = tokens.len() / batch;
     let model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
         .unwrap()
         .model;
@@ -80,14 +79,7 @@ fn bf16_forward_loss_and_gradients_track_transformers_fp32() {
         param_dtypes(&model).iter().all(|d| *d == DType::BF16),
         "every parameter is bf16"
     );
-    let pos = positions(batch, seq);
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let logits = model.forward(input, ForwardMode::default());
+    let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
     assert_eq!(logits.dtype(), DType::BF16, "activations stay bf16");
 
     let logits_diff = max_abs_diff(

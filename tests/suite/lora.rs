@@ -4,16 +4,15 @@
 use crate::support;
 
 use support::*;
-use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
 use tune::checkpoint::peft::{
     AdapterConfig, adapter_state_dict, load_adapter, peft_key, save_adapter,
 };
 use tune::checkpoint::safetensors_io::SafetensorsFile;
-use tune::models::{CausalLm, TokenBatch, Trainable};
+use tune::models::{CausalLm, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
-use tune::training::{loss, step};
+use tune::training::step;
 
 fn lora_model() -> CausalLm<CpuAutodiff> {
     let device = Default::default();
@@ -35,28 +34,9 @@ fn lora_logits_loss_grads_and_adamw_step_match_peft() {
     let r = Reference::open("tiny-llama-lora.safetensors");
     let base = Reference::open("tiny-llama.safetensors");
     let (tokens, labels, batch) = base.tokens();
-    let pos = positions(batch, tokens.len() / batch);
     let model = lora_model();
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let logits = model.forward(input, ForwardMode::default());
-    assert_close(
-        "logits",
-        &HostTensor::from_tensor(&logits),
-        &r.f32("logits"),
-        1e-4,
-    );
-    let loss = loss::cross_entropy(logits, &labels);
-    assert_close(
-        "loss",
-        &HostTensor::from_tensor(&loss),
-        &r.f32("loss"),
-        1e-4,
-    );
+    let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
+    let loss = assert_logits_and_loss(&r, logits, &labels);
 
     let grads = loss.backward();
     let named = tune::training::grads::named_grads(&model, &grads);

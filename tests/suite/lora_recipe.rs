@@ -4,7 +4,8 @@ use crate::support;
 
 use support::*;
 
-fn lora_run(out: &TempDir, extra: &[&str]) -> Vec<serde_json::Value> {
+/// The README's main job (tiny LoRA) into `out`, with overrides; its metrics.
+pub(crate) fn lora_run(out: &TempDir, extra: &[&str]) -> Vec<serde_json::Value> {
     run_recipe(
         "lora_finetune_single_device",
         "tiny/lora_single_device",

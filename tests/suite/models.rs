@@ -7,37 +7,17 @@ use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
 use tune::models::TokenBatch;
 use tune::modules::ForwardMode;
-use tune::training::{grads::named_grads, loss};
+use tune::training::grads::named_grads;
 
 fn check_model(dir: &str, reference: &str) {
     let r = Reference::open(reference);
     let (tokens, labels, batch) = r.tokens();
-    let seq = tokens.len() / batch;
     let device = Default::default();
     let model = load_model::<CpuAutodiff>(&fixture(dir), None, &device)
         .unwrap()
         .model;
-    let pos = positions(batch, seq);
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let logits = model.forward(input, ForwardMode::default());
-    assert_close(
-        "logits",
-        &HostTensor::from_tensor(&logits),
-        &r.f32("logits"),
-        1e-4,
-    );
-    let loss = loss::cross_entropy(logits, &labels);
-    assert_close(
-        "loss",
-        &HostTensor::from_tensor(&loss),
-        &r.f32("loss"),
-        1e-4,
-    );
+    let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
+    let loss = assert_logits_and_loss(&r, logits, &labels);
     let grads = loss.backward();
     let named = named_grads(&model, &grads);
     let expected: Vec<String> = r

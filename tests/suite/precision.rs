@@ -3,18 +3,10 @@
 
 use crate::support;
 
+use crate::lora_recipe::lora_run as lora;
 use support::*;
 use tune::checkpoint::hf::load_model;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
-
-fn lora(out: &TempDir, extra: &[&str]) -> Vec<serde_json::Value> {
-    run_recipe(
-        "lora_finetune_single_device",
-        "tiny/lora_single_device",
-        out,
-        extra,
-    )
-}
 
 #[test]
 fn bf16_lora_training_follows_fp32_and_writes_loadable_outputs() {

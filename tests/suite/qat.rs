@@ -7,11 +7,10 @@ use crate::support;
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
-use tune::models::TokenBatch;
 use tune::modules::ForwardMode;
 use tune::modules::fake_quant::{QuantScheme, fake_quantize_activation, fake_quantize_weight};
 use tune::setup::quant::{QuantError, prepare};
-use tune::training::{grads::named_grads, loss};
+use tune::training::grads::named_grads;
 
 const SCHEME: QuantScheme = QuantScheme::Int8DynActInt4Weight { group_size: 32 };
 
@@ -82,27 +81,8 @@ fn qat_logits_loss_and_grads_match_torchao() {
     let want: Vec<String> = serde_json::from_str(&text).unwrap();
     assert_eq!(swapped, want, "the quantized modules are torchao's");
 
-    let pos = positions(batch, tokens.len() / batch);
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let logits = model.forward(input, ForwardMode::default());
-    assert_close(
-        "logits",
-        &HostTensor::from_tensor(&logits),
-        &r.f32("logits"),
-        1e-4,
-    );
-    let loss = loss::cross_entropy(logits, &labels);
-    assert_close(
-        "loss",
-        &HostTensor::from_tensor(&loss),
-        &r.f32("loss"),
-        1e-4,
-    );
+    let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
+    let loss = assert_logits_and_loss(&r, logits, &labels);
     let grads = loss.backward();
     let named = named_grads(&model, &grads);
     let expected = r
@@ -125,18 +105,11 @@ fn fake_quant_off_is_the_float_model() {
         .unwrap()
         .model;
     prepare(&mut model, SCHEME).unwrap();
-    let pos = positions(batch, tokens.len() / batch);
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
     let mode = ForwardMode {
         fake_quant: false,
         ..ForwardMode::default()
     };
-    let logits = model.forward(input, mode);
+    let logits = forward_rows(&model, &tokens, batch, mode);
     assert_close(
         "logits",
         &HostTensor::from_tensor(&logits),
@@ -181,14 +154,7 @@ fn batch_logits<B: burn::tensor::backend::Backend>(
 ) -> HostTensor {
     let r = Reference::open("qat.safetensors");
     let (tokens, _, batch) = r.tokens();
-    let pos = positions(batch, tokens.len() / batch);
-    let input = TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))
+    HostTensor::from_tensor(&forward_rows(model, &tokens, batch, ForwardMode::default()))
 }
 
 #[test]

@@ -204,3 +204,43 @@ pub fn run_recipe(
     tune_ok(&args);
     read_metrics(&out.path().join("logs/metrics.jsonl"))
 }
+
+/// The logits of `batch` unpacked rows of `tokens`, each row at positions 0..seq.
+pub fn forward_rows<B: burn::tensor::backend::Backend>(
+    model: &tune::models::CausalLm<B>,
+    tokens: &[u32],
+    batch: usize,
+    mode: tune::modules::ForwardMode,
+) -> burn::tensor::Tensor<B, 3> {
+    let pos = positions(batch, tokens.len() / batch);
+    let input = tune::models::TokenBatch {
+        tokens,
+        positions: &pos,
+        document_ids: None,
+        batch,
+    };
+    model.forward(input, mode)
+}
+
+/// Checks `logits` and their cross-entropy against the reference's `logits` and `loss` (the
+/// fixtures' 1e-4) and returns the loss, for the gradient checks that follow.
+pub fn assert_logits_and_loss<B: burn::tensor::backend::Backend>(
+    r: &Reference,
+    logits: burn::tensor::Tensor<B, 3>,
+    labels: &[i64],
+) -> burn::tensor::Tensor<B, 1> {
+    assert_close(
+        "logits",
+        &HostTensor::from_tensor(&logits),
+        &r.f32("logits"),
+        1e-4,
+    );
+    let loss = tune::training::loss::cross_entropy(logits, labels);
+    assert_close(
+        "loss",
+        &HostTensor::from_tensor(&loss),
+        &r.f32("loss"),
+        1e-4,
+    );
+    loss
+}
