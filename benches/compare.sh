@@ -5,12 +5,14 @@
 # benches/.venv on first use (a few GB with its CUDA libraries).
 #
 #   benches/compare.sh                 # CPU: tiny and SmolLM2-135M shapes, LoRA and full
-#   DEVICE=cuda benches/compare.sh     # a build with --features cuda on an NVIDIA GPU (bf16 in PyTorch)
+#   DEVICE=cuda benches/compare.sh     # a build with --features cuda on an NVIDIA GPU, both in bf16
+#   DTYPE=bf16 benches/compare.sh      # both sides in bf16 (default: bf16 on cuda, fp32 on cpu)
 #   RUNS="smollm2-135m:lora:1:128:3" benches/compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEVICE=${DEVICE:-cpu}
+if [ "$DEVICE" = cuda ]; then DTYPE=${DTYPE:-bf16}; else DTYPE=${DTYPE:-fp32}; fi
 # shape:mode:batch:seq:steps
 RUNS=${RUNS:-"tiny:lora:4:128:10 tiny:full:4:128:10 smollm2-135m:lora:1:128:3 smollm2-135m:full:1:128:3 smollm2-135m:lora:4:256:2"}
 VENV=benches/.venv
@@ -31,7 +33,7 @@ TUNE=target/release/tune
 : > "$OUT"
 for run in $RUNS; do
   IFS=: read -r shape mode batch seq steps <<< "$run"
-  args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE")
+  args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE" --dtype "$DTYPE")
   echo "== $run" >&2
   "$TUNE" bench "${args[@]}" --json >> "$OUT"
   "$VENV/bin/python" benches/pytorch_reference.py "${args[@]}" >> "$OUT"

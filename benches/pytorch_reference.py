@@ -197,11 +197,13 @@ def main():
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--impl", choices=["plain", "torchtune"], default="plain")
+    # As `tune bench --dtype`: weights, activations and optimizer state in this dtype.
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     a = p.parse_args()
 
     cfg = json.load(open(os.path.join(HERE, "shapes.json")))[a.shape]
     dev = torch.device(a.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     lora = a.mode == "lora"
     targets = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") if lora else ()
@@ -290,6 +292,7 @@ def main():
         "threads": torch.get_num_threads(),
         "shape": a.shape,
         "mode": a.mode,
+        "dtype": a.dtype,
         "batch_size": a.batch_size,
         "seq_len": a.seq_len,
         "params": params,
