@@ -108,3 +108,36 @@ fn bf16_generation_runs_greedy_from_the_tiny_model() {
     );
     assert!(!String::from_utf8_lossy(&run.stdout).trim().is_empty());
 }
+
+/// Every other training recipe runs in bf16 too (their losses meet fp32 masks and upcast
+/// logits; a dtype mismatch would abort the run), with activation checkpointing on one of them.
+#[test]
+fn bf16_runs_every_training_recipe() {
+    for (recipe, config, extra) in [
+        ("lora_dpo_single_device", "tiny/lora_dpo_single_device", ""),
+        ("full_dpo_single_device", "tiny/full_dpo_single_device", ""),
+        (
+            "knowledge_distillation_single_device",
+            "tiny/kd_lora_single_device",
+            "enable_activation_checkpointing=true",
+        ),
+        ("qat_single_device", "tiny/qat_single_device", ""),
+        (
+            "qat_lora_finetune_single_device",
+            "tiny/qat_lora_single_device",
+            "",
+        ),
+    ] {
+        let out = TempDir::new(&format!("bf16-{recipe}"));
+        let mut args = vec!["dtype=bf16", "max_steps_per_epoch=3", "epochs=1"];
+        if !extra.is_empty() {
+            args.push(extra);
+        }
+        let loss = column(&run_recipe(recipe, config, &out, &args), "loss");
+        assert!(!loss.is_empty(), "{recipe}: no steps logged");
+        assert!(
+            loss.iter().all(|l| l.is_finite()),
+            "{recipe}: bf16 losses {loss:?}"
+        );
+    }
+}
