@@ -21,6 +21,13 @@ pub enum PrecisionError {
         "dtype: fp16 training is not supported (its range overflows without loss scaling); use bf16 or fp32"
     )]
     Fp16Training,
+    #[error(
+        "dtype: {requested} asked for, but this process already created {current} tensors on the device (burn fixes a device's float dtype once per process); run it in a new process"
+    )]
+    AlreadyFixed {
+        requested: &'static str,
+        current: &'static str,
+    },
     #[error("dtype: {dtype} is not supported on this device ({source}); use fp32")]
     Unsupported {
         dtype: &'static str,
@@ -52,8 +59,8 @@ pub fn name(dtype: Dtype) -> &'static str {
 }
 
 /// Makes `dtype` the float dtype of every tensor later created on `device`. Call it before the
-/// first tensor: burn fixes a device's defaults once per process. fp32 is the backends' own
-/// default and sets nothing, so an fp32 run works whatever ran before it in the process.
+/// first tensor: burn fixes a device's defaults once per process, so a second run in the same
+/// process may only ask for the dtype the first one fixed. fp32 is the backends' own default.
 pub fn set_device_dtype<B: Backend>(
     device: &B::Device,
     dtype: Dtype,
@@ -62,13 +69,23 @@ pub fn set_device_dtype<B: Backend>(
     if dtype == Dtype::Fp16 && usage == Use::Training {
         return Err(PrecisionError::Fp16Training);
     }
-    if dtype == Dtype::Fp32 {
-        return Ok(());
-    }
-    match set_default_float_dtype::<B>(device, float_dtype(dtype)) {
-        Ok(()) => Ok(()),
-        // Already fixed to the same dtype (a second run in one process): nothing to change.
-        Err(DeviceError::AlreadyInitialized { .. }) if device_dtype::<B>(device) == dtype => Ok(()),
+    let result = if dtype == Dtype::Fp32 {
+        Ok(())
+    } else {
+        set_default_float_dtype::<B>(device, float_dtype(dtype))
+    };
+    match result {
+        Err(DeviceError::AlreadyInitialized { .. }) | Ok(()) => {
+            let current = device_dtype::<B>(device);
+            if current == dtype {
+                Ok(())
+            } else {
+                Err(PrecisionError::AlreadyFixed {
+                    requested: name(dtype),
+                    current: name(current),
+                })
+            }
+        }
         Err(source) => Err(PrecisionError::Unsupported {
             dtype: name(dtype),
             source,

@@ -135,3 +135,19 @@ fn bf16_run_loads_checkpoints_exactly_rounded() {
         }
     }
 }
+
+/// burn fixes the device's float dtype once per process: asking again for bf16 is fine,
+/// asking for fp32 afterwards is a clear error instead of a silent bf16 run.
+#[test]
+fn the_dtype_is_fixed_once_per_process() {
+    let device = bf16_device();
+    precision::set_device_dtype::<CpuAutodiff>(&device, Dtype::Bf16, Use::Generation).unwrap();
+    let err = precision::set_device_dtype::<CpuAutodiff>(&device, Dtype::Fp32, Use::Training)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fp32 asked for") && err.contains("already created bf16"),
+        "{err}"
+    );
+    assert_eq!(precision::device_dtype::<CpuAutodiff>(&device), Dtype::Bf16);
+}
