@@ -98,6 +98,9 @@ const NFLOAT: Ty = Ty::Nullable(&Ty::Float);
 pub const LORA_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "output_proj"];
 pub const DEVICES: &[&str] = &["cpu", "cuda"];
 pub const DTYPES: &[&str] = &["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"];
+/// Training refuses fp16, as torchtune's recipes do (no loss scaling): `tune validate` says so
+/// before a run starts.
+pub const TRAIN_DTYPES: &[&str] = &["fp32", "bf16", "float32", "bfloat16"];
 
 pub static MODEL: Section = section(
     "model",
@@ -275,7 +278,7 @@ static TRAIN_COMMON: &[Field] = &[
     opt("gradient_accumulation_steps", Ty::UInt),
     opt("clip_grad_norm", NFLOAT),
     opt("device", Ty::Enum(DEVICES)),
-    opt("dtype", Ty::Enum(DTYPES)),
+    opt("dtype", Ty::Enum(TRAIN_DTYPES)),
     opt("enable_activation_checkpointing", Ty::Bool),
     warn(
         "enable_activation_offloading",

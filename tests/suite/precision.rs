@@ -81,13 +81,21 @@ fn fp16_training_is_refused_with_the_fix() {
         &output_dir,
         "dtype=fp16",
     ]);
-    assert!(!run.status.success());
+    assert_eq!(run.status.code(), Some(2), "a config error");
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(
-        stderr.contains("dtype: fp16") && stderr.contains("use bf16 or fp32"),
+        stderr.contains("dtype: expected one of fp32, bf16") && stderr.contains("found `fp16`"),
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    // The library refuses it too, for callers that skip the config schema (`tune bench`).
+    let err = tune::precision::set_device_dtype::<Cpu>(
+        &Default::default(),
+        tune::config::schema::Dtype::Fp16,
+        tune::precision::Use::Training,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("use bf16 or fp32"), "{err}");
 }
 
 #[test]
