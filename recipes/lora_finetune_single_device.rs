@@ -79,7 +79,8 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     // Train.
     let mut loss = SftLoss {
         activation_checkpointing: cfg.enable_activation_checkpointing,
-        ..SftLoss::default()
+        output_chunks: settings::output_chunks(cfg),
+        fake_quant_after: None,
     };
     let (summary, _policy) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;

@@ -80,6 +80,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
     let mut loss = SftLoss {
         fake_quant_after: cfg.fake_quant_after_n_steps,
         activation_checkpointing: cfg.enable_activation_checkpointing,
+        output_chunks: settings::output_chunks(cfg),
     };
     let (summary, _policy) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
     saver.finish()?;

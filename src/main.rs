@@ -69,6 +69,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             lora_rank,
             activation_checkpointing,
             dtype,
+            output_chunks,
             device,
             json,
         } => {
@@ -89,6 +90,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 } else {
                     tune::config::schema::Dtype::Fp32
                 },
+                output_chunks,
             };
             bench(&settings, &device, json)
         }

@@ -20,7 +20,7 @@ use crate::precision;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
 use crate::training::metrics::peak_memory_bytes;
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
-use crate::training::{loss, step};
+use crate::training::{loss, sft, step};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BenchMode {
@@ -42,6 +42,8 @@ pub struct BenchSettings {
     pub activation_checkpointing: bool,
     /// The run's float dtype, as a config's `dtype` (bf16 is what GPU runs use).
     pub dtype: Dtype,
+    /// `loss.num_output_chunks` (chunked output projection and loss when it is frozen).
+    pub output_chunks: usize,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -209,21 +211,28 @@ pub fn run<B: AutodiffBackend>(
             fake_quant: false,
             train: s.mode != BenchMode::Forward,
         };
-        // With activation checkpointing forward and backward interleave: the whole pass is
-        // timed as backward.
-        let checkpointing = s.activation_checkpointing && s.mode != BenchMode::Forward;
-        let (loss_value, parts) = crate::training::activation_checkpointing::loss_and_grads(
-            &model,
-            input,
-            mode,
-            checkpointing,
-            i as u64,
-            1.0,
-            |logits| loss::cross_entropy(logits, &labels),
-        );
+        let (loss_value, parts) = if s.mode == BenchMode::Forward {
+            (
+                loss::cross_entropy(model.forward(input, mode), &labels),
+                None,
+            )
+        } else {
+            // The recipes' SFT step: activation checkpointing and the chunked output as asked.
+            sft::loss_and_grads(
+                &model,
+                input,
+                &labels,
+                mode,
+                (s.activation_checkpointing, s.output_chunks),
+                i as u64,
+                1.0,
+            )
+        };
         // Reading the scalar forces the (eager) computation to finish before timing it.
         let _: f32 = loss_value.clone().into_scalar().elem();
-        let t1 = if checkpointing { t0 } else { Instant::now() };
+        // When the step computed its gradients (checkpointing, chunked output), forward and
+        // backward interleave: the whole pass is timed as backward.
+        let t1 = if parts.is_some() { t0 } else { Instant::now() };
         if s.mode != BenchMode::Forward {
             let parts = parts.unwrap_or_else(|| vec![loss_value.backward()]);
             let mut acc = step::GradAccumulator::<B>::default();
@@ -312,6 +321,7 @@ impl BenchReport {
             "shape": s.shape,
             "mode": format!("{:?}", s.mode).to_lowercase(),
             "dtype": precision::name(s.dtype),
+            "output_chunks": s.output_chunks,
             "batch_size": s.batch_size,
             "seq_len": s.seq_len,
             "params": self.params,

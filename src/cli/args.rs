@@ -137,6 +137,9 @@ pub enum Command {
         /// Float dtype of weights, activations and optimizer state, as a config's `dtype`.
         #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
         dtype: String,
+        /// Row chunks of the output projection and loss, as `loss.num_output_chunks` (1: none).
+        #[arg(long, default_value_t = 8)]
+        output_chunks: usize,
         /// cpu, or cuda in a build with the cuda feature.
         #[arg(long, default_value = "cpu")]
         device: String,

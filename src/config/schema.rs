@@ -212,7 +212,8 @@ pub struct LossConfig {
     pub beta: f64,
     #[serde(default)]
     pub label_smoothing: f64,
-    /// Accepted for torchtune compatibility; chunking does not change the maths.
+    /// Row chunks of the output projection and cross-entropy (memory, not maths; default 8,
+    /// 1 for none): see `training::chunked_loss`.
     pub num_output_chunks: Option<usize>,
     /// `SymmetricKLLoss`: the forward KL's share (torchtune's default 0.5).
     pub sym_kd_ratio: Option<f64>,

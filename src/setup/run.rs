@@ -23,6 +23,14 @@ pub fn seed(cfg: &TrainConfig) -> u64 {
     })
 }
 
+/// `loss.num_output_chunks`, torchtune's default of 8 when the config leaves it out. A plain
+/// `CrossEntropyLoss` chunks too: the chunks change memory, not the maths.
+pub fn output_chunks(cfg: &TrainConfig) -> usize {
+    cfg.loss
+        .num_output_chunks
+        .unwrap_or(crate::training::chunked_loss::DEFAULT_CHUNKS)
+}
+
 pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
     TrainerSettings {
         epochs: cfg.epochs,

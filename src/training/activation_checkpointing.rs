@@ -22,16 +22,17 @@ fn layer_seed(step_seed: u64, layer: usize) -> u64 {
     step_seed ^ (layer as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-/// Forward and backward of `loss_of_logits(model(input)) * weight` with per-layer
-/// recomputation. Returns the (unweighted) loss and one gradient set per backward pass; their
-/// sum is the gradient of the whole model.
+/// Forward and backward of the model under `head`, with per-layer recomputation. `head` gets
+/// the top layer's output as a leaf that requires a gradient, and returns the loss and the
+/// gradient sets of its own backward passes (already weighted), which must include that leaf's
+/// gradient. Returns the loss and one gradient set per backward pass; their sum is the
+/// gradient of the whole model.
 pub fn forward_backward<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
     step_seed: u64,
-    weight: f64,
-    loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
+    head: impl FnOnce(Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
 ) -> (Tensor<B, 1>, Vec<B::Gradients>) {
     let device = model.device();
     let layers = &model.model.layers;
@@ -49,10 +50,11 @@ pub fn forward_backward<B: AutodiffBackend>(
 
     // The head (final norm, projection, loss) with autodiff from the top layer's output.
     let top = Tensor::<B, 3>::from_inner(h).require_grad();
-    let loss = loss_of_logits(model.logits(model.model.norm.forward(top.clone()), mode));
-    let head_grads = (loss.clone() * weight).backward();
-    let mut upstream = top.grad(&head_grads);
-    let mut grads = vec![head_grads];
+    let (loss, mut grads) = head(top.clone());
+    let mut upstream = grads
+        .iter()
+        .filter_map(|g| top.grad(g))
+        .reduce(|a, b| a + b);
 
     // Back through the layers, recomputing each.
     let ctx = model.pass_context::<B>(input, 0, mode, &device);
@@ -90,7 +92,12 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
 ) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
     if checkpointing {
-        let (loss, grads) = forward_backward(model, input, mode, step_seed, weight, loss_of_logits);
+        let head = |top: Tensor<B, 3>| {
+            let loss = loss_of_logits(model.logits(model.model.norm.forward(top), mode));
+            let grads = (loss.clone() * weight).backward();
+            (loss, vec![grads])
+        };
+        let (loss, grads) = forward_backward(model, input, mode, step_seed, head);
         (loss, Some(grads))
     } else {
         (loss_of_logits(model.forward(input, mode)), None)

@@ -2,6 +2,7 @@
 
 pub mod activation_checkpointing;
 pub mod checkpointing;
+pub mod chunked_loss;
 pub mod dpo;
 pub mod grads;
 pub mod kd;

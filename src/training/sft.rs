@@ -1,20 +1,73 @@
 //! The supervised fine-tuning loss step shared by the full, LoRA and QAT recipes: shifted
 //! cross-entropy over the labelled tokens.
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
-use super::{activation_checkpointing, loss};
+use super::{activation_checkpointing, chunked_loss, loss};
 use crate::data::Batch;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct SftLoss {
     /// QAT: fake quantization switches on at this step (`fake_quant_after_n_steps`).
     pub fake_quant_after: Option<usize>,
     /// `enable_activation_checkpointing`: recompute each layer in the backward pass.
     pub activation_checkpointing: bool,
+    /// `loss.num_output_chunks`: the output projection and loss run in this many row chunks
+    /// when the projection is frozen (see [`chunked_loss`]); 1 turns chunking off.
+    pub output_chunks: usize,
+}
+
+impl Default for SftLoss {
+    fn default() -> Self {
+        Self {
+            fake_quant_after: None,
+            activation_checkpointing: false,
+            output_chunks: chunked_loss::DEFAULT_CHUNKS,
+        }
+    }
+}
+
+/// The cross-entropy of a batch and, unless the trainer is to back-propagate the loss itself,
+/// its gradients (`loss * weight`): with per-layer recomputation when `checkpointing`, and
+/// with the output projection in chunks when the batch has rows for more than one chunk and
+/// the projection is frozen.
+pub fn loss_and_grads<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    labels: &[i64],
+    mode: ForwardMode,
+    (checkpointing, output_chunks): (bool, usize),
+    step_seed: u64,
+    weight: f64,
+) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
+    let rows = input.tokens.len();
+    let chunks = chunked_loss::chunk_ranges(rows, output_chunks);
+    if chunks.len() <= 1 || chunked_loss::output_projection_trains(model) {
+        let loss_of_logits = |logits| loss::cross_entropy(logits, labels);
+        return activation_checkpointing::loss_and_grads(
+            model,
+            input,
+            mode,
+            checkpointing,
+            step_seed,
+            weight,
+            loss_of_logits,
+        );
+    }
+    let head =
+        |hidden| chunked_loss::cross_entropy_backward(model, hidden, labels, mode, weight, &chunks);
+    let (loss, grads) = if checkpointing {
+        activation_checkpointing::forward_backward(model, input, mode, step_seed, |top| {
+            head(model.model.norm.forward(top))
+        })
+    } else {
+        head(model.hidden(input, mode, None))
+    };
+    (loss, Some(grads))
 }
 
 pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
@@ -39,15 +92,14 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             train: true,
         };
         let weight = batch.num_trained_tokens;
-        let loss_of_logits = |logits| loss::cross_entropy(logits, &batch.labels);
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        let (loss, grads) = loss_and_grads(
             model,
             token_batch(batch),
+            &batch.labels,
             mode,
-            self.activation_checkpointing,
+            (self.activation_checkpointing, self.output_chunks),
             info.seed,
             weight as f64,
-            loss_of_logits,
         );
         Ok(StepOutput {
             loss,

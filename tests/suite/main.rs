@@ -5,6 +5,7 @@ mod activation_checkpointing;
 mod bench_cli;
 mod checkpoint_errors;
 mod checkpoint_families;
+mod chunked_loss;
 mod common;
 mod config_builtin_configs;
 mod config_torchtune_fixture;
