@@ -6,7 +6,6 @@ use crate::support;
 
 use support::*;
 use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::load_adapter;
 use tune::models::{CausalLm, TokenBatch, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::{activation_checkpointing, loss, step};
@@ -63,12 +62,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
 
 #[test]
 fn lora_gradients_equal_a_plain_backward() {
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-        .unwrap()
-        .model;
-    load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
-    let model = model.set_trainable(Trainable::AdaptersOnly);
+    let model = lora_model();
     // The fixture adapts q, k, v, o, gate and up: A and B for each.
     let adapters = model.args.num_layers * 6 * 2;
     compare_with_plain_backward(model, adapters);

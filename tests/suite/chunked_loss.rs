@@ -6,7 +6,6 @@ use crate::support;
 
 use support::*;
 use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::load_adapter;
 use tune::models::{CausalLm, TokenBatch, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::{activation_checkpointing, chunked_loss, loss, step};
@@ -16,15 +15,6 @@ const MODE: ForwardMode = ForwardMode {
     fake_quant: false,
     train: true,
 };
-
-fn lora_model() -> CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-        .unwrap()
-        .model;
-    load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
-    model.set_trainable(Trainable::AdaptersOnly)
-}
 
 /// Uneven chunks over all rows, so a chunk boundary falls inside a sequence.
 fn uneven_chunks(rows: usize) -> Vec<std::ops::Range<usize>> {

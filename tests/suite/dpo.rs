@@ -11,21 +11,11 @@ use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::{load_adapter, peft_key};
+use tune::checkpoint::peft::peft_key;
 use tune::data::{Batch, Dataset, DatasetKind, DatasetSpec};
-use tune::models::{CausalLm, Trainable};
 use tune::tokenizer::Tokenizer;
 use tune::training::dpo::{DpoLoss, DpoReference, DpoSettings, dpo_loss};
 use tune::training::{LossStep, StepInfo};
-
-fn lora_model() -> CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-        .unwrap()
-        .model;
-    load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
-    model.set_trainable(Trainable::AdaptersOnly)
-}
 
 fn to_peft(name: &str) -> String {
     let (module, which) = name.rsplit_once(".lora.").unwrap();

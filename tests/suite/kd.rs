@@ -9,22 +9,13 @@ use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::{load_adapter, peft_key};
+use tune::checkpoint::peft::peft_key;
 use tune::data::Batch;
 use tune::models::{CausalLm, Trainable};
 use tune::setup::teacher::check_compatible;
 use tune::tokenizer::Tokenizer;
 use tune::training::kd::{KdLoss, KdObjective, forward_kl, reverse_kl, symmetric_kl};
 use tune::training::{LossStep, StepInfo};
-
-fn student() -> CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-        .unwrap()
-        .model;
-    load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
-    model.set_trainable(Trainable::AdaptersOnly)
-}
 
 fn teacher() -> CausalLm<Cpu> {
     let device = Default::default();
@@ -66,7 +57,7 @@ fn scalar(t: &Tensor<CpuAutodiff, 1>) -> HostTensor {
 fn kd_step_matches_torchtune_logits_losses_and_lora_grads() {
     let r = Reference::open("kd.safetensors");
     let batch = reference_batch(&r);
-    let model = student();
+    let model = lora_model();
     let kd_ratio = r.f32("kd_ratio").data[0] as f64;
     let mut step = KdLoss::<CpuAutodiff> {
         teacher: teacher(),
@@ -364,7 +355,7 @@ fn teacher_with_a_peft_adapter_loads_it() {
 fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
     let r = Reference::open("kd.safetensors");
     let batch = reference_batch(&r);
-    let model = student();
+    let model = lora_model();
     let info = StepInfo {
         epoch: 0,
         global_step: 0,

@@ -4,24 +4,11 @@
 use crate::support;
 
 use support::*;
-use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::{
-    AdapterConfig, adapter_state_dict, load_adapter, peft_key, save_adapter,
-};
+use tune::checkpoint::peft::{AdapterConfig, adapter_state_dict, peft_key, save_adapter};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
-use tune::models::{CausalLm, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use tune::training::step;
-
-fn lora_model() -> CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-        .unwrap()
-        .model;
-    load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
-    model.set_trainable(Trainable::AdaptersOnly)
-}
 
 /// Internal module path of an adapter tensor -> its PEFT key.
 fn to_peft(name: &str) -> String {

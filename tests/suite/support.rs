@@ -244,3 +244,14 @@ pub fn assert_logits_and_loss<B: burn::tensor::backend::Backend>(
     );
     loss
 }
+
+/// tiny-llama with the fixture's PEFT adapter, only the adapters trainable.
+pub fn lora_model() -> tune::models::CausalLm<CpuAutodiff> {
+    let device = Default::default();
+    let mut model =
+        tune::checkpoint::hf::load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
+            .unwrap()
+            .model;
+    tune::checkpoint::peft::load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
+    model.set_trainable(tune::models::Trainable::AdaptersOnly)
+}
