@@ -130,11 +130,7 @@ fn lora_dpo_matches_torch() {
 
     let grads = out.loss.backward();
     let named = tune::training::grads::named_grads(&model, &grads);
-    let expected = r
-        .names()
-        .into_iter()
-        .filter(|n| n.starts_with("grad."))
-        .count();
+    let expected = r.grad_count();
     assert_eq!(
         named.len(),
         expected,

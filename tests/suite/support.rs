@@ -37,6 +37,13 @@ impl Reference {
     pub fn names(&self) -> Vec<String> {
         self.0.names()
     }
+    /// How many gradients the reference holds (`grad.<parameter>`).
+    pub fn grad_count(&self) -> usize {
+        self.names()
+            .iter()
+            .filter(|n| n.starts_with("grad."))
+            .count()
+    }
 }
 
 /// Largest |a - b|, after checking the shapes agree.
