@@ -1,76 +1,50 @@
-//! Full fine-tuning on one device (torchtune's `full_finetune_single_device.py`): every
-//! weight trains; each checkpoint is a complete Hugging Face model directory.
+//! Full fine-tuning (torchtune's `full_finetune_single_device.py`, and with several workers
+//! `full_finetune_distributed.py`): every weight trains; each checkpoint is a complete Hugging
+//! Face model directory.
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, model, run as settings};
-use tune::training::checkpointing::{SaveContent, find_resume};
+use tune::setup::{data, model, run as settings, session};
+use tune::training::checkpointing::SaveContent;
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let seed = settings::seed(cfg);
-    let output_dir = settings::checkpoint_dir(cfg);
-    let fingerprint = settings::fingerprint(cfg, seed);
+    let run = settings::start(cfg, ctx.world.clone())?;
 
-    // Model: from the checkpointer, or from the checkpoint being resumed (it holds every weight).
-    let resume = if cfg.resume_from_checkpoint {
-        find_resume(&output_dir, &fingerprint)?
-    } else {
-        None
-    };
-    let loaded = match &resume {
-        Some(r) => {
-            eprintln!(
-                "Resuming from {} at step {}",
-                r.dir.display(),
-                r.state.global_step
-            );
-            load_model::<B>(&r.dir, None, &ctx.device)?
-        }
-        None => model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?,
-    };
-    let storage_dtype = loaded.storage_dtype;
+    // Model: from the checkpointer, or from the checkpoint being resumed.
+    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
-    // Data.
-    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
-    let dataset = data::dataset(
-        &cfg.dataset,
-        &tokenizer,
-        cfg.tokenizer.max_seq_len,
-        &ctx.base_dir,
-    )?;
-    let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
-
-    // Optimizer, schedule, metrics, checkpoints.
-    let (trainer, log_dir) = settings::trainer(cfg, seed, policy, resume, &ctx.device)?;
-    let mut saver = settings::checkpointer(
+    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let seed = run.seed;
+    let session = session::session(
         cfg,
-        ctx.recipe.torchtune_name(),
+        run,
+        policy,
         SaveContent::FullModel,
-        fingerprint,
-        storage_dtype,
+        loaded.storage_dtype,
+        ctx.recipe_name,
+        &ctx.device,
     )?;
-    eprintln!(
-        "Full fine-tuning {} ({} parameters) on {} samples; seed {seed}; metrics in {log_dir}",
-        cfg.checkpointer.checkpoint_dir.display(),
-        trainer.model.args.num_params(),
-        dataset.len(),
-    );
+    session.announce(|| {
+        format!(
+            "Full fine-tuning {} ({} parameters) on {} samples; seed {seed}; metrics in {}",
+            cfg.checkpointer.checkpoint_dir.display(),
+            session.trainer.model.args.num_params(),
+            data.dataset.len(),
+            session.log_dir,
+        )
+    });
 
-    // Train.
     let mut loss = SftLoss {
         activation_checkpointing: cfg.enable_activation_checkpointing,
         output_chunks: settings::output_chunks(cfg),
         fake_quant_after: None,
     };
-    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
-    saver.finish()?;
-    super::report(&summary, saver.last_published.as_ref());
-    super::push_if_configured(cfg.push_to_hub.as_ref(), saver.last_published.as_ref())
+    session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
+    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Knowledge distillation on one device (torchtune's `knowledge_distillation_single_device.py`).
+//! Knowledge distillation (torchtune's `knowledge_distillation_single_device.py`, and with
+//! several workers `knowledge_distillation_distributed.py`).
 //!
 //! A frozen teacher (`teacher_checkpointer`, optionally with a PEFT adapter) runs beside the
 //! student; the student minimises `(1 - kd_ratio) * cross_entropy + kd_ratio * kd_loss`, the
@@ -11,19 +12,15 @@
 use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::checkpoint::hf::load_model;
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, model, run as settings, teacher};
-use tune::training::checkpointing::{SaveContent, find_resume};
+use tune::setup::{data, model, run as settings, session, teacher};
+use tune::training::checkpointing::SaveContent;
 use tune::training::kd::KdLoss;
 
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let seed = settings::seed(cfg);
-    let output_dir = settings::checkpoint_dir(cfg);
-    let fingerprint = settings::fingerprint(cfg, seed);
     let teacher_ckpt = cfg
         .teacher_checkpointer
         .as_ref()
@@ -34,103 +31,63 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         .context("kd_loss: required for distillation")?;
     let objective = teacher::kd_objective(kd_loss_cfg)?;
     let kd_ratio = teacher::kd_ratio(cfg.kd_ratio())?;
-    let lora = model::is_lora(&cfg.model);
-    let resume = if cfg.resume_from_checkpoint {
-        find_resume(&output_dir, &fingerprint)?
-    } else {
-        None
-    };
+    let run = settings::start(cfg, ctx.world.clone())?;
 
-    // Tokenizer first: the teacher is checked against it before any weights load.
-    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
+    // Data first: the teacher is checked against its tokenizer before its weights load.
+    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
 
     // Student: LoRA adapters on the frozen base, or the whole model (from the checkpoint
     // being resumed, which holds every weight).
-    let loaded = match (&resume, lora) {
-        (Some(r), false) => load_model::<B>(&r.dir, None, &ctx.device)?,
-        _ => model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?,
-    };
-    let storage_dtype = loaded.storage_dtype;
-    let mut student = loaded.model;
-    let (content, shape) = if lora {
-        let plan = model::lora_plan(&cfg.model)?;
-        let adapter_config = model::attach_adapters(&mut student, &plan, &cfg.checkpointer, seed)?;
-        if let Some(r) = &resume {
-            tune::checkpoint::peft::load_adapter(&mut student, &r.dir).with_context(|| {
-                format!("loading the adapter to resume from {}", r.dir.display())
-            })?;
-        }
-        let shape = format!(
-            "LoRA rank {}, alpha {}, on {}",
-            plan.settings.rank,
-            plan.settings.alpha,
-            plan.targets.join(", ")
-        );
-        (
-            SaveContent::Adapter {
-                config: adapter_config,
-                merged_model: !cfg.save_adapter_weights_only,
-            },
-            shape,
-        )
+    let (student, storage_dtype, content, shape) = if model::is_lora(&cfg.model) {
+        let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+        let mut student = loaded.model;
+        let (plan, content) = model::lora(&mut student, cfg, &run)?;
+        let student = student.set_trainable(Trainable::AdaptersOnly);
+        let shape = format!("LoRA {}", plan.describe());
+        (student, loaded.storage_dtype, content, shape)
     } else {
-        (
-            SaveContent::FullModel,
-            format!("full, {} parameters", student.args.num_params()),
-        )
+        let loaded =
+            model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
+        let student = loaded.model.set_trainable(Trainable::All);
+        let shape = format!("full, {} parameters", student.args.num_params());
+        (student, loaded.storage_dtype, SaveContent::FullModel, shape)
     };
-    if let Some(r) = &resume {
-        eprintln!(
-            "Resuming from {} at step {}",
-            r.dir.display(),
-            r.state.global_step
-        );
-    }
-    let student = student.set_trainable(if lora {
-        Trainable::AdaptersOnly
-    } else {
-        Trainable::All
-    });
 
     // Teacher: frozen, on the inner backend (no autodiff graph, no optimizer state).
-    let teacher_model =
-        teacher::load::<B::InnerBackend>(teacher_ckpt, &student.args, &tokenizer, &ctx.device)?;
-
-    // Data.
-    let dataset = data::dataset(
-        &cfg.dataset,
-        &tokenizer,
-        cfg.tokenizer.max_seq_len,
-        &ctx.base_dir,
+    let teacher_model = teacher::load::<B::InnerBackend>(
+        teacher_ckpt,
+        &student.args,
+        &data.tokenizer,
+        &ctx.device,
     )?;
-    let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
 
-    // Optimizer, schedule, metrics, checkpoints.
-    let (trainer, log_dir) = settings::trainer(cfg, seed, student, resume, &ctx.device)?;
-    let mut saver = settings::checkpointer(
+    let seed = run.seed;
+    let session = session::session(
         cfg,
-        ctx.recipe.torchtune_name(),
+        run,
+        student,
         content,
-        fingerprint,
         storage_dtype,
+        ctx.recipe_name,
+        &ctx.device,
     )?;
-    eprintln!(
-        "Distilling {} ({} parameters) into {} ({shape}) with {objective:?}, kd_ratio {kd_ratio}, on {} samples; seed {seed}; metrics in {log_dir}",
-        teacher_ckpt.checkpoint_dir.display(),
-        teacher_model.args.num_params(),
-        cfg.checkpointer.checkpoint_dir.display(),
-        dataset.len(),
-    );
+    session.announce(|| {
+        format!(
+            "Distilling {} ({} parameters) into {} ({shape}) with {objective:?}, kd_ratio {kd_ratio}, on {} samples; seed {seed}; metrics in {}",
+            teacher_ckpt.checkpoint_dir.display(),
+            teacher_model.args.num_params(),
+            cfg.checkpointer.checkpoint_dir.display(),
+            data.dataset.len(),
+            session.log_dir,
+        )
+    });
 
-    // Train.
     let mut loss = KdLoss::<B> {
         teacher: teacher_model,
         objective,
         kd_ratio,
         activation_checkpointing: cfg.enable_activation_checkpointing,
     };
-    let (summary, _student) = trainer.fit(&dataset, &loader, &mut loss, &mut saver)?;
-    saver.finish()?;
-    super::report(&summary, saver.last_published.as_ref());
-    super::push_if_configured(cfg.push_to_hub.as_ref(), saver.last_published.as_ref())
+    session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
+    Ok(())
 }

@@ -1,4 +1,5 @@
-//! LoRA DPO on one device (torchtune's `lora_dpo_single_device.py`).
+//! LoRA DPO (torchtune's `lora_dpo_single_device.py`, and with several workers
+//! `lora_dpo_distributed.py`).
 //!
 //! Direct Preference Optimization with LoRA: the base model stays frozen and the adapters
 //! train so that the policy prefers each pair's chosen response over its rejected one, relative
@@ -6,88 +7,54 @@
 //! copy of the weights is held. Output: a PEFT adapter per checkpoint, plus the merged model
 //! in Hugging Face format unless `save_adapter_weights_only: true`.
 
-use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, loss, model, run as settings};
-use tune::training::checkpointing::{SaveContent, find_resume};
+use tune::setup::{data, loss, model, run as settings, session};
 use tune::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let seed = settings::seed(cfg);
-    let output_dir = settings::checkpoint_dir(cfg);
-    let fingerprint = settings::fingerprint(cfg, seed);
+    let run = settings::start(cfg, ctx.world.clone())?;
 
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
     let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
-    let storage_dtype = loaded.storage_dtype;
     let mut policy = loaded.model;
-    let plan = model::lora_plan(&cfg.model)?;
-    let adapter_config = model::attach_adapters(&mut policy, &plan, &cfg.checkpointer, seed)?;
-
-    // Resume: the adapter and optimizer state of the latest complete checkpoint.
-    let resume = if cfg.resume_from_checkpoint {
-        find_resume(&output_dir, &fingerprint)?
-    } else {
-        None
-    };
-    if let Some(r) = &resume {
-        tune::checkpoint::peft::load_adapter(&mut policy, &r.dir)
-            .with_context(|| format!("loading the adapter to resume from {}", r.dir.display()))?;
-        eprintln!(
-            "Resuming from {} at step {}",
-            r.dir.display(),
-            r.state.global_step
-        );
-    }
+    let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(Trainable::AdaptersOnly);
 
     // Data: chosen / rejected pairs.
-    let tokenizer = data::tokenizer(&cfg.tokenizer)?;
-    let dataset = data::dataset(
-        &cfg.dataset,
-        &tokenizer,
-        cfg.tokenizer.max_seq_len,
-        &ctx.base_dir,
-    )?;
-    super::require_preference_data(&dataset)?;
-    let loader = data::loader(&dataset, cfg.batch_size, cfg.shuffle, seed)?;
+    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    data::require_preference_data(&data.dataset)?;
 
     // Loss: DPO against the adapter-free model.
     let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::AdaptersDisabled);
     dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
 
-    // Optimizer, schedule, metrics, checkpoints.
-    let (trainer, log_dir) = settings::trainer(cfg, seed, policy, resume, &ctx.device)?;
-    let content = SaveContent::Adapter {
-        config: adapter_config,
-        merged_model: !cfg.save_adapter_weights_only,
-    };
-    let mut saver = settings::checkpointer(
+    let seed = run.seed;
+    let session = session::session(
         cfg,
-        ctx.recipe.torchtune_name(),
+        run,
+        policy,
         content,
-        fingerprint,
-        storage_dtype,
+        loaded.storage_dtype,
+        ctx.recipe_name,
+        &ctx.device,
     )?;
-    eprintln!(
-        "LoRA DPO of {} (rank {}, alpha {}, on {}; beta {}) on {} pairs; seed {seed}; metrics in {log_dir}",
-        cfg.checkpointer.checkpoint_dir.display(),
-        plan.settings.rank,
-        plan.settings.alpha,
-        plan.targets.join(", "),
-        dpo.settings.beta,
-        dataset.len(),
-    );
+    session.announce(|| {
+        format!(
+            "LoRA DPO of {} ({}; beta {}) on {} pairs; seed {seed}; metrics in {}",
+            cfg.checkpointer.checkpoint_dir.display(),
+            plan.describe(),
+            dpo.settings.beta,
+            data.dataset.len(),
+            session.log_dir,
+        )
+    });
 
-    // Train.
-    let (summary, _policy) = trainer.fit(&dataset, &loader, &mut dpo, &mut saver)?;
-    saver.finish()?;
-    super::report(&summary, saver.last_published.as_ref());
+    session.fit(&data, &mut dpo, cfg.push_to_hub.as_ref())?;
     Ok(())
 }

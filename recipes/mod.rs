@@ -17,16 +17,21 @@ use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::recipes::Recipe;
 use tune::config::schema::RecipeConfig;
+use tune::distributed::{World, sync};
 use tune::precision;
 
 /// What every recipe gets besides its typed config.
 pub struct RunContext<B: AutodiffBackend> {
-    pub recipe: Recipe,
+    /// torchtune's script name the run was started as (`lora_finetune_distributed`, ...),
+    /// recorded in every checkpoint.
+    pub recipe_name: &'static str,
     pub device: B::Device,
     /// The resolved config as YAML, saved beside the outputs.
     pub resolved_yaml: String,
     /// Where relative dataset paths resolve from.
     pub base_dir: PathBuf,
+    /// This worker among the data-parallel workers; a world of one on one device.
+    pub world: World,
 }
 
 pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
@@ -34,16 +39,33 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
         RecipeConfig::Train(recipe, cfg) => {
             // Before any tensor exists: bf16 becomes the device's float dtype.
             precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
-            if cfg.dtype != tune::config::schema::Dtype::Fp32 {
-                eprintln!(
-                    "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
-                    precision::name(cfg.dtype)
-                );
+            if ctx.world.is_main() {
+                if cfg.dtype != tune::config::schema::Dtype::Fp32 {
+                    eprintln!(
+                        "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
+                        precision::name(cfg.dtype)
+                    );
+                }
+                // The resolved config beside the outputs, as torchtune saves it.
+                std::fs::create_dir_all(&cfg.output_dir)?;
+                std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
             }
-            // The resolved config beside the outputs, as torchtune saves it.
-            std::fs::create_dir_all(&cfg.output_dir)?;
-            std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
-            match recipe {
+            // Every worker joins before training; nodes started with another config or
+            // another tune would train different things, so they are refused here.
+            ctx.world.join::<B::InnerBackend>(&ctx.device)?;
+            sync::check_same::<B::InnerBackend>(
+                &ctx.world,
+                &ctx.device,
+                "tune version",
+                sync::hash64(env!("CARGO_PKG_VERSION").as_bytes()),
+            )?;
+            sync::check_same::<B::InnerBackend>(
+                &ctx.world,
+                &ctx.device,
+                "config",
+                sync::hash64(ctx.resolved_yaml.as_bytes()),
+            )?;
+            let outcome = match recipe {
                 Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
                 Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
                 Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx),
@@ -57,55 +79,12 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                     "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                     other.torchtune_name()
                 ),
+            };
+            if outcome.is_ok() {
+                ctx.world.leave::<B::InnerBackend>();
             }
+            outcome
         }
         RecipeConfig::Generate(cfg) => generate::run(cfg, ctx),
     }
-}
-
-/// The DPO recipes train on chosen / rejected pairs; an SFT dataset has no rejected side.
-pub fn require_preference_data(dataset: &tune::data::Dataset) -> anyhow::Result<()> {
-    match dataset.samples() {
-        tune::data::Samples::Preference(_) => Ok(()),
-        _ => anyhow::bail!(
-            "dataset: DPO trains on preference pairs, but this dataset has no chosen/rejected responses; use \
-             torchtune.datasets.preference_dataset, hh_rlhf_helpful_dataset or stack_exchange_paired_dataset"
-        ),
-    }
-}
-
-/// The closing lines of a training run.
-pub fn report(
-    summary: &tune::training::trainer::TrainSummary,
-    last: Option<&tune::checkpoint_client::PublishedCheckpoint>,
-) {
-    let first = summary.losses.first().copied().unwrap_or(f64::NAN);
-    let last_loss = summary.losses.last().copied().unwrap_or(f64::NAN);
-    eprintln!(
-        "Trained {} steps ({} tokens): loss {first:.4} -> {last_loss:.4}",
-        summary.state.global_step, summary.state.tokens_seen
-    );
-    if let Some(p) = last {
-        eprintln!("Saved {}", p.dir.display());
-    }
-}
-
-/// `push_to_hub: {repo_id, private}`: uploads the final checkpoint when the run finishes.
-pub fn push_if_configured(
-    push: Option<&tune::config::schema::PushToHub>,
-    last: Option<&tune::checkpoint_client::PublishedCheckpoint>,
-) -> anyhow::Result<()> {
-    let (Some(push), Some(last)) = (push, last) else {
-        return Ok(());
-    };
-    let report = tune::hub::push(tune::hub::PushOptions {
-        dir: last.dir.clone(),
-        repo_id: push.repo_id.clone(),
-        private: push.private,
-        commit_message: Some(format!("Upload {} trained with tune", last.name)),
-        progress: true,
-        ..Default::default()
-    })?;
-    eprintln!("Pushed {} to {}", last.dir.display(), report.repo_url);
-    Ok(())
 }

@@ -12,6 +12,8 @@ use clap::Parser;
 use tune::cli::{Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
+use tune::distributed::World;
+use tune::distributed::launch::{LaunchError, LaunchPlan, run_workers};
 
 // A training step allocates and frees the same activation buffers every time. mimalloc
 // reuses them from thread-local pages instead of going back to glibc's arenas and the
@@ -56,10 +58,22 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             no_verify,
         } => commands::checkpoints(&output_dir, !no_verify, &mut out),
         Command::Run {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            rdzv_endpoint,
             recipe,
             config,
             overrides,
-        } => run(&recipe, &config, &overrides),
+        } => {
+            let launch = LaunchPlan {
+                nproc_per_node,
+                nnodes,
+                node_rank,
+                rdzv_endpoint,
+            };
+            run(&launch, &recipe, &config, &overrides)
+        }
         Command::Bench {
             shape,
             mode,
@@ -163,36 +177,98 @@ fn dispatch(command: Command) -> Result<(), CliError> {
     }
 }
 
-fn run(recipe: &str, config: &str, overrides: &[String]) -> Result<(), CliError> {
+fn run(
+    launch: &LaunchPlan,
+    recipe: &str,
+    config: &str,
+    overrides: &[String],
+) -> Result<(), CliError> {
     let (typed, resolved) = commands::resolve(recipe, config, overrides)?;
+    let distributed = tune::config::recipes::is_distributed_name(recipe);
+    let recipe_kind = typed.recipe();
+    if launch.is_distributed() && !distributed {
+        // torchtune refuses the same way: only its *_distributed scripts take torchrun flags.
+        return Err(CliError::bad(match recipe_kind.info().distributed {
+            Some(name) => anyhow!(
+                "{recipe} runs on one device; with --nproc_per_node or --nnodes use {name}"
+            ),
+            None => anyhow!("{recipe} does not support distributed runs; run it without --nproc_per_node and --nnodes"),
+        }));
+    }
+    let worlds = launch.worlds().map_err(CliError::bad)?;
     let device = match &typed {
         RecipeConfig::Train(_, t) => t.device,
         RecipeConfig::Generate(g) => g.device,
     };
     let base_dir = std::env::current_dir().map_err(CliError::failed)?;
-    let yaml = resolved.to_yaml_string();
-    match device.unwrap_or(default_device()) {
+    let job = std::sync::Arc::new(Job {
+        typed,
+        yaml: resolved.to_yaml_string(),
+        base_dir,
+        recipe_name: recipe_kind.script_name(distributed),
+    });
+    if launch.is_distributed() {
+        eprintln!(
+            "Launching {} with {} workers ({} on this node, node {} of {})",
+            job.recipe_name,
+            launch.world_size(),
+            launch.nproc_per_node,
+            launch.node_rank,
+            launch.nnodes
+        );
+    }
+    let outcome = match device.unwrap_or(default_device()) {
         Device::Cpu => {
-            let dtype = match &typed {
-                RecipeConfig::Train(_, t) => t.dtype,
-                RecipeConfig::Generate(g) => g.dtype,
-            };
-            if dtype == tune::config::schema::Dtype::Bf16 {
+            if job.dtype() == tune::config::schema::Dtype::Bf16 {
                 // Measured (BENCHMARKS.md): 2x the step time of fp32 on the CPU backend.
                 eprintln!(
                     "note: bf16 on the CPU backend converts every matmul through fp32: about twice the step time of fp32, with memory saved only on weights, gradients and optimizer state; use it to check a GPU config, fp32 for CPU runs"
                 );
             }
-            type B = burn::backend::Autodiff<burn::backend::Flex>;
-            let ctx = recipes::RunContext::<B> {
-                recipe: typed.recipe(),
-                device: Default::default(),
-                resolved_yaml: yaml,
-                base_dir,
-            };
-            recipes::run(&typed, &ctx).map_err(CliError::failed)
+            run_workers(worlds, move |world| {
+                job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), world)
+            })
         }
-        Device::Cuda => run_cuda(&typed, yaml, base_dir),
+        Device::Cuda => run_cuda(job, worlds)?,
+    };
+    outcome.map_err(|e| match e {
+        // One worker: its own error, as a single-device run reports it.
+        LaunchError::Worker { message, .. } if !launch.is_distributed() => {
+            CliError::failed(anyhow!(message))
+        }
+        other => CliError::failed(other),
+    })
+}
+
+/// What every worker of a run needs: the validated config and where it came from.
+struct Job {
+    typed: RecipeConfig,
+    yaml: String,
+    base_dir: std::path::PathBuf,
+    recipe_name: &'static str,
+}
+
+impl Job {
+    fn dtype(&self) -> tune::config::schema::Dtype {
+        match &self.typed {
+            RecipeConfig::Train(_, t) => t.dtype,
+            RecipeConfig::Generate(g) => g.dtype,
+        }
+    }
+
+    fn run<B: burn::tensor::backend::AutodiffBackend>(
+        &self,
+        device: B::Device,
+        world: World,
+    ) -> anyhow::Result<()> {
+        let ctx = recipes::RunContext::<B> {
+            recipe_name: self.recipe_name,
+            device,
+            resolved_yaml: self.yaml.clone(),
+            base_dir: self.base_dir.clone(),
+            world,
+        };
+        recipes::run(&self.typed, &ctx)
     }
 }
 
@@ -207,22 +283,22 @@ fn default_device() -> Device {
 
 #[cfg(feature = "cuda")]
 fn run_cuda(
-    typed: &RecipeConfig,
-    yaml: String,
-    base_dir: std::path::PathBuf,
-) -> Result<(), CliError> {
+    job: std::sync::Arc<Job>,
+    worlds: Vec<World>,
+) -> Result<Result<(), LaunchError>, CliError> {
     type B = burn::backend::Autodiff<burn::backend::Cuda>;
-    let ctx = recipes::RunContext::<B> {
-        recipe: typed.recipe(),
-        device: Default::default(),
-        resolved_yaml: yaml,
-        base_dir,
-    };
-    recipes::run(typed, &ctx).map_err(CliError::failed)
+    Ok(run_workers(worlds, move |world| {
+        // One CUDA device per worker of this node: its local rank.
+        let device = burn::backend::cuda::CudaDevice::new(world.rank % world.local_size);
+        job.run::<B>(device, world)
+    }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &RecipeConfig, _: String, _: std::path::PathBuf) -> Result<(), CliError> {
+fn run_cuda(
+    _: std::sync::Arc<Job>,
+    _: Vec<World>,
+) -> Result<Result<(), LaunchError>, CliError> {
     Err(CliError::bad(anyhow!(
         "device: cuda, but this tune was built without CUDA support; rebuild with `cargo install --path . --features cuda` (or set device=cpu)"
     )))

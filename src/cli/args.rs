@@ -54,11 +54,24 @@ pub enum Command {
         #[arg(long)]
         recipe: Option<String>,
     },
-    /// Run a recipe with a config and optional key=value overrides.
+    /// Run a recipe with a config and optional key=value overrides; with --nproc_per_node or
+    /// --nnodes, a `*_distributed` recipe on several data-parallel workers.
     #[command(
-        after_help = "Examples:\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune run full_finetune_single_device --config my.yaml epochs=2 optimizer.lr=2e-5 ~lr_scheduler\n  tune run generate --config tiny/generation prompt.user=\"Tell me a joke\" max_new_tokens=32"
+        after_help = "Examples:\n  tune run lora_finetune_single_device --config tiny/lora_single_device\n  tune run full_finetune_single_device --config my.yaml epochs=2 optimizer.lr=2e-5 ~lr_scheduler\n  tune run generate --config tiny/generation prompt.user=\"Tell me a joke\" max_new_tokens=32\n  tune run --nproc_per_node 2 lora_finetune_distributed --config tiny/lora\n\nSeveral machines (one `tune run` each, the same config and tune version everywhere):\n  node 0: tune run --nnodes 2 --node_rank 0 --rdzv_endpoint host0:29500 --nproc_per_node 8 lora_finetune_distributed --config llama3_1/8B_lora\n  node 1: tune run --nnodes 2 --node_rank 1 --rdzv_endpoint host0:29500 --nproc_per_node 8 lora_finetune_distributed --config llama3_1/8B_lora\n\nRanks are node_rank * nproc_per_node + local rank; every rank trains on its share of each global batch of nproc_per_node * nnodes * batch_size samples, and rank 0 logs and saves."
     )]
     Run {
+        /// Workers on this machine: one per CUDA device (0..N-1), or N workers sharing the CPU.
+        #[arg(long = "nproc_per_node", alias = "nproc-per-node", default_value_t = 1)]
+        nproc_per_node: usize,
+        /// Machines taking part, one `tune run` on each.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This machine's index, 0..nnodes-1; node 0 hosts the rendezvous.
+        #[arg(long = "node_rank", alias = "node-rank", default_value_t = 0)]
+        node_rank: usize,
+        /// HOST:PORT of node 0's rendezvous (needed with --nnodes above 1).
+        #[arg(long = "rdzv_endpoint", alias = "rdzv-endpoint")]
+        rdzv_endpoint: Option<String>,
         /// Recipe name (`tune ls` lists them; torchtune's names work).
         recipe: String,
         /// Built-in config name or YAML file.

@@ -8,6 +8,8 @@ pub struct BuiltinConfig {
     /// `<family>/<name>` without `.yaml`, e.g. `llama3_2/1B_lora_single_device`.
     pub name: &'static str,
     pub recipe: Recipe,
+    /// A config for the recipe's `*_distributed` script (torchtune's multi-device configs).
+    pub distributed: bool,
     pub yaml: &'static str,
 }
 
@@ -16,6 +18,15 @@ macro_rules! builtin {
         BuiltinConfig {
             name: $name,
             recipe: Recipe::$recipe,
+            distributed: false,
+            yaml: include_str!(concat!("../../configs/", $name, ".yaml")),
+        }
+    };
+    ($name:literal, $recipe:ident, distributed) => {
+        BuiltinConfig {
+            name: $name,
+            recipe: Recipe::$recipe,
+            distributed: true,
             yaml: include_str!(concat!("../../configs/", $name, ".yaml")),
         }
     };
@@ -84,10 +95,11 @@ mod tests {
             // Like torchtune, the first line says which recipe the config is for.
             let first = b.yaml.lines().next().unwrap_or_default();
             assert!(
-                first.starts_with("# Config for") && first.contains(b.recipe.torchtune_name()),
+                first.starts_with("# Config for")
+                    && first.contains(b.recipe.script_name(b.distributed)),
                 "{}: first line `{first}` must name {}",
                 b.name,
-                b.recipe.torchtune_name()
+                b.recipe.script_name(b.distributed)
             );
         }
         assert_eq!(

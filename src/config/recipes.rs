@@ -1,5 +1,7 @@
-//! Recipe names. `tune` has short canonical names; torchtune's
-//! `*_single_device` names (with or without `.py`) are accepted as aliases.
+//! Recipe names. `tune` has short canonical names; torchtune's `*_single_device` and
+//! `*_distributed` names (with or without `.py`) are accepted as aliases. A distributed recipe
+//! is its single-device recipe run by several data-parallel workers, so both names lead to
+//! one [`Recipe`]; [`is_distributed_name`] tells which was asked for.
 
 use std::fmt;
 
@@ -21,6 +23,8 @@ pub struct RecipeInfo {
     pub recipe: Recipe,
     pub name: &'static str,
     pub aliases: &'static [&'static str],
+    /// torchtune's `*_distributed` name, for recipes that train.
+    pub distributed: Option<&'static str>,
     pub description: &'static str,
 }
 
@@ -29,36 +33,42 @@ pub static RECIPES: &[RecipeInfo] = &[
         recipe: Recipe::FullFinetune,
         name: "full_finetune",
         aliases: &["full_finetune_single_device"],
+        distributed: Some("full_finetune_distributed"),
         description: "Full fine-tuning of every weight (SFT)",
     },
     RecipeInfo {
         recipe: Recipe::LoraFinetune,
         name: "lora_finetune",
         aliases: &["lora_finetune_single_device"],
+        distributed: Some("lora_finetune_distributed"),
         description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
     },
     RecipeInfo {
         recipe: Recipe::LoraDpo,
         name: "lora_dpo",
         aliases: &["lora_dpo_single_device"],
+        distributed: Some("lora_dpo_distributed"),
         description: "DPO preference alignment with LoRA (reference = adapters disabled)",
     },
     RecipeInfo {
         recipe: Recipe::FullDpo,
         name: "full_dpo",
         aliases: &["full_dpo_single_device"],
+        distributed: Some("full_dpo_distributed"),
         description: "DPO preference alignment of every weight against a frozen reference",
     },
     RecipeInfo {
         recipe: Recipe::Qat,
         name: "qat",
         aliases: &["qat_single_device"],
+        distributed: Some("qat_distributed"),
         description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
     },
     RecipeInfo {
         recipe: Recipe::QatLora,
         name: "qat_lora",
         aliases: &["qat_lora_finetune_single_device"],
+        distributed: Some("qat_lora_finetune_distributed"),
         description: "Quantization-aware LoRA fine-tuning",
     },
     RecipeInfo {
@@ -69,12 +79,14 @@ pub static RECIPES: &[RecipeInfo] = &[
             "kd_single_device",
             "kd",
         ],
+        distributed: Some("knowledge_distillation_distributed"),
         description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
     },
     RecipeInfo {
         recipe: Recipe::Generate,
         name: "generate",
         aliases: &[],
+        distributed: None,
         description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
     },
 ];
@@ -94,6 +106,14 @@ impl Recipe {
     /// torchtune's script name for this recipe (used in config header comments).
     pub fn torchtune_name(self) -> &'static str {
         self.info().aliases.first().copied().unwrap_or(self.name())
+    }
+
+    /// torchtune's script name for this recipe with `distributed` workers or on one device.
+    pub fn script_name(self, distributed: bool) -> &'static str {
+        match (distributed, self.info().distributed) {
+            (true, Some(name)) => name,
+            _ => self.torchtune_name(),
+        }
     }
 
     pub fn is_training(self) -> bool {
@@ -135,15 +155,16 @@ pub struct UnknownRecipe {
 /// Finds a recipe by canonical name or torchtune alias; a `.py` suffix is ignored.
 pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
     let bare = name.trim().trim_end_matches(".py");
-    if let Some(info) = RECIPES
-        .iter()
-        .find(|r| r.name == bare || r.aliases.contains(&bare))
-    {
+    if let Some(info) = RECIPES.iter().find(|r| {
+        r.name == bare || r.aliases.contains(&bare) || r.distributed == Some(bare)
+    }) {
         return Ok(info.recipe);
     }
-    let all = RECIPES
-        .iter()
-        .flat_map(|r| std::iter::once(&r.name).chain(r.aliases));
+    let all = RECIPES.iter().flat_map(|r| {
+        std::iter::once(&r.name)
+            .chain(r.aliases)
+            .chain(r.distributed.iter())
+    });
     let hint = suggest::did_you_mean(&suggest::similar(bare, all.copied()));
     Err(UnknownRecipe {
         name: name.to_string(),
@@ -158,6 +179,12 @@ pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
             .collect::<Vec<_>>()
             .join(", "),
     })
+}
+
+/// Whether `name` is one of torchtune's `*_distributed` recipe names.
+pub fn is_distributed_name(name: &str) -> bool {
+    let bare = name.trim().trim_end_matches(".py");
+    RECIPES.iter().any(|r| r.distributed == Some(bare))
 }
 
 #[cfg(test)]
@@ -183,6 +210,15 @@ mod tests {
             Recipe::QatLora.torchtune_name(),
             "qat_lora_finetune_single_device"
         );
+        assert_eq!(find("lora_finetune_distributed"), Ok(Recipe::LoraFinetune));
+        assert_eq!(
+            find("knowledge_distillation_distributed.py"),
+            Ok(Recipe::KnowledgeDistillation)
+        );
+        assert!(is_distributed_name("full_dpo_distributed"));
+        assert!(!is_distributed_name("full_dpo_single_device"));
+        assert_eq!(Recipe::Qat.script_name(true), "qat_distributed");
+        assert_eq!(Recipe::Generate.script_name(true), "generate");
     }
 
     #[test]

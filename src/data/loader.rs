@@ -5,6 +5,12 @@
 //! `drop_last` defaults to true, as torchtune's recipes build their `DataLoader`s. An epoch's
 //! batches are plain index lists, so resuming at batch `k` of epoch `e` is
 //! `batches_for_epoch(e)[k..]`, with no data replayed.
+//!
+//! With several data-parallel ranks the epoch order is split as torch's `DistributedSampler`
+//! splits it (torchtune's distributed recipes use it with its default `drop_last=False`): the
+//! order is padded by repeating its start to a multiple of the world size, and rank `r` takes
+//! every W-th index from `r`; each rank then batches its share. Batch `k` of all ranks together
+//! holds exactly the samples of batch `k` of one device with a W times larger batch size.
 use super::error::{DataError, Result};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -61,11 +67,17 @@ impl DataLoader {
 
     /// Batches per epoch.
     pub fn num_batches(&self) -> usize {
+        self.num_batches_per_rank(1)
+    }
+
+    /// Batches per epoch of each of `world` ranks.
+    pub fn num_batches_per_rank(&self, world: usize) -> usize {
         let b = self.config.batch_size;
+        let share = self.num_samples.div_ceil(world.max(1));
         if self.config.drop_last {
-            self.num_samples / b
+            share / b
         } else {
-            self.num_samples.div_ceil(b)
+            share.div_ceil(b)
         }
     }
 
@@ -81,11 +93,84 @@ impl DataLoader {
 
     /// The sample indices of every batch of `epoch`, in order.
     pub fn batches_for_epoch(&self, epoch: u64) -> Vec<Vec<usize>> {
-        let n = self.num_batches();
-        self.epoch_order(epoch)
+        self.rank_batches(epoch, 0, 1)
+    }
+
+    /// The sample indices of every batch of `epoch` that rank `rank` of `world` trains on.
+    pub fn rank_batches(&self, epoch: u64, rank: usize, world: usize) -> Vec<Vec<usize>> {
+        let world = world.max(1);
+        let n = self.num_batches_per_rank(world);
+        let order = self.epoch_order(epoch);
+        let share: Vec<usize> = if world == 1 {
+            order
+        } else {
+            let total = self.num_samples.div_ceil(world) * world;
+            (rank..total)
+                .step_by(world)
+                .filter_map(|i| order.get(i % order.len().max(1)).copied())
+                .collect()
+        };
+        share
             .chunks(self.config.batch_size)
             .take(n)
             .map(<[usize]>::to_vec)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loader(n: usize, batch_size: usize) -> DataLoader {
+        DataLoader::new(
+            n,
+            LoaderConfig {
+                batch_size,
+                shuffle: true,
+                seed: 7,
+                drop_last: true,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn ranks_together_hold_the_single_device_batch_of_world_times_the_size() {
+        let one = loader(40, 6);
+        let ranks = loader(40, 3);
+        for epoch in 0..3 {
+            let single = one.batches_for_epoch(epoch);
+            let r0 = ranks.rank_batches(epoch, 0, 2);
+            let r1 = ranks.rank_batches(epoch, 1, 2);
+            for (k, batch) in single.iter().enumerate() {
+                let mut joined: Vec<usize> = r0[k].iter().chain(&r1[k]).copied().collect();
+                let mut want = batch.clone();
+                joined.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(joined, want, "epoch {epoch} batch {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn uneven_data_is_padded_from_the_start_like_distributed_sampler() {
+        // torch: DistributedSampler(range(5), num_replicas=2, rank=r, shuffle=False)
+        // yields [0, 2, 4] and [1, 3, 0].
+        let l = DataLoader::new(
+            5,
+            LoaderConfig {
+                batch_size: 1,
+                shuffle: false,
+                seed: 0,
+                drop_last: true,
+            },
+        )
+        .unwrap();
+        let flat = |r| l.rank_batches(0, r, 2).concat();
+        assert_eq!(flat(0), [0, 2, 4]);
+        assert_eq!(flat(1), [1, 3, 0]);
+        assert_eq!(l.num_batches_per_rank(2), 3);
+        assert_eq!(l.rank_batches(0, 0, 1), l.batches_for_epoch(0));
     }
 }

@@ -135,3 +135,37 @@ fn fetch_if_hub(spec: &mut DatasetSpec) -> Result<(), SetupError> {
     ));
     Ok(())
 }
+
+/// The tokenizer, the dataset and this rank's loader, as every training recipe builds them.
+pub fn train_data(
+    cfg: &crate::config::schema::TrainConfig,
+    run: &super::run::RunStart,
+    base_dir: &Path,
+) -> Result<super::session::TrainData, SetupError> {
+    let tokenizer = tokenizer(&cfg.tokenizer)?;
+    let dataset = dataset(
+        &cfg.dataset,
+        &tokenizer,
+        cfg.tokenizer.max_seq_len,
+        base_dir,
+    )?;
+    let loader = loader(&dataset, cfg.batch_size, cfg.shuffle, run.seed)?;
+    Ok(super::session::TrainData {
+        tokenizer,
+        dataset,
+        loader,
+    })
+}
+
+/// The DPO recipes train on chosen / rejected pairs; an SFT dataset has no rejected side.
+pub fn require_preference_data(dataset: &Dataset) -> Result<(), SetupError> {
+    match dataset.samples() {
+        data::Samples::Preference(_) => Ok(()),
+        _ => Err(SetupError::Invalid {
+            key: "dataset".into(),
+            message: "DPO trains on preference pairs, but this dataset has no chosen/rejected responses; use \
+                      torchtune.datasets.preference_dataset, hh_rlhf_helpful_dataset or stack_exchange_paired_dataset"
+                .into(),
+        }),
+    }
+}

@@ -8,6 +8,7 @@ pub mod model;
 pub mod optim;
 pub mod quant;
 pub mod run;
+pub mod session;
 pub mod teacher;
 
 use std::path::PathBuf;
@@ -33,6 +34,8 @@ pub enum SetupError {
     Invalid { key: String, message: String },
     #[error(transparent)]
     Quant(#[from] quant::QuantError),
+    #[error(transparent)]
+    Train(#[from] crate::training::TrainError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -183,3 +183,55 @@ pub fn adapter_dir(checkpoint_dir: &Path, adapter: &str) -> std::path::PathBuf {
         path
     }
 }
+
+/// The weights a full-weight recipe trains: the checkpoint being resumed (it holds every
+/// weight) when there is one, else the checkpointer's.
+pub fn load_or_resume<B: Backend>(
+    cfg: &CheckpointerConfig,
+    resume: Option<&crate::training::checkpointing::Resume>,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, SetupError> {
+    match resume {
+        Some(r) => load_model::<B>(&r.dir, None, device).map_err(|source| SetupError::Model {
+            key: "resume_from_checkpoint",
+            source,
+        }),
+        None => load(cfg, "checkpointer", device),
+    }
+}
+
+/// A LoRA recipe's adapters: attached per the `model` section (or loaded from
+/// `checkpointer.adapter_checkpoint`), then, when resuming, the checkpoint's adapter weights.
+/// Returns the plan and what each checkpoint saves (the PEFT adapter, plus the merged model
+/// unless `save_adapter_weights_only`).
+pub fn lora<B: Backend>(
+    model: &mut CausalLm<B>,
+    cfg: &crate::config::schema::TrainConfig,
+    run: &super::run::RunStart,
+) -> Result<(LoraPlan, crate::training::checkpointing::SaveContent), SetupError> {
+    let plan = lora_plan(&cfg.model)?;
+    let config = attach_adapters(model, &plan, &cfg.checkpointer, run.seed)?;
+    if let Some(r) = &run.resume {
+        peft::load_adapter(model, &r.dir).map_err(|source| SetupError::Checkpoint {
+            key: "resume_from_checkpoint",
+            source,
+        })?;
+    }
+    let content = crate::training::checkpointing::SaveContent::Adapter {
+        config,
+        merged_model: !cfg.save_adapter_weights_only,
+    };
+    Ok((plan, content))
+}
+
+impl LoraPlan {
+    /// "rank 8, alpha 16, on q_proj, v_proj", for start-up lines.
+    pub fn describe(&self) -> String {
+        format!(
+            "rank {}, alpha {}, on {}",
+            self.settings.rank,
+            self.settings.alpha,
+            self.targets.join(", ")
+        )
+    }
+}

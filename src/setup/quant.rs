@@ -3,7 +3,7 @@
 //! (every projection of every layer; never the output projection, tied or not).
 
 use crate::config::components::{Component, QuantizerKind};
-use crate::config::schema::QuantizerConfig;
+use crate::config::schema::{QuantizerConfig, TrainConfig};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use burn::tensor::backend::Backend;
@@ -103,4 +103,11 @@ fn set_all<B: Backend>(model: &mut CausalLm<B>, scheme: QuantScheme) -> Vec<Stri
             path
         })
         .collect()
+}
+
+/// " (fake quantization from step N)" when `fake_quant_after_n_steps` delays it, for start-up
+/// lines.
+pub fn delay_note(cfg: &TrainConfig) -> String {
+    cfg.fake_quant_after_n_steps
+        .map_or(String::new(), |n| format!(" (fake quantization from step {n})"))
 }

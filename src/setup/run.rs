@@ -1,5 +1,6 @@
-//! Settings every training recipe derives the same way from its config: the trainer loop,
-//! the seed, the resume fingerprint, the checkpoint layout.
+//! What every training recipe derives the same way from its config before its own choices:
+//! the seed, the output directory, the resume fingerprint and the checkpoint to resume
+//! ([`start`]), the trainer loop settings, the checkpoint layout.
 
 use std::path::PathBuf;
 
@@ -7,7 +8,8 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::schema::TrainConfig;
 use crate::models::CausalLm;
-use crate::training::checkpointing::{Resume, RunFingerprint};
+use crate::distributed::World;
+use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
 use crate::training::optimizer::Optimizer;
 use crate::training::{TrainState, Trainer, TrainerSettings};
 
@@ -53,9 +55,62 @@ pub fn checkpoint_dir(cfg: &TrainConfig) -> PathBuf {
         .unwrap_or_else(|| cfg.output_dir.clone())
 }
 
+/// The prologue every training recipe shares.
+pub struct RunStart {
+    pub seed: u64,
+    /// Where checkpoints go ([`checkpoint_dir`]).
+    pub output_dir: PathBuf,
+    pub fingerprint: RunFingerprint,
+    /// The latest complete checkpoint, when `resume_from_checkpoint` is set and one exists.
+    pub resume: Option<Resume>,
+    pub world: World,
+}
+
+impl RunStart {
+    /// Prints on rank 0 only: one line per run, not one per worker.
+    pub fn announce(&self, line: impl FnOnce() -> String) {
+        if self.world.is_main() {
+            eprintln!("{}", line());
+        }
+    }
+}
+
+/// Seed, output directory, fingerprint and, with `resume_from_checkpoint`, the checkpoint to
+/// resume from, checked against this run's fingerprint. Every rank reads the same checkpoint;
+/// rank 0 alone tidies partial ones away.
+pub fn start(cfg: &TrainConfig, world: World) -> Result<RunStart, SetupError> {
+    let seed = seed(cfg);
+    let output_dir = checkpoint_dir(cfg);
+    let fingerprint = fingerprint(cfg, seed, world.size);
+    let resume = if cfg.resume_from_checkpoint {
+        find_resume(&output_dir, &fingerprint, world.is_main())?
+    } else {
+        None
+    };
+    let run = RunStart {
+        seed,
+        output_dir,
+        fingerprint,
+        resume,
+        world,
+    };
+    if let Some(r) = &run.resume {
+        run.announce(|| {
+            format!(
+                "Resuming from {} at step {}",
+                r.dir.display(),
+                r.state.global_step
+            )
+        });
+    }
+    Ok(run)
+}
+
 /// What a resumed run must share with its checkpoint: the model, its adapters, the data and
-/// how it is batched, the optimizer, the seed. Step limits and logging may change.
-pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
+/// how it is batched (the global batch: `batch_size` times the world size, so a run may resume
+/// on another number of workers with the same global batch), the optimizer, the seed. Step
+/// limits and logging may change.
+pub fn fingerprint(cfg: &TrainConfig, seed: u64, world_size: usize) -> RunFingerprint {
     let mut map = serde_json::Map::new();
     let mut put = |k: &str, v: serde_json::Value| {
         map.insert(k.to_string(), v);
@@ -72,7 +127,7 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64) -> RunFingerprint {
     );
     put("tokenizer", json(&cfg.tokenizer));
     put("dataset", json(&cfg.dataset));
-    put("batch_size", cfg.batch_size.into());
+    put("batch_size", (cfg.batch_size * world_size.max(1)).into());
     put(
         "gradient_accumulation_steps",
         cfg.gradient_accumulation_steps.into(),
@@ -143,29 +198,37 @@ pub fn checkpointer(
 }
 
 /// The trainer core for `model` as the config asks: its loop settings, optimizer and metric
-/// loggers. A resume checkpoint restores the optimizer moments and the position in the data.
-/// Also returns the log directory, for the recipe's start-up line.
+/// loggers (rank 0's; the other ranks log nothing). A resume checkpoint restores the optimizer
+/// moments and the position in the data. Also returns the log directory, for the recipe's
+/// start-up line.
 pub fn trainer<B: AutodiffBackend>(
     cfg: &TrainConfig,
-    seed: u64,
+    run: &mut RunStart,
     model: CausalLm<B>,
-    resume: Option<Resume>,
     device: &B::Device,
 ) -> Result<(Trainer<B>, String), SetupError> {
     let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
     let mut state = TrainState::default();
-    if let Some(r) = resume {
+    if let Some(r) = run.resume.take() {
         optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, device);
         state = r.state;
     }
-    let (loggers, log_dir) = logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?;
+    let (loggers, log_dir) = if run.world.is_main() {
+        logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?
+    } else {
+        (
+            crate::training::metrics::MetricLoggers { sinks: Vec::new() },
+            String::new(),
+        )
+    };
     let trainer = Trainer {
-        settings: trainer_settings(cfg, seed),
+        settings: trainer_settings(cfg, run.seed),
         model,
         optimizer,
         state,
         loggers,
-        show_progress: true,
+        show_progress: run.world.is_main(),
+        world: run.world.clone(),
     };
     Ok((trainer, log_dir))
 }

@@ -267,12 +267,19 @@ pub struct Resume {
 }
 
 /// Finds the latest complete checkpoint under `output_dir` and checks it belongs to this run.
+/// With `tidy`, partial directories of a crashed run are removed first (one rank does it).
 pub fn find_resume(
     output_dir: &Path,
     fingerprint: &RunFingerprint,
+    tidy: bool,
 ) -> Result<Option<Resume>, TrainError> {
     // Partial directories of a crashed run are never resumed from; tidy them away first.
-    for cleaned in clean_partial(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))? {
+    let cleaned = if tidy {
+        clean_partial(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?
+    } else {
+        Vec::new()
+    };
+    for cleaned in cleaned {
         eprintln!(
             "removed the partial checkpoint {} left by an interrupted run",
             cleaned.path.display()

@@ -1,6 +1,12 @@
 //! The trainer core every recipe shares: epochs, gradient accumulation, clipping, optimizer
 //! and schedule stepping, metrics, progress, the NaN guard, checkpoint triggers and resume.
 //! A recipe supplies only its loss step and what to save.
+//!
+//! Data parallelism lives here too: with a [`World`] of W workers each trains on its share of
+//! every global batch, and one step is the single-device step on the whole batch: gradients
+//! and the trained-token count are summed over the world before the loss normalisation,
+//! clipping (on the global norm), the NaN guard and the optimizer step, which every worker
+//! applies alike. A world of one skips every collective call.
 
 use std::time::Instant;
 
@@ -14,6 +20,7 @@ use super::progress::EpochProgress;
 use super::schedule::Schedule;
 use super::step::{self, GradAccumulator};
 use crate::data::{Batch, DataLoader, Dataset};
+use crate::distributed::{DistributedError, World, sync};
 use crate::models::CausalLm;
 
 /// Loop settings, from the recipe config.
@@ -137,6 +144,8 @@ pub enum TrainError {
     Metrics(#[from] std::io::Error),
     #[error("{0}")]
     Checkpoint(String),
+    #[error(transparent)]
+    Distributed(#[from] DistributedError),
     #[error("{0}")]
     Other(String),
 }
@@ -178,6 +187,8 @@ pub struct Trainer<B: AutodiffBackend> {
     pub state: TrainState,
     pub loggers: MetricLoggers,
     pub show_progress: bool,
+    /// This worker's place among the data-parallel workers (a world of one on one device).
+    pub world: World,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -192,7 +203,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         let s = self.settings.clone();
         super::memory::enter_training_steady_state();
         let accum = s.gradient_accumulation_steps.max(1);
-        let batches_per_epoch = loader.num_batches();
+        let world = self.world.clone();
+        let batches_per_epoch = loader.num_batches_per_rank(world.size);
         let mut steps_per_epoch = batches_per_epoch / accum;
         if let Some(max) = s.max_steps_per_epoch {
             steps_per_epoch = steps_per_epoch.min(max);
@@ -213,7 +225,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
         while self.state.epoch < s.epochs {
             let epoch = self.state.epoch;
-            let batches = loader.batches_for_epoch(epoch as u64);
+            let batches = loader.rank_batches(epoch as u64, world.rank, world.size);
             let mut progress = EpochProgress::new(
                 epoch,
                 steps_per_epoch,
@@ -223,8 +235,12 @@ impl<B: AutodiffBackend> Trainer<B> {
             let mut window_tokens = 0usize;
             let mut window_start = Instant::now();
             while self.state.step_in_epoch < steps_per_epoch {
-                // Reseeding per step makes dropout reproducible and resumable.
-                let step_seed = s.seed.wrapping_add(self.state.global_step as u64);
+                // Reseeding per step makes dropout reproducible and resumable; each rank draws
+                // its own masks (seed + rank, as torchtune seeds its ranks).
+                let step_seed = s
+                    .seed
+                    .wrapping_add(self.state.global_step as u64)
+                    .wrapping_add(world.rank as u64);
                 let info = StepInfo {
                     epoch,
                     global_step: self.state.global_step,
@@ -233,6 +249,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 B::seed(&device, step_seed);
                 let mut weight_total = 0usize;
                 let mut loss_sum = 0.0;
+                let mut step_tokens = 0usize;
+                let mut non_finite: Option<f64> = None;
                 let mut extra: Vec<(&'static str, f64)> = Vec::new();
                 for micro in 0..accum {
                     let indices = &batches[self.state.step_in_epoch * accum + micro];
@@ -241,11 +259,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let mut out = loss_step.step(&self.model, &batch, info)?;
                     let value: f64 = out.loss.clone().into_scalar().elem();
                     if !value.is_finite() {
-                        return Err(TrainError::NonFiniteLoss {
-                            value,
-                            step: self.state.global_step + 1,
-                            epoch,
-                        });
+                        if !world.is_distributed() {
+                            return Err(TrainError::NonFiniteLoss {
+                                value,
+                                step: self.state.global_step + 1,
+                                epoch,
+                            });
+                        }
+                        // Every rank must reach the step's collective calls; all stop after.
+                        non_finite.get_or_insert(value);
+                        continue;
                     }
                     // Weighting each micro-batch by its size makes the accumulated gradient the
                     // mean over all tokens of the step, as torchtune normalises it.
@@ -254,8 +277,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                     weight_total += out.weight;
                     loss_sum += value * out.weight as f64;
-                    window_tokens += out.tokens;
-                    self.state.tokens_seen += out.tokens as u64;
+                    step_tokens += out.tokens;
                     for (k, v) in out.metrics {
                         match extra.iter_mut().find(|(name, _)| *name == k) {
                             Some(entry) => entry.1 += v * out.weight as f64,
@@ -263,7 +285,39 @@ impl<B: AutodiffBackend> Trainer<B> {
                         }
                     }
                 }
-                let grads = accumulator.take();
+                let mut grads = accumulator.take();
+                if world.is_distributed() {
+                    // One step over the global batch: sum what the ranks hold.
+                    let mut local = vec![
+                        weight_total as f64,
+                        loss_sum,
+                        step_tokens as f64,
+                        f64::from(u8::from(non_finite.is_some())),
+                    ];
+                    local.extend(extra.iter().map(|(_, v)| *v));
+                    let global = sync::all_reduce_scalars::<B::InnerBackend>(
+                        &world,
+                        &local,
+                        &self.model.device(),
+                        "the step's token count and loss",
+                    )?;
+                    if global[3] > 0.0 {
+                        return Err(TrainError::NonFiniteLoss {
+                            value: non_finite.unwrap_or(f64::NAN),
+                            step: self.state.global_step + 1,
+                            epoch,
+                        });
+                    }
+                    weight_total = global[0].round() as usize;
+                    loss_sum = global[1];
+                    step_tokens = global[2].round() as usize;
+                    for (entry, v) in extra.iter_mut().zip(&global[4..]) {
+                        entry.1 = *v;
+                    }
+                    grads = sync::all_reduce_grads(&world, &self.model, grads)?;
+                }
+                window_tokens += step_tokens;
+                self.state.tokens_seen += step_tokens as u64;
                 let mut scale = 1.0 / weight_total.max(1) as f64;
                 let grad_norm = s.clip_grad_norm.map(|max| {
                     let norm = step::grad_norm(&self.model, &grads, scale);

@@ -1,0 +1,302 @@
+//! `tune run --nproc_per_node N [--nnodes M --node_rank R --rdzv_endpoint HOST:PORT]`, as
+//! torchrun launches torchtune's recipes: one process per node, one worker per device in it.
+//! The workers of a node are threads of one process (on CPU they share the Flex backend), so
+//! when `tune run` dies, every worker dies with it: none can outlive the launcher.
+
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::World;
+use super::world::NodeLink;
+
+/// The launch flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchPlan {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub rdzv_endpoint: Option<String>,
+}
+
+impl Default for LaunchPlan {
+    fn default() -> Self {
+        Self {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            rdzv_endpoint: None,
+        }
+    }
+}
+
+/// A launch that cannot start, or a worker that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("--nproc_per_node must be at least 1")]
+    NoWorkers,
+    #[error("--nnodes must be at least 1, and --node_rank ({node_rank}) below --nnodes ({nnodes})")]
+    NodeRank { node_rank: usize, nnodes: usize },
+    #[error("--nnodes {0} needs --rdzv_endpoint HOST:PORT (where node 0 hosts the rendezvous)")]
+    NoEndpoint(usize),
+    #[error("--rdzv_endpoint {endpoint}: {message}")]
+    Endpoint { endpoint: String, message: String },
+    #[error("--rdzv_endpoint {endpoint}: port {port} is in use on this machine; pick a free port for node 0 to host the rendezvous on")]
+    PortInUse { endpoint: String, port: u16 },
+    #[error("--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 first, or check the host, port and firewall")]
+    Unreachable {
+        endpoint: String,
+        waited_s: u64,
+        detail: String,
+    },
+    #[error("rank {rank} failed: {message}")]
+    Worker { rank: usize, message: String },
+    #[error("rank {rank} panicked: {message}")]
+    Panic { rank: usize, message: String },
+}
+
+/// How long a node waits for node 0's rendezvous to come up.
+pub const RDZV_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl LaunchPlan {
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node * self.nnodes
+    }
+
+    pub fn is_distributed(&self) -> bool {
+        self.world_size() > 1
+    }
+
+    /// Checks the flags and, for several nodes, the endpoint: node 0 must be able to listen
+    /// on it (and starts the orchestrator there); the others must reach it.
+    pub fn worlds(&self) -> Result<Vec<World>, LaunchError> {
+        if self.nproc_per_node == 0 {
+            return Err(LaunchError::NoWorkers);
+        }
+        if self.nnodes == 0 || self.node_rank >= self.nnodes {
+            return Err(LaunchError::NodeRank {
+                node_rank: self.node_rank,
+                nnodes: self.nnodes,
+            });
+        }
+        let nodes = if self.nnodes > 1 {
+            Some(self.link()?)
+        } else {
+            None
+        };
+        Ok((0..self.nproc_per_node)
+            .map(|local| World {
+                rank: self.node_rank * self.nproc_per_node + local,
+                size: self.world_size(),
+                local_size: self.nproc_per_node,
+                nodes: nodes.clone(),
+            })
+            .collect())
+    }
+
+    fn link(&self) -> Result<NodeLink, LaunchError> {
+        let endpoint = self
+            .rdzv_endpoint
+            .clone()
+            .ok_or(LaunchError::NoEndpoint(self.nnodes))?;
+        let bad = |message: String| LaunchError::Endpoint {
+            endpoint: endpoint.clone(),
+            message,
+        };
+        let addr: SocketAddr = endpoint
+            .to_socket_addrs()
+            .map_err(|e| bad(format!("not a HOST:PORT address ({e})")))?
+            .next()
+            .ok_or_else(|| bad("the host name resolves to no address".into()))?;
+        if self.node_rank == 0 {
+            // Fail now, with the port named, rather than inside the orchestrator's server.
+            let probe = TcpListener::bind(("0.0.0.0", addr.port())).map_err(|_| {
+                LaunchError::PortInUse {
+                    endpoint: endpoint.clone(),
+                    port: addr.port(),
+                }
+            })?;
+            drop(probe);
+            start_orchestrator(addr.port());
+        }
+        wait_reachable(&endpoint, addr)?;
+        // The address the other nodes reach this one at: the interface that routes to the
+        // endpoint (a UDP "connect" sends nothing).
+        let local_ip = UdpSocket::bind(("0.0.0.0", 0))
+            .and_then(|s| s.connect(addr).map(|_| s))
+            .and_then(|s| s.local_addr())
+            .map_err(|e| bad(format!("no route to it ({e})")))?
+            .ip();
+        let data_port = TcpListener::bind(("0.0.0.0", 0))
+            .and_then(|l| l.local_addr())
+            .map_err(|e| bad(format!("no free port for this node's tensor service ({e})")))?
+            .port();
+        Ok(NodeLink {
+            num_nodes: self.nnodes,
+            orchestrator: format!("ws://{}", addr),
+            node_address: format!("ws://{}", SocketAddr::new(local_ip, data_port)),
+            data_port,
+        })
+    }
+}
+
+/// burn-collective's global orchestrator, on a runtime of its own for the life of the
+/// process.
+fn start_orchestrator(port: u16) {
+    std::thread::Builder::new()
+        .name("rendezvous".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(burn_collective::start_global_orchestrator(port));
+        })
+        .map(drop)
+        .unwrap_or_else(|e| eprintln!("could not start the rendezvous thread: {e}"));
+}
+
+fn wait_reachable(endpoint: &str, addr: SocketAddr) -> Result<(), LaunchError> {
+    let start = Instant::now();
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(_) => return Ok(()),
+            Err(e) if start.elapsed() >= RDZV_TIMEOUT => {
+                return Err(LaunchError::Unreachable {
+                    endpoint: endpoint.to_string(),
+                    waited_s: RDZV_TIMEOUT.as_secs(),
+                    detail: e.to_string(),
+                });
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+/// Runs `work` once per world, each on its own thread named after its rank, and returns when
+/// all have succeeded, or as soon as one fails (its error or panic, naming the rank). The
+/// caller then exits the process, which ends the workers still blocked in a collective call.
+pub fn run_workers<F>(worlds: Vec<World>, work: F) -> Result<(), LaunchError>
+where
+    F: Fn(World) -> anyhow::Result<()> + Send + Sync + 'static,
+{
+    if worlds.len() == 1 {
+        let world = worlds.into_iter().next().expect("one world");
+        let rank = world.rank;
+        return work(world).map_err(|e| LaunchError::Worker {
+            rank,
+            message: format!("{e:#}"),
+        });
+    }
+    let work = std::sync::Arc::new(work);
+    let (tx, rx) = mpsc::channel();
+    let count = worlds.len();
+    for world in worlds {
+        let (tx, work) = (tx.clone(), work.clone());
+        let rank = world.rank;
+        let spawned = std::thread::Builder::new()
+            .name(format!("rank {rank}"))
+            .spawn(move || {
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(world)));
+                let _ = tx.send((rank, outcome));
+            });
+        if let Err(e) = spawned {
+            return Err(LaunchError::Worker {
+                rank,
+                message: format!("could not start its thread: {e}"),
+            });
+        }
+    }
+    drop(tx);
+    for _ in 0..count {
+        let Ok((rank, outcome)) = rx.recv() else {
+            break;
+        };
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                return Err(LaunchError::Worker {
+                    rank,
+                    message: format!("{e:#}"),
+                });
+            }
+            Err(payload) => {
+                let message = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "no message".into());
+                return Err(LaunchError::Panic { rank, message });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_are_node_major() {
+        let plan = LaunchPlan {
+            nproc_per_node: 2,
+            ..Default::default()
+        };
+        let worlds = plan.worlds().unwrap();
+        assert_eq!(worlds.iter().map(|w| w.rank).collect::<Vec<_>>(), [0, 1]);
+        assert!(worlds.iter().all(|w| w.size == 2 && w.local_size == 2));
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        let plan = LaunchPlan {
+            nproc_per_node: 0,
+            ..Default::default()
+        };
+        assert!(plan.worlds().unwrap_err().to_string().contains("--nproc_per_node"));
+        let plan = LaunchPlan {
+            nnodes: 2,
+            node_rank: 2,
+            ..Default::default()
+        };
+        assert!(plan.worlds().unwrap_err().to_string().contains("--node_rank (2)"));
+        let plan = LaunchPlan {
+            nnodes: 2,
+            ..Default::default()
+        };
+        assert!(plan.worlds().unwrap_err().to_string().contains("--rdzv_endpoint"));
+    }
+
+    #[test]
+    fn a_failing_worker_is_named_and_ends_the_wait() {
+        let plan = LaunchPlan {
+            nproc_per_node: 3,
+            ..Default::default()
+        };
+        let started = Instant::now();
+        let err = run_workers(plan.worlds().unwrap(), |w| {
+            if w.rank == 1 {
+                anyhow::bail!("out of data")
+            }
+            // The others would wait on rank 1 forever in a collective call.
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(30));
+        assert_eq!(err.to_string(), "rank 1 failed: out of data");
+        let err = run_workers(plan.worlds().unwrap(), |w| {
+            if w.rank == 2 {
+                panic!("boom")
+            }
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "rank 2 panicked: boom");
+    }
+}

@@ -1,0 +1,157 @@
+//! One worker's place in a data-parallel run and its collective calls.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
+
+/// A collective call failed, or the world could not be formed.
+#[derive(Debug, thiserror::Error)]
+pub enum DistributedError {
+    #[error("rank {rank}: joining the collective failed ({detail}); every worker must use the same --nproc_per_node and --nnodes")]
+    Join { rank: usize, detail: String },
+    #[error("rank {rank}: the all-reduce of {what} failed ({detail})")]
+    AllReduce {
+        rank: usize,
+        what: &'static str,
+        detail: String,
+    },
+    #[error("rank {rank}: the workers of this run were started with different {what}s; start every node with the same tune binary and the same config and overrides")]
+    Mismatch { rank: usize, what: &'static str },
+    #[error("rank {rank}: the broadcast of {what} failed ({detail})")]
+    Broadcast {
+        rank: usize,
+        what: &'static str,
+        detail: String,
+    },
+}
+
+/// Where the nodes of a multi-node run meet (burn-collective's global orchestrator).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeLink {
+    pub num_nodes: usize,
+    /// `ws://host:port` of the orchestrator node 0 hosts.
+    pub orchestrator: String,
+    /// `ws://host:port` where this node serves its tensors to the others.
+    pub node_address: String,
+    pub data_port: u16,
+}
+
+/// This worker's rank among `size` workers (global), and how to reach the others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct World {
+    pub rank: usize,
+    pub size: usize,
+    /// Workers in this process (one node).
+    pub local_size: usize,
+    pub nodes: Option<NodeLink>,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        Self::single()
+    }
+}
+
+impl World {
+    /// One device: every collective call is a no-op.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            size: 1,
+            local_size: 1,
+            nodes: None,
+        }
+    }
+
+    /// Rank 0 logs, reports, writes the model and pushes.
+    pub fn is_main(&self) -> bool {
+        self.rank == 0
+    }
+
+    pub fn is_distributed(&self) -> bool {
+        self.size > 1
+    }
+
+    fn peer(&self) -> PeerId {
+        PeerId(self.rank as u32)
+    }
+
+    fn config(&self) -> CollectiveConfig {
+        let config = CollectiveConfig::default().with_num_devices(self.local_size);
+        let Some(link) = &self.nodes else {
+            return config;
+        };
+        let parse = |s: &str| s.parse().unwrap_or_else(|e: String| panic!("{e}"));
+        config
+            .with_num_nodes(link.num_nodes as u32)
+            .with_global_address(parse(&link.orchestrator))
+            .with_node_address(parse(&link.node_address))
+            .with_data_service_port(link.data_port)
+    }
+
+    /// Registers this worker with burn-collective on backend `B` (the backend the gradients
+    /// live on: the inner backend of an autodiff one). Returns once every worker of the world
+    /// has joined.
+    pub fn join<B: Backend>(&self, device: &B::Device) -> Result<(), DistributedError> {
+        if !self.is_distributed() {
+            return Ok(());
+        }
+        burn_collective::register::<B>(self.peer(), device.clone(), self.config()).map_err(|e| {
+            DistributedError::Join {
+                rank: self.rank,
+                detail: format!("{e:?}"),
+            }
+        })
+    }
+
+    /// Leaves the collective at the end of a run.
+    pub fn leave<B: Backend>(&self) {
+        if self.is_distributed() {
+            // A worker that leaves after a failure elsewhere has nothing to report.
+            let _ = burn_collective::finish_collective::<B>(self.peer());
+        }
+    }
+
+    /// The element-wise sum of `tensor` over every worker; every worker gets the same result.
+    pub fn all_reduce_sum<B: Backend>(
+        &self,
+        tensor: Tensor<B, 1>,
+        what: &'static str,
+    ) -> Result<Tensor<B, 1>, DistributedError> {
+        if !self.is_distributed() {
+            return Ok(tensor);
+        }
+        let summed = burn_collective::all_reduce::<B>(
+            self.peer(),
+            tensor.into_primitive().tensor(),
+            ReduceOperation::Sum,
+        )
+        .map_err(|e| DistributedError::AllReduce {
+            rank: self.rank,
+            what,
+            detail: format!("{e:?}"),
+        })?;
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(summed)))
+    }
+
+    /// `tensor` from `root` on every worker: `root` passes `Some`, the others `None`.
+    pub fn broadcast<B: Backend>(
+        &self,
+        tensor: Option<Tensor<B, 1>>,
+        what: &'static str,
+    ) -> Result<Option<Tensor<B, 1>>, DistributedError> {
+        if !self.is_distributed() {
+            return Ok(tensor);
+        }
+        let sent = burn_collective::broadcast::<B>(
+            self.peer(),
+            tensor.map(|t| t.into_primitive().tensor()),
+        )
+        .map_err(|e| DistributedError::Broadcast {
+            rank: self.rank,
+            what,
+            detail: format!("{e:?}"),
+        })?;
+        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(sent))))
+    }
+}
