@@ -24,6 +24,16 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Library logs (burn-collective's) go to stderr, warnings and errors unless TUNE_LOG asks
+    // for more (error, warn, info, debug, trace); stdout stays the command's own output.
+    let level = std::env::var("TUNE_LOG")
+        .ok()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(tracing_subscriber::filter::LevelFilter::WARN);
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .try_init();
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -34,7 +44,9 @@ fn main() -> ExitCode {
 }
 
 fn dispatch(command: Command) -> Result<(), CliError> {
-    let mut out = std::io::stdout().lock();
+    // Not locked for the whole command: a run's background threads (burn-collective's
+    // servers) may write too.
+    let mut out = std::io::stdout();
     match command {
         Command::Ls => commands::ls(&mut out).map_err(CliError::failed),
         Command::Cat { config } => commands::cat(&config, &mut out),
@@ -57,6 +69,10 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             output_dir,
             no_verify,
         } => commands::checkpoints(&output_dir, !no_verify, &mut out),
+        Command::Rendezvous { port } => {
+            tune::distributed::launch::serve_rendezvous(port);
+            Ok(())
+        }
         Command::Run {
             nproc_per_node,
             nnodes,

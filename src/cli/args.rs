@@ -190,6 +190,13 @@ pub enum Command {
         #[arg(long, default_value_t = 800)]
         height: u32,
     },
+    /// Node 0's rendezvous for a multi-node `tune run` (burn-collective's orchestrator), in a
+    /// process of its own that ends with its parent; `tune run` starts it.
+    #[command(hide = true)]
+    Rendezvous {
+        #[arg(long)]
+        port: u16,
+    },
     /// List the checkpoints in an output directory and verify their checksums.
     #[command(
         after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device"

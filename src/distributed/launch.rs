@@ -117,7 +117,7 @@ impl LaunchPlan {
                 }
             })?;
             drop(probe);
-            start_orchestrator(addr.port());
+            start_orchestrator(&endpoint, addr.port())?;
         }
         wait_reachable(&endpoint, addr)?;
         // The address the other nodes reach this one at: the interface that routes to the
@@ -140,23 +140,46 @@ impl LaunchPlan {
     }
 }
 
-/// burn-collective's global orchestrator, on a runtime of its own for the life of the
-/// process.
-fn start_orchestrator(port: u16) {
-    std::thread::Builder::new()
-        .name("rendezvous".into())
-        .spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(burn_collective::start_global_orchestrator(port));
-        })
+/// Starts burn-collective's global orchestrator as `tune rendezvous --port P`, a child
+/// process: the orchestrator takes over SIGINT and SIGTERM to shut itself down, which in the
+/// launcher's own process would leave Ctrl-C and `kill` unable to stop training.
+fn start_orchestrator(endpoint: &str, port: u16) -> Result<(), LaunchError> {
+    let exe = std::env::current_exe().map_err(|e| LaunchError::Endpoint {
+        endpoint: endpoint.to_string(),
+        message: format!("cannot find the tune binary to host the rendezvous ({e})"),
+    })?;
+    std::process::Command::new(exe)
+        .args(["rendezvous", "--port", &port.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
         .map(drop)
-        .unwrap_or_else(|e| eprintln!("could not start the rendezvous thread: {e}"));
+        .map_err(|e| LaunchError::Endpoint {
+            endpoint: endpoint.to_string(),
+            message: format!("cannot start the rendezvous ({e})"),
+        })
+}
+
+/// `tune rendezvous`: runs the orchestrator until its parent, the launcher of node 0, is gone
+/// (checked twice a second), or a signal stops it.
+pub fn serve_rendezvous(port: u16) {
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            if std::os::unix::process::parent_id() != parent {
+                std::process::exit(0);
+            }
+        }
+    });
+    let Ok(rt) = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(burn_collective::start_global_orchestrator(port));
 }
 
 fn wait_reachable(endpoint: &str, addr: SocketAddr) -> Result<(), LaunchError> {
