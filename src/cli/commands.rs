@@ -12,18 +12,24 @@ use crate::config::{RecipeConfig, ResolvedConfig, Warning, builtin, load_config,
 
 pub fn ls(out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "{:<40} CONFIG", "RECIPE")?;
+    // torchtune's listing: each script with its configs, single-device then distributed.
     for info in RECIPES {
-        let configs: Vec<&str> = builtin::list()
-            .into_iter()
-            .filter(|c| c.recipe == info.recipe)
-            .map(|c| c.name)
-            .collect();
-        let name = info.recipe.torchtune_name();
-        if configs.is_empty() {
-            writeln!(out, "{name:<40}")?;
-        }
-        for (i, c) in configs.iter().enumerate() {
-            writeln!(out, "{:<40} {c}", if i == 0 { name } else { "" })?;
+        for distributed in [false, true] {
+            if distributed && info.distributed.is_none() {
+                continue;
+            }
+            let configs: Vec<&str> = builtin::list()
+                .into_iter()
+                .filter(|c| c.recipe == info.recipe && c.distributed == distributed)
+                .map(|c| c.name)
+                .collect();
+            let name = info.recipe.script_name(distributed);
+            if configs.is_empty() {
+                writeln!(out, "{name:<40}")?;
+            }
+            for (i, c) in configs.iter().enumerate() {
+                writeln!(out, "{:<40} {c}", if i == 0 { name } else { "" })?;
+            }
         }
     }
     Ok(())
@@ -100,8 +106,14 @@ pub fn cp(
 /// The recipe a config is for: its built-in entry, else the header comment torchtune's
 /// configs start with ("... in lora_finetune_single_device.py", "tune run <recipe> ...").
 pub fn infer_recipe(config: &str) -> Option<Recipe> {
+    infer_script(config).map(|(recipe, _)| recipe)
+}
+
+/// The recipe a config is for and torchtune's script name for it (`lora_finetune_distributed`
+/// for a multi-device config).
+pub fn infer_script(config: &str) -> Option<(Recipe, &'static str)> {
     if let Some(b) = builtin::get(config.trim_end_matches(".yaml")) {
-        return Some(b.recipe);
+        return Some((b.recipe, b.recipe.script_name(b.distributed)));
     }
     let text = std::fs::read_to_string(config).ok()?;
     for line in text
@@ -111,7 +123,7 @@ pub fn infer_recipe(config: &str) -> Option<Recipe> {
         for word in line.split_whitespace() {
             let word = word.trim_end_matches(['.', ',', ':']);
             if let Ok(r) = recipes::find(word) {
-                return Some(r);
+                return Some((r, r.script_name(recipes::is_distributed_name(word))));
             }
         }
     }
@@ -143,21 +155,19 @@ pub fn validate_cmd(
     recipe: Option<&str>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    let recipe = match recipe {
-        Some(r) => recipes::find(r).map_err(CliError::bad)?,
-        None => infer_recipe(config).ok_or_else(|| {
+    let (recipe, script) = match recipe {
+        Some(r) => {
+            let recipe = recipes::find(r).map_err(CliError::bad)?;
+            (recipe, recipe.script_name(recipes::is_distributed_name(r)))
+        }
+        None => infer_script(config).ok_or_else(|| {
             CliError::bad(anyhow!(
                 "cannot tell which recipe {config} is for: pass --recipe <name> (`tune ls` lists recipes)"
             ))
         })?,
     };
     resolve(recipe.name(), config, overrides)?;
-    writeln!(
-        out,
-        "Config is well-formed for {}!",
-        recipe.torchtune_name()
-    )
-    .map_err(CliError::failed)
+    writeln!(out, "Config is well-formed for {script}!").map_err(CliError::failed)
 }
 
 pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Result<(), CliError> {

@@ -306,7 +306,7 @@ static TRAIN_COMMON: &[Field] = &[
     warn(
         "custom_sharded_layers",
         Ty::Nullable(&Ty::List(&Ty::Str)),
-        "sharding is for distributed training and is ignored on a single device",
+        "tune shards no parameters: every rank holds the whole model (full fine-tuning and DPO shard only the optimizer state), so these layers are not sharded separately",
     ),
     opt("push_to_hub", Ty::Nullable(&Ty::Section(&PUSH_TO_HUB))),
     opt("run_val_every_n_steps", NUINT),
