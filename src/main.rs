@@ -78,6 +78,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             nnodes,
             node_rank,
             rdzv_endpoint,
+            rdzv_timeout,
             recipe,
             config,
             overrides,
@@ -87,6 +88,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 nnodes,
                 node_rank,
                 rdzv_endpoint,
+                rdzv_timeout: std::time::Duration::from_secs(rdzv_timeout),
             };
             run(&launch, &recipe, &config, &overrides)
         }
@@ -211,7 +213,8 @@ fn run(
             None => anyhow!("{recipe} does not support distributed runs; run it without --nproc_per_node and --nnodes"),
         }));
     }
-    let worlds = launch.worlds().map_err(CliError::bad)?;
+    let started = launch.start().map_err(CliError::bad)?;
+    let worlds = started.worlds.clone();
     let device = match &typed {
         RecipeConfig::Train(_, t) => t.device,
         RecipeConfig::Generate(g) => g.device,
@@ -247,6 +250,9 @@ fn run(
         }
         Device::Cuda => run_cuda(job, worlds)?,
     };
+    if outcome.is_ok() {
+        started.done();
+    }
     outcome.map_err(|e| match e {
         // One worker: its own error, as a single-device run reports it.
         LaunchError::Worker { message, .. } if !launch.is_distributed() => {

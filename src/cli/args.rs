@@ -72,6 +72,9 @@ pub enum Command {
         /// HOST:PORT of node 0's rendezvous (needed with --nnodes above 1).
         #[arg(long = "rdzv_endpoint", alias = "rdzv-endpoint")]
         rdzv_endpoint: Option<String>,
+        /// Seconds the nodes wait for each other at the rendezvous.
+        #[arg(long = "rdzv_timeout", alias = "rdzv-timeout", default_value_t = 300)]
+        rdzv_timeout: u64,
         /// Recipe name (`tune ls` lists them; torchtune's names work).
         recipe: String,
         /// Built-in config name or YAML file.

@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::World;
+use super::liveness::Watch;
 use super::world::NodeLink;
 
 /// The launch flags.
@@ -17,6 +18,8 @@ pub struct LaunchPlan {
     pub nnodes: usize,
     pub node_rank: usize,
     pub rdzv_endpoint: Option<String>,
+    /// How long nodes wait for each other at the rendezvous.
+    pub rdzv_timeout: Duration,
 }
 
 impl Default for LaunchPlan {
@@ -26,6 +29,22 @@ impl Default for LaunchPlan {
             nnodes: 1,
             node_rank: 0,
             rdzv_endpoint: None,
+            rdzv_timeout: RDZV_TIMEOUT,
+        }
+    }
+}
+
+/// The workers of this node, and for several nodes the liveness connections between them.
+pub struct Launch {
+    pub worlds: Vec<World>,
+    watch: Option<Watch>,
+}
+
+impl Launch {
+    /// Tells the other nodes this one finished (call after the workers succeeded).
+    pub fn done(&self) {
+        if let Some(w) = &self.watch {
+            w.done();
         }
     }
 }
@@ -43,7 +62,7 @@ pub enum LaunchError {
     Endpoint { endpoint: String, message: String },
     #[error("--rdzv_endpoint {endpoint}: port {port} is in use on this machine; pick a free port for node 0 to host the rendezvous on")]
     PortInUse { endpoint: String, port: u16 },
-    #[error("--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 first, or check the host, port and firewall")]
+    #[error("--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 too, or check the host, port and firewall (--rdzv_timeout sets the wait)")]
     Unreachable {
         endpoint: String,
         waited_s: u64,
@@ -55,8 +74,8 @@ pub enum LaunchError {
     Panic { rank: usize, message: String },
 }
 
-/// How long a node waits for node 0's rendezvous to come up.
-pub const RDZV_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long nodes wait for each other by default (`--rdzv_timeout`).
+pub const RDZV_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl LaunchPlan {
     pub fn world_size(&self) -> usize {
@@ -68,8 +87,9 @@ impl LaunchPlan {
     }
 
     /// Checks the flags and, for several nodes, the endpoint: node 0 must be able to listen
-    /// on it (and starts the orchestrator there); the others must reach it.
-    pub fn worlds(&self) -> Result<Vec<World>, LaunchError> {
+    /// on it (and starts the orchestrator there, and the liveness service on the next port);
+    /// the others must reach it.
+    pub fn start(&self) -> Result<Launch, LaunchError> {
         if self.nproc_per_node == 0 {
             return Err(LaunchError::NoWorkers);
         }
@@ -79,22 +99,29 @@ impl LaunchPlan {
                 nnodes: self.nnodes,
             });
         }
-        let nodes = if self.nnodes > 1 {
-            Some(self.link()?)
+        let (nodes, watch) = if self.nnodes > 1 {
+            let (link, watch) = self.link()?;
+            (Some(link), Some(watch))
         } else {
-            None
+            (None, None)
         };
-        Ok((0..self.nproc_per_node)
+        let worlds = (0..self.nproc_per_node)
             .map(|local| World {
                 rank: self.node_rank * self.nproc_per_node + local,
                 size: self.world_size(),
                 local_size: self.nproc_per_node,
                 nodes: nodes.clone(),
             })
-            .collect())
+            .collect();
+        Ok(Launch { worlds, watch })
     }
 
-    fn link(&self) -> Result<NodeLink, LaunchError> {
+    /// The workers of this node (for tests and callers that need no liveness).
+    pub fn worlds(&self) -> Result<Vec<World>, LaunchError> {
+        self.start().map(|l| l.worlds)
+    }
+
+    fn link(&self) -> Result<(NodeLink, Watch), LaunchError> {
         let endpoint = self
             .rdzv_endpoint
             .clone()
@@ -108,7 +135,10 @@ impl LaunchPlan {
             .map_err(|e| bad(format!("not a HOST:PORT address ({e})")))?
             .next()
             .ok_or_else(|| bad("the host name resolves to no address".into()))?;
-        if self.node_rank == 0 {
+        let watch_port = addr.port().checked_add(1).ok_or_else(|| {
+            bad("the port must be below 65535 (the next port carries node liveness)".into())
+        })?;
+        let watch = if self.node_rank == 0 {
             // Fail now, with the port named, rather than inside the orchestrator's server.
             let probe = TcpListener::bind(("0.0.0.0", addr.port())).map_err(|_| {
                 LaunchError::PortInUse {
@@ -117,9 +147,27 @@ impl LaunchPlan {
                 }
             })?;
             drop(probe);
+            let watch = Watch::host(
+                &endpoint,
+                watch_port,
+                self.nnodes,
+                self.nproc_per_node,
+                self.rdzv_timeout,
+            )?;
             start_orchestrator(&endpoint, addr.port())?;
-        }
-        wait_reachable(&endpoint, addr)?;
+            drop(connect_within(&endpoint, addr, self.rdzv_timeout)?);
+            watch
+        } else {
+            drop(connect_within(&endpoint, addr, self.rdzv_timeout)?);
+            let watch_addr = SocketAddr::new(addr.ip(), watch_port);
+            Watch::join(
+                &endpoint,
+                watch_addr,
+                self.node_rank,
+                self.nproc_per_node,
+                self.rdzv_timeout,
+            )?
+        };
         // The address the other nodes reach this one at: the interface that routes to the
         // endpoint (a UDP "connect" sends nothing).
         let local_ip = UdpSocket::bind(("0.0.0.0", 0))
@@ -131,12 +179,13 @@ impl LaunchPlan {
             .and_then(|l| l.local_addr())
             .map_err(|e| bad(format!("no free port for this node's tensor service ({e})")))?
             .port();
-        Ok(NodeLink {
+        let link = NodeLink {
             num_nodes: self.nnodes,
             orchestrator: format!("ws://{}", addr),
             node_address: format!("ws://{}", SocketAddr::new(local_ip, data_port)),
             data_port,
-        })
+        };
+        Ok((link, watch))
     }
 }
 
@@ -152,6 +201,13 @@ fn start_orchestrator(endpoint: &str, port: u16) -> Result<(), LaunchError> {
         .args(["rendezvous", "--port", &port.to_string()])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
+        // Its logs (a node that left without closing its connection, ...) repeat what the
+        // nodes report themselves; TUNE_LOG shows them.
+        .stderr(if std::env::var_os("TUNE_LOG").is_some() {
+            std::process::Stdio::inherit()
+        } else {
+            std::process::Stdio::null()
+        })
         .spawn()
         .map(drop)
         .map_err(|e| LaunchError::Endpoint {
@@ -182,19 +238,24 @@ pub fn serve_rendezvous(port: u16) {
     rt.block_on(burn_collective::start_global_orchestrator(port));
 }
 
-fn wait_reachable(endpoint: &str, addr: SocketAddr) -> Result<(), LaunchError> {
+/// Connects to `addr`, retrying until `timeout` (node 0 may start after the others).
+pub(super) fn connect_within(
+    endpoint: &str,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<TcpStream, LaunchError> {
     let start = Instant::now();
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-            Ok(_) => return Ok(()),
-            Err(e) if start.elapsed() >= RDZV_TIMEOUT => {
+            Ok(stream) => return Ok(stream),
+            Err(e) if start.elapsed() >= timeout => {
                 return Err(LaunchError::Unreachable {
                     endpoint: endpoint.to_string(),
-                    waited_s: RDZV_TIMEOUT.as_secs(),
+                    waited_s: timeout.as_secs(),
                     detail: e.to_string(),
                 });
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     }
 }

@@ -15,6 +15,7 @@
 //! `DistributedBackend` type threaded through every model type; it is not used yet.
 
 pub mod launch;
+mod liveness;
 pub mod sync;
 mod world;
 

@@ -183,8 +183,16 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
         match streams.get(&address) {
             Some(stream) => stream.clone(),
             None => {
-                // Open a new WebSocket connection to the address
-                let stream = P::Client::connect(address.clone(), "data").await;
+                // Open a new WebSocket connection to the address.
+                // tune's patch: a peer's data server starts in a background task while it
+                // registers, so the first download may come before it listens; retry for up
+                // to 30 s instead of failing at once.
+                let mut stream = P::Client::connect(address.clone(), "data").await;
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                while stream.is_none() && std::time::Instant::now() < deadline {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    stream = P::Client::connect(address.clone(), "data").await;
+                }
 
                 let Some(stream) = stream else {
                     panic!("Failed to connect to data server at {address:?}");
