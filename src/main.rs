@@ -207,10 +207,12 @@ fn run(
     if launch.is_distributed() && !distributed {
         // torchtune refuses the same way: only its *_distributed scripts take torchrun flags.
         return Err(CliError::bad(match recipe_kind.info().distributed {
-            Some(name) => anyhow!(
-                "{recipe} runs on one device; with --nproc_per_node or --nnodes use {name}"
+            Some(name) => {
+                anyhow!("{recipe} runs on one device; with --nproc_per_node or --nnodes use {name}")
+            }
+            None => anyhow!(
+                "{recipe} does not support distributed runs; run it without --nproc_per_node and --nnodes"
             ),
-            None => anyhow!("{recipe} does not support distributed runs; run it without --nproc_per_node and --nnodes"),
         }));
     }
     let started = launch.start().map_err(CliError::bad)?;
@@ -317,10 +319,7 @@ fn run_cuda(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(
-    _: std::sync::Arc<Job>,
-    _: Vec<World>,
-) -> Result<Result<(), LaunchError>, CliError> {
+fn run_cuda(_: std::sync::Arc<Job>, _: Vec<World>) -> Result<Result<(), LaunchError>, CliError> {
     Err(CliError::bad(anyhow!(
         "device: cuda, but this tune was built without CUDA support; rebuild with `cargo install --path . --features cuda` (or set device=cpu)"
     )))

@@ -240,7 +240,7 @@ pub fn run<B: AutodiffBackend>(
                 acc.add(&model, grads);
             }
             let t2 = Instant::now();
-            model = step::apply(model, acc.take(), &mut optimizer, 1e-5, 1.0);
+            model = step::apply(model, acc.take(), &mut optimizer, (1e-5, 1.0), None);
             let _: f32 = model
                 .model
                 .norm

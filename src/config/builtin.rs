@@ -49,12 +49,26 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("llama3_2/1B_lora_single_device", LoraFinetune),
     builtin!("llama3_2/1B_qat_lora", QatLora, distributed),
     builtin!("llama3_2/3B_lora_single_device", LoraFinetune),
-    builtin!("llama3_2/8B_to_1B_KD_lora_distributed", KnowledgeDistillation, distributed),
-    builtin!("llama3_2/8B_to_1B_KD_lora_single_device", KnowledgeDistillation),
+    builtin!(
+        "llama3_2/8B_to_1B_KD_lora_distributed",
+        KnowledgeDistillation,
+        distributed
+    ),
+    builtin!(
+        "llama3_2/8B_to_1B_KD_lora_single_device",
+        KnowledgeDistillation
+    ),
     builtin!("mistral/7B_lora_single_device", LoraFinetune),
     builtin!("phi3/mini_lora_single_device", LoraFinetune),
-    builtin!("qwen2/1.5_to_0.5B_KD_lora_distributed", KnowledgeDistillation, distributed),
-    builtin!("qwen2/1.5_to_0.5B_KD_lora_single_device", KnowledgeDistillation),
+    builtin!(
+        "qwen2/1.5_to_0.5B_KD_lora_distributed",
+        KnowledgeDistillation,
+        distributed
+    ),
+    builtin!(
+        "qwen2/1.5_to_0.5B_KD_lora_single_device",
+        KnowledgeDistillation
+    ),
     builtin!("qwen2_5/0.5B_full_single_device", FullFinetune),
     builtin!("qwen2_5/0.5B_lora_single_device", LoraFinetune),
     builtin!("qwen2_5/1.5B_lora_single_device", LoraFinetune),
@@ -66,7 +80,11 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("tiny/full_dpo_single_device", FullDpo),
     builtin!("tiny/full_single_device", FullFinetune),
     builtin!("tiny/generation", Generate),
-    builtin!("tiny/kd_lora_distributed", KnowledgeDistillation, distributed),
+    builtin!(
+        "tiny/kd_lora_distributed",
+        KnowledgeDistillation,
+        distributed
+    ),
     builtin!("tiny/kd_lora_single_device", KnowledgeDistillation),
     builtin!("tiny/lora", LoraFinetune, distributed),
     builtin!("tiny/lora_dpo", LoraDpo, distributed),

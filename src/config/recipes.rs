@@ -155,9 +155,10 @@ pub struct UnknownRecipe {
 /// Finds a recipe by canonical name or torchtune alias; a `.py` suffix is ignored.
 pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
     let bare = name.trim().trim_end_matches(".py");
-    if let Some(info) = RECIPES.iter().find(|r| {
-        r.name == bare || r.aliases.contains(&bare) || r.distributed == Some(bare)
-    }) {
+    if let Some(info) = RECIPES
+        .iter()
+        .find(|r| r.name == bare || r.aliases.contains(&bare) || r.distributed == Some(bare))
+    {
         return Ok(info.recipe);
     }
     let all = RECIPES.iter().flat_map(|r| {

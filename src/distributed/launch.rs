@@ -60,9 +60,13 @@ pub enum LaunchError {
     NoEndpoint(usize),
     #[error("--rdzv_endpoint {endpoint}: {message}")]
     Endpoint { endpoint: String, message: String },
-    #[error("--rdzv_endpoint {endpoint}: port {port} is in use on this machine; pick a free port for node 0 to host the rendezvous on")]
+    #[error(
+        "--rdzv_endpoint {endpoint}: port {port} is in use on this machine; pick a free port for node 0 to host the rendezvous on"
+    )]
     PortInUse { endpoint: String, port: u16 },
-    #[error("--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 too, or check the host, port and firewall (--rdzv_timeout sets the wait)")]
+    #[error(
+        "--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 too, or check the host, port and firewall (--rdzv_timeout sets the wait)"
+    )]
     Unreachable {
         endpoint: String,
         waited_s: u64,
@@ -284,7 +288,8 @@ where
         let spawned = std::thread::Builder::new()
             .name(format!("rank {rank}"))
             .spawn(move || {
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(world)));
+                let outcome =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(world)));
                 let _ = tx.send((rank, outcome));
             });
         if let Err(e) = spawned {
@@ -341,18 +346,33 @@ mod tests {
             nproc_per_node: 0,
             ..Default::default()
         };
-        assert!(plan.worlds().unwrap_err().to_string().contains("--nproc_per_node"));
+        assert!(
+            plan.worlds()
+                .unwrap_err()
+                .to_string()
+                .contains("--nproc_per_node")
+        );
         let plan = LaunchPlan {
             nnodes: 2,
             node_rank: 2,
             ..Default::default()
         };
-        assert!(plan.worlds().unwrap_err().to_string().contains("--node_rank (2)"));
+        assert!(
+            plan.worlds()
+                .unwrap_err()
+                .to_string()
+                .contains("--node_rank (2)")
+        );
         let plan = LaunchPlan {
             nnodes: 2,
             ..Default::default()
         };
-        assert!(plan.worlds().unwrap_err().to_string().contains("--rdzv_endpoint"));
+        assert!(
+            plan.worlds()
+                .unwrap_err()
+                .to_string()
+                .contains("--rdzv_endpoint")
+        );
     }
 
     #[test]

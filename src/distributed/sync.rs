@@ -1,14 +1,29 @@
-//! The trainer's collective steps. Gradients travel as a few large flat buckets (one
-//! all-reduce per ~64 MB, not one per tensor), in the model's parameter order, which every
-//! worker shares because every worker built the same model.
+//! The trainer's collective steps. Tensors travel as a few large flat buckets (one all-reduce
+//! per ~64 MB, not one per tensor), in the model's parameter order, which every worker shares
+//! because every worker built the same model.
+//!
+//! - [`all_reduce_grads`]: every trainable parameter's gradient summed over the world.
+//! - [`OptimizerShard`]: ZeRO-1. Each rank owns a contiguous, size-balanced run of the
+//!   trainable parameters, keeps AdamW's moments for those alone and updates them;
+//!   [`gather_params`] then gives every rank every updated parameter, and
+//!   [`gather_optimizer_state`] the whole state for a checkpoint.
+//! - [`all_reduce_scalars`], [`check_same`]: per-step counts and the rendezvous checks.
+//!
+//! burn-collective offers all-reduce and broadcast, and its global (multi-node) broadcast is
+//! not implemented in 0.21, so a gather is an all-reduce in which every rank contributes its
+//! own tensors and zeros for the others': `x + 0 == x`, so the result is exact.
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::{DType, ElementConversion, Tensor};
 
 use super::{DistributedError, World};
+use crate::checkpoint::HostTensor;
 use crate::models::CausalLm;
+use crate::training::optimizer::Optimizer;
 
 /// Elements per all-reduce bucket: 16 Mi floats, 64 MB in fp32 (PyTorch DDP uses 25 MB).
 pub const BUCKET_ELEMENTS: usize = 1 << 24;
@@ -37,40 +52,159 @@ pub fn all_reduce_scalars<B: Backend>(
         .collect())
 }
 
-/// Every trainable parameter in model order: its id, element count and local gradient
-/// (flattened), or `None` where this worker's backward gave it none.
-struct Gather<'a, B: AutodiffBackend> {
-    grads: &'a mut GradientsParams,
-    out: Vec<(ParamId, usize, Option<Tensor<B::InnerBackend, 1>>)>,
+/// One flat tensor taking part in a bucketed all-reduce: this worker's value, or `None`
+/// where it has none (it then contributes zeros).
+struct Entry<B: Backend> {
+    numel: usize,
+    value: Option<Tensor<B, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let value = param.val();
-        if !value.is_require_grad() {
-            return;
+/// Sums `entries` over the world in buckets. An entry no worker has comes back `None`.
+fn all_reduce_entries<B: Backend>(
+    world: &World,
+    entries: Vec<Entry<B>>,
+    device: &B::Device,
+    what: &'static str,
+) -> Result<Vec<Option<Tensor<B, 1>>>, DistributedError> {
+    let present: Vec<f64> = entries
+        .iter()
+        .map(|e| f64::from(u8::from(e.value.is_some())))
+        .collect();
+    let present = all_reduce_scalars::<B>(world, &present, device, what)?;
+    let dtype: Option<DType> = entries
+        .iter()
+        .find_map(|e| e.value.as_ref().map(|t| t.dtype()));
+    let zeros = |n: usize| {
+        let z = Tensor::<B, 1>::zeros([n], device);
+        match dtype {
+            Some(d) => crate::precision::to_dtype(z, d),
+            None => z,
         }
-        let n = value.shape().num_elements();
-        let grad = self
-            .grads
-            .remove::<B::InnerBackend, D>(param.id)
-            .map(|g| g.reshape([n]));
-        self.out.push((param.id, n, grad));
+    };
+
+    let mut out: Vec<Option<Tensor<B, 1>>> = Vec::with_capacity(entries.len());
+    let mut bucket: Vec<(usize, Tensor<B, 1>)> = Vec::new();
+    let mut bucket_len = 0;
+    let flush = |bucket: &mut Vec<(usize, Tensor<B, 1>)>,
+                 out: &mut Vec<Option<Tensor<B, 1>>>|
+     -> Result<(), DistributedError> {
+        if bucket.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<Tensor<B, 1>> = bucket.iter().map(|(_, t)| t.clone()).collect();
+        let flat = if parts.len() == 1 {
+            parts.into_iter().next().expect("one part")
+        } else {
+            Tensor::cat(parts, 0)
+        };
+        let summed = world.all_reduce_sum(flat, what)?;
+        let mut offset = 0;
+        for (index, t) in bucket.drain(..) {
+            let n = t.shape().num_elements();
+            out[index] = Some(summed.clone().slice(offset..offset + n));
+            offset += n;
+        }
+        Ok(())
+    };
+    for (index, (entry, anywhere)) in entries.into_iter().zip(present).enumerate() {
+        out.push(None);
+        if anywhere == 0.0 {
+            continue;
+        }
+        let value = entry.value.unwrap_or_else(|| zeros(entry.numel));
+        if bucket_len + entry.numel > BUCKET_ELEMENTS && !bucket.is_empty() {
+            flush(&mut bucket, &mut out)?;
+            bucket_len = 0;
+        }
+        bucket.push((index, value));
+        bucket_len += entry.numel;
+    }
+    flush(&mut bucket, &mut out)?;
+    Ok(out)
+}
+
+/// A trainable parameter in model order.
+struct Trainable {
+    id: ParamId,
+    name: String,
+    numel: usize,
+}
+
+/// The trainable parameters of `model`, in model order, with their module paths.
+fn trainable<B: AutodiffBackend>(model: &CausalLm<B>) -> Vec<Trainable> {
+    struct List {
+        path: Vec<String>,
+        out: Vec<Trainable>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for List {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            if value.is_require_grad() {
+                self.out.push(Trainable {
+                    id: param.id,
+                    name: self.path.join("."),
+                    numel: value.shape().num_elements(),
+                });
+            }
+        }
+    }
+    let mut list = List {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut list);
+    list.out
+}
+
+/// Replaces parameters by id with the given flat values (shaped as the parameter).
+struct SetParams<B: AutodiffBackend> {
+    values: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for SetParams<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(flat) = self.values.remove(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let value = Tensor::from_inner(flat.reshape(tensor.shape())).require_grad();
+        Param::from_mapped_value(id, value, mapper)
     }
 }
 
-/// Puts the summed flat gradients back, shaped as their parameters.
+/// Puts flat gradients back into `GradientsParams`, shaped as their parameters.
 struct Scatter<B: AutodiffBackend> {
-    reduced: std::collections::HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    grads: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
     out: GradientsParams,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(flat) = self.reduced.remove(&param.id) {
+        if let Some(flat) = self.grads.remove(&param.id) {
             let shape = param.val().shape();
             self.out
                 .register::<B::InnerBackend, D>(param.id, flat.reshape(shape));
+        }
+    }
+}
+
+/// Takes each trainable parameter's gradient out of `grads`, flattened, by id.
+struct TakeGrads<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    out: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            let n = g.shape().num_elements();
+            self.out.insert(param.id, g.reshape([n]));
         }
     }
 }
@@ -86,73 +220,151 @@ pub fn all_reduce_grads<B: AutodiffBackend>(
     if !world.is_distributed() {
         return Ok(grads);
     }
-    let mut gather = Gather::<B> {
+    let params = trainable(model);
+    let mut take = TakeGrads::<B> {
         grads: &mut grads,
-        out: Vec::new(),
+        out: HashMap::new(),
     };
-    model.visit(&mut gather);
-    let params = gather.out;
-    let device = model.device();
-
-    // Which parameters have a gradient anywhere.
-    let present: Vec<f64> = params
+    model.visit(&mut take);
+    let mut local = take.out;
+    let entries = params
         .iter()
-        .map(|(_, _, g)| if g.is_some() { 1.0 } else { 0.0 })
+        .map(|p| Entry {
+            numel: p.numel,
+            value: local.remove(&p.id),
+        })
         .collect();
-    let present = all_reduce_scalars::<B::InnerBackend>(world, &present, &device, "gradient presence")?;
-
-    let dtype = params
-        .iter()
-        .find_map(|(_, _, g)| g.as_ref().map(|g| g.dtype()));
-    let mut reduced = std::collections::HashMap::new();
-    let mut bucket: Vec<(ParamId, usize, Tensor<B::InnerBackend, 1>)> = Vec::new();
-    let mut bucket_len = 0;
-    let flush = |bucket: &mut Vec<(ParamId, usize, Tensor<B::InnerBackend, 1>)>,
-                 reduced: &mut std::collections::HashMap<ParamId, Tensor<B::InnerBackend, 1>>|
-     -> Result<(), DistributedError> {
-        if bucket.is_empty() {
-            return Ok(());
-        }
-        let parts: Vec<_> = bucket.iter().map(|(_, _, t)| t.clone()).collect();
-        let flat = if parts.len() == 1 {
-            parts.into_iter().next().expect("one part")
-        } else {
-            Tensor::cat(parts, 0)
-        };
-        let summed = world.all_reduce_sum(flat, "gradients")?;
-        let mut offset = 0;
-        for (id, n, _) in bucket.drain(..) {
-            reduced.insert(id, summed.clone().slice(offset..offset + n));
-            offset += n;
-        }
-        Ok(())
-    };
-    for ((id, n, grad), anywhere) in params.into_iter().zip(present) {
-        if anywhere == 0.0 {
-            continue;
-        }
-        let grad = grad.unwrap_or_else(|| {
-            let zeros = Tensor::<B::InnerBackend, 1>::zeros([n], &device);
-            match dtype {
-                Some(d) => crate::precision::to_dtype(zeros, d),
-                None => zeros,
-            }
-        });
-        if bucket_len + n > BUCKET_ELEMENTS && !bucket.is_empty() {
-            flush(&mut bucket, &mut reduced)?;
-            bucket_len = 0;
-        }
-        bucket.push((id, n, grad));
-        bucket_len += n;
-    }
-    flush(&mut bucket, &mut reduced)?;
-
+    let summed = all_reduce_entries(world, entries, &model.device(), "gradients")?;
     let mut scatter = Scatter::<B> {
-        reduced,
+        grads: params
+            .iter()
+            .zip(summed)
+            .filter_map(|(p, g)| g.map(|g| (p.id, g)))
+            .collect(),
         out: GradientsParams::new(),
     };
     model.visit(&mut scatter);
     Ok(scatter.out)
+}
+
+/// ZeRO-1: which rank updates, and keeps the optimizer state of, each trainable parameter.
+#[derive(Debug, Clone)]
+pub struct OptimizerShard {
+    pub rank: usize,
+    pub world: usize,
+    /// Owner rank of each trainable parameter, by module path, in model order.
+    owners: Vec<(String, usize, usize)>,
+}
+
+impl OptimizerShard {
+    /// Contiguous runs of the trainable parameters in model order, balanced by element count:
+    /// a parameter belongs to the rank whose share holds its middle element.
+    pub fn new<B: AutodiffBackend>(model: &CausalLm<B>, world: &World) -> Self {
+        let params = trainable(model);
+        let total: usize = params.iter().map(|p| p.numel).sum::<usize>().max(1);
+        let size = world.size.max(1);
+        let mut before = 0usize;
+        let owners = params
+            .into_iter()
+            .map(|p| {
+                let middle = before + p.numel / 2;
+                before += p.numel;
+                let owner = (middle * size / total).min(size - 1);
+                (p.name, p.numel, owner)
+            })
+            .collect();
+        Self {
+            rank: world.rank,
+            world: size,
+            owners,
+        }
+    }
+
+    pub fn owns(&self, name: &str) -> bool {
+        self.owners
+            .iter()
+            .any(|(n, _, owner)| n == name && *owner == self.rank)
+    }
+
+    /// Elements whose optimizer state this rank keeps.
+    pub fn owned_elements(&self) -> usize {
+        self.owners
+            .iter()
+            .filter(|(_, _, o)| *o == self.rank)
+            .map(|(_, n, _)| n)
+            .sum()
+    }
+}
+
+/// After a sharded optimizer step: every rank gets every trainable parameter from its owner.
+pub fn gather_params<B: AutodiffBackend>(
+    world: &World,
+    model: CausalLm<B>,
+    shard: &OptimizerShard,
+) -> Result<CausalLm<B>, DistributedError> {
+    struct Values<B: AutodiffBackend> {
+        wanted: HashMap<ParamId, bool>,
+        out: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Values<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.wanted.get(&param.id) == Some(&true) {
+                let v = param.val().inner();
+                let n = v.shape().num_elements();
+                self.out.insert(param.id, v.reshape([n]));
+            }
+        }
+    }
+    let params = trainable(&model);
+    let mut values = Values::<B> {
+        wanted: params.iter().map(|p| (p.id, shard.owns(&p.name))).collect(),
+        out: HashMap::new(),
+    };
+    model.visit(&mut values);
+    let mut own = values.out;
+    let entries = params
+        .iter()
+        .map(|p| Entry {
+            numel: p.numel,
+            value: own.remove(&p.id),
+        })
+        .collect();
+    let gathered = all_reduce_entries(world, entries, &model.device(), "updated parameters")?;
+    let mut set = SetParams::<B> {
+        values: params
+            .iter()
+            .zip(gathered)
+            .filter_map(|(p, v)| v.map(|v| (p.id, v)))
+            .collect(),
+    };
+    Ok(model.map(&mut set))
+}
+
+/// The whole optimizer state (as [`Optimizer::state_dict`] names it) from every rank's shard,
+/// for a checkpoint. Every rank takes part; the returned state is complete on every rank.
+pub fn gather_optimizer_state<B: AutodiffBackend>(
+    world: &World,
+    model: &CausalLm<B>,
+    optimizer: &Optimizer<B::InnerBackend>,
+) -> Result<Vec<(String, HostTensor)>, DistributedError> {
+    let params = trainable(model);
+    let mut keys = Vec::new();
+    let mut entries = Vec::new();
+    for p in &params {
+        for (moment, value) in optimizer.moments(&p.name) {
+            keys.push(format!("{moment}.{}", p.name));
+            entries.push(Entry {
+                numel: p.numel,
+                value,
+            });
+        }
+    }
+    let gathered = all_reduce_entries(world, entries, &model.device(), "optimizer state")?;
+    Ok(keys
+        .into_iter()
+        .zip(gathered)
+        .filter_map(|(k, v)| v.map(|v| (k, HostTensor::from_tensor(&v))))
+        .collect())
 }
 
 /// A 64-bit digest of `bytes` (the first 8 bytes of its SHA-256).

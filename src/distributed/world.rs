@@ -7,7 +7,9 @@ use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
 /// A collective call failed, or the world could not be formed.
 #[derive(Debug, thiserror::Error)]
 pub enum DistributedError {
-    #[error("joining the collective failed ({detail}); every worker must use the same --nproc_per_node and --nnodes")]
+    #[error(
+        "joining the collective failed ({detail}); every worker must use the same --nproc_per_node and --nnodes"
+    )]
     Join { rank: usize, detail: String },
     #[error("the all-reduce of {what} failed ({detail})")]
     AllReduce {
@@ -15,7 +17,9 @@ pub enum DistributedError {
         what: &'static str,
         detail: String,
     },
-    #[error("the workers of this run were started with different {what}s; start every node with the same tune binary and the same config and overrides")]
+    #[error(
+        "the workers of this run were started with different {what}s; start every node with the same tune binary and the same config and overrides"
+    )]
     Mismatch { rank: usize, what: &'static str },
     #[error("the broadcast of {what} failed ({detail})")]
     Broadcast {

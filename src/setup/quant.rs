@@ -108,6 +108,7 @@ fn set_all<B: Backend>(model: &mut CausalLm<B>, scheme: QuantScheme) -> Vec<Stri
 /// " (fake quantization from step N)" when `fake_quant_after_n_steps` delays it, for start-up
 /// lines.
 pub fn delay_note(cfg: &TrainConfig) -> String {
-    cfg.fake_quant_after_n_steps
-        .map_or(String::new(), |n| format!(" (fake quantization from step {n})"))
+    cfg.fake_quant_after_n_steps.map_or(String::new(), |n| {
+        format!(" (fake quantization from step {n})")
+    })
 }

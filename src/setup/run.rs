@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::schema::TrainConfig;
-use crate::models::CausalLm;
 use crate::distributed::World;
+use crate::models::CausalLm;
 use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
 use crate::training::optimizer::Optimizer;
 use crate::training::{TrainState, Trainer, TrainerSettings};
@@ -44,6 +44,8 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
         lr: cfg.optimizer.lr,
         schedule: optim::schedule(cfg.lr_scheduler.as_ref()),
         seed,
+        // Full-weight training shards AdamW's moments over the ranks; LoRA's are small.
+        shard_optimizer: !super::model::is_lora(&cfg.model),
     }
 }
 

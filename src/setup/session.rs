@@ -14,8 +14,9 @@ use crate::distributed::World;
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use crate::training::checkpointing::{RunCheckpointer, SaveContent};
-use crate::training::optimizer::Optimizer;
-use crate::training::trainer::{LossStep, SaveHook, SaveKind, TrainState, TrainSummary};
+use crate::training::trainer::{
+    LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState, TrainSummary,
+};
 use crate::training::{TrainError, Trainer};
 
 /// A run's training data: this rank's share of every batch comes from `loader`.
@@ -82,7 +83,7 @@ impl<B: AutodiffBackend> SaveHook<B> for NoSave {
         &mut self,
         _: SaveKind,
         _: &mut CausalLm<B>,
-        _: &Optimizer<B::InnerBackend>,
+        _: &OptimizerSnapshot,
         _: &TrainState,
     ) -> Result<(), TrainError> {
         Ok(())

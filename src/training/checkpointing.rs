@@ -17,8 +17,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
-use super::optimizer::Optimizer;
-use super::trainer::{SaveHook, SaveKind, TrainError, TrainState};
+use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
 use crate::checkpoint::hf::save_hf_dir;
 use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
 use crate::checkpoint::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
@@ -138,7 +137,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         &mut self,
         kind: SaveKind,
         model: &mut CausalLm<B>,
-        optimizer: &Optimizer<B::InnerBackend>,
+        optimizer: &OptimizerSnapshot,
         state: &TrainState,
     ) -> Result<(), TrainError> {
         // Everything below up to the request is the blocking part: copying state to the host.
@@ -173,7 +172,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             }
             _ => None,
         };
-        let optimizer_state = optimizer.state_dict();
+        let optimizer_state = optimizer.state.clone();
         let config_json = model.args.raw.clone();
         let (source_dir, dtype, shard) = (
             self.source_dir.clone(),

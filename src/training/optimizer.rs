@@ -160,6 +160,39 @@ impl<B: Backend> Optimizer<B> {
         }
     }
 
+    /// The kinds of state this optimizer keeps per parameter (`exp_avg`, `exp_avg_sq`), each
+    /// with `name`'s tensor where this optimizer holds one. The kinds depend only on the
+    /// settings, so every data-parallel rank lists the same ones (see
+    /// `distributed::sync::gather_optimizer_state`).
+    pub fn moments(&self, name: &str) -> Vec<(&'static str, Option<Tensor<B, 1>>)> {
+        let state = self.state.get(name);
+        match self.settings.kind {
+            OptimizerKind::AdamW | OptimizerKind::Adam => vec![
+                ("exp_avg", state.map(|s| s.exp_avg.clone())),
+                ("exp_avg_sq", state.and_then(|s| s.exp_avg_sq.clone())),
+            ],
+            OptimizerKind::Sgd { momentum } if momentum != 0.0 => {
+                vec![("exp_avg", state.map(|s| s.exp_avg.clone()))]
+            }
+            OptimizerKind::Sgd { .. } => Vec::new(),
+        }
+    }
+
+    /// Keeps the state of the parameters `keep` selects (a sharded rank after a resume).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.state.retain(|name, _| keep(name));
+    }
+
+    /// Bytes of state held on the device (the moments of the parameters this optimizer
+    /// updates: all of them, or a ZeRO-1 rank's share), for the metrics.
+    pub fn state_bytes(&self) -> usize {
+        let bytes = |t: &Tensor<B, 1>| t.shape().num_elements() * t.dtype().size();
+        self.state
+            .values()
+            .map(|s| bytes(&s.exp_avg) + s.exp_avg_sq.as_ref().map_or(0, bytes))
+            .sum()
+    }
+
     /// The state as named host tensors (`exp_avg.<name>`, `exp_avg_sq.<name>`), for checkpoints.
     pub fn state_dict(&self) -> Vec<(String, HostTensor)> {
         let mut out = Vec::new();

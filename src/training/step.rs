@@ -7,6 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 
 use super::optimizer::Optimizer;
+use crate::distributed::sync::OptimizerShard;
 use crate::models::CausalLm;
 
 /// Sums gradients over the backward passes of one optimizer step (one per micro-batch, or
@@ -66,6 +67,7 @@ struct ApplyUpdate<'a, B: AutodiffBackend> {
     lr: f64,
     scale: f64,
     path: Vec<String>,
+    shard: Option<&'a OptimizerShard>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
@@ -85,6 +87,10 @@ impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
         let shape = tensor.shape();
         let n = shape.num_elements();
         let name = self.path.join(".");
+        if self.shard.is_some_and(|s| !s.owns(&name)) {
+            // Another rank updates it; `gather_params` brings the result.
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
         let inner = tensor.inner().reshape([n]);
         let updated = self
             .optimizer
@@ -94,14 +100,15 @@ impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
     }
 }
 
-/// Applies one optimizer step to every parameter that has a gradient; each gradient is
-/// multiplied by `scale` first (token normalisation and clipping folded together).
+/// Applies one optimizer step to every parameter that has a gradient (with a `shard`, only
+/// to the parameters this rank owns); each gradient is multiplied by `scale` first (token
+/// normalisation and clipping folded together).
 pub fn apply<B: AutodiffBackend>(
     model: CausalLm<B>,
     mut grads: GradientsParams,
     optimizer: &mut Optimizer<B::InnerBackend>,
-    lr: f64,
-    scale: f64,
+    (lr, scale): (f64, f64),
+    shard: Option<&OptimizerShard>,
 ) -> CausalLm<B> {
     optimizer.begin_step();
     let mut mapper = ApplyUpdate::<B> {
@@ -110,6 +117,7 @@ pub fn apply<B: AutodiffBackend>(
         lr,
         scale,
         path: Vec::new(),
+        shard,
     };
     model.map(&mut mapper)
 }

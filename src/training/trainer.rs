@@ -35,6 +35,9 @@ pub struct TrainerSettings {
     pub lr: f64,
     pub schedule: Schedule,
     pub seed: u64,
+    /// ZeRO-1 with several workers: each rank keeps and updates the optimizer state of its
+    /// share of the parameters only (full-weight training; LoRA's state is small).
+    pub shard_optimizer: bool,
 }
 
 /// Where training stands; saved in every checkpoint so a resumed run continues exactly.
@@ -101,13 +104,20 @@ pub enum SaveKind {
     Final,
 }
 
+/// The optimizer as a checkpoint holds it: its step count and every parameter's moments
+/// (gathered from all ranks when the state is sharded).
+pub struct OptimizerSnapshot {
+    pub step: u64,
+    pub state: Vec<(String, crate::checkpoint::HostTensor)>,
+}
+
 /// The recipe's side of checkpointing: what to save (adapter or full model, optimizer, state).
 pub trait SaveHook<B: AutodiffBackend> {
     fn save(
         &mut self,
         kind: SaveKind,
         model: &mut CausalLm<B>,
-        optimizer: &Optimizer<B::InnerBackend>,
+        optimizer: &OptimizerSnapshot,
         state: &TrainState,
     ) -> Result<(), TrainError>;
 }
@@ -192,6 +202,23 @@ pub struct Trainer<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
+    /// The optimizer for a checkpoint. With a sharded state every rank takes part in gathering
+    /// it; otherwise only rank 0, the one that writes, copies it to the host.
+    fn snapshot(
+        &self,
+        shard: Option<&sync::OptimizerShard>,
+    ) -> Result<OptimizerSnapshot, TrainError> {
+        let state = match shard {
+            Some(_) => sync::gather_optimizer_state(&self.world, &self.model, &self.optimizer)?,
+            None if self.world.is_main() => self.optimizer.state_dict(),
+            None => Vec::new(),
+        };
+        Ok(OptimizerSnapshot {
+            step: self.optimizer.step,
+            state,
+        })
+    }
+
     /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume).
     pub fn fit(
         mut self,
@@ -222,6 +249,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut losses = Vec::new();
         let mut last_metrics = Metrics::new();
         let mut accumulator = GradAccumulator::<B>::default();
+        let shard = (s.shard_optimizer && world.is_distributed())
+            .then(|| sync::OptimizerShard::new(&self.model, &world));
+        if let Some(shard) = &shard {
+            // A resumed run restores the whole state; each rank keeps its share.
+            self.optimizer.retain(|name| shard.owns(name));
+        }
 
         while self.state.epoch < s.epochs {
             let epoch = self.state.epoch;
@@ -327,7 +360,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let lr = s.lr
                     * s.schedule
                         .factor(self.state.global_step, self.state.total_steps);
-                self.model = step::apply(self.model, grads, &mut self.optimizer, lr, scale);
+                self.model = step::apply(
+                    self.model,
+                    grads,
+                    &mut self.optimizer,
+                    (lr, scale),
+                    shard.as_ref(),
+                );
+                if let Some(shard) = &shard {
+                    self.model = sync::gather_params(&world, self.model, shard)?;
+                }
                 self.state.global_step += 1;
                 self.state.step_in_epoch += 1;
                 let loss = loss_sum / weight_total.max(1) as f64;
@@ -358,6 +400,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                         m.push(((*k).into(), v / weight_total.max(1) as f64));
                     }
                     m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
+                    // This rank's optimizer state: a 1/W share with a sharded optimizer.
+                    m.push((
+                        "optimizer_state_bytes".into(),
+                        self.optimizer.state_bytes() as f64,
+                    ));
                     self.loggers.log(self.state.global_step, &m)?;
                     last_metrics = m;
                     window_tokens = 0;
@@ -369,13 +416,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                     && s.save_every_n_steps
                         .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n))
                 {
+                    let optimizer = self.snapshot(shard.as_ref())?;
                     progress.suspend(|| {
-                        saver.save(
-                            SaveKind::Periodic,
-                            &mut self.model,
-                            &self.optimizer,
-                            &self.state,
-                        )
+                        saver.save(SaveKind::Periodic, &mut self.model, &optimizer, &self.state)
                     })?;
                 }
             }
@@ -387,7 +430,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             } else {
                 SaveKind::EpochEnd
             };
-            saver.save(kind, &mut self.model, &self.optimizer, &self.state)?;
+            let optimizer = self.snapshot(shard.as_ref())?;
+            saver.save(kind, &mut self.model, &optimizer, &self.state)?;
         }
         self.loggers.flush()?;
         Ok((

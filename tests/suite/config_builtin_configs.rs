@@ -27,14 +27,19 @@ fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
         .into_iter()
         .filter(|b| b.name.starts_with("tiny/"))
         .collect();
-    assert_eq!(tiny.len(), 8, "one tiny config per recipe");
-    let mut recipes: Vec<Recipe> = tiny.iter().map(|b| b.recipe).collect();
-    recipes.dedup();
-    assert_eq!(recipes.len(), 8);
+    // One per torchtune script: 8 single-device (generate included) and 7 distributed.
+    assert_eq!(tiny.len(), 15, "one tiny config per recipe script");
+    let mut scripts: Vec<&str> = tiny
+        .iter()
+        .map(|b| b.recipe.script_name(b.distributed))
+        .collect();
+    scripts.sort_unstable();
+    scripts.dedup();
+    assert_eq!(scripts.len(), 15);
     for b in tiny {
         let mut cfg = load_config(b.name, &[]).expect("loads");
         common::rebase_assets(&mut cfg.value, &assets.0);
-        match validate(b.recipe.torchtune_name(), &cfg) {
+        match validate(b.recipe.script_name(b.distributed), &cfg) {
             Ok((_, warnings)) => assert!(warnings.is_empty(), "{}: {warnings:?}", b.name),
             Err(e) => panic!("{}:\n{e}", b.name),
         }

@@ -42,7 +42,7 @@ fn lora_logits_loss_grads_and_adamw_step_match_peft() {
         eps: 1e-8,
     };
     let mut opt = Optimizer::new(settings);
-    let mut model = step::apply(model, acc.take(), &mut opt, 1e-3, 1.0);
+    let mut model = step::apply(model, acc.take(), &mut opt, (1e-3, 1.0), None);
     for (key, value) in adapter_state_dict(&mut model) {
         let want = r.f32(&format!("after_adamw_step.{key}"));
         assert_close(&key, &value, &want, 1e-6);

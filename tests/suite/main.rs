@@ -11,6 +11,7 @@ mod config_builtin_configs;
 mod config_torchtune_fixture;
 mod config_validation;
 mod data;
+mod distributed;
 mod dpo;
 mod dpo_recipes;
 mod generate;

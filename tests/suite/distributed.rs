@@ -1,0 +1,542 @@
+//! Data parallelism through the binary: N workers with batch b train exactly like one device
+//! with batch N*b (losses, gradient norms, weights), as threads of one process and as two
+//! processes joined over loopback; a run resumes on another number of workers; every
+//! distributed recipe trains; bad launches and dead nodes are clear errors, never hangs.
+
+use crate::support;
+
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use support::*;
+use tune::checkpoint::safetensors_io::SafetensorsFile;
+
+const STEPS: &str = "max_steps_per_epoch=10";
+
+fn column_by_step(dir: &Path, key: &str) -> Vec<(u64, f64)> {
+    read_metrics(&dir.join("logs/metrics.jsonl"))
+        .iter()
+        .map(|m| (m["step"].as_u64().unwrap(), m[key].as_f64().unwrap()))
+        .collect()
+}
+
+/// Per-step values agree within `rel` relative.
+fn assert_same_curve(what: &str, got: &[(u64, f64)], want: &[(u64, f64)], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: step count");
+    for ((sg, g), (sw, w)) in got.iter().zip(want) {
+        assert_eq!(sg, sw);
+        assert!(
+            (g - w).abs() <= rel * w.abs(),
+            "{what} at step {sg}: {g} vs {w} (relative {})",
+            (g - w).abs() / w.abs()
+        );
+    }
+}
+
+/// Every tensor of two safetensors files agrees within `tol` absolute.
+fn assert_same_weights(got: &Path, want: &Path, tol: f32) {
+    let (g, w) = (
+        SafetensorsFile::open(got).unwrap(),
+        SafetensorsFile::open(want).unwrap(),
+    );
+    let names = w.names();
+    assert!(!names.is_empty());
+    assert_eq!(g.names().len(), names.len());
+    let mut worst = 0f32;
+    for name in names {
+        let d = max_abs_diff(&name, &g.read(&name).unwrap(), &w.read(&name).unwrap());
+        assert!(d <= tol, "{name}: max abs diff {d} > {tol}");
+        worst = worst.max(d);
+    }
+    eprintln!("{}: weights max abs diff {worst}", got.display());
+}
+
+fn output(dir: &TempDir) -> String {
+    format!("output_dir={}", dir.path().display())
+}
+
+/// A free loopback port whose successor is free too (node liveness uses port + 1).
+fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = a.local_addr().unwrap().port();
+        if port < 65535 && std::net::TcpListener::bind(("0.0.0.0", port + 1)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair");
+}
+
+fn node(port: u16, rank: usize, args: &[&str]) -> Child {
+    let endpoint = format!("127.0.0.1:{port}");
+    let node_rank = rank.to_string();
+    let mut all = vec![
+        "run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        &node_rank,
+        "--rdzv_endpoint",
+        &endpoint,
+        "--rdzv_timeout",
+        "60",
+    ];
+    all.extend_from_slice(args);
+    tune_command(&all)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_with_deadline(child: Child, limit: Duration) -> std::process::Output {
+    let start = Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("a node did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn two_lora_workers_match_one_device_with_twice_the_batch() {
+    let one = TempDir::new("dp-lora-1");
+    let two = TempDir::new("dp-lora-2");
+    let common = [STEPS, "save_adapter_weights_only=True"];
+    let (o1, o2) = (output(&one), output(&two));
+    let mut single = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        "tiny/lora",
+    ];
+    single.extend([o1.as_str(), "batch_size=4"]);
+    single.extend(common);
+    tune_ok(&single);
+    let mut dp = vec![
+        "run",
+        "--nproc_per_node",
+        "2",
+        "lora_finetune_distributed",
+        "--config",
+        "tiny/lora",
+    ];
+    dp.extend([o2.as_str(), "batch_size=2"]);
+    dp.extend(common);
+    let out = tune_ok(&dp);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("Launching lora_finetune_distributed with 2 workers"),
+        "{log}"
+    );
+    // Rank 0 alone logs: one start-up line, one report.
+    assert_eq!(log.matches("LoRA fine-tuning").count(), 1, "{log}");
+    assert_eq!(log.matches("Trained 10 steps").count(), 1, "{log}");
+
+    let losses = column_by_step(two.path(), "loss");
+    assert_eq!(losses.len(), 10);
+    assert_same_curve("loss", &losses, &column_by_step(one.path(), "loss"), 1e-4);
+    assert_same_weights(
+        &two.path().join("epoch_0/adapter_model.safetensors"),
+        &one.path().join("epoch_0/adapter_model.safetensors"),
+        1e-5,
+    );
+    let meta = std::fs::read_to_string(two.path().join("epoch_0/tune_checkpoint.json")).unwrap();
+    assert!(meta.contains("lora_finetune_distributed"), "{meta}");
+}
+
+/// Full fine-tuning with gradient accumulation and clipping: the accumulated, all-reduced
+/// gradient is normalised by the global token count and clipped on its global norm.
+#[test]
+fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
+    let one = TempDir::new("dp-full-1");
+    let two = TempDir::new("dp-full-2");
+    let common = [
+        STEPS,
+        "gradient_accumulation_steps=2",
+        "clip_grad_norm=0.5",
+        "optimizer.lr=1e-4",
+    ];
+    let (o1, o2) = (output(&one), output(&two));
+    let mut single = vec![
+        "run",
+        "full_finetune_single_device",
+        "--config",
+        "tiny/full",
+    ];
+    single.extend([o1.as_str(), "batch_size=4"]);
+    single.extend(common);
+    tune_ok(&single);
+    let mut dp = vec![
+        "run",
+        "--nproc_per_node",
+        "2",
+        "full_finetune_distributed",
+        "--config",
+        "tiny/full",
+    ];
+    dp.extend([o2.as_str(), "batch_size=2"]);
+    dp.extend(common);
+    tune_ok(&dp);
+
+    let want = column_by_step(one.path(), "grad_norm");
+    // Clipping is active: the norms exceed the limit.
+    assert!(want.iter().all(|(_, n)| *n > 0.5), "{want:?}");
+    assert_same_curve(
+        "grad_norm",
+        &column_by_step(two.path(), "grad_norm"),
+        &want,
+        1e-4,
+    );
+    assert_same_curve(
+        "loss",
+        &column_by_step(two.path(), "loss"),
+        &column_by_step(one.path(), "loss"),
+        1e-4,
+    );
+    assert_same_weights(
+        &two.path().join("epoch_0/model.safetensors"),
+        &one.path().join("epoch_0/model.safetensors"),
+        1e-5,
+    );
+    // ZeRO-1: rank 0 holds about half of AdamW's moments; the checkpoint holds all of them,
+    // the same as one device's.
+    let state = |dir: &TempDir| column_by_step(dir.path(), "optimizer_state_bytes")[9].1;
+    let (full, share) = (state(&one), state(&two));
+    assert!(
+        share > 0.3 * full && share < 0.7 * full,
+        "rank 0 keeps {share} of {full} bytes"
+    );
+    assert_same_weights(
+        &two.path().join("epoch_0/optimizer.safetensors"),
+        &one.path().join("epoch_0/optimizer.safetensors"),
+        1e-5,
+    );
+}
+
+#[test]
+fn two_processes_as_two_nodes_match_one_device() {
+    let one = TempDir::new("dp-nodes-1");
+    let two = TempDir::new("dp-nodes-2");
+    let (o1, o2) = (output(&one), output(&two));
+    let common = [STEPS, "save_adapter_weights_only=True"];
+    let mut single = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        "tiny/lora",
+    ];
+    single.extend([o1.as_str(), "batch_size=4"]);
+    single.extend(common);
+    tune_ok(&single);
+
+    let port = free_port_pair();
+    let mut args = vec!["lora_finetune_distributed", "--config", "tiny/lora"];
+    args.extend([o2.as_str(), "batch_size=2"]);
+    args.extend(common);
+    let node0 = node(port, 0, &args);
+    let node1 = node(port, 1, &args);
+    for (i, n) in [node0, node1].into_iter().enumerate() {
+        let out = wait_with_deadline(n, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "node {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_same_curve(
+        "loss",
+        &column_by_step(two.path(), "loss"),
+        &column_by_step(one.path(), "loss"),
+        1e-4,
+    );
+    assert_same_weights(
+        &two.path().join("epoch_0/adapter_model.safetensors"),
+        &one.path().join("epoch_0/adapter_model.safetensors"),
+        1e-5,
+    );
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// A full fine-tune on W ranks killed after a step checkpoint resumes on another number of
+/// ranks with the same global batch (4) and continues with the uninterrupted run's losses: the
+/// sharded optimizer state is gathered into the checkpoint and re-sharded on resume.
+#[test]
+fn a_killed_run_resumes_on_another_number_of_ranks() {
+    let extra = [
+        "max_steps_per_epoch=12",
+        "save_every_n_steps=2",
+        "optimizer.lr=1e-4",
+    ];
+    let run = |workers: usize, out: &str| -> Vec<String> {
+        let mut v: Vec<String> = vec![
+            "run".into(),
+            "--nproc_per_node".into(),
+            workers.to_string(),
+            "full_finetune_distributed".into(),
+            "--config".into(),
+            "tiny/full".into(),
+            format!("batch_size={}", 4 / workers),
+            out.to_string(),
+        ];
+        v.extend(extra.map(String::from));
+        v
+    };
+    let reference = TempDir::new("dp-resume-ref");
+    let out_ref = output(&reference);
+    tune_ok(&strs(&run(2, &out_ref)));
+
+    for (from, to) in [(2, 1), (1, 2), (2, 4)] {
+        let crashed = TempDir::new("dp-resume");
+        let out = output(&crashed);
+        let mut child = tune_command(&strs(&run(from, &out)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline
+            && !crashed.path().join("step_4/tune_checkpoint.json").is_file()
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            !crashed.path().join("epoch_0").exists(),
+            "{from} -> {to}: killed before the end"
+        );
+
+        let mut resume = run(to, &out);
+        resume.push("resume_from_checkpoint=True".into());
+        let log = String::from_utf8_lossy(&tune_ok(&strs(&resume)).stderr).into_owned();
+        assert!(log.contains("Resuming from"), "{log}");
+        // The last value logged for each step: the resumed run's where it re-ran one.
+        let got: std::collections::BTreeMap<u64, f64> =
+            column_by_step(crashed.path(), "loss").into_iter().collect();
+        let got: Vec<(u64, f64)> = got.into_iter().collect();
+        let want = column_by_step(reference.path(), "loss");
+        assert_same_curve(&format!("{from} -> {to} loss"), &got, &want, 1e-4);
+        assert_same_weights(
+            &crashed.path().join("epoch_0/model.safetensors"),
+            &reference.path().join("epoch_0/model.safetensors"),
+            1e-5,
+        );
+    }
+}
+
+/// Every distributed recipe trains its tiny config on 2 workers: its loss falls.
+#[test]
+fn every_distributed_recipe_trains_its_tiny_config_on_two_workers() {
+    for (recipe, config) in [
+        ("lora_finetune_distributed", "tiny/lora"),
+        ("full_finetune_distributed", "tiny/full"),
+        ("lora_dpo_distributed", "tiny/lora_dpo"),
+        ("full_dpo_distributed", "tiny/full_dpo"),
+        ("qat_distributed", "tiny/qat_full"),
+        ("qat_lora_finetune_distributed", "tiny/qat_lora"),
+        (
+            "knowledge_distillation_distributed",
+            "tiny/kd_lora_distributed",
+        ),
+    ] {
+        let dir = TempDir::new("dp-recipe");
+        let out = output(&dir);
+        tune_ok(&[
+            "run",
+            "--nproc_per_node",
+            "2",
+            recipe,
+            "--config",
+            config,
+            &out,
+            "save_adapter_weights_only=True",
+        ]);
+        let losses: Vec<f64> = column_by_step(dir.path(), "loss")
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect();
+        let (first, last) = (mean(&losses[..3]), mean(&losses[losses.len() - 3..]));
+        assert!(last < first, "{recipe}: loss {first} -> {last}");
+        assert!(
+            tune::checkpoint_client::latest_complete(dir.path())
+                .unwrap()
+                .is_some(),
+            "{recipe}: a final checkpoint"
+        );
+    }
+}
+
+#[test]
+fn bad_launches_are_refused_naming_the_flag() {
+    let refused = |args: &[&str], needle: &str| {
+        let out = tune(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    };
+    refused(
+        &[
+            "run",
+            "--nproc_per_node",
+            "2",
+            "lora_finetune_single_device",
+            "--config",
+            "tiny/lora",
+        ],
+        "use lora_finetune_distributed",
+    );
+    refused(
+        &[
+            "run",
+            "--nproc_per_node",
+            "2",
+            "generate",
+            "--config",
+            "tiny/generation",
+        ],
+        "does not support distributed runs",
+    );
+    refused(
+        &[
+            "run",
+            "--nnodes",
+            "2",
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+        ],
+        "--rdzv_endpoint HOST:PORT",
+    );
+    refused(
+        &[
+            "run",
+            "--nproc_per_node",
+            "0",
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+        ],
+        "--nproc_per_node must be at least 1",
+    );
+    let busy = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    refused(
+        &[
+            "run",
+            "--nnodes",
+            "2",
+            "--rdzv_endpoint",
+            &format!("127.0.0.1:{port}"),
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+        ],
+        &format!("port {port} is in use"),
+    );
+    // Node 1 with nobody at the endpoint: refused after --rdzv_timeout, not a hang.
+    let port = free_port_pair();
+    let started = Instant::now();
+    refused(
+        &[
+            "run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--rdzv_endpoint",
+            &format!("127.0.0.1:{port}"),
+            "--rdzv_timeout",
+            "1",
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+        ],
+        "node 0 is not reachable after 1 s",
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// Nodes started with different configs stop at the rendezvous, naming the cause.
+#[test]
+fn nodes_with_different_configs_are_refused() {
+    let dir = TempDir::new("dp-mismatch");
+    let out = output(&dir);
+    let port = free_port_pair();
+    let base = [
+        "lora_finetune_distributed",
+        "--config",
+        "tiny/lora",
+        out.as_str(),
+    ];
+    let n0 = node(port, 0, &[&base[..], &["seed=1"]].concat());
+    let n1 = node(port, 1, &[&base[..], &["seed=2"]].concat());
+    for n in [n0, n1] {
+        let res = wait_with_deadline(n, Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "{err}");
+        assert!(err.contains("started with different configs"), "{err}");
+    }
+}
+
+/// A node killed mid-run stops the other within seconds with an error naming it, and node 0's
+/// rendezvous process does not outlive its launcher.
+#[test]
+fn a_killed_node_stops_the_other_naming_it() {
+    let dir = TempDir::new("dp-killed");
+    let out = output(&dir);
+    let port = free_port_pair();
+    let args = [
+        "lora_finetune_distributed",
+        "--config",
+        "tiny/lora",
+        out.as_str(),
+        "epochs=50",
+    ];
+    let n0 = node(port, 0, &args);
+    let mut n1 = node(port, 1, &args);
+    // Killed once training runs (its first metrics are on disk).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    n1.kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = n1.wait();
+    let res = wait_with_deadline(n0, Duration::from_secs(30));
+    assert!(killed_at.elapsed() < Duration::from_secs(10));
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("node 1 (rank 1) stopped before the run finished"),
+        "{err}"
+    );
+    // The rendezvous child (`tune rendezvous --port P`) follows its parent out.
+    let pattern = format!("rendezvous --port {port}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let alive = std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| {
+                    String::from_utf8_lossy(&c)
+                        .replace('\0', " ")
+                        .contains(&pattern)
+                })
+                .unwrap_or(false)
+        });
+        if !alive {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the rendezvous outlived node 0");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
