@@ -36,6 +36,8 @@ pub enum SetupError {
     Quant(#[from] quant::QuantError),
     #[error(transparent)]
     Train(#[from] crate::training::TrainError),
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

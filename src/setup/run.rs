@@ -231,6 +231,7 @@ pub fn trainer<B: AutodiffBackend>(
         loggers,
         show_progress: run.world.is_main(),
         world: run.world.clone(),
+        save_optimizer_shards: false,
     };
     Ok((trainer, log_dir))
 }

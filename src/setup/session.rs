@@ -14,6 +14,7 @@ use crate::distributed::World;
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use crate::training::checkpointing::{RunCheckpointer, SaveContent};
+use crate::training::optimizer_shards::ShardWriter;
 use crate::training::trainer::{
     LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState, TrainSummary,
 };
@@ -41,6 +42,8 @@ pub struct Session<B: AutodiffBackend> {
     pub trainer: Trainer<B>,
     /// Rank 0's checkpoint client; `None` on the other ranks.
     pub saver: Option<RunCheckpointer>,
+    /// The other ranks' writer of their optimizer shards, when each rank writes its own.
+    shard_writer: Option<ShardWriter>,
     /// Where the metrics go, for the recipe's start-up line.
     pub log_dir: String,
 }
@@ -56,23 +59,76 @@ pub fn session<B: AutodiffBackend>(
     recipe: &str,
     device: &B::Device,
 ) -> Result<Session<B>, SetupError> {
-    let (trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
-    let saver = if run.world.is_main() {
-        Some(settings::checkpointer(
-            cfg,
-            recipe,
-            content,
-            run.fingerprint,
-            storage_dtype,
-        )?)
+    let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
+    let world = run.world.clone();
+    // ZeRO-1 ranks write their own optimizer shards when they all see the output directory
+    // (threads of one process always do; nodes do on a shared file system); otherwise rank 0
+    // gathers the whole state through the collective and writes it alone.
+    let per_rank_files = trainer.settings.shard_optimizer
+        && world.is_distributed()
+        && output_dir_is_shared::<B::InnerBackend>(&world, &run.output_dir, device)?;
+    trainer.save_optimizer_shards = per_rank_files;
+    let saver = if world.is_main() {
+        let mut saver =
+            settings::checkpointer(cfg, recipe, content, run.fingerprint, storage_dtype)?;
+        saver.world_size = world.size;
+        saver.optimizer_shards = per_rank_files.then_some(world.size);
+        Some(saver)
     } else {
         None
     };
+    let shard_writer = (per_rank_files && !world.is_main())
+        .then(|| ShardWriter::new(run.output_dir.clone(), world.rank, world.size));
     Ok(Session {
         trainer,
         saver,
+        shard_writer,
         log_dir,
     })
+}
+
+/// Whether every rank sees the file rank 0 writes into `dir` (named after a random nonce that
+/// travels through the collective). The probe is named like a partial checkpoint, so the
+/// checkpoint client's clean-up removes one a crash leaves behind.
+fn output_dir_is_shared<B: burn::tensor::backend::Backend>(
+    world: &World,
+    dir: &std::path::Path,
+    device: &B::Device,
+) -> Result<bool, SetupError> {
+    use crate::distributed::sync::{all_reduce_scalars, hash64};
+    let io = |source| SetupError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut nonce = [0f64; 8];
+    let mut probe = None;
+    if world.is_main() {
+        let seed = format!(
+            "{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)
+        );
+        let value = hash64(seed.as_bytes());
+        for (slot, byte) in nonce.iter_mut().zip(value.to_le_bytes()) {
+            *slot = f64::from(byte);
+        }
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let path = dir.join(format!(".tmp-fscheck.{value:016x}-0"));
+        std::fs::write(&path, b"").map_err(io)?;
+        probe = Some(path);
+    }
+    let nonce = all_reduce_scalars::<B>(world, &nonce, device, "the output directory check")?;
+    let mut bytes = [0u8; 8];
+    for (b, v) in bytes.iter_mut().zip(&nonce) {
+        *b = v.round() as u8;
+    }
+    let name = format!(".tmp-fscheck.{:016x}-0", u64::from_le_bytes(bytes));
+    let sees = f64::from(u8::from(dir.join(name).is_file()));
+    let seen = all_reduce_scalars::<B>(world, &[sees], device, "the output directory check")?;
+    if let Some(path) = probe {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(seen[0].round() as usize == world.size)
 }
 
 /// The save hook of ranks that do not write.
@@ -119,13 +175,20 @@ impl<B: AutodiffBackend> Session<B> {
         push: Option<&PushToHub>,
     ) -> Result<TrainSummary, FinishError> {
         let Session {
-            trainer, mut saver, ..
+            trainer,
+            mut saver,
+            mut shard_writer,
+            ..
         } = self;
-        let hook: &mut dyn SaveHook<B> = match saver.as_mut() {
-            Some(s) => s,
-            None => &mut NoSave,
+        let hook: &mut dyn SaveHook<B> = match (saver.as_mut(), shard_writer.as_mut()) {
+            (Some(s), _) => s,
+            (None, Some(w)) => w,
+            (None, None) => &mut NoSave,
         };
         let (summary, _model) = trainer.fit(&data.dataset, &data.loader, loss, hook)?;
+        if let Some(writer) = shard_writer.as_mut() {
+            writer.finish()?;
+        }
         let Some(mut saver) = saver else {
             return Ok(summary);
         };

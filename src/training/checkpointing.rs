@@ -17,11 +17,12 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
+use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
 use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
 use crate::checkpoint::hf::save_hf_dir;
 use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
 use crate::checkpoint::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
-use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
+use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
     CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError,
@@ -73,6 +74,17 @@ struct ResumeInfo {
     state: TrainState,
     optimizer_step: u64,
     fingerprint: RunFingerprint,
+    /// Files the optimizer state is split into (one per rank of a ZeRO-1 run, see
+    /// `optimizer_shards`); 1 is `optimizer.safetensors`.
+    #[serde(default = "one")]
+    optimizer_shards: usize,
+    /// Data-parallel workers of the run that wrote it (a resume may use another number).
+    #[serde(default = "one")]
+    world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 pub struct RunCheckpointer {
@@ -89,6 +101,12 @@ pub struct RunCheckpointer {
     pub log: Box<dyn Fn(String) + Send>,
     /// QAT: the final checkpoint also holds the int4 export in `quantized/` (adapters merged).
     pub quantized_export: Option<QuantScheme>,
+    /// ZeRO-1 with a shared output directory: every rank writes its optimizer shard and this
+    /// (rank 0's) writer gathers them into the checkpoint (`optimizer_shards`).
+    pub optimizer_shards: Option<usize>,
+    /// Data-parallel workers of the run, recorded in every checkpoint.
+    pub world_size: usize,
+    output_dir: PathBuf,
 }
 
 impl RunCheckpointer {
@@ -103,7 +121,7 @@ impl RunCheckpointer {
         storage_dtype: StorageDtype,
         max_shard_bytes: usize,
     ) -> Result<Self, TrainError> {
-        let client = CheckpointClient::new(output_dir, ClientOptions { keep_last_n })
+        let client = CheckpointClient::new(output_dir.clone(), ClientOptions { keep_last_n })
             .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
         Ok(Self {
             client,
@@ -116,6 +134,9 @@ impl RunCheckpointer {
             last_published: None,
             log: Box::new(|line| eprintln!("{line}")),
             quantized_export: None,
+            optimizer_shards: None,
+            world_size: 1,
+            output_dir,
         })
     }
 
@@ -181,12 +202,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         );
         let snapshot_time = started.elapsed();
 
-        let name = match kind {
-            SaveKind::Periodic => format!("step_{}", state.global_step),
-            SaveKind::EpochEnd | SaveKind::Final => {
-                format!("epoch_{}", state.epoch.saturating_sub(1))
-            }
-        };
+        let name = checkpoint_name(kind, state);
         let mut meta = CheckpointMeta::new(
             &self.recipe,
             self.fingerprint.hash(),
@@ -198,7 +214,11 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             state: state.clone(),
             optimizer_step: optimizer.step,
             fingerprint: self.fingerprint.clone(),
+            optimizer_shards: self.optimizer_shards.unwrap_or(1),
+            world_size: self.world_size,
         };
+        let (shards, output_dir, checkpoint) =
+            (self.optimizer_shards, self.output_dir.clone(), name.clone());
         meta.extra = serde_json::to_value(&info).unwrap_or_default();
 
         let writer = move |dir: &Path| -> Result<(), WriteError> {
@@ -223,12 +243,22 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
                 )
                 .map_err(fail)?;
             }
-            write_file(
-                &dir.join(OPTIMIZER_FILE),
-                &optimizer_state,
-                StorageDtype::F32,
-            )
-            .map_err(fail)?;
+            match shards {
+                Some(world) => assemble(
+                    dir,
+                    &output_dir,
+                    &checkpoint,
+                    world,
+                    &optimizer_state,
+                    SHARD_TIMEOUT,
+                )?,
+                None => write_file(
+                    &dir.join(OPTIMIZER_FILE),
+                    &optimizer_state,
+                    StorageDtype::F32,
+                )
+                .map_err(fail)?,
+            }
             Ok(())
         };
         let request = SaveRequest::new(name.clone(), meta, writer);
@@ -303,16 +333,13 @@ pub fn find_resume(
             changed.join(", ")
         )));
     }
-    let path = found.dir.join(OPTIMIZER_FILE);
-    let file = SafetensorsFile::open(&path).map_err(|e| TrainError::Checkpoint(e.to_string()))?;
-    let mut optimizer_state = Vec::new();
-    for name in file.names() {
-        optimizer_state.push((
-            name.clone(),
-            file.read(&name)
-                .map_err(|e| TrainError::Checkpoint(e.to_string()))?,
-        ));
-    }
+    let optimizer_state =
+        read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards).map_err(|e| {
+            TrainError::Checkpoint(format!(
+                "{}: reading the optimizer state: {e}",
+                found.dir.display()
+            ))
+        })?;
     Ok(Some(Resume {
         dir: found.dir.clone(),
         state: info.state,

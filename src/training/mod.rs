@@ -10,6 +10,7 @@ pub mod loss;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
+pub mod optimizer_shards;
 pub mod progress;
 pub mod schedule;
 pub mod sft;

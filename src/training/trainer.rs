@@ -199,16 +199,21 @@ pub struct Trainer<B: AutodiffBackend> {
     pub show_progress: bool,
     /// This worker's place among the data-parallel workers (a world of one on one device).
     pub world: World,
+    /// With a sharded optimizer: every rank hands its own share to its save hook (which writes
+    /// it as a file of the checkpoint) instead of gathering the whole state for rank 0.
+    pub save_optimizer_shards: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// The optimizer for a checkpoint. With a sharded state every rank takes part in gathering
-    /// it; otherwise only rank 0, the one that writes, copies it to the host.
+    /// The optimizer for a checkpoint: with a sharded state, this rank's share (when every rank
+    /// writes its own) or the whole state gathered from every rank; otherwise the state on rank
+    /// 0, the one that writes, and nothing elsewhere.
     fn snapshot(
         &self,
         shard: Option<&sync::OptimizerShard>,
     ) -> Result<OptimizerSnapshot, TrainError> {
         let state = match shard {
+            Some(_) if self.save_optimizer_shards => self.optimizer.state_dict(),
             Some(_) => sync::gather_optimizer_state(&self.world, &self.model, &self.optimizer)?,
             None if self.world.is_main() => self.optimizer.state_dict(),
             None => Vec::new(),

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Data-parallel figures for BENCHMARKS.md, measured on this machine (no PyTorch side: torchrun
+# on a CPU-only box runs gloo, a different engine; see BENCHMARKS.md).
+#
+# 1. tiny shape, LoRA and full fine-tuning, the same global batch of 8: one worker (batch 8)
+#    vs 2 workers as threads of one process (batch 4 each): tokens/s over all ranks, wall time.
+# 2. SmolLM2-135M shape (random weights) full fine-tuning, global batch 2: one rank vs 2 ranks
+#    as 2 processes joined over loopback (`--nnodes 2`), so each process is one rank: peak RSS
+#    per rank (/usr/bin/time) and the optimizer state each rank holds (ZeRO-1).
+#
+#     benches/distributed.sh            # prints markdown rows
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --quiet --bin tune --example random_checkpoint
+TUNE=target/release/tune
+OUT=${OUT:-/tmp/tune-dp-bench}
+rm -rf "$OUT" && mkdir -p "$OUT"
+
+# mean of a metric over steps after the first two (warm-up); last value of another
+metric() { python3 - "$1" "$2" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+vals = [r[sys.argv[2]] for r in rows[2:]] or [rows[-1][sys.argv[2]]]
+print(f"{sum(vals) / len(vals):.0f}")
+PY
+}
+peak_mb() { awk '/Maximum resident set size/ {printf "%.0f", $6 / 1024}' "$1"; }
+
+echo "| shape | mode | workers | batch per worker | tokens/s (all ranks) | wall s |"
+echo "| --- | --- | --- | --- | --- | --- |"
+for mode in lora full; do
+  for workers in 1 2; do
+    dir="$OUT/tiny-$mode-$workers"
+    batch=$((8 / workers))
+    start=$(date +%s.%N)
+    if [ "$workers" = 1 ]; then
+      "$TUNE" run ${mode}_finetune_single_device --config tiny/$mode output_dir="$dir" \
+        batch_size=$batch max_steps_per_epoch=12 save_adapter_weights_only=True 2>/dev/null
+    else
+      "$TUNE" run --nproc_per_node 2 ${mode}_finetune_distributed --config tiny/$mode output_dir="$dir" \
+        batch_size=$batch max_steps_per_epoch=12 save_adapter_weights_only=True 2>/dev/null
+    fi
+    end=$(date +%s.%N)
+    printf "| tiny | %s | %s | %s | %s | %.2f |\n" "$mode" "$workers" "$batch" \
+      "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)" "$(echo "$end - $start" | bc)"
+  done
+done
+
+CKPT="$OUT/smollm2-135m-random"
+target/release/examples/random_checkpoint smollm2-135m "$CKPT" >/dev/null
+common=(--config tiny/full "checkpointer.checkpoint_dir=$CKPT" max_steps_per_epoch=6 epochs=1)
+echo
+echo "| shape | mode | ranks | batch per rank | peak RSS per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
+echo "| --- | --- | --- | --- | --- | --- | --- |"
+dir="$OUT/135m-1"
+/usr/bin/time -v -o "$OUT/time-1.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
+  output_dir="$dir" batch_size=2 2>/dev/null
+printf "| smollm2-135m | full | 1 | 2 | %s | %.0f | %s |\n" "$(peak_mb "$OUT/time-1.txt")" \
+  "$(echo "$(metric "$dir/logs/metrics.jsonl" optimizer_state_bytes) / 1048576" | bc -l)" \
+  "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
+dir="$OUT/135m-2"
+port=$((20000 + RANDOM % 20000))
+for rank in 0 1; do
+  /usr/bin/time -v -o "$OUT/time-2-$rank.txt" "$TUNE" run --nnodes 2 --node_rank $rank \
+    --rdzv_endpoint 127.0.0.1:$port full_finetune_distributed "${common[@]}" \
+    output_dir="$dir" batch_size=1 >/dev/null 2>&1 &
+done
+wait
+printf "| smollm2-135m | full | 2 (2 processes) | 1 | %s / %s | %.0f (rank 0) | %s |\n" \
+  "$(peak_mb "$OUT/time-2-0.txt")" "$(peak_mb "$OUT/time-2-1.txt")" \
+  "$(echo "$(metric "$dir/logs/metrics.jsonl" optimizer_state_bytes) / 1048576" | bc -l)" \
+  "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
