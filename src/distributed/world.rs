@@ -125,6 +125,16 @@ impl World {
         if !self.is_distributed() {
             return Ok(tensor);
         }
+        // The global ring all-reduce splits a tensor into one slice per node and refuses one
+        // with fewer elements than nodes: short tensors travel padded with zeros.
+        let len = tensor.shape().num_elements();
+        let tensor = if len < self.size {
+            let pad = Tensor::<B, 1>::zeros([self.size - len], &tensor.device());
+            let pad = crate::precision::to_dtype(pad, tensor.dtype());
+            Tensor::cat(vec![tensor, pad], 0)
+        } else {
+            tensor
+        };
         let summed = burn_collective::all_reduce::<B>(
             self.peer(),
             tensor.into_primitive().tensor(),
@@ -135,7 +145,12 @@ impl World {
             what,
             detail: format!("{e:?}"),
         })?;
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(summed)))
+        let summed = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(summed));
+        Ok(if len < self.size {
+            summed.slice(0..len)
+        } else {
+            summed
+        })
     }
 
     /// `tensor` from `root` on every worker: `root` passes `Some`, the others `None`.

@@ -282,6 +282,58 @@ fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
+/// Full fine-tuning on two nodes (processes) over loopback: ZeRO-1 across nodes, every rank's
+/// optimizer shard in the checkpoint (the nodes share this machine's output directory), the
+/// same losses as one device.
+#[test]
+fn two_nodes_shard_full_fine_tuning_like_one_device() {
+    let one = TempDir::new("dp-nodes-full-1");
+    let two = TempDir::new("dp-nodes-full-2");
+    let (o1, o2) = (output(&one), output(&two));
+    let common = ["max_steps_per_epoch=4", "optimizer.lr=1e-4"];
+    let mut single = vec![
+        "run",
+        "full_finetune_single_device",
+        "--config",
+        "tiny/full",
+    ];
+    single.extend([o1.as_str(), "batch_size=4"]);
+    single.extend(common);
+    tune_ok(&single);
+
+    let port = free_port_pair();
+    let mut args = vec!["full_finetune_distributed", "--config", "tiny/full"];
+    args.extend([o2.as_str(), "batch_size=2"]);
+    args.extend(common);
+    let nodes = [node(port, 0, &args), node(port, 1, &args)];
+    for (i, n) in nodes.into_iter().enumerate() {
+        let out = wait_with_deadline(n, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "node {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_same_curve(
+        "loss",
+        &column_by_step(two.path(), "loss"),
+        &column_by_step(one.path(), "loss"),
+        1e-4,
+    );
+    let epoch = two.path().join("epoch_0");
+    for shard in ["optimizer-00001-of-00002", "optimizer-00002-of-00002"] {
+        assert!(
+            epoch.join(format!("{shard}.safetensors")).is_file(),
+            "{shard}"
+        );
+    }
+    assert_same_weights(
+        &epoch.join("model.safetensors"),
+        &one.path().join("epoch_0/model.safetensors"),
+        1e-5,
+    );
+}
+
 /// A full fine-tune on W ranks killed after a step checkpoint resumes on another number of
 /// ranks with the same global batch (4) and continues with the uninterrupted run's losses: the
 /// sharded optimizer state is gathered into the checkpoint and re-sharded on resume.
