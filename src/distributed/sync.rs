@@ -162,6 +162,30 @@ fn trainable<B: AutodiffBackend>(model: &CausalLm<B>) -> Vec<Trainable> {
     list.out
 }
 
+/// Sums the flat tensors this rank holds for some of `params` (by id) over the world, in
+/// model order; a parameter no rank holds a tensor for is left out of the result.
+fn sum_by_param<B: Backend>(
+    world: &World,
+    params: &[Trainable],
+    mut local: HashMap<ParamId, Tensor<B, 1>>,
+    device: &B::Device,
+    what: &'static str,
+) -> Result<HashMap<ParamId, Tensor<B, 1>>, DistributedError> {
+    let entries = params
+        .iter()
+        .map(|p| Entry {
+            numel: p.numel,
+            value: local.remove(&p.id),
+        })
+        .collect();
+    let summed = all_reduce_entries(world, entries, device, what)?;
+    Ok(params
+        .iter()
+        .zip(summed)
+        .filter_map(|(p, t)| t.map(|t| (p.id, t)))
+        .collect())
+}
+
 /// Replaces parameters by id with the given flat values (shaped as the parameter).
 struct SetParams<B: AutodiffBackend> {
     values: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
@@ -226,21 +250,9 @@ pub fn all_reduce_grads<B: AutodiffBackend>(
         out: HashMap::new(),
     };
     model.visit(&mut take);
-    let mut local = take.out;
-    let entries = params
-        .iter()
-        .map(|p| Entry {
-            numel: p.numel,
-            value: local.remove(&p.id),
-        })
-        .collect();
-    let summed = all_reduce_entries(world, entries, &model.device(), "gradients")?;
+    let grads = sum_by_param(world, &params, take.out, &model.device(), "gradients")?;
     let mut scatter = Scatter::<B> {
-        grads: params
-            .iter()
-            .zip(summed)
-            .filter_map(|(p, g)| g.map(|g| (p.id, g)))
-            .collect(),
+        grads,
         out: GradientsParams::new(),
     };
     model.visit(&mut scatter);
@@ -321,23 +333,9 @@ pub fn gather_params<B: AutodiffBackend>(
         out: HashMap::new(),
     };
     model.visit(&mut values);
-    let mut own = values.out;
-    let entries = params
-        .iter()
-        .map(|p| Entry {
-            numel: p.numel,
-            value: own.remove(&p.id),
-        })
-        .collect();
-    let gathered = all_reduce_entries(world, entries, &model.device(), "updated parameters")?;
-    let mut set = SetParams::<B> {
-        values: params
-            .iter()
-            .zip(gathered)
-            .filter_map(|(p, v)| v.map(|v| (p.id, v)))
-            .collect(),
-    };
-    Ok(model.map(&mut set))
+    let device = model.device();
+    let values = sum_by_param(world, &params, values.out, &device, "updated parameters")?;
+    Ok(model.map(&mut SetParams::<B> { values }))
 }
 
 /// The whole optimizer state (as [`Optimizer::state_dict`] names it) from every rank's shard,

@@ -57,6 +57,23 @@ fn output(dir: &TempDir) -> String {
     format!("output_dir={}", dir.path().display())
 }
 
+/// `tune run <recipe> --config <config> output_dir=<out> batch_size=<batch> <extra...>`, on
+/// `workers` workers of this process when more than one.
+fn train(workers: usize, recipe: &str, config: &str, out: &TempDir, batch: usize, extra: &[&str]) {
+    let (workers_arg, out, batch) = (
+        workers.to_string(),
+        output(out),
+        format!("batch_size={batch}"),
+    );
+    let mut args = vec!["run"];
+    if workers > 1 {
+        args.extend(["--nproc_per_node", workers_arg.as_str()]);
+    }
+    args.extend([recipe, "--config", config, out.as_str(), batch.as_str()]);
+    args.extend_from_slice(extra);
+    tune_ok(&args);
+}
+
 /// A free loopback port whose successor is free too (node liveness uses port + 1).
 fn free_port_pair() -> u16 {
     for _ in 0..100 {
@@ -91,6 +108,23 @@ fn node(port: u16, rank: usize, args: &[&str]) -> Child {
         .unwrap()
 }
 
+/// The same run as two `tune` processes joined over loopback, one worker each.
+fn train_on_two_nodes(recipe: &str, config: &str, out: &TempDir, batch: usize, extra: &[&str]) {
+    let (out, batch) = (output(out), format!("batch_size={batch}"));
+    let mut args = vec![recipe, "--config", config, out.as_str(), batch.as_str()];
+    args.extend_from_slice(extra);
+    let port = free_port_pair();
+    let nodes = [node(port, 0, &args), node(port, 1, &args)];
+    for (i, n) in nodes.into_iter().enumerate() {
+        let res = wait_with_deadline(n, Duration::from_secs(120));
+        assert!(
+            res.status.success(),
+            "node {i}: {}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+    }
+}
+
 fn wait_with_deadline(child: Child, limit: Duration) -> std::process::Output {
     let start = Instant::now();
     let mut child = child;
@@ -109,16 +143,15 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
     let one = TempDir::new("dp-lora-1");
     let two = TempDir::new("dp-lora-2");
     let common = [STEPS, "save_adapter_weights_only=True"];
-    let (o1, o2) = (output(&one), output(&two));
-    let mut single = vec![
-        "run",
+    train(
+        1,
         "lora_finetune_single_device",
-        "--config",
         "tiny/lora",
-    ];
-    single.extend([o1.as_str(), "batch_size=4"]);
-    single.extend(common);
-    tune_ok(&single);
+        &one,
+        4,
+        &common,
+    );
+    let o2 = output(&two);
     let mut dp = vec![
         "run",
         "--nproc_per_node",
@@ -126,8 +159,9 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
         "lora_finetune_distributed",
         "--config",
         "tiny/lora",
+        o2.as_str(),
+        "batch_size=2",
     ];
-    dp.extend([o2.as_str(), "batch_size=2"]);
     dp.extend(common);
     let out = tune_ok(&dp);
     let log = String::from_utf8_lossy(&out.stderr);
@@ -163,27 +197,22 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
         "clip_grad_norm=0.5",
         "optimizer.lr=1e-4",
     ];
-    let (o1, o2) = (output(&one), output(&two));
-    let mut single = vec![
-        "run",
+    train(
+        1,
         "full_finetune_single_device",
-        "--config",
         "tiny/full",
-    ];
-    single.extend([o1.as_str(), "batch_size=4"]);
-    single.extend(common);
-    tune_ok(&single);
-    let mut dp = vec![
-        "run",
-        "--nproc_per_node",
-        "2",
+        &one,
+        4,
+        &common,
+    );
+    train(
+        2,
         "full_finetune_distributed",
-        "--config",
         "tiny/full",
-    ];
-    dp.extend([o2.as_str(), "batch_size=2"]);
-    dp.extend(common);
-    tune_ok(&dp);
+        &two,
+        2,
+        &common,
+    );
 
     let want = column_by_step(one.path(), "grad_norm");
     // Clipping is active: the norms exceed the limit.
@@ -239,32 +268,16 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
 fn two_processes_as_two_nodes_match_one_device() {
     let one = TempDir::new("dp-nodes-1");
     let two = TempDir::new("dp-nodes-2");
-    let (o1, o2) = (output(&one), output(&two));
     let common = [STEPS, "save_adapter_weights_only=True"];
-    let mut single = vec![
-        "run",
+    train(
+        1,
         "lora_finetune_single_device",
-        "--config",
         "tiny/lora",
-    ];
-    single.extend([o1.as_str(), "batch_size=4"]);
-    single.extend(common);
-    tune_ok(&single);
-
-    let port = free_port_pair();
-    let mut args = vec!["lora_finetune_distributed", "--config", "tiny/lora"];
-    args.extend([o2.as_str(), "batch_size=2"]);
-    args.extend(common);
-    let node0 = node(port, 0, &args);
-    let node1 = node(port, 1, &args);
-    for (i, n) in [node0, node1].into_iter().enumerate() {
-        let out = wait_with_deadline(n, Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "node {i}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+        &one,
+        4,
+        &common,
+    );
+    train_on_two_nodes("lora_finetune_distributed", "tiny/lora", &two, 2, &common);
     assert_same_curve(
         "loss",
         &column_by_step(two.path(), "loss"),
@@ -289,31 +302,16 @@ fn strs(v: &[String]) -> Vec<&str> {
 fn two_nodes_shard_full_fine_tuning_like_one_device() {
     let one = TempDir::new("dp-nodes-full-1");
     let two = TempDir::new("dp-nodes-full-2");
-    let (o1, o2) = (output(&one), output(&two));
     let common = ["max_steps_per_epoch=4", "optimizer.lr=1e-4"];
-    let mut single = vec![
-        "run",
+    train(
+        1,
         "full_finetune_single_device",
-        "--config",
         "tiny/full",
-    ];
-    single.extend([o1.as_str(), "batch_size=4"]);
-    single.extend(common);
-    tune_ok(&single);
-
-    let port = free_port_pair();
-    let mut args = vec!["full_finetune_distributed", "--config", "tiny/full"];
-    args.extend([o2.as_str(), "batch_size=2"]);
-    args.extend(common);
-    let nodes = [node(port, 0, &args), node(port, 1, &args)];
-    for (i, n) in nodes.into_iter().enumerate() {
-        let out = wait_with_deadline(n, Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "node {i}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+        &one,
+        4,
+        &common,
+    );
+    train_on_two_nodes("full_finetune_distributed", "tiny/full", &two, 2, &common);
     assert_same_curve(
         "loss",
         &column_by_step(two.path(), "loss"),
