@@ -34,8 +34,9 @@ pub enum SetupError {
     Invalid { key: String, message: String },
     #[error(transparent)]
     Quant(#[from] quant::QuantError),
+    /// Boxed: a training error is much larger than every other setup failure.
     #[error(transparent)]
-    Train(#[from] crate::training::TrainError),
+    Train(Box<crate::training::TrainError>),
     #[error(transparent)]
     Distributed(#[from] crate::distributed::DistributedError),
     #[error("{path}: {source}")]
@@ -43,4 +44,10 @@ pub enum SetupError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl From<crate::training::TrainError> for SetupError {
+    fn from(e: crate::training::TrainError) -> Self {
+        Self::Train(Box::new(e))
+    }
 }

@@ -45,6 +45,32 @@ pub enum SaveContent {
     FullModel,
 }
 
+/// Saving or resuming a training checkpoint failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointingError {
+    /// The checkpoint client: writing, publishing, finding or cleaning up checkpoints.
+    #[error(transparent)]
+    Client(#[from] crate::checkpoint_client::ClientError),
+    /// Reading or converting tensors (the optimizer state, the quantized export).
+    #[error(transparent)]
+    Tensors(#[from] crate::checkpoint::CheckpointError),
+    #[error("the quantized export needs a weight-quantizing scheme")]
+    NoQuantizedWeights,
+    #[error("{}: not a tune training checkpoint ({source})", dir.display())]
+    NotTune {
+        dir: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error(
+        "cannot resume from {}: the config changed since it was written ({}); restore those keys, or set a new output_dir to start over",
+        dir.display(),
+        changed.join(", ")
+    )]
+    ConfigChanged { dir: PathBuf, changed: Vec<String> },
+    #[error("rank {rank}: writing its optimizer shard: {message}")]
+    Shard { rank: usize, message: String },
+}
+
 /// The parts of the config a resumed run must share with the checkpoint (model, data,
 /// batching); logging and step limits may change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -122,7 +148,7 @@ impl RunCheckpointer {
         max_shard_bytes: usize,
     ) -> Result<Self, TrainError> {
         let client = CheckpointClient::new(output_dir.clone(), ClientOptions { keep_last_n })
-            .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+            .map_err(CheckpointingError::from)?;
         Ok(Self {
             client,
             recipe: recipe.to_string(),
@@ -142,11 +168,7 @@ impl RunCheckpointer {
 
     /// Waits for a background save still in flight (call before exiting).
     pub fn finish(&mut self) -> Result<(), TrainError> {
-        if let Some(p) = self
-            .client
-            .wait()
-            .map_err(|e| TrainError::Checkpoint(e.to_string()))?
-        {
+        if let Some(p) = self.client.wait().map_err(CheckpointingError::from)? {
             self.last_published = Some(p);
         }
         Ok(())
@@ -181,14 +203,12 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         // Quantizing needs the model's device, so it happens in the blocking part too.
         let quantized = match self.quantized_export {
             Some(scheme) if kind == SaveKind::Final => {
-                let group_size = scheme.group_size().ok_or_else(|| {
-                    TrainError::Checkpoint(
-                        "the quantized export needs a weight-quantizing scheme".into(),
-                    )
-                })?;
+                let group_size = scheme
+                    .group_size()
+                    .ok_or(CheckpointingError::NoQuantizedWeights)?;
                 let state = model.merged_hf_state_dict();
                 let tensors = quantize_state::<B>(&state, group_size, &model.device())
-                    .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+                    .map_err(CheckpointingError::from)?;
                 Some((tensors, scheme, group_size))
             }
             _ => None,
@@ -267,7 +287,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         } else {
             self.client.save(request)
         }
-        .map_err(|e| TrainError::Checkpoint(e.to_string()))?;
+        .map_err(CheckpointingError::from)?;
         if report.waited.as_millis() > 0 {
             (self.log)(format!(
                 "checkpoint {name}: waited {:.2}s for the previous save to finish",
@@ -304,7 +324,7 @@ pub fn find_resume(
 ) -> Result<Option<Resume>, TrainError> {
     // Partial directories of a crashed run are never resumed from; tidy them away first.
     let cleaned = if tidy {
-        clean_partial(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?
+        clean_partial(output_dir).map_err(CheckpointingError::from)?
     } else {
         Vec::new()
     };
@@ -314,32 +334,26 @@ pub fn find_resume(
             cleaned.path.display()
         );
     }
-    let Some(found) =
-        latest_complete(output_dir).map_err(|e| TrainError::Checkpoint(e.to_string()))?
-    else {
+    let Some(found) = latest_complete(output_dir).map_err(CheckpointingError::from)? else {
         return Ok(None);
     };
-    let info: ResumeInfo = serde_json::from_value(found.meta().extra.clone()).map_err(|e| {
-        TrainError::Checkpoint(format!(
-            "{}: not a tune training checkpoint ({e})",
-            found.dir.display()
-        ))
-    })?;
+    let info: ResumeInfo =
+        serde_json::from_value(found.meta().extra.clone()).map_err(|source| {
+            CheckpointingError::NotTune {
+                dir: found.dir.clone(),
+                source,
+            }
+        })?;
     let changed = info.fingerprint.differences(fingerprint);
     if !changed.is_empty() {
-        return Err(TrainError::Checkpoint(format!(
-            "cannot resume from {}: the config changed since it was written ({}); restore those keys, or set a new output_dir to start over",
-            found.dir.display(),
-            changed.join(", ")
-        )));
+        return Err(CheckpointingError::ConfigChanged {
+            dir: found.dir.clone(),
+            changed,
+        }
+        .into());
     }
-    let optimizer_state =
-        read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards).map_err(|e| {
-            TrainError::Checkpoint(format!(
-                "{}: reading the optimizer state: {e}",
-                found.dir.display()
-            ))
-        })?;
+    let optimizer_state = read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards)
+        .map_err(CheckpointingError::from)?;
     Ok(Some(Resume {
         dir: found.dir.clone(),
         state: info.state,

@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::AutodiffBackend;
 
+use super::checkpointing::CheckpointingError;
 use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
-use crate::checkpoint::{HostTensor, StorageDtype};
+use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype};
 use crate::checkpoint_client::WriteError;
 use crate::models::CausalLm;
 
@@ -116,7 +117,7 @@ pub fn read_state(
     dir: &Path,
     single_file: &str,
     shards: usize,
-) -> Result<Vec<(String, HostTensor)>, String> {
+) -> Result<Vec<(String, HostTensor)>, CheckpointError> {
     let files: Vec<PathBuf> = if shards > 1 {
         (0..shards)
             .map(|r| dir.join(shard_file_name(r, shards)))
@@ -126,9 +127,9 @@ pub fn read_state(
     };
     let mut state = Vec::new();
     for path in files {
-        let file = SafetensorsFile::open(&path).map_err(|e| e.to_string())?;
+        let file = SafetensorsFile::open(&path)?;
         for name in file.names() {
-            let t = file.read(&name).map_err(|e| e.to_string())?;
+            let t = file.read(&name)?;
             state.push((name, t));
         }
     }
@@ -159,14 +160,16 @@ impl ShardWriter {
     pub fn finish(&mut self) -> Result<(), TrainError> {
         match self.in_flight.take().map(JoinHandle::join) {
             None | Some(Ok(Ok(()))) => Ok(()),
-            Some(Ok(Err(e))) => Err(TrainError::Checkpoint(format!(
-                "rank {}: writing its optimizer shard: {e}",
-                self.rank
-            ))),
-            Some(Err(_)) => Err(TrainError::Checkpoint(format!(
-                "rank {}: the optimizer shard writer panicked",
-                self.rank
-            ))),
+            Some(Ok(Err(message))) => Err(CheckpointingError::Shard {
+                rank: self.rank,
+                message,
+            }
+            .into()),
+            Some(Err(_)) => Err(CheckpointingError::Shard {
+                rank: self.rank,
+                message: "its writer thread panicked".into(),
+            }
+            .into()),
         }
     }
 }

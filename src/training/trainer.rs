@@ -152,12 +152,19 @@ pub enum TrainError {
     },
     #[error("writing metrics: {0}")]
     Metrics(#[from] std::io::Error),
-    #[error("{0}")]
-    Checkpoint(String),
+    /// Boxed: the checkpoint client's errors carry paths and sources.
+    #[error(transparent)]
+    Checkpoint(Box<super::checkpointing::CheckpointingError>),
     #[error(transparent)]
     Distributed(#[from] DistributedError),
     #[error("{0}")]
     Other(String),
+}
+
+impl From<super::checkpointing::CheckpointingError> for TrainError {
+    fn from(e: super::checkpointing::CheckpointingError) -> Self {
+        Self::Checkpoint(Box::new(e))
+    }
 }
 
 /// Every token and label must index the model's vocabulary: an id past it would index outside
