@@ -33,7 +33,8 @@ pub struct TrainData {
 pub enum FinishError {
     #[error(transparent)]
     Train(#[from] TrainError),
-    #[error("push_to_hub: {0}")]
+    /// Shown as `push_to_hub: <the Hub's error>` (the error is its source).
+    #[error("push_to_hub")]
     Push(#[from] crate::hub::HubError),
 }
 

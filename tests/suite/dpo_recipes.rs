@@ -320,3 +320,40 @@ fn dpo_on_bad_data_names_the_row() {
         "{stderr}"
     );
 }
+
+/// Both DPO recipes end like every other recipe: `push_to_hub` uploads the final checkpoint
+/// (their own copy of the epilogue used to skip it). The Hub here is a closed loopback port,
+/// so the push fails after training, which shows that it was attempted.
+#[test]
+fn dpo_recipes_push_their_final_checkpoint() {
+    for (recipe, config) in [
+        ("lora_dpo_single_device", "lora_dpo_single_device"),
+        ("full_dpo_single_device", "full_dpo_single_device"),
+    ] {
+        let out = TempDir::new(&format!("push-{recipe}"));
+        let output = Command::new(env!("CARGO_BIN_EXE_tune"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["run", recipe, "--config", &format!("tiny/{config}")])
+            .arg(format!("output_dir={}", out.0.display()))
+            .args(["max_steps_per_epoch=1", "epochs=1"])
+            .arg("push_to_hub={repo_id: me/tiny-dpo, private: True}")
+            .env("HF_ENDPOINT", format!("http://127.0.0.1:{}", closed_port()))
+            .env("HF_TOKEN", "hf_test")
+            .output()
+            .expect("run tune");
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{recipe}: {err}");
+        assert!(err.contains("Trained 1 steps"), "{recipe}: {err}");
+        assert!(err.contains("push_to_hub:"), "{recipe}: {err}");
+        assert!(
+            out.0.join("epoch_0/tune_checkpoint.json").is_file(),
+            "{recipe}"
+        );
+    }
+}
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
