@@ -13,7 +13,7 @@ use tune::training::sft::SftLoss;
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start(cfg, ctx.world.clone())?;
+    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
 
     // Model: from the checkpointer, or from the checkpoint being resumed.
     let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;

@@ -31,7 +31,7 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         .context("kd_loss: required for distillation")?;
     let objective = teacher::kd_objective(kd_loss_cfg)?;
     let kd_ratio = teacher::kd_ratio(cfg.kd_ratio())?;
-    let run = settings::start(cfg, ctx.world.clone())?;
+    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
 
     // Data first: the teacher is checked against its tokenizer before its weights load.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;

@@ -17,7 +17,7 @@ use tune::training::dpo::{DpoLoss, DpoReference};
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start(cfg, ctx.world.clone())?;
+    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
 
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.

@@ -15,7 +15,7 @@ use tune::training::sft::SftLoss;
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start(cfg, ctx.world.clone())?;
+    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
 
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).

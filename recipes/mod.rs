@@ -17,7 +17,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::recipes::Recipe;
 use tune::config::schema::RecipeConfig;
-use tune::distributed::{World, sync};
+use tune::distributed::World;
 use tune::precision;
 
 /// What every recipe gets besides its typed config.
@@ -50,21 +50,9 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 std::fs::create_dir_all(&cfg.output_dir)?;
                 std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
             }
-            // Every worker joins before training; nodes started with another config or
-            // another tune would train different things, so they are refused here.
+            // Every worker joins before training; setup's prologue then checks that all of
+            // them run the same version and the same run.
             ctx.world.join::<B::InnerBackend>(&ctx.device)?;
-            sync::check_same::<B::InnerBackend>(
-                &ctx.world,
-                &ctx.device,
-                "tune version",
-                sync::hash64(env!("CARGO_PKG_VERSION").as_bytes()),
-            )?;
-            sync::check_same::<B::InnerBackend>(
-                &ctx.world,
-                &ctx.device,
-                "config",
-                sync::hash64(ctx.resolved_yaml.as_bytes()),
-            )?;
             let outcome = match recipe {
                 Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
                 Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),

@@ -16,7 +16,7 @@ use tune::training::sft::SftLoss;
 use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start(cfg, ctx.world.clone())?;
+    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
     let scheme = quant::from_train_config(cfg)?;
 
     // Model: the frozen base from the checkpointer, fake-quantized, with LoRA adapters (a

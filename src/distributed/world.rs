@@ -18,7 +18,7 @@ pub enum DistributedError {
         detail: String,
     },
     #[error(
-        "the workers of this run were started with different {what}s; start every node with the same tune binary and the same config and overrides"
+        "the workers of this run were started with a different {what}; start every node with the same tune binary and the same config and overrides"
     )]
     Mismatch { rank: usize, what: &'static str },
     #[error("the broadcast of {what} failed ({detail})")]

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::config::schema::TrainConfig;
 use crate::distributed::World;
@@ -78,14 +78,59 @@ impl RunStart {
 }
 
 /// Seed, output directory, fingerprint and, with `resume_from_checkpoint`, the checkpoint to
-/// resume from, checked against this run's fingerprint. Every rank reads the same checkpoint;
-/// rank 0 alone tidies partial ones away.
-pub fn start(cfg: &TrainConfig, world: World) -> Result<RunStart, SetupError> {
-    let seed = seed(cfg);
+/// resume from, checked against this run's fingerprint.
+///
+/// With several workers this is also the rendezvous check: every rank must run the same tune
+/// version and the same run (its fingerprint: model, data, batching, optimizer, seed; paths
+/// such as `output_dir` may differ between machines). A seed left to chance is drawn once, by
+/// rank 0, for all: the ranks share one data order. Rank 0 tidies partial checkpoints away
+/// before any rank looks for the one to resume.
+pub fn start<B: Backend>(
+    cfg: &TrainConfig,
+    world: World,
+    device: &B::Device,
+) -> Result<RunStart, SetupError> {
+    use crate::distributed::sync::{all_reduce_scalars, check_same, hash64};
+    check_same::<B>(
+        &world,
+        device,
+        "tune version",
+        hash64(env!("CARGO_PKG_VERSION").as_bytes()),
+    )?;
+    let mut seed = seed(cfg);
+    if world.is_distributed() && cfg.seed.is_none() {
+        let bytes: Vec<f64> = seed
+            .to_le_bytes()
+            .iter()
+            .map(|&b| if world.is_main() { f64::from(b) } else { 0.0 })
+            .collect();
+        let agreed = all_reduce_scalars::<B>(&world, &bytes, device, "the seed")?;
+        let mut le = [0u8; 8];
+        for (b, v) in le.iter_mut().zip(&agreed) {
+            *b = v.round() as u8;
+        }
+        seed = u64::from_le_bytes(le);
+    }
     let output_dir = checkpoint_dir(cfg);
     let fingerprint = fingerprint(cfg, seed, world.size);
+    check_same::<B>(
+        &world,
+        device,
+        "config (model, data, batching, optimizer or seed)",
+        hash64(fingerprint.hash().as_bytes()),
+    )?;
     let resume = if cfg.resume_from_checkpoint {
-        find_resume(&output_dir, &fingerprint, world.is_main())?
+        let tidied = if world.is_main() {
+            find_resume(&output_dir, &fingerprint, true)?
+        } else {
+            None
+        };
+        all_reduce_scalars::<B>(&world, &[1.0], device, "the resume barrier")?;
+        match tidied {
+            Some(r) => Some(r),
+            None if world.is_main() => None,
+            None => find_resume(&output_dir, &fingerprint, false)?,
+        }
     } else {
         None
     };
