@@ -7,8 +7,8 @@
 use std::time::Instant;
 
 use tune::checkpoint::StorageDtype;
-use tune::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::generation::{GenerateOptions, generate};
+use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::models::{ModelArgs, RandomInit, TokenBatch, build};
 use tune::modules::ForwardMode;
 

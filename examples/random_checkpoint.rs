@@ -5,7 +5,7 @@
 //!     cargo run --release --example random_checkpoint -- smollm2-135m /tmp/smollm2-135m-random
 
 use tune::checkpoint::StorageDtype;
-use tune::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, save_model};
+use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, save_model};
 use tune::models::{ModelArgs, RandomInit, build};
 
 type B = burn::backend::Flex;

@@ -11,9 +11,9 @@ use std::time::Instant;
 use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::checkpoint::peft;
 use tune::config::schema::GenerateConfig;
 use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
+use tune::model_io::peft;
 use tune::precision;
 use tune::setup::{data, model};
 use tune::tokenizer::{Message, Tokenizer};

@@ -3,7 +3,7 @@
 //! fake-quantized int4 weights (and, for `Int8DynActInt4WeightQATQuantizer`, int8 dynamic
 //! activations), optionally only after `fake_quant_after_n_steps`. Each checkpoint is a float
 //! Hugging Face model; the final one also holds the real int4 export in `quantized/` (see
-//! `tune::checkpoint::quantized`).
+//! `tune::model_io::quantized`).
 
 use burn::tensor::backend::AutodiffBackend;
 

@@ -11,6 +11,7 @@ pub mod distributed;
 pub mod generation;
 pub mod hub;
 pub mod kernels;
+pub mod model_io;
 pub mod models;
 pub mod modules;
 pub mod plot;

@@ -11,9 +11,9 @@ use burn::tensor::{Distribution, ElementConversion, Tensor};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
-use crate::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
-use crate::checkpoint::peft::attach_lora;
 use crate::config::schema::Dtype;
+use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
+use crate::model_io::peft::attach_lora;
 use crate::models::{ModelArgs, RandomInit, TokenBatch, Trainable, build};
 use crate::modules::{ForwardMode, LoraSettings};
 use crate::precision;
@@ -274,7 +274,7 @@ pub fn run<B: AutodiffBackend>(
     if s.mode != BenchMode::Forward {
         let t = Instant::now();
         let state = if s.mode == BenchMode::Lora {
-            crate::checkpoint::peft::adapter_state_dict(&mut model)
+            crate::model_io::peft::adapter_state_dict(&mut model)
         } else {
             model.hf_state_dict()
         };

@@ -1,11 +1,9 @@
-//! Hugging Face compatible checkpoint I/O: safetensors (sharded or not), model directories,
-//! PEFT adapters. Used alike by models, teachers, references and adapters.
+//! Hugging Face compatible checkpoint files: safetensors (memory-mapped, sharded or not), host
+//! tensors and weight lookup by name. Knows no model: building models from these files, and
+//! writing them back, is `model_io`'s.
 
 pub mod error;
-pub mod hf;
 pub mod host;
-pub mod peft;
-pub mod quantized;
 pub mod safetensors_io;
 pub mod weights;
 

@@ -9,9 +9,9 @@ use anyhow::anyhow;
 
 use super::commands::{infer_recipe, resolve};
 use super::exit::CliError;
-use crate::checkpoint::quantized::{QUANTIZED_DIR, save_quantized};
 use crate::config::RecipeConfig;
 use crate::config::recipes;
+use crate::model_io::quantized::{QUANTIZED_DIR, save_quantized};
 use crate::setup::{model, quant};
 
 /// Returns the export directory.

@@ -5,12 +5,13 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 
 use super::SetupError;
-use crate::checkpoint::hf::{LoadedModel, load_model};
-use crate::checkpoint::{StorageDtype, peft, quantized};
+use crate::checkpoint::StorageDtype;
 use crate::config::components::{Component, ModelVariant};
 use crate::config::schema::{
     CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt,
 };
+use crate::model_io::hf::{LoadedModel, load_model};
+use crate::model_io::{peft, quantized};
 use crate::models::CausalLm;
 use crate::modules::LoraSettings;
 

@@ -240,7 +240,7 @@ pub fn checkpointer(
         fingerprint,
         cfg.checkpointer.checkpoint_dir.clone(),
         storage_dtype,
-        crate::checkpoint::hf::DEFAULT_MAX_SHARD_BYTES,
+        crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
     )
 }
 

@@ -12,9 +12,9 @@ use burn::tensor::backend::Backend;
 
 use super::SetupError;
 use super::model::{checkpoint_files, load_adapter_checkpoint};
-use crate::checkpoint::hf::{load_args, load_model};
 use crate::config::components::{Component, LossKind};
 use crate::config::schema::{CheckpointerConfig, LossConfig};
+use crate::model_io::hf::{load_args, load_model};
 use crate::models::{CausalLm, ModelArgs, Trainable};
 use crate::tokenizer::Tokenizer;
 use crate::training::kd::KdObjective;

@@ -7,7 +7,7 @@
 //! - `adapter_model.safetensors` + `adapter_config.json` (LoRA), loadable by peft;
 //! - `model*.safetensors` (+ index) + `config.json` + tokenizer files (full, or merged LoRA),
 //!   loadable by transformers;
-//! - `quantized/` (QAT runs, final checkpoint): the int4 export, see `checkpoint::quantized`;
+//! - `quantized/` (QAT runs, final checkpoint): the int4 export, see `model_io::quantized`;
 //! - `optimizer.safetensors`: optimizer moments by parameter name;
 //! - `tune_checkpoint.json`: the client's metadata (format version, files and checksums),
 //!   whose `extra` carries the [`TrainState`] and the config fingerprint used on resume.
@@ -19,15 +19,15 @@ use serde::{Deserialize, Serialize};
 
 use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
 use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
-use crate::checkpoint::hf::save_hf_dir;
-use crate::checkpoint::peft::{AdapterConfig, adapter_state_dict, write_adapter};
-use crate::checkpoint::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
     CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError,
     clean_partial, latest_complete,
 };
+use crate::model_io::hf::save_hf_dir;
+use crate::model_io::peft::{AdapterConfig, adapter_state_dict, write_adapter};
+use crate::model_io::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 

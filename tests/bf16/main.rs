@@ -19,9 +19,9 @@ use burn::tensor::{DType, Tensor};
 
 use support::*;
 use tune::checkpoint::HostTensor;
-use tune::checkpoint::hf::load_model;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::config::schema::Dtype;
+use tune::model_io::hf::load_model;
 use tune::models::CausalLm;
 use tune::modules::ForwardMode;
 use tune::precision::{self, Use};

@@ -7,7 +7,7 @@ use common::TempDir;
 use serde_json::{Value, json};
 use support::*;
 use tune::checkpoint::StorageDtype;
-use tune::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
+use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::models::{ModelArgs, RandomInit, build};
 
 fn config() -> Value {

@@ -10,9 +10,9 @@ use std::path::Path;
 use common::TempDir;
 use serde_json::{Value, json};
 use support::*;
-use tune::checkpoint::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::checkpoint::{HostTensor, StorageDtype};
+use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::models::{CausalLm, ModelArgs, RandomInit, TokenBatch, build};
 use tune::modules::ForwardMode;
 

@@ -5,7 +5,7 @@ use crate::lora_recipe::lora_run;
 use crate::support;
 
 use support::*;
-use tune::checkpoint::hf::load_model;
+use tune::model_io::hf::load_model;
 use tune::models::{CausalLm, TokenBatch, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::{activation_checkpointing, chunked_loss, loss, step};

@@ -4,10 +4,10 @@
 use crate::support;
 
 use support::*;
-use tune::checkpoint::hf::load_model;
 use tune::generation::{
     Decoder, GenerateError, GenerateOptions, SamplingParams, StopReason, generate, sampling::argmax,
 };
+use tune::model_io::hf::load_model;
 use tune::models::CausalLm;
 
 fn model(dir: &str) -> CausalLm<Cpu> {

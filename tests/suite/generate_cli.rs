@@ -6,9 +6,9 @@ use crate::support;
 use std::process::Command;
 
 use support::*;
-use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::load_adapter;
 use tune::generation::{GenerateOptions, SamplingParams, generate};
+use tune::model_io::hf::load_model;
+use tune::model_io::peft::load_adapter;
 use tune::tokenizer::{Message, Tokenizer};
 
 const PROMPT: &str = "Give three tips for staying healthy.";

@@ -8,9 +8,9 @@ use crate::support;
 use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
-use tune::checkpoint::hf::load_model;
-use tune::checkpoint::peft::peft_key;
 use tune::data::Batch;
+use tune::model_io::hf::load_model;
+use tune::model_io::peft::peft_key;
 use tune::models::{CausalLm, Trainable};
 use tune::setup::teacher::check_compatible;
 use tune::tokenizer::Tokenizer;
@@ -259,7 +259,7 @@ fn teacher_dir(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> std::pat
 
 #[test]
 fn teacher_with_another_vocabulary_is_refused_before_loading() {
-    let student_args = tune::checkpoint::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
     let ok = check_compatible(
         &student_args,
         &student_tokenizer(),
@@ -285,7 +285,7 @@ fn teacher_with_another_vocabulary_is_refused_before_loading() {
 
 #[test]
 fn teacher_with_another_tokenizer_is_refused() {
-    let student_args = tune::checkpoint::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
     // Same vocab_size, but Qwen2's tokenizer.
     let dir = teacher_dir("tokenizer", |_| {});
     std::fs::copy(
@@ -314,7 +314,7 @@ fn teacher_with_a_peft_adapter_loads_it() {
         fixture("tiny-llama-lora").display()
     );
     let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
-    let student_args = tune::checkpoint::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
     let device = Default::default();
     let teacher =
         tune::setup::teacher::load::<Cpu>(&cfg, &student_args, &student_tokenizer(), &device)

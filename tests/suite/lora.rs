@@ -4,8 +4,8 @@
 use crate::support;
 
 use support::*;
-use tune::checkpoint::peft::{AdapterConfig, adapter_state_dict, peft_key, save_adapter};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
+use tune::model_io::peft::{AdapterConfig, adapter_state_dict, peft_key, save_adapter};
 use tune::modules::ForwardMode;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use tune::training::step;

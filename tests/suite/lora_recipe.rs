@@ -60,7 +60,7 @@ fn thirty_lora_steps_lower_the_loss_and_write_a_peft_adapter() {
         Some(vec![64, 8])
     );
     // The merged model loads as a plain HF checkpoint.
-    let merged = tune::checkpoint::hf::load_model::<Cpu>(&ckpt, None, &Default::default()).unwrap();
+    let merged = tune::model_io::hf::load_model::<Cpu>(&ckpt, None, &Default::default()).unwrap();
     assert_eq!(merged.model.args.num_layers, 2);
 }
 

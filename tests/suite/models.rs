@@ -4,7 +4,7 @@ use crate::support;
 
 use support::*;
 use tune::checkpoint::HostTensor;
-use tune::checkpoint::hf::load_model;
+use tune::model_io::hf::load_model;
 use tune::models::TokenBatch;
 use tune::modules::ForwardMode;
 use tune::training::grads::named_grads;

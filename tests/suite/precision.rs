@@ -5,8 +5,8 @@ use crate::support;
 
 use crate::lora_recipe::lora_run as lora;
 use support::*;
-use tune::checkpoint::hf::load_model;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
+use tune::model_io::hf::load_model;
 
 #[test]
 fn bf16_lora_training_follows_fp32_and_writes_loadable_outputs() {

@@ -6,7 +6,7 @@ use crate::support;
 
 use support::*;
 use tune::checkpoint::HostTensor;
-use tune::checkpoint::hf::load_model;
+use tune::model_io::hf::load_model;
 use tune::modules::ForwardMode;
 use tune::modules::fake_quant::{QuantScheme, fake_quantize_activation, fake_quantize_weight};
 use tune::setup::quant::{QuantError, prepare};
@@ -155,7 +155,7 @@ fn batch_logits<B: burn::tensor::backend::Backend>(
 
 #[test]
 fn int4_packing_round_trips_and_documents_nibble_order() {
-    use tune::checkpoint::quantized::{pack_int4, unpack_int4};
+    use tune::model_io::quantized::{pack_int4, unpack_int4};
     // Column 0 in the low nibble, column 1 in the high one, each stored as q + 8.
     assert_eq!(pack_int4(&[-8.0, 7.0]), vec![15 << 4]);
     assert_eq!(pack_int4(&[1.0, -1.0]), vec![9 | (7 << 4)]);
@@ -166,7 +166,7 @@ fn int4_packing_round_trips_and_documents_nibble_order() {
 #[test]
 fn quantized_export_reloads_to_the_fake_quantized_model_exactly() {
     use tune::checkpoint::StorageDtype;
-    use tune::checkpoint::quantized::{load_quantized_model, save_quantized};
+    use tune::model_io::quantized::{load_quantized_model, save_quantized};
     let device = Default::default();
     let mut model = load_model::<Cpu>(&fixture("tiny-llama"), None, &device)
         .unwrap()

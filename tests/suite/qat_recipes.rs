@@ -10,10 +10,10 @@ use std::process::Command;
 
 use support::*;
 use tune::checkpoint::HostTensor;
-use tune::checkpoint::hf::load_model;
-use tune::checkpoint::quantized::{QUANTIZED_DIR, load_quantized_model};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::generation::{GenerateOptions, SamplingParams, generate};
+use tune::model_io::hf::load_model;
+use tune::model_io::quantized::{QUANTIZED_DIR, load_quantized_model};
 use tune::models::{CausalLm, TokenBatch};
 use tune::modules::ForwardMode;
 use tune::modules::fake_quant::QuantScheme;

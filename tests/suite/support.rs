@@ -256,9 +256,9 @@ pub fn assert_logits_and_loss<B: burn::tensor::backend::Backend>(
 pub fn lora_model() -> tune::models::CausalLm<CpuAutodiff> {
     let device = Default::default();
     let mut model =
-        tune::checkpoint::hf::load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
+        tune::model_io::hf::load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
             .unwrap()
             .model;
-    tune::checkpoint::peft::load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
+    tune::model_io::peft::load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
     model.set_trainable(tune::models::Trainable::AdaptersOnly)
 }

@@ -23,10 +23,10 @@ use burn::tensor::backend::Backend;
 use safetensors::Dtype;
 use serde_json::{Value, json};
 
-use super::error::CheckpointError;
 use super::hf::copy_companions;
-use super::host::HostTensor;
-use super::safetensors_io::{SINGLE_FILE, SafetensorsFile, StorageDtype, write_mixed};
+use crate::checkpoint::error::CheckpointError;
+use crate::checkpoint::host::HostTensor;
+use crate::checkpoint::safetensors_io::{SINGLE_FILE, SafetensorsFile, StorageDtype, write_mixed};
 use crate::models::{CausalLm, ModelArgs, ModelError, ParamSource, build, build::ignorable_tensor};
 use crate::modules::fake_quant::{QuantScheme, int4_weight_values};
 

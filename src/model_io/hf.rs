@@ -5,9 +5,9 @@ use std::path::Path;
 
 use burn::tensor::backend::Backend;
 
-use super::error::CheckpointError;
-use super::safetensors_io::{StorageDtype, save_sharded};
-use super::weights::Weights;
+use crate::checkpoint::error::CheckpointError;
+use crate::checkpoint::safetensors_io::{StorageDtype, save_sharded};
+use crate::checkpoint::weights::Weights;
 use crate::models::{CausalLm, ModelArgs, ModelError, build, build::ignorable_tensor};
 
 /// Files copied next to saved weights so the output directory is a complete model.

@@ -9,9 +9,9 @@ use burn::module::Param;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
-use super::error::CheckpointError;
-use super::host::HostTensor;
-use super::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
+use crate::checkpoint::error::CheckpointError;
+use crate::checkpoint::host::HostTensor;
+use crate::checkpoint::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
 use crate::models::CausalLm;
 use crate::modules::{Lora, LoraSettings, lora};
 
