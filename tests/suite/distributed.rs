@@ -626,40 +626,45 @@ fn nodes_with_different_configs_are_refused() {
     }
 }
 
-/// A node killed mid-run stops the other within seconds with an error naming it, and node 0's
-/// rendezvous process does not outlive its launcher.
+/// A node killed (SIGKILL) mid-run stops the other within seconds with an error naming it, and
+/// node 0's rendezvous process never outlives its launcher: killed first (node 0 killed) or
+/// last (node 1 killed, node 0 then stops).
 #[test]
 fn a_killed_node_stops_the_other_naming_it() {
-    let dir = TempDir::new("dp-killed");
-    let out = output(&dir);
-    let port = free_port_pair();
-    let args = [
-        "lora_finetune_distributed",
-        "--config",
-        "tiny/lora",
-        out.as_str(),
-        "epochs=50",
-    ];
-    let n0 = node(port, 0, &args);
-    let mut n1 = node(port, 1, &args);
-    // Killed once training runs (its first metrics are on disk).
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
+    for killed in [1usize, 0] {
+        let dir = TempDir::new("dp-killed");
+        let out = output(&dir);
+        let port = free_port_pair();
+        let args = [
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+            out.as_str(),
+            "epochs=50",
+        ];
+        let mut nodes = vec![node(port, 0, &args), node(port, 1, &args)];
+        // Killed once training runs (its first metrics are on disk).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut victim = nodes.remove(killed);
+        victim.kill().unwrap();
+        let killed_at = Instant::now();
+        let _ = victim.wait();
+        let res = wait_with_deadline(nodes.remove(0), Duration::from_secs(30));
+        assert!(killed_at.elapsed() < Duration::from_secs(10));
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "{err}");
+        let named = format!("node {killed} (rank {killed}) stopped before the run finished");
+        assert!(err.contains(&named), "{err}");
+        assert_rendezvous_gone(port);
     }
-    std::thread::sleep(Duration::from_millis(200));
-    n1.kill().unwrap();
-    let killed_at = Instant::now();
-    let _ = n1.wait();
-    let res = wait_with_deadline(n0, Duration::from_secs(30));
-    assert!(killed_at.elapsed() < Duration::from_secs(10));
-    let err = String::from_utf8_lossy(&res.stderr);
-    assert_eq!(res.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("node 1 (rank 1) stopped before the run finished"),
-        "{err}"
-    );
-    // The rendezvous child (`tune rendezvous --port P`) follows its parent out.
+}
+
+/// The rendezvous child (`tune rendezvous --port P`) exits within seconds of its parent.
+fn assert_rendezvous_gone(port: u16) {
     let pattern = format!("rendezvous --port {port}");
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -673,7 +678,7 @@ fn a_killed_node_stops_the_other_naming_it() {
                 .unwrap_or(false)
         });
         if !alive {
-            break;
+            return;
         }
         assert!(Instant::now() < deadline, "the rendezvous outlived node 0");
         std::thread::sleep(Duration::from_millis(100));
