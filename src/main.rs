@@ -255,6 +255,7 @@ fn run(
     if outcome.is_ok() {
         started.done();
     }
+    let outcome = outcome.map_err(|e| if launch.nnodes > 1 { e.explained() } else { e });
     outcome.map_err(|e| match e {
         // One worker: its own error, as a single-device run reports it.
         LaunchError::Worker { message, .. } if !launch.is_distributed() => {

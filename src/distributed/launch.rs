@@ -73,9 +73,73 @@ pub enum LaunchError {
         detail: String,
     },
     #[error("rank {rank} failed: {message}")]
-    Worker { rank: usize, message: String },
+    Worker {
+        rank: usize,
+        message: String,
+        /// A collective call failed (a peer may have died).
+        collective: bool,
+    },
+    #[error("{0}")]
+    NodeLost(String),
     #[error("rank {rank} panicked: {message}")]
     Panic { rank: usize, message: String },
+}
+
+impl LaunchError {
+    fn worker(rank: usize, e: &anyhow::Error) -> Self {
+        Self::Worker {
+            rank,
+            message: format!("{e:#}"),
+            collective: e
+                .chain()
+                .any(|c| collective_cause(c).is_some_and(super::DistributedError::is_transport)),
+        }
+    }
+
+    /// For a worker whose collective call failed in a multi-node run: the node that died, if
+    /// one did (the root cause), instead of the call's own error.
+    pub fn explained(self) -> Self {
+        match self {
+            Self::Worker {
+                collective: true, ..
+            } => match super::liveness::lost_node(Duration::from_secs(2)) {
+                Some(message) => Self::NodeLost(message),
+                None => self,
+            },
+            other => other,
+        }
+    }
+}
+
+/// The collective error behind `e`, through the error types that wrap one transparently.
+fn collective_cause<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a super::DistributedError> {
+    use crate::setup::SetupError;
+    use crate::setup::session::FinishError;
+    use crate::training::TrainError;
+    fn from_train(t: &TrainError) -> Option<&super::DistributedError> {
+        match t {
+            TrainError::Distributed(d) => Some(d),
+            _ => None,
+        }
+    }
+    if let Some(d) = e.downcast_ref::<super::DistributedError>() {
+        return Some(d);
+    }
+    if let Some(t) = e.downcast_ref::<TrainError>() {
+        return from_train(t);
+    }
+    match e.downcast_ref::<FinishError>() {
+        Some(FinishError::Train(t)) => return from_train(t),
+        Some(_) => return None,
+        None => {}
+    }
+    match e.downcast_ref::<SetupError>()? {
+        SetupError::Distributed(d) => Some(d),
+        SetupError::Train(t) => from_train(t),
+        _ => None,
+    }
 }
 
 /// How long nodes wait for each other by default (`--rdzv_timeout`).
@@ -274,10 +338,7 @@ where
     if worlds.len() == 1 {
         let world = worlds.into_iter().next().expect("one world");
         let rank = world.rank;
-        return work(world).map_err(|e| LaunchError::Worker {
-            rank,
-            message: format!("{e:#}"),
-        });
+        return work(world).map_err(|e| LaunchError::worker(rank, &e));
     }
     let work = std::sync::Arc::new(work);
     let (tx, rx) = mpsc::channel();
@@ -296,6 +357,7 @@ where
             return Err(LaunchError::Worker {
                 rank,
                 message: format!("could not start its thread: {e}"),
+                collective: false,
             });
         }
     }
@@ -306,12 +368,7 @@ where
         };
         match outcome {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                return Err(LaunchError::Worker {
-                    rank,
-                    message: format!("{e:#}"),
-                });
-            }
+            Ok(Err(e)) => return Err(LaunchError::worker(rank, &e)),
             Err(payload) => {
                 let message = payload
                     .downcast_ref::<String>()

@@ -18,6 +18,29 @@ pub struct Watch {
     streams: Arc<Mutex<Vec<TcpStream>>>,
 }
 
+/// How long a node whose peer vanished waits before stopping: a peer that stopped on an error
+/// this node hits too (a different config at the rendezvous) lets this node report its own,
+/// more precise error first.
+const GRACE: Duration = Duration::from_secs(1);
+
+/// The node this process saw die, as the message to report (set once, at the first loss).
+static LOST: Mutex<Option<String>> = Mutex::new(None);
+
+/// Whether a peer node died, waiting up to `wait` for word of it: a collective call that
+/// failed because a node vanished may return before this node's liveness connection closes.
+pub fn lost_node(wait: Duration) -> Option<String> {
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Some(message) = LOST.lock().ok().and_then(|l| l.clone()) {
+            return Some(message);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn lost(node: usize, nproc_per_node: usize) -> ! {
     let first = node * nproc_per_node;
     let ranks = if nproc_per_node == 1 {
@@ -25,9 +48,18 @@ fn lost(node: usize, nproc_per_node: usize) -> ! {
     } else {
         format!("ranks {first}-{}", first + nproc_per_node - 1)
     };
-    eprintln!(
-        "error: node {node} ({ranks}) stopped before the run finished (its process failed or was killed; its own log says why); stopping this node too"
+    let message = format!(
+        "node {node} ({ranks}) stopped before the run finished (its process failed or was killed; its own log says why); stopping this node too"
     );
+    if let Ok(mut l) = LOST.lock() {
+        l.get_or_insert(message.clone());
+    }
+    // This node's own error, if it has a more precise one, is reported meanwhile.
+    std::thread::sleep(GRACE);
+    // One write, so no other thread's output lands inside the line.
+    let _ = std::io::stderr()
+        .lock()
+        .write_all(format!("error: {message}\n").as_bytes());
     std::process::exit(1);
 }
 

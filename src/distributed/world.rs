@@ -29,6 +29,16 @@ pub enum DistributedError {
     },
 }
 
+impl DistributedError {
+    /// The collective call itself failed (not a refusal such as different configs).
+    pub fn is_transport(&self) -> bool {
+        matches!(
+            self,
+            Self::AllReduce { .. } | Self::Broadcast { .. } | Self::Join { .. }
+        )
+    }
+}
+
 /// Where the nodes of a multi-node run meet (burn-collective's global orchestrator).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeLink {

@@ -258,13 +258,22 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
 
                         let bytes = self.get_exposed_tensor_bytes(transfer_id).await.unwrap();
 
-                        channel.send(Message::new(bytes)).await.unwrap();
+                        if let Err(err) = channel.send(Message::new(bytes)).await {
+                            log::warn!("Failed to send a tensor over the websocket: {err:?}");
+                            return;
+                        }
                     } else {
                         log::info!("Closed connection");
                         return;
                     }
                 }
-                Err(err) => panic!("Failed to receive message from websocket: {err:?}"),
+                // tune's patch: a peer that went away ends this connection; upstream panicked
+                // (a backtrace on stderr for every node that stops, as nodes do at the end of a
+                // failed run).
+                Err(err) => {
+                    log::warn!("Failed to receive message from websocket: {err:?}");
+                    return;
+                }
             };
         }
         log::info!("[Data Service] Closing connection for download.");

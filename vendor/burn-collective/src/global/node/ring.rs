@@ -89,6 +89,7 @@ where
         &mut send_slice_idx,
         true,
         prev_node.clone(),
+        ring[prev_node_idx],
         &data_service,
         device,
     )
@@ -101,6 +102,7 @@ where
         &mut send_slice_idx,
         false,
         prev_node.clone(),
+        ring[prev_node_idx],
         &data_service,
         device,
     )
@@ -127,6 +129,7 @@ async fn do_cycles<B, P>(
     send_slice_idx: &mut usize,
     is_phase_one: bool,
     prev_node: Address,
+    prev_id: NodeId,
     data_service: &Arc<TensorDataService<B, P>>,
     device: &B::Device,
 ) -> Result<(), GlobalCollectiveError>
@@ -157,12 +160,15 @@ where
 
         upload.await.unwrap();
         let download = download.await.unwrap();
+        // tune's patch: a peer that closed the connection is an error, not a panic.
+        let Some(download) = download else {
+            return Err(GlobalCollectiveError::PeerLost(prev_id));
+        };
         if is_phase_one {
-            let download = download.expect("Peer closed download connection");
             let tensor = B::float_from_data(download, device);
             slices[recv_slice_idx] = B::float_add(slices[recv_slice_idx].clone(), tensor);
         } else {
-            let tensor = B::float_from_data(download.unwrap(), device);
+            let tensor = B::float_from_data(download, device);
             let old_shape = slices[recv_slice_idx].shape();
             if old_shape != tensor.shape() {
                 return Err(GlobalCollectiveError::PeerSentIncoherentTensor);
