@@ -183,7 +183,31 @@ pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Resu
         list_checkpoints(output_dir)
     }
     .map_err(CliError::failed)?;
-    write!(out, "{}", format_report(&entries)).map_err(CliError::failed)
+    write!(out, "{}", format_report(&entries)).map_err(CliError::failed)?;
+    // A damaged checkpoint is a failure to report, not a listing detail.
+    let corrupt: Vec<&str> = entries
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.status,
+                crate::checkpoint_client::CheckpointStatus::Corrupt { .. }
+            )
+        })
+        .map(|e| e.name.as_str())
+        .collect();
+    if corrupt.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::failed(anyhow!(
+            "{} corrupt: {} (its files no longer match the checksums recorded when it was saved; resume skips it)",
+            if corrupt.len() == 1 {
+                "1 checkpoint is"
+            } else {
+                "checkpoints are"
+            },
+            corrupt.join(", ")
+        )))
+    }
 }
 
 pub fn download(

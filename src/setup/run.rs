@@ -126,11 +126,23 @@ pub fn start<B: Backend>(
             None
         };
         all_reduce_scalars::<B>(&world, &[1.0], device, "the resume barrier")?;
-        match tidied {
+        let resume = match tidied {
             Some(r) => Some(r),
             None if world.is_main() => None,
             None => find_resume(&output_dir, &fingerprint, false)?,
-        }
+        };
+        // Every rank must continue from the same point: a node that cannot see the output
+        // directory's checkpoints would start over while the others resume.
+        let at = resume
+            .as_ref()
+            .map_or(u64::MAX, |r| r.state.global_step as u64);
+        check_same::<B>(
+            &world,
+            device,
+            "checkpoint to resume from (resuming on several nodes needs an output_dir they all see)",
+            at,
+        )?;
+        resume
     } else {
         None
     };

@@ -23,7 +23,7 @@ use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
     CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError,
-    clean_partial, latest_complete,
+    clean_partial, latest_complete, latest_verified,
 };
 use crate::model_io::hf::save_hf_dir;
 use crate::model_io::peft::{AdapterConfig, adapter_state_dict, write_adapter};
@@ -315,8 +315,10 @@ pub struct Resume {
     pub optimizer_state: Vec<(String, HostTensor)>,
 }
 
-/// Finds the latest complete checkpoint under `output_dir` and checks it belongs to this run.
-/// With `tidy`, partial directories of a crashed run are removed first (one rank does it).
+/// Finds the latest complete checkpoint under `output_dir` that verifies (every recorded file's
+/// size and SHA-256) and checks it belongs to this run. A newer one that fails verification is
+/// reported and kept, never deleted. With `tidy`, partial directories of a crashed run are
+/// removed first (one rank does it).
 pub fn find_resume(
     output_dir: &Path,
     fingerprint: &RunFingerprint,
@@ -334,8 +336,24 @@ pub fn find_resume(
             cleaned.path.display()
         );
     }
-    let Some(found) = latest_complete(output_dir).map_err(CheckpointingError::from)? else {
+    let Some(newest) = latest_complete(output_dir).map_err(CheckpointingError::from)? else {
         return Ok(None);
+    };
+    let found = match crate::checkpoint_client::verify(&newest.dir, true) {
+        Ok(_) => newest,
+        // `latest_verified` says which checkpoints it skips and why; they stay on disk.
+        Err(_) => match latest_verified(output_dir).map_err(CheckpointingError::from)? {
+            Some(older) => older,
+            None => {
+                if tidy {
+                    eprintln!(
+                        "warning: no checkpoint in {} verifies: training starts from the beginning (the damaged ones are kept; `tune checkpoints` lists them)",
+                        output_dir.display()
+                    );
+                }
+                return Ok(None);
+            }
+        },
     };
     let info: ResumeInfo =
         serde_json::from_value(found.meta().extra.clone()).map_err(|source| {

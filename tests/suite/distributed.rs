@@ -383,6 +383,33 @@ fn nodes_without_a_shared_output_dir_gather_the_optimizer_state_to_rank_zero() {
     }
     let left: Vec<_> = std::fs::read_dir(node1_dir.path()).unwrap().collect();
     assert!(left.is_empty(), "node 1 writes nothing: {left:?}");
+
+    // Resuming needs every node to see the checkpoint: node 1 cannot, so the run stops
+    // instead of node 1 starting over while node 0 resumes.
+    let port = free_port_pair();
+    let nodes = [(0, &node0_dir), (1, &node1_dir)].map(|(rank, dir)| {
+        let out = output(dir);
+        let mut args = vec![
+            "full_finetune_distributed",
+            "--config",
+            "tiny/full",
+            out.as_str(),
+            "batch_size=2",
+            "resume_from_checkpoint=True",
+            "epochs=2",
+        ];
+        args.extend(common);
+        node(port, rank, &args)
+    });
+    for (i, n) in nodes.into_iter().enumerate() {
+        let res = wait_with_deadline(n, Duration::from_secs(120));
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "node {i}: {err}");
+        assert!(
+            err.contains("a different checkpoint to resume from"),
+            "node {i}: {err}"
+        );
+    }
 }
 
 /// `seed: null` draws one seed, on rank 0, for every rank: the rendezvous check of the run

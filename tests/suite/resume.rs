@@ -158,3 +158,39 @@ fn sigkill_during_a_checkpoint_write_loses_nothing() {
         );
     }
 }
+
+/// A checkpoint damaged after it was saved (one byte flipped) is reported by `tune checkpoints`
+/// (exit 1) and skipped on resume, which continues from the newest checkpoint that verifies.
+#[test]
+fn a_damaged_checkpoint_is_reported_and_skipped_on_resume() {
+    let dir = TempDir::new("resume-damaged");
+    let out = format!("output_dir={}", dir.path().display());
+    tune_ok(&args(
+        &out,
+        &["epochs=1", "max_steps_per_epoch=6", "save_every_n_steps=2"],
+    ));
+    let damaged = dir.path().join("epoch_0/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x5a;
+    std::fs::write(&damaged, bytes).unwrap();
+
+    let listed = tune(&["checkpoints", &dir.path().display().to_string()]);
+    assert_eq!(listed.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&listed.stderr);
+    assert!(err.contains("1 checkpoint is corrupt: epoch_0"), "{err}");
+
+    let resumed = tune_ok(&args(
+        &out,
+        &[
+            "epochs=1",
+            "max_steps_per_epoch=6",
+            "save_every_n_steps=2",
+            "resume_from_checkpoint=True",
+        ],
+    ));
+    let log = String::from_utf8_lossy(&resumed.stderr);
+    assert!(log.contains("skipping") && log.contains("epoch_0"), "{log}");
+    assert!(log.contains("checksum mismatch"), "{log}");
+    assert!(log.contains("step_4 at step 4"), "{log}");
+}
