@@ -39,6 +39,12 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
         RecipeConfig::Train(recipe, cfg) => {
             // Before any tensor exists: bf16 becomes the device's float dtype.
             precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
+            // One run per output directory (rank 0 holds the lock for the whole run).
+            let _lock = if ctx.world.is_main() {
+                Some(tune::setup::run::lock_output_dir(&cfg.output_dir)?)
+            } else {
+                None
+            };
             if ctx.world.is_main() {
                 if cfg.dtype != tune::config::schema::Dtype::Fp32 {
                     eprintln!(

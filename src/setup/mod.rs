@@ -39,6 +39,11 @@ pub enum SetupError {
     Train(Box<crate::training::TrainError>),
     #[error(transparent)]
     Distributed(#[from] crate::distributed::DistributedError),
+    #[error(
+        "output_dir {}: another run is using it ({holder}); wait for it to finish, or set a different output_dir",
+        dir.display()
+    )]
+    Locked { dir: PathBuf, holder: String },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -292,3 +292,53 @@ pub fn trainer<B: AutodiffBackend>(
     };
     Ok((trainer, log_dir))
 }
+
+/// The lock that keeps one run per output directory, held until dropped (and released by the
+/// operating system when the process ends, even when killed).
+#[derive(Debug)]
+pub struct OutputLock {
+    _file: std::fs::File,
+}
+
+/// The lock file in an output directory.
+pub const LOCK_FILE: &str = ".tune.lock";
+
+/// Takes the output directory's advisory lock, or fails naming the process that holds it: two
+/// runs writing one directory would mix their checkpoints, config and metrics.
+pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> {
+    use std::io::{Read, Seek, Write};
+    let io = |source| SetupError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let path = dir.join(LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|source| SetupError::Io {
+            path: path.clone(),
+            source,
+        })?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            return Err(SetupError::Locked {
+                dir: dir.to_path_buf(),
+                holder: holder.trim().to_string(),
+            });
+        }
+        Err(std::fs::TryLockError::Error(source)) => return Err(SetupError::Io { path, source }),
+    }
+    // Who holds it, for the message a second run prints.
+    let _ = file.set_len(0);
+    let _ = file.rewind();
+    let _ = write!(file, "pid {}", std::process::id());
+    let _ = file.flush();
+    Ok(OutputLock { _file: file })
+}

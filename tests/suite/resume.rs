@@ -194,3 +194,37 @@ fn a_damaged_checkpoint_is_reported_and_skipped_on_resume() {
     assert!(log.contains("checksum mismatch"), "{log}");
     assert!(log.contains("step_4 at step 4"), "{log}");
 }
+
+/// One run per output directory: a second `tune run` on the directory of a run in progress
+/// fails at once naming the holder's pid, and leaves the first run's files alone.
+#[test]
+fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
+    let dir = TempDir::new("locked");
+    let out = format!("output_dir={}", dir.path().display());
+    let mut first = tune_command(&args(&out, &["epochs=50"]))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let config_before = std::fs::read(dir.path().join("tune_config.yaml")).unwrap();
+    let second = tune(&args(&out, &["epochs=1", "seed=7"]));
+    let _ = first.kill();
+    let _ = first.wait();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("another run is using it") && err.contains(&format!("pid {}", first.id())),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("tune_config.yaml")).unwrap(),
+        config_before,
+        "the first run's config is untouched"
+    );
+    // The lock dies with its process: the directory is free again.
+    tune_ok(&args(&out, &["epochs=1", "max_steps_per_epoch=2"]));
+}
