@@ -35,6 +35,18 @@ fn assert_same_curve(what: &str, got: &[(u64, f64)], want: &[(u64, f64)], rel: f
     }
 }
 
+/// The same losses (1e-4 relative) and final `epoch_0/<weights>` (1e-5) as the run in `want`.
+fn assert_same_run(got: &Path, want: &Path, weights: &str) {
+    assert_same_curve(
+        "loss",
+        &column_by_step(got, "loss"),
+        &column_by_step(want, "loss"),
+        1e-4,
+    );
+    let file = Path::new("epoch_0").join(weights);
+    assert_same_weights(&got.join(&file), &want.join(&file), 1e-5);
+}
+
 /// Every tensor of two safetensors files agrees within `tol` absolute.
 fn assert_same_weights(got: &Path, want: &Path, tol: f32) {
     let (g, w) = (
@@ -223,17 +235,7 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
         &want,
         1e-4,
     );
-    assert_same_curve(
-        "loss",
-        &column_by_step(two.path(), "loss"),
-        &column_by_step(one.path(), "loss"),
-        1e-4,
-    );
-    assert_same_weights(
-        &two.path().join("epoch_0/model.safetensors"),
-        &one.path().join("epoch_0/model.safetensors"),
-        1e-5,
-    );
+    assert_same_run(two.path(), one.path(), "model.safetensors");
     // ZeRO-1: rank 0 holds about half of AdamW's moments; the checkpoint holds all of them,
     // the same as one device's.
     let state = |dir: &TempDir| column_by_step(dir.path(), "optimizer_state_bytes")[9].1;
@@ -278,17 +280,7 @@ fn two_processes_as_two_nodes_match_one_device() {
         &common,
     );
     train_on_two_nodes("lora_finetune_distributed", "tiny/lora", &two, 2, &common);
-    assert_same_curve(
-        "loss",
-        &column_by_step(two.path(), "loss"),
-        &column_by_step(one.path(), "loss"),
-        1e-4,
-    );
-    assert_same_weights(
-        &two.path().join("epoch_0/adapter_model.safetensors"),
-        &one.path().join("epoch_0/adapter_model.safetensors"),
-        1e-5,
-    );
+    assert_same_run(two.path(), one.path(), "adapter_model.safetensors");
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
