@@ -311,8 +311,14 @@ impl<B: AutodiffBackend> Trainer<B> {
                                 epoch,
                             });
                         }
-                        // Every rank must reach the step's collective calls; all stop after.
+                        // Every rank must reach the step's collective calls, with the same
+                        // metric names (their values are moot: all ranks stop after).
                         non_finite.get_or_insert(value);
+                        for (k, _) in out.metrics {
+                            if !extra.iter().any(|(name, _)| *name == k) {
+                                extra.push((k, 0.0));
+                            }
+                        }
                         continue;
                     }
                     // Weighting each micro-batch by its size makes the accumulated gradient the

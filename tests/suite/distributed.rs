@@ -703,3 +703,29 @@ fn assert_rendezvous_gone(port: u16) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The NaN guard on several workers: every rank stops at the same step with the guard's
+/// message (the non-finite flag travels with the step's counts), not a hang or a collective
+/// error.
+#[test]
+fn a_diverging_run_on_two_workers_stops_every_rank_at_the_same_step() {
+    let dir = TempDir::new("dp-nan");
+    let out = output(&dir);
+    let res = tune(&[
+        "run",
+        "--nproc_per_node",
+        "2",
+        "lora_finetune_distributed",
+        "--config",
+        "tiny/lora",
+        &out,
+        "optimizer.lr=1e30",
+        "~lr_scheduler",
+        "max_steps_per_epoch=10",
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    assert!(err.contains("the loss became"), "{err}");
+    assert!(err.contains("Lower optimizer.lr"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
