@@ -37,6 +37,7 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     if !recipe.is_training() {
         return;
     }
+    range_rules(root, cx);
     for (path, entry) in dataset_entries(root, "dataset") {
         dataset_rules(recipe, entry, &path, cx);
     }
@@ -69,6 +70,61 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
             )
             .with_fix("e.g. `betas: [0.9, 0.999]`"),
         );
+    }
+}
+
+/// A key, the test its value must pass, and the allowed range in words.
+type RangeRule = (&'static str, fn(f64) -> bool, &'static str);
+
+/// Training values whose type is right but whose value would train nonsense or fail later.
+fn range_rules(root: &Value, cx: &mut Checker) {
+    let rules: [RangeRule; 10] = [
+        ("optimizer.lr", |v| v > 0.0, "greater than 0 (e.g. 2e-5)"),
+        ("batch_size", |v| v >= 1.0, "at least 1"),
+        ("epochs", |v| v >= 1.0, "at least 1"),
+        ("gradient_accumulation_steps", |v| v >= 1.0, "at least 1"),
+        (
+            "max_steps_per_epoch",
+            |v| v >= 1.0,
+            "at least 1, or null for no limit",
+        ),
+        (
+            "clip_grad_norm",
+            |v| v > 0.0,
+            "greater than 0, or null for no clipping",
+        ),
+        ("model.lora_rank", |v| v >= 1.0, "at least 1 (e.g. 8)"),
+        (
+            "model.lora_alpha",
+            |v| v > 0.0,
+            "greater than 0 (usually 2 x lora_rank)",
+        ),
+        (
+            "model.lora_dropout",
+            |v| (0.0..1.0).contains(&v),
+            "from 0 up to, not including, 1",
+        ),
+        (
+            "tokenizer.max_seq_len",
+            |v| v >= 2.0,
+            "at least 2, or null for no limit",
+        ),
+    ];
+    for (key, ok, allowed) in rules {
+        let Some(value) = yaml::get(root, key).and_then(Value::as_f64) else {
+            continue;
+        };
+        // A value the type check already refused (a negative count) is reported once.
+        if cx.problems.iter().any(|p| p.key == key) {
+            continue;
+        }
+        if !ok(value) {
+            cx.problem(Problem::new(
+                ProblemKind::InvalidValue,
+                key,
+                format!("{value} is out of range: it must be {allowed}"),
+            ));
+        }
     }
 }
 

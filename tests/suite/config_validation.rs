@@ -459,3 +459,65 @@ fn kitchen_sink_every_key_deserialises() {
     assert_eq!(t.dataset_val.as_ref().map(Vec::len), Some(1));
     assert_eq!(t.profiler.as_ref().map(|p| p.enabled), Some(false));
 }
+
+/// Values of the right type that would train nonsense (or fail deep in the tensor library)
+/// are refused by `tune validate` with the key, the value and the allowed range.
+#[test]
+fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
+    for (over, key, says) in [
+        (
+            "optimizer.lr=-1",
+            "optimizer.lr",
+            "-1 is out of range: it must be greater than 0",
+        ),
+        (
+            "batch_size=0",
+            "batch_size",
+            "0 is out of range: it must be at least 1",
+        ),
+        (
+            "epochs=0",
+            "epochs",
+            "0 is out of range: it must be at least 1",
+        ),
+        (
+            "gradient_accumulation_steps=0",
+            "gradient_accumulation_steps",
+            "0 is out of range: it must be at least 1",
+        ),
+        (
+            "model.lora_rank=0",
+            "model.lora_rank",
+            "0 is out of range: it must be at least 1",
+        ),
+        (
+            "model.lora_alpha=0",
+            "model.lora_alpha",
+            "0 is out of range: it must be greater than 0",
+        ),
+        (
+            "model.lora_dropout=1.5",
+            "model.lora_dropout",
+            "1.5 is out of range",
+        ),
+        (
+            "tokenizer.max_seq_len=0",
+            "tokenizer.max_seq_len",
+            "0 is out of range",
+        ),
+        ("clip_grad_norm=0", "clip_grad_norm", "0 is out of range"),
+    ] {
+        let e = errors("tiny/lora_single_device", "lora_finetune", &[over]);
+        assert!(e.has(key, says), "{over}: {e}");
+    }
+    // The limits themselves are fine.
+    warnings(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "batch_size=1",
+            "model.lora_dropout=0.0",
+            "tokenizer.max_seq_len=2",
+        ],
+    );
+}
