@@ -188,9 +188,11 @@ pub enum Command {
         /// Output image: .png or .svg.
         #[arg(short, long, default_value = "loss.png")]
         output: PathBuf,
-        #[arg(long, default_value_t = 1200)]
+        /// Pixels, 100 to 16384 (larger images exhaust memory in the renderer).
+        #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(100..=16384))]
         width: u32,
-        #[arg(long, default_value_t = 800)]
+        /// Pixels, 100 to 16384.
+        #[arg(long, default_value_t = 800, value_parser = clap::value_parser!(u32).range(100..=16384))]
         height: u32,
     },
     /// Node 0's rendezvous for a multi-node `tune run` (burn-collective's orchestrator), in a

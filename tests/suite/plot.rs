@@ -123,4 +123,21 @@ fn missing_file_and_unknown_format_are_errors() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("must end in .png or .svg"), "{stderr}");
+
+    // A size the renderer cannot allocate is refused up front (it panicked).
+    let png = dir.path().join("loss.png");
+    let run = tune(&[
+        "plot",
+        metrics.to_str().unwrap(),
+        "-o",
+        png.to_str().unwrap(),
+        "--width",
+        "100000",
+        "--height",
+        "100000",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("100000 is not in 100..=16384"), "{stderr}");
+    assert!(!png.exists());
 }
