@@ -153,14 +153,21 @@ pub fn start<B: Backend>(
         resume,
         world,
     };
-    if let Some(r) = &run.resume {
-        run.announce(|| {
+    match &run.resume {
+        Some(r) => run.announce(|| {
             format!(
                 "Resuming from {} at step {}",
                 r.dir.display(),
                 r.state.global_step
             )
-        });
+        }),
+        None if cfg.resume_from_checkpoint => run.announce(|| {
+            format!(
+                "resume_from_checkpoint: no complete checkpoint in {}; training starts from the beginning",
+                run.output_dir.display()
+            )
+        }),
+        None => {}
     }
     Ok(run)
 }

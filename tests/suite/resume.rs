@@ -228,3 +228,24 @@ fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
     // The lock dies with its process: the directory is free again.
     tune_ok(&args(&out, &["epochs=1", "max_steps_per_epoch=2"]));
 }
+
+/// `resume_from_checkpoint=True` with nothing to resume says so, then trains from the start.
+#[test]
+fn resuming_with_nothing_to_resume_says_so() {
+    let dir = TempDir::new("resume-nothing");
+    let out = format!("output_dir={}", dir.path().display());
+    let run = tune_ok(&args(
+        &out,
+        &[
+            "epochs=1",
+            "max_steps_per_epoch=2",
+            "resume_from_checkpoint=True",
+        ],
+    ));
+    let log = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        log.contains("resume_from_checkpoint: no complete checkpoint in")
+            && log.contains("training starts from the beginning"),
+        "{log}"
+    );
+}
