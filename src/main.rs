@@ -258,9 +258,7 @@ fn run(
     let outcome = outcome.map_err(|e| if launch.nnodes > 1 { e.explained() } else { e });
     outcome.map_err(|e| match e {
         // One worker: its own error, as a single-device run reports it.
-        LaunchError::Worker { message, .. } if !launch.is_distributed() => {
-            CliError::failed(anyhow!(message))
-        }
+        LaunchError::Worker { error, .. } if !launch.is_distributed() => CliError::failed(error),
         other => CliError::failed(other),
     })
 }

@@ -35,6 +35,7 @@ impl Default for LaunchPlan {
 }
 
 /// The workers of this node, and for several nodes the liveness connections between them.
+#[derive(Debug)]
 pub struct Launch {
     pub worlds: Vec<World>,
     watch: Option<Watch>,
@@ -72,10 +73,12 @@ pub enum LaunchError {
         waited_s: u64,
         detail: String,
     },
-    #[error("rank {rank} failed: {message}")]
+    #[error("rank {rank} failed: {error:#}")]
     Worker {
         rank: usize,
-        message: String,
+        /// The worker's own error, kept whole: a one-worker run reports it as a single-device
+        /// run always has.
+        error: anyhow::Error,
         /// A collective call failed (a peer may have died).
         collective: bool,
     },
@@ -86,13 +89,14 @@ pub enum LaunchError {
 }
 
 impl LaunchError {
-    fn worker(rank: usize, e: &anyhow::Error) -> Self {
+    fn worker(rank: usize, error: anyhow::Error) -> Self {
+        let collective = error
+            .chain()
+            .any(|c| collective_cause(c).is_some_and(super::DistributedError::is_transport));
         Self::Worker {
             rank,
-            message: format!("{e:#}"),
-            collective: e
-                .chain()
-                .any(|c| collective_cause(c).is_some_and(super::DistributedError::is_transport)),
+            error,
+            collective,
         }
     }
 
@@ -182,11 +186,6 @@ impl LaunchPlan {
             })
             .collect();
         Ok(Launch { worlds, watch })
-    }
-
-    /// The workers of this node (for tests and callers that need no liveness).
-    pub fn worlds(&self) -> Result<Vec<World>, LaunchError> {
-        self.start().map(|l| l.worlds)
     }
 
     fn link(&self) -> Result<(NodeLink, Watch), LaunchError> {
@@ -338,7 +337,7 @@ where
     if worlds.len() == 1 {
         let world = worlds.into_iter().next().expect("one world");
         let rank = world.rank;
-        return work(world).map_err(|e| LaunchError::worker(rank, &e));
+        return work(world).map_err(|e| LaunchError::worker(rank, e));
     }
     let work = std::sync::Arc::new(work);
     let (tx, rx) = mpsc::channel();
@@ -356,7 +355,7 @@ where
         if let Err(e) = spawned {
             return Err(LaunchError::Worker {
                 rank,
-                message: format!("could not start its thread: {e}"),
+                error: anyhow::anyhow!("could not start its thread: {e}"),
                 collective: false,
             });
         }
@@ -368,7 +367,7 @@ where
         };
         match outcome {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(LaunchError::worker(rank, &e)),
+            Ok(Err(e)) => return Err(LaunchError::worker(rank, e)),
             Err(payload) => {
                 let message = payload
                     .downcast_ref::<String>()
@@ -392,7 +391,7 @@ mod tests {
             nproc_per_node: 2,
             ..Default::default()
         };
-        let worlds = plan.worlds().unwrap();
+        let worlds = plan.start().unwrap().worlds;
         assert_eq!(worlds.iter().map(|w| w.rank).collect::<Vec<_>>(), [0, 1]);
         assert!(worlds.iter().all(|w| w.size == 2 && w.local_size == 2));
     }
@@ -404,7 +403,7 @@ mod tests {
             ..Default::default()
         };
         assert!(
-            plan.worlds()
+            plan.start()
                 .unwrap_err()
                 .to_string()
                 .contains("--nproc_per_node")
@@ -415,7 +414,7 @@ mod tests {
             ..Default::default()
         };
         assert!(
-            plan.worlds()
+            plan.start()
                 .unwrap_err()
                 .to_string()
                 .contains("--node_rank (2)")
@@ -425,7 +424,7 @@ mod tests {
             ..Default::default()
         };
         assert!(
-            plan.worlds()
+            plan.start()
                 .unwrap_err()
                 .to_string()
                 .contains("--rdzv_endpoint")
@@ -439,7 +438,7 @@ mod tests {
             ..Default::default()
         };
         let started = Instant::now();
-        let err = run_workers(plan.worlds().unwrap(), |w| {
+        let err = run_workers(plan.start().unwrap().worlds, |w| {
             if w.rank == 1 {
                 anyhow::bail!("out of data")
             }
@@ -450,7 +449,7 @@ mod tests {
         .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(30));
         assert_eq!(err.to_string(), "rank 1 failed: out of data");
-        let err = run_workers(plan.worlds().unwrap(), |w| {
+        let err = run_workers(plan.start().unwrap().worlds, |w| {
             if w.rank == 2 {
                 panic!("boom")
             }

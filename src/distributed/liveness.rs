@@ -14,6 +14,7 @@ use super::launch::LaunchError;
 const DONE: &str = "done";
 
 /// This node's side of the liveness connections.
+#[derive(Debug)]
 pub struct Watch {
     streams: Arc<Mutex<Vec<TcpStream>>>,
 }

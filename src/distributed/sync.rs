@@ -22,7 +22,7 @@ use burn::tensor::{DType, ElementConversion, Tensor};
 
 use super::{DistributedError, World};
 use crate::checkpoint::HostTensor;
-use crate::models::CausalLm;
+use crate::models::{CausalLm, TrainableParam};
 use crate::training::optimizer::Optimizer;
 
 /// Elements per all-reduce bucket: 16 Mi floats, 64 MB in fp32 (PyTorch DDP uses 25 MB).
@@ -123,50 +123,11 @@ fn all_reduce_entries<B: Backend>(
     Ok(out)
 }
 
-/// A trainable parameter in model order.
-struct Trainable {
-    id: ParamId,
-    name: String,
-    numel: usize,
-}
-
-/// The trainable parameters of `model`, in model order, with their module paths.
-fn trainable<B: AutodiffBackend>(model: &CausalLm<B>) -> Vec<Trainable> {
-    struct List {
-        path: Vec<String>,
-        out: Vec<Trainable>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for List {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let value = param.val();
-            if value.is_require_grad() {
-                self.out.push(Trainable {
-                    id: param.id,
-                    name: self.path.join("."),
-                    numel: value.shape().num_elements(),
-                });
-            }
-        }
-    }
-    let mut list = List {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    model.visit(&mut list);
-    list.out
-}
-
 /// Sums the flat tensors this rank holds for some of `params` (by id) over the world, in
 /// model order; a parameter no rank holds a tensor for is left out of the result.
 fn sum_by_param<B: Backend>(
     world: &World,
-    params: &[Trainable],
+    params: &[TrainableParam],
     mut local: HashMap<ParamId, Tensor<B, 1>>,
     device: &B::Device,
     what: &'static str,
@@ -244,7 +205,7 @@ pub fn all_reduce_grads<B: AutodiffBackend>(
     if !world.is_distributed() {
         return Ok(grads);
     }
-    let params = trainable(model);
+    let params = model.trainable_params();
     let mut take = TakeGrads::<B> {
         grads: &mut grads,
         out: HashMap::new(),
@@ -272,7 +233,7 @@ impl OptimizerShard {
     /// Contiguous runs of the trainable parameters in model order, balanced by element count:
     /// a parameter belongs to the rank whose share holds its middle element.
     pub fn new<B: AutodiffBackend>(model: &CausalLm<B>, world: &World) -> Self {
-        let params = trainable(model);
+        let params = model.trainable_params();
         let total: usize = params.iter().map(|p| p.numel).sum::<usize>().max(1);
         let size = world.size.max(1);
         let mut before = 0usize;
@@ -297,15 +258,6 @@ impl OptimizerShard {
             .iter()
             .any(|(n, _, owner)| n == name && *owner == self.rank)
     }
-
-    /// Elements whose optimizer state this rank keeps.
-    pub fn owned_elements(&self) -> usize {
-        self.owners
-            .iter()
-            .filter(|(_, _, o)| *o == self.rank)
-            .map(|(_, n, _)| n)
-            .sum()
-    }
 }
 
 /// After a sharded optimizer step: every rank gets every trainable parameter from its owner.
@@ -327,7 +279,7 @@ pub fn gather_params<B: AutodiffBackend>(
             }
         }
     }
-    let params = trainable(&model);
+    let params = model.trainable_params();
     let mut values = Values::<B> {
         wanted: params.iter().map(|p| (p.id, shard.owns(&p.name))).collect(),
         out: HashMap::new(),
@@ -345,7 +297,7 @@ pub fn gather_optimizer_state<B: AutodiffBackend>(
     model: &CausalLm<B>,
     optimizer: &Optimizer<B::InnerBackend>,
 ) -> Result<Vec<(String, HostTensor)>, DistributedError> {
-    let params = trainable(model);
+    let params = model.trainable_params();
     let mut keys = Vec::new();
     let mut entries = Vec::new();
     for p in &params {

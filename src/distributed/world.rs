@@ -21,21 +21,12 @@ pub enum DistributedError {
         "the workers of this run were started with a different {what}; start every node with the same tune binary and the same config and overrides"
     )]
     Mismatch { rank: usize, what: &'static str },
-    #[error("the broadcast of {what} failed ({detail})")]
-    Broadcast {
-        rank: usize,
-        what: &'static str,
-        detail: String,
-    },
 }
 
 impl DistributedError {
     /// The collective call itself failed (not a refusal such as different configs).
     pub fn is_transport(&self) -> bool {
-        matches!(
-            self,
-            Self::AllReduce { .. } | Self::Broadcast { .. } | Self::Join { .. }
-        )
+        matches!(self, Self::AllReduce { .. } | Self::Join { .. })
     }
 }
 
@@ -161,26 +152,5 @@ impl World {
         } else {
             summed
         })
-    }
-
-    /// `tensor` from `root` on every worker: `root` passes `Some`, the others `None`.
-    pub fn broadcast<B: Backend>(
-        &self,
-        tensor: Option<Tensor<B, 1>>,
-        what: &'static str,
-    ) -> Result<Option<Tensor<B, 1>>, DistributedError> {
-        if !self.is_distributed() {
-            return Ok(tensor);
-        }
-        let sent = burn_collective::broadcast::<B>(
-            self.peer(),
-            tensor.map(|t| t.into_primitive().tensor()),
-        )
-        .map_err(|e| DistributedError::Broadcast {
-            rank: self.rank,
-            what,
-            detail: format!("{e:?}"),
-        })?;
-        Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(sent))))
     }
 }

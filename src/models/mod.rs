@@ -15,7 +15,7 @@ pub use args::{Family, ModelArgs};
 pub use build::{ParamSource, RandomInit, build};
 pub use cache::KvCache;
 pub use decoder::{CausalLm, TokenBatch};
-pub use params::{NamedParam, Trainable};
+pub use params::{NamedParam, Trainable, TrainableParam};
 
 use crate::checkpoint::CheckpointError;
 

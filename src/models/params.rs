@@ -41,6 +41,39 @@ impl<B: Backend> CausalLm<B> {
         v.out
     }
 
+    /// The parameters that train, by module path, in model order, without copying their
+    /// values (the data-parallel collectives list them every step).
+    pub fn trainable_params(&self) -> Vec<TrainableParam> {
+        struct List {
+            path: Vec<String>,
+            out: Vec<TrainableParam>,
+        }
+        impl<B: Backend> ModuleVisitor<B> for List {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let value = param.val();
+                if value.is_require_grad() {
+                    self.out.push(TrainableParam {
+                        name: self.path.join("."),
+                        id: param.id,
+                        numel: value.shape().num_elements(),
+                    });
+                }
+            }
+        }
+        let mut list = List {
+            path: Vec::new(),
+            out: Vec::new(),
+        };
+        self.visit(&mut list);
+        list.out
+    }
+
     /// Base-model tensors with Hugging Face names (adapters excluded), as saved to
     /// `model.safetensors`: Phi-3's projections fused back into `qkv_proj`/`gate_up_proj`.
     pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
@@ -95,6 +128,14 @@ pub struct NamedParam {
     pub id: ParamId,
     pub value: HostTensor,
     pub trainable: bool,
+}
+
+/// A parameter that trains: its module path, id and element count.
+#[derive(Debug, Clone)]
+pub struct TrainableParam {
+    pub name: String,
+    pub id: ParamId,
+    pub numel: usize,
 }
 
 impl NamedParam {
