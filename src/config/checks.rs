@@ -78,7 +78,7 @@ type RangeRule = (&'static str, fn(f64) -> bool, &'static str);
 
 /// Training values whose type is right but whose value would train nonsense or fail later.
 fn range_rules(root: &Value, cx: &mut Checker) {
-    let rules: [RangeRule; 10] = [
+    let rules: [RangeRule; 13] = [
         ("optimizer.lr", |v| v > 0.0, "greater than 0 (e.g. 2e-5)"),
         ("batch_size", |v| v >= 1.0, "at least 1"),
         ("epochs", |v| v >= 1.0, "at least 1"),
@@ -108,6 +108,22 @@ fn range_rules(root: &Value, cx: &mut Checker) {
             "tokenizer.max_seq_len",
             |v| v >= 2.0,
             "at least 2, or null for no limit",
+        ),
+        // Parallelism: data parallelism over every rank is all tune does.
+        (
+            "tensor_parallel_dim",
+            |v| v == 1.0,
+            "1: tune has no tensor parallelism, every rank holds the whole model",
+        ),
+        (
+            "data_parallel_replicate_dim",
+            |v| v == 1.0,
+            "1: tune has no replication groups (HSDP), all ranks form one data-parallel group",
+        ),
+        (
+            "data_parallel_shard_dim",
+            |v| v == -1.0 || (v >= 1.0 && v.fract() == 0.0),
+            "-1 (all ranks) or the number of ranks",
         ),
     ];
     for (key, ok, allowed) in rules {

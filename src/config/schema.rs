@@ -332,6 +332,15 @@ pub struct TrainConfig {
     #[serde(default)]
     pub optimizer_in_bwd: bool,
     pub custom_sharded_layers: Option<Vec<String>>,
+    /// torchtune's distributed knobs: accepted at the values that mean what tune does (plain
+    /// data parallelism, parameters on the device), refused otherwise (spec.rs, checks.rs).
+    pub fsdp_reshard_after_forward: Option<bool>,
+    #[serde(default)]
+    pub fsdp_cpu_offload: bool,
+    pub tensor_parallel_dim: Option<usize>,
+    pub tensor_parallel_plan: Option<serde_yaml::Value>,
+    pub data_parallel_shard_dim: Option<f64>,
+    pub data_parallel_replicate_dim: Option<usize>,
     pub push_to_hub: Option<PushToHub>,
     pub run_val_every_n_steps: Option<usize>,
     #[serde(default, deserialize_with = "opt_one_or_many")]

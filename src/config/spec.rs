@@ -54,6 +54,9 @@ pub struct Section {
     pub open: bool,
 }
 
+/// The warning for torchtune's FSDP sharding knobs.
+const NO_FSDP: &str = "tune shards no parameters: every rank holds the whole model (full-weight training shards only the optimizer state), so the FSDP sharding this key tunes does not apply";
+
 const fn opt(key: &'static str, ty: Ty) -> Field {
     Field {
         key,
@@ -306,8 +309,24 @@ static TRAIN_COMMON: &[Field] = &[
     warn(
         "custom_sharded_layers",
         Ty::Nullable(&Ty::List(&Ty::Str)),
-        "tune shards no parameters: every rank holds the whole model (full fine-tuning and DPO shard only the optimizer state), so these layers are not sharded separately",
+        NO_FSDP,
     ),
+    // torchtune's distributed knobs. What tune does (data parallelism over every rank, ZeRO-1
+    // optimizer state) is what they ask for at these values; any other is refused, in
+    // checks.rs for the numbers.
+    warn("fsdp_reshard_after_forward", Ty::Bool, NO_FSDP),
+    Field {
+        key: "fsdp_cpu_offload",
+        ty: Ty::Bool,
+        required: false,
+        note: Note::ErrorIfTrue(
+            "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
+        ),
+    },
+    opt("tensor_parallel_dim", Ty::UInt),
+    opt("tensor_parallel_plan", Ty::Any),
+    opt("data_parallel_shard_dim", Ty::Float),
+    opt("data_parallel_replicate_dim", Ty::UInt),
     opt("push_to_hub", Ty::Nullable(&Ty::Section(&PUSH_TO_HUB))),
     opt("run_val_every_n_steps", NUINT),
     opt("dataset_val", Ty::Nullable(&Ty::OneOrMany(&DATASET))),

@@ -73,7 +73,7 @@ pub enum LaunchError {
         waited_s: u64,
         detail: String,
     },
-    #[error("rank {rank} failed: {error:#}")]
+    #[error("rank {rank} failed: {}", chain_text(error))]
     Worker {
         rank: usize,
         /// The worker's own error, kept whole: a one-worker run reports it as a single-device
@@ -113,6 +113,19 @@ impl LaunchError {
             other => other,
         }
     }
+}
+
+/// An error and its causes on one line, each cause once (a message that already quotes its
+/// source is not followed by it again).
+fn chain_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }
 
 /// The collective error behind `e`, through the error types that wrap one transparently.

@@ -317,6 +317,30 @@ pub fn gather_optimizer_state<B: AutodiffBackend>(
         .collect())
 }
 
+/// Rank 0's `value` on every rank (the others' own values are ignored). It travels as its 8
+/// bytes, each exact in fp32.
+pub fn from_rank_zero<B: Backend>(
+    world: &World,
+    value: u64,
+    device: &B::Device,
+    what: &'static str,
+) -> Result<u64, DistributedError> {
+    if !world.is_distributed() {
+        return Ok(value);
+    }
+    let bytes: Vec<f64> = value
+        .to_le_bytes()
+        .iter()
+        .map(|&b| if world.is_main() { f64::from(b) } else { 0.0 })
+        .collect();
+    let summed = all_reduce_scalars::<B>(world, &bytes, device, what)?;
+    let mut le = [0u8; 8];
+    for (b, v) in le.iter_mut().zip(&summed) {
+        *b = v.round() as u8;
+    }
+    Ok(u64::from_le_bytes(le))
+}
+
 /// A 64-bit digest of `bytes` (the first 8 bytes of its SHA-256).
 pub fn hash64(bytes: &[u8]) -> u64 {
     use sha2::{Digest, Sha256};

@@ -90,7 +90,7 @@ pub fn start<B: Backend>(
     world: World,
     device: &B::Device,
 ) -> Result<RunStart, SetupError> {
-    use crate::distributed::sync::{all_reduce_scalars, check_same, hash64};
+    use crate::distributed::sync::{all_reduce_scalars, check_same, from_rank_zero, hash64};
     check_same::<B>(
         &world,
         device,
@@ -98,18 +98,8 @@ pub fn start<B: Backend>(
         hash64(env!("CARGO_PKG_VERSION").as_bytes()),
     )?;
     let mut seed = seed(cfg);
-    if world.is_distributed() && cfg.seed.is_none() {
-        let bytes: Vec<f64> = seed
-            .to_le_bytes()
-            .iter()
-            .map(|&b| if world.is_main() { f64::from(b) } else { 0.0 })
-            .collect();
-        let agreed = all_reduce_scalars::<B>(&world, &bytes, device, "the seed")?;
-        let mut le = [0u8; 8];
-        for (b, v) in le.iter_mut().zip(&agreed) {
-            *b = v.round() as u8;
-        }
-        seed = u64::from_le_bytes(le);
+    if cfg.seed.is_none() {
+        seed = from_rank_zero::<B>(&world, seed, device, "the seed")?;
     }
     let output_dir = checkpoint_dir(cfg);
     let fingerprint = fingerprint(cfg, seed, world.size);

@@ -33,8 +33,7 @@ pub struct TrainData {
 pub enum FinishError {
     #[error(transparent)]
     Train(#[from] TrainError),
-    /// Shown as `push_to_hub: <the Hub's error>` (the error is its source).
-    #[error("push_to_hub")]
+    #[error("push_to_hub: {0}")]
     Push(#[from] crate::hub::HubError),
 }
 
@@ -96,12 +95,13 @@ fn output_dir_is_shared<B: burn::tensor::backend::Backend>(
     dir: &std::path::Path,
     device: &B::Device,
 ) -> Result<bool, SetupError> {
-    use crate::distributed::sync::{all_reduce_scalars, hash64};
+    use crate::distributed::sync::{all_reduce_scalars, from_rank_zero, hash64};
     let io = |source| SetupError::Io {
         path: dir.to_path_buf(),
         source,
     };
-    let mut nonce = [0f64; 8];
+    let probe_name = |nonce: u64| format!(".tmp-fscheck.{nonce:016x}-0");
+    let mut nonce = 0;
     let mut probe = None;
     if world.is_main() {
         let seed = format!(
@@ -109,21 +109,14 @@ fn output_dir_is_shared<B: burn::tensor::backend::Backend>(
             std::process::id(),
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)
         );
-        let value = hash64(seed.as_bytes());
-        for (slot, byte) in nonce.iter_mut().zip(value.to_le_bytes()) {
-            *slot = f64::from(byte);
-        }
+        nonce = hash64(seed.as_bytes());
         std::fs::create_dir_all(dir).map_err(io)?;
-        let path = dir.join(format!(".tmp-fscheck.{value:016x}-0"));
+        let path = dir.join(probe_name(nonce));
         std::fs::write(&path, b"").map_err(io)?;
         probe = Some(path);
     }
-    let nonce = all_reduce_scalars::<B>(world, &nonce, device, "the output directory check")?;
-    let mut bytes = [0u8; 8];
-    for (b, v) in bytes.iter_mut().zip(&nonce) {
-        *b = v.round() as u8;
-    }
-    let name = format!(".tmp-fscheck.{:016x}-0", u64::from_le_bytes(bytes));
+    let nonce = from_rank_zero::<B>(world, nonce, device, "the output directory check")?;
+    let name = probe_name(nonce);
     let sees = f64::from(u8::from(dir.join(name).is_file()));
     let seen = all_reduce_scalars::<B>(world, &[sees], device, "the output directory check")?;
     if let Some(path) = probe {

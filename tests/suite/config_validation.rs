@@ -521,3 +521,53 @@ fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
         ],
     );
 }
+
+/// torchtune's distributed knobs: accepted at the values that mean plain data parallelism with
+/// parameters on the device (what tune does), refused by name otherwise.
+#[test]
+fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
+    let warned = warnings(
+        "tiny/full",
+        "full_finetune_distributed",
+        &[
+            "fsdp_cpu_offload=False",
+            "tensor_parallel_dim=1",
+            "tensor_parallel_plan={_component_: torchtune.models.llama3.base_llama_tp_plan}",
+            "data_parallel_shard_dim=-1",
+            "data_parallel_replicate_dim=1",
+            "fsdp_reshard_after_forward=True",
+        ],
+    );
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.key == "fsdp_reshard_after_forward"
+                && w.message.contains("shards no parameters")),
+        "{warned:?}"
+    );
+    for (over, key, says) in [
+        (
+            "fsdp_cpu_offload=True",
+            "fsdp_cpu_offload",
+            "set fsdp_cpu_offload: False",
+        ),
+        (
+            "tensor_parallel_dim=8",
+            "tensor_parallel_dim",
+            "no tensor parallelism",
+        ),
+        (
+            "data_parallel_replicate_dim=2",
+            "data_parallel_replicate_dim",
+            "no replication groups",
+        ),
+        (
+            "data_parallel_shard_dim=0",
+            "data_parallel_shard_dim",
+            "-1 (all ranks)",
+        ),
+    ] {
+        let e = errors("tiny/full", "full_finetune_distributed", &[over]);
+        assert!(e.has(key, says), "{over}: {e}");
+    }
+}
