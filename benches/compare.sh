@@ -8,6 +8,8 @@
 #   DEVICE=cuda benches/compare.sh     # a build with --features cuda on an NVIDIA GPU, both in bf16
 #   DTYPE=bf16 benches/compare.sh      # both sides in bf16 (default: bf16 on cuda, fp32 on cpu)
 #   RUNS="smollm2-135m:lora:1:128:3" benches/compare.sh
+#   TUNE=path/to/tune PYTHON=python3 benches/compare.sh   # a prebuilt tune and a Python that has
+#                                      # torch (a GPU machine without cargo or network)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,18 +19,21 @@ if [ "$DEVICE" = cuda ]; then DTYPE=${DTYPE:-bf16}; else DTYPE=${DTYPE:-fp32}; f
 RUNS=${RUNS:-"tiny:lora:4:128:10 tiny:full:4:128:10 smollm2-135m:lora:1:128:3 smollm2-135m:full:1:128:3 smollm2-135m:lora:4:256:2"}
 VENV=benches/.venv
 OUT=${OUT:-target/bench-compare.jsonl}
+PYTHON=${PYTHON:-$VENV/bin/python}
 
-if [ ! -x "$VENV/bin/python" ]; then
+if [ "$PYTHON" = "$VENV/bin/python" ] && [ ! -x "$PYTHON" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q torch numpy safetensors
   # torchtune's builders for --impl torchtune; torchtune 0.6 needs a torchao of its time.
   "$VENV/bin/pip" install -q torchtune "torchao==0.11.0" || true
 fi
 
-FEATURES=()
-[ "$DEVICE" = cuda ] && FEATURES=(--features cuda)
-cargo build --release "${FEATURES[@]}" >&2
-TUNE=target/release/tune
+if [ -z "${TUNE:-}" ]; then
+  FEATURES=()
+  [ "$DEVICE" = cuda ] && FEATURES=(--features cuda)
+  cargo build --release "${FEATURES[@]}" >&2
+  TUNE=target/release/tune
+fi
 
 : > "$OUT"
 for run in $RUNS; do
@@ -36,9 +41,9 @@ for run in $RUNS; do
   args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE" --dtype "$DTYPE")
   echo "== $run" >&2
   "$TUNE" bench "${args[@]}" --json >> "$OUT"
-  "$VENV/bin/python" benches/pytorch_reference.py "${args[@]}" >> "$OUT"
-  if "$VENV/bin/python" -c "import torchtune.models.llama3" 2>/dev/null; then
-    "$VENV/bin/python" benches/pytorch_reference.py "${args[@]}" --impl torchtune >> "$OUT" || true
+  "$PYTHON" benches/pytorch_reference.py "${args[@]}" >> "$OUT"
+  if "$PYTHON" -c "import torchtune.models.llama3" 2>/dev/null; then
+    "$PYTHON" benches/pytorch_reference.py "${args[@]}" --impl torchtune >> "$OUT" || true
   fi
 done
-"$VENV/bin/python" benches/compare.py "$OUT"
+"$PYTHON" benches/compare.py "$OUT"

@@ -10,12 +10,16 @@
 #     benches/gpu_distributed.sh          # prints markdown rows
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --quiet --features cuda --bin tune --example random_checkpoint
-TUNE=target/release/tune
-OUT=${OUT:-/tmp/tune-gpu-bench}
+# TUNE and RANDOM_CHECKPOINT: prebuilt binaries (a GPU machine without cargo).
+if [ -z "${TUNE:-}" ]; then
+  cargo build --release --quiet --features cuda --bin tune --example random_checkpoint
+  TUNE=target/release/tune
+  RANDOM_CHECKPOINT=target/release/examples/random_checkpoint
+fi
+OUT=${RUN_DIR:-/tmp/tune-gpu-bench}
 rm -rf "$OUT" && mkdir -p "$OUT"
 CKPT="$OUT/smollm2-135m-random"
-target/release/examples/random_checkpoint smollm2-135m "$CKPT" >/dev/null
+"$RANDOM_CHECKPOINT" smollm2-135m "$CKPT" >/dev/null
 common=(--config tiny/lora "checkpointer.checkpoint_dir=$CKPT" device=cuda dtype=bf16
   max_steps_per_epoch=20 save_adapter_weights_only=True)
 

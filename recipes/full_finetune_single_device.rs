@@ -11,10 +11,13 @@ use tune::training::checkpointing::SaveContent;
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::setup::run::RunStart;
 
-pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
-
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> anyhow::Result<()> {
     // Model: from the checkpointer, or from the checkpoint being resumed.
     let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);

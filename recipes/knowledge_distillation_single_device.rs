@@ -14,13 +14,18 @@ use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, model, run as settings, session, teacher};
+use tune::setup::{data, model, session, teacher};
 use tune::training::checkpointing::SaveContent;
 use tune::training::kd::KdLoss;
 
 use super::RunContext;
+use tune::setup::run::RunStart;
 
-pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> anyhow::Result<()> {
     let teacher_ckpt = cfg
         .teacher_checkpointer
         .as_ref()
@@ -31,8 +36,6 @@ pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow
         .context("kd_loss: required for distillation")?;
     let objective = teacher::kd_objective(kd_loss_cfg)?;
     let kd_ratio = teacher::kd_ratio(cfg.kd_ratio())?;
-    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
-
     // Data first: the teacher is checked against its tokenizer before its weights load.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
 

@@ -11,14 +11,17 @@ use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::TrainConfig;
 use tune::models::Trainable;
-use tune::setup::{data, loss, model, run as settings, session};
+use tune::setup::{data, loss, model, session};
 use tune::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
+use tune::setup::run::RunStart;
 
-pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
-
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> anyhow::Result<()> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
     let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;

@@ -13,10 +13,13 @@ use tune::setup::{data, model, run as settings, session};
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::setup::run::RunStart;
 
-pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
-
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> anyhow::Result<()> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).
     let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;

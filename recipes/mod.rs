@@ -13,6 +13,7 @@ pub mod qat_single_device;
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::recipes::Recipe;
@@ -45,30 +46,35 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             } else {
                 None
             };
-            if ctx.world.is_main() {
-                if cfg.dtype != tune::config::schema::Dtype::Fp32 {
-                    eprintln!(
-                        "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
-                        precision::name(cfg.dtype)
-                    );
-                }
-                // The resolved config beside the outputs, as torchtune saves it.
-                std::fs::create_dir_all(&cfg.output_dir)?;
-                std::fs::write(cfg.output_dir.join("tune_config.yaml"), &ctx.resolved_yaml)?;
+            if ctx.world.is_main() && cfg.dtype != tune::config::schema::Dtype::Fp32 {
+                eprintln!(
+                    "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
+                    precision::name(cfg.dtype)
+                );
             }
-            // Every worker joins before training; setup's prologue then checks that all of
-            // them run the same version and the same run.
+            // Every worker joins before training; the shared prologue then checks that all of
+            // them run the same version and the same run, and that the output directory holds
+            // no other run's checkpoints.
             ctx.world.join::<B::InnerBackend>(&ctx.device)?;
+            let run =
+                tune::setup::run::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
+            if ctx.world.is_main() {
+                // The resolved config beside the outputs, as torchtune saves it; only once the
+                // directory is known to be this run's.
+                let path = cfg.output_dir.join("tune_config.yaml");
+                std::fs::write(&path, &ctx.resolved_yaml)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
             let outcome = match recipe {
-                Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx),
-                Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx),
-                Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx),
-                Recipe::FullDpo => full_dpo_single_device::run(cfg, ctx),
+                Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx, run),
+                Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx, run),
+                Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx, run),
+                Recipe::FullDpo => full_dpo_single_device::run(cfg, ctx, run),
                 Recipe::KnowledgeDistillation => {
-                    knowledge_distillation_single_device::run(cfg, ctx)
+                    knowledge_distillation_single_device::run(cfg, ctx, run)
                 }
-                Recipe::Qat => qat_single_device::run(cfg, ctx),
-                Recipe::QatLora => qat_lora_finetune_single_device::run(cfg, ctx),
+                Recipe::Qat => qat_single_device::run(cfg, ctx, run),
+                Recipe::QatLora => qat_lora_finetune_single_device::run(cfg, ctx, run),
                 other => anyhow::bail!(
                     "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
                     other.torchtune_name()

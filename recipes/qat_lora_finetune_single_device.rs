@@ -14,9 +14,13 @@ use tune::setup::{data, model, quant, run as settings, session};
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::setup::run::RunStart;
 
-pub fn run<B: AutodiffBackend>(cfg: &TrainConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
-    let run = settings::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> anyhow::Result<()> {
     let scheme = quant::from_train_config(cfg)?;
 
     // Model: the frozen base from the checkpointer, fake-quantized, with LoRA adapters (a

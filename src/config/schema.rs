@@ -322,6 +322,14 @@ pub struct TrainConfig {
     pub log_level: Option<String>,
     #[serde(default)]
     pub resume_from_checkpoint: bool,
+    /// tune: a fresh run may delete the checkpoints another run left in `output_dir` (without
+    /// it, such a run is refused).
+    #[serde(default)]
+    pub overwrite_output_dir: bool,
+    /// tune: on SIGINT/SIGTERM, save a checkpoint at the step boundary before exiting (without
+    /// it, the run stops there keeping the last checkpoint it saved).
+    #[serde(default)]
+    pub save_on_preempt: bool,
     #[serde(default)]
     pub save_adapter_weights_only: bool,
     /// tune: also checkpoint every N optimizer steps (None: at epoch ends only).

@@ -297,6 +297,8 @@ static TRAIN_COMMON: &[Field] = &[
     opt("log_peak_memory_stats", Ty::Bool),
     opt("log_level", NSTR),
     opt("resume_from_checkpoint", Ty::Bool),
+    opt("overwrite_output_dir", Ty::Bool),
+    opt("save_on_preempt", Ty::Bool),
     opt("save_adapter_weights_only", Ty::Bool),
     opt("save_every_n_steps", NUINT),
     opt("keep_last_n_checkpoints", NUINT),

@@ -5,12 +5,16 @@ use std::path::Path;
 use super::SetupError;
 use crate::config::components::{Component, LoggerKind};
 use crate::config::schema::MetricLoggerConfig;
-use crate::training::metrics::{JsonlSink, MetricLoggers, MetricSink, StdoutSink, TensorBoardSink};
+use crate::training::metrics::{
+    JsonlSink, MetricLoggers, MetricSink, MetricsFile, StdoutSink, TensorBoardSink,
+};
 
 /// `None` logs to disk under `<output_dir>/logs`, as torchtune's configs do by default.
+/// `file`: a new run's metrics, or a resumed run's continuing the old file.
 pub fn loggers(
     cfg: Option<&MetricLoggerConfig>,
     output_dir: &Path,
+    file: MetricsFile,
 ) -> Result<(MetricLoggers, String), SetupError> {
     let kind = match cfg.map(|c| &c.component) {
         Some(Component::MetricLogger(k)) => *k,
@@ -24,7 +28,7 @@ pub fn loggers(
         source,
     };
     let sink: Box<dyn MetricSink> = match kind {
-        LoggerKind::Disk => Box::new(JsonlSink::create(&log_dir).map_err(io)?),
+        LoggerKind::Disk => Box::new(JsonlSink::create(&log_dir, file).map_err(io)?),
         LoggerKind::TensorBoard => Box::new(TensorBoardSink::create(&log_dir).map_err(io)?),
         LoggerKind::Stdout => Box::new(StdoutSink {
             printer: Box::new(|line| println!("{line}")),
@@ -33,7 +37,7 @@ pub fn loggers(
     let mut sinks = vec![sink];
     // metrics.jsonl is always written: `tune plot` and the model card read it.
     if kind != LoggerKind::Disk {
-        sinks.push(Box::new(JsonlSink::create(&log_dir).map_err(io)?));
+        sinks.push(Box::new(JsonlSink::create(&log_dir, file).map_err(io)?));
     }
     Ok((MetricLoggers { sinks }, log_dir.display().to_string()))
 }

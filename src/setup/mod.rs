@@ -44,6 +44,17 @@ pub enum SetupError {
         dir.display()
     )]
     Locked { dir: PathBuf, holder: String },
+    #[error(
+        "output_dir {} holds checkpoints of another run ({} differs in: {}). Continue that run with resume_from_checkpoint=True (with those keys as they were), choose a new output_dir, or set overwrite_output_dir=True to delete its checkpoints and start over",
+        dir.display(),
+        checkpoint.display(),
+        changed.join(", ")
+    )]
+    OtherRun {
+        dir: PathBuf,
+        checkpoint: PathBuf,
+        changed: Vec<String>,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

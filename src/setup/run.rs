@@ -134,6 +134,9 @@ pub fn start<B: Backend>(
         )?;
         resume
     } else {
+        if world.is_main() {
+            claim_output_dir(&output_dir, &fingerprint, cfg.overwrite_output_dir)?;
+        }
         None
     };
     let run = RunStart {
@@ -160,6 +163,34 @@ pub fn start<B: Backend>(
         None => {}
     }
     Ok(run)
+}
+
+/// A fresh run (no `resume_from_checkpoint`) into a directory that holds another run's
+/// checkpoints is refused, unless `overwrite_output_dir` asks to delete them first. A rerun of
+/// the same run (same fingerprint) replaces its checkpoints as it saves, as torchtune does.
+fn claim_output_dir(
+    dir: &std::path::Path,
+    fingerprint: &RunFingerprint,
+    overwrite: bool,
+) -> Result<(), SetupError> {
+    use crate::training::checkpointing::{other_run, remove_checkpoints};
+    let Some((checkpoint, changed)) = other_run(dir, fingerprint)? else {
+        return Ok(());
+    };
+    if !overwrite {
+        return Err(SetupError::OtherRun {
+            dir: dir.to_path_buf(),
+            checkpoint,
+            changed,
+        });
+    }
+    let removed = remove_checkpoints(dir)?;
+    eprintln!(
+        "overwrite_output_dir: deleted the other run's checkpoints in {}: {}",
+        dir.display(),
+        removed.join(", ")
+    );
+    Ok(())
 }
 
 /// What a resumed run must share with its checkpoint: the model, its adapters, the data and
@@ -190,7 +221,14 @@ pub fn fingerprint(cfg: &TrainConfig, seed: u64, world_size: usize) -> RunFinger
     );
     put("shuffle", cfg.shuffle.into());
     put("seed", seed.into());
-    put("optimizer", json(&cfg.optimizer));
+    // The learning rate on its own: a resume may lower it (after a divergence, say); the
+    // optimizer's moments stay valid.
+    let mut optimizer = json(&cfg.optimizer);
+    if let Some(fields) = optimizer.as_object_mut() {
+        fields.remove("lr");
+    }
+    put("optimizer", optimizer);
+    put("optimizer.lr", cfg.optimizer.lr.into());
     // DPO: the loss's beta and the reference model shape every step after the first.
     put("loss", json(&cfg.loss));
     if let Some(reference) = &cfg.ref_checkpointer {
@@ -265,12 +303,16 @@ pub fn trainer<B: AutodiffBackend>(
 ) -> Result<(Trainer<B>, String), SetupError> {
     let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
     let mut state = TrainState::default();
+    let metrics_file = match &run.resume {
+        Some(r) => crate::training::metrics::MetricsFile::ResumeAfter(r.state.global_step),
+        None => crate::training::metrics::MetricsFile::New,
+    };
     if let Some(r) = run.resume.take() {
         optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, device);
         state = r.state;
     }
     let (loggers, log_dir) = if run.world.is_main() {
-        logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir)?
+        logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir, metrics_file)?
     } else {
         (
             crate::training::metrics::MetricLoggers { sinks: Vec::new() },

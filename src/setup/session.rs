@@ -33,6 +33,15 @@ pub struct TrainData {
 pub enum FinishError {
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// Training stopped after saving at least one checkpoint: where to continue from.
+    #[error(
+        "{source}\nThe last complete checkpoint is {}: continue from it with resume_from_checkpoint=True",
+        last.display()
+    )]
+    Stopped {
+        source: TrainError,
+        last: std::path::PathBuf,
+    },
     #[error("push_to_hub: {0}")]
     Push(#[from] crate::hub::HubError),
 }
@@ -179,14 +188,28 @@ impl<B: AutodiffBackend> Session<B> {
             (None, Some(w)) => w,
             (None, None) => &mut NoSave,
         };
-        let (summary, _model) = trainer.fit(&data.dataset, &data.loader, loss, hook)?;
+        let fitted = trainer.fit(&data.dataset, &data.loader, loss, hook);
         if let Some(writer) = shard_writer.as_mut() {
             writer.finish()?;
         }
         let Some(mut saver) = saver else {
-            return Ok(summary);
+            return Ok(fitted?.0);
         };
-        saver.finish()?;
+        // A save in flight when training stopped still completes: it holds healthy weights.
+        let finished = saver.finish();
+        let (summary, _model) = match fitted {
+            Ok(fitted) => fitted,
+            Err(source) => {
+                if let Err(e) = finished {
+                    eprintln!("checkpoint: {e}");
+                }
+                return Err(match saver.last_complete_dir() {
+                    Some(last) => FinishError::Stopped { source, last },
+                    None => FinishError::Train(source),
+                });
+            }
+        };
+        finished?;
         report(&summary, saver.last_published.as_ref());
         push_if_configured(push, saver.last_published.as_ref())?;
         Ok(summary)

@@ -18,7 +18,9 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
 use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
-use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
+use super::trainer::{
+    Divergence, MAX_WEIGHT, OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState,
+};
 use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
@@ -166,6 +168,20 @@ impl RunCheckpointer {
         })
     }
 
+    /// The newest complete checkpoint of the output directory: this run's last published one,
+    /// else one an earlier run left (the one a resumed run started from).
+    pub fn last_complete_dir(&self) -> Option<PathBuf> {
+        self.last_published
+            .as_ref()
+            .map(|p| p.dir.clone())
+            .or_else(|| {
+                latest_complete(&self.output_dir)
+                    .ok()
+                    .flatten()
+                    .map(|p| p.dir)
+            })
+    }
+
     /// Waits for a background save still in flight (call before exiting).
     pub fn finish(&mut self) -> Result<(), TrainError> {
         if let Some(p) = self.client.wait().map_err(CheckpointingError::from)? {
@@ -213,6 +229,15 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             }
             _ => None,
         };
+        // Never publish weights that diverged: the checkpoint before stays the last one.
+        let trained = adapter.iter().map(|(t, _)| t).chain(full.iter());
+        if let Some(cause) = trained.flat_map(|t| unhealthy_weight(t)).next() {
+            return Err(TrainError::Diverged {
+                cause,
+                step: state.global_step,
+                epoch: state.epoch,
+            });
+        }
         let optimizer_state = optimizer.state.clone();
         let config_json = model.args.raw.clone();
         let (source_dir, dtype, shard) = (
@@ -307,6 +332,63 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
     }
 }
 
+/// The one fingerprint key a resume may change: lowering the learning rate is how a diverged
+/// run continues from its last healthy checkpoint.
+const RESUMABLE_CHANGE: &str = "optimizer.lr";
+
+/// The newest complete checkpoint in `output_dir` when it was written by a different run (its
+/// fingerprint differs from this one): its directory and the keys that differ. A fresh run into
+/// such a directory would mix its checkpoints with the other run's, and a later resume would
+/// pick whichever is newest.
+pub fn other_run(
+    output_dir: &Path,
+    fingerprint: &RunFingerprint,
+) -> Result<Option<(PathBuf, Vec<String>)>, TrainError> {
+    let Some(newest) = latest_complete(output_dir).map_err(CheckpointingError::from)? else {
+        return Ok(None);
+    };
+    let changed = match serde_json::from_value::<ResumeInfo>(newest.meta().extra.clone()) {
+        Ok(info) => info.fingerprint.differences(fingerprint),
+        Err(_) => vec!["(not a tune training checkpoint)".to_string()],
+    };
+    Ok((!changed.is_empty()).then_some((newest.dir, changed)))
+}
+
+/// `overwrite_output_dir`: removes the published checkpoints of `output_dir` (every `step_N` and
+/// `epoch_N` directory with its metadata; nothing else), returning their names.
+pub fn remove_checkpoints(output_dir: &Path) -> Result<Vec<String>, TrainError> {
+    let entries = match crate::checkpoint_client::list_checkpoints(output_dir) {
+        Ok(entries) => entries,
+        Err(crate::checkpoint_client::ClientError::OutputDirNotFound { .. }) => return Ok(vec![]),
+        Err(e) => return Err(CheckpointingError::from(e).into()),
+    };
+    let mut removed = Vec::new();
+    for entry in entries.into_iter().filter(|e| !e.temporary) {
+        std::fs::remove_dir_all(&entry.dir).map_err(|source| {
+            CheckpointingError::from(crate::checkpoint_client::ClientError::io(
+                "removing",
+                entry.dir.clone(),
+                source,
+            ))
+        })?;
+        removed.push(entry.name);
+    }
+    Ok(removed)
+}
+
+/// The first weight that is not finite or exceeds [`MAX_WEIGHT`] in magnitude.
+fn unhealthy_weight(tensors: &[(String, HostTensor)]) -> Option<Divergence> {
+    tensors.iter().find_map(|(name, t)| {
+        t.data
+            .iter()
+            .find(|v| !v.is_finite() || v.abs() > MAX_WEIGHT)
+            .map(|&value| Divergence::Weight {
+                name: name.clone(),
+                value,
+            })
+    })
+}
+
 /// A checkpoint to resume from, checked against the current run.
 pub struct Resume {
     pub dir: PathBuf,
@@ -362,7 +444,24 @@ pub fn find_resume(
                 source,
             }
         })?;
-    let changed = info.fingerprint.differences(fingerprint);
+    let mut changed = info.fingerprint.differences(fingerprint);
+    if let Some(i) = changed.iter().position(|k| k == RESUMABLE_CHANGE) {
+        changed.remove(i);
+        if tidy {
+            eprintln!(
+                "{RESUMABLE_CHANGE} changed since {} was saved ({} -> {}); resuming with the new value",
+                found.dir.display(),
+                info.fingerprint
+                    .0
+                    .get(RESUMABLE_CHANGE)
+                    .unwrap_or(&serde_json::Value::Null),
+                fingerprint
+                    .0
+                    .get(RESUMABLE_CHANGE)
+                    .unwrap_or(&serde_json::Value::Null),
+            );
+        }
+    }
     if !changed.is_empty() {
         return Err(CheckpointingError::ConfigChanged {
             dir: found.dir.clone(),

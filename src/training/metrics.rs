@@ -40,23 +40,90 @@ impl MetricSink for StdoutSink {
     }
 }
 
-/// `<log_dir>/metrics.jsonl`: one JSON object per logged step, appended so resumed runs
-/// continue the same file.
+/// `<log_dir>/metrics.jsonl`: one JSON object per logged step. A resumed run continues the
+/// file; a new run starts its own.
 pub struct JsonlSink {
     pub path: PathBuf,
     out: BufWriter<File>,
 }
 
+/// Whose `metrics.jsonl` a run writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsFile {
+    /// A new run: an old run's file is moved aside to `metrics.<unix time>.jsonl`, never
+    /// appended to.
+    New,
+    /// A run resumed after `step`: the file continues, without the lines of steps after it that
+    /// the interrupted run logged but did not checkpoint (they are trained again).
+    ResumeAfter(usize),
+}
+
 impl JsonlSink {
-    pub fn create(log_dir: &Path) -> std::io::Result<Self> {
+    pub fn create(log_dir: &Path, file: MetricsFile) -> std::io::Result<Self> {
         std::fs::create_dir_all(log_dir)?;
         let path = log_dir.join("metrics.jsonl");
+        match file {
+            MetricsFile::New => set_aside(&path)?,
+            MetricsFile::ResumeAfter(step) => truncate_after(&path, step)?,
+        }
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
         Ok(Self {
             path,
             out: BufWriter::new(file),
         })
     }
+}
+
+/// Moves a non-empty `metrics.jsonl` to `metrics.<unix seconds>.jsonl` (a free name).
+fn set_aside(path: &Path) -> std::io::Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.len() > 0 => {}
+        Ok(_) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut n = 0;
+    loop {
+        let name = match n {
+            0 => format!("metrics.{secs}.jsonl"),
+            n => format!("metrics.{secs}-{n}.jsonl"),
+        };
+        let aside = path.with_file_name(name);
+        if !aside.exists() {
+            return std::fs::rename(path, aside);
+        }
+        n += 1;
+    }
+}
+
+/// Keeps the lines of `path` up to `step` (lines without a step stay), through a temporary
+/// file renamed over it.
+fn truncate_after(path: &Path, step: usize) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let keep = |line: &&str| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+            .is_none_or(|s| s <= step as u64)
+    };
+    let kept: Vec<&str> = text.lines().filter(keep).collect();
+    if kept.len() == text.lines().count() {
+        return Ok(());
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    let mut body = kept.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    std::fs::write(&tmp, body)?;
+    std::fs::rename(tmp, path)
 }
 
 impl MetricSink for JsonlSink {

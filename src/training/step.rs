@@ -35,30 +35,35 @@ impl<B: AutodiffBackend> GradAccumulator<B> {
     }
 }
 
-struct SquaredNorm<'a> {
+/// The squares of every gradient summed on the device, so the norm costs one read-back.
+struct SquaredNorm<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
-    total: f64,
+    total: Option<Tensor<B::InnerBackend, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let g = crate::precision::to_f32(g);
-            self.total += g.powi_scalar(2).sum().into_scalar().elem::<f64>();
+            let square = crate::precision::to_f32(g).powi_scalar(2).sum();
+            self.total = Some(match self.total.take() {
+                Some(total) => total + square,
+                None => square,
+            });
         }
     }
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it,
-/// after scaling every gradient by `scale`.
+/// after scaling every gradient by `scale`. Non-finite when any gradient is.
 pub fn grad_norm<B: AutodiffBackend>(
     model: &CausalLm<B>,
     grads: &GradientsParams,
     scale: f64,
 ) -> f64 {
-    let mut v = SquaredNorm { grads, total: 0.0 };
+    let mut v = SquaredNorm::<B> { grads, total: None };
     model.visit(&mut v);
-    v.total.sqrt() * scale.abs()
+    let total = v.total.map_or(0.0, |t| t.into_scalar().elem::<f64>());
+    total.sqrt() * scale.abs()
 }
 
 struct ApplyUpdate<'a, B: AutodiffBackend> {

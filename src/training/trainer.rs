@@ -122,13 +122,58 @@ pub trait SaveHook<B: AutodiffBackend> {
     ) -> Result<(), TrainError>;
 }
 
+/// What the divergence guard caught.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Divergence {
+    NonFiniteLoss(f64),
+    /// The step's loss is more than [`EXPLODING_LOSS_FACTOR`] times the run's first (or 1).
+    ExplodingLoss {
+        loss: f64,
+        first: f64,
+    },
+    /// The norm of the step's mean gradient: non-finite, or over [`MAX_GRAD_NORM`].
+    Gradients(f64),
+    /// A trained weight about to be saved: non-finite, or over [`MAX_WEIGHT`] in magnitude.
+    Weight {
+        name: String,
+        value: f32,
+    },
+}
+
+/// A step whose loss exceeds this many times the run's first loss (or 1, if larger) has
+/// diverged: a cross-entropy starts near ln(vocabulary) and falls.
+pub const EXPLODING_LOSS_FACTOR: f64 = 100.0;
+/// The largest norm of a step's mean gradient that is still training (norms of a healthy
+/// fine-tune are well under 100; clipping bounds the update, not the gradient).
+pub const MAX_GRAD_NORM: f64 = 1e6;
+/// The largest magnitude of a saved trained weight (trained weights stay well under 100).
+pub const MAX_WEIGHT: f32 = 1e6;
+
+impl std::fmt::Display for Divergence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NonFiniteLoss(v) => write!(f, "the loss became {v}"),
+            Self::ExplodingLoss { loss, first } => write!(
+                f,
+                "the loss became {loss:.4e}, over {EXPLODING_LOSS_FACTOR} times the first step's ({first:.4})"
+            ),
+            Self::Gradients(norm) if norm.is_finite() => write!(
+                f,
+                "the gradient norm became {norm:.3e} (over {MAX_GRAD_NORM:e})"
+            ),
+            Self::Gradients(norm) => write!(f, "the gradient norm became {norm}"),
+            Self::Weight { name, value } => write!(f, "the weight {name} holds {value:e}"),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(
-        "the loss became {value} at step {step} (epoch {epoch}); training stopped and the last complete checkpoint is kept. Lower optimizer.lr, set clip_grad_norm, or check the data"
+        "training diverged at step {step} (epoch {epoch}): {cause}; training stopped before saving anything from it. Lower optimizer.lr, set clip_grad_norm, or check the data"
     )]
-    NonFiniteLoss {
-        value: f64,
+    Diverged {
+        cause: Divergence,
         step: usize,
         epoch: usize,
     },
@@ -259,6 +304,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.state.total_steps = steps_per_epoch * s.epochs;
         let device = self.model.device();
         let mut losses = Vec::new();
+        let mut first_loss: Option<f64> = None;
         let mut last_metrics = Metrics::new();
         let mut accumulator = GradAccumulator::<B>::default();
         let shard = (s.shard_optimizer && world.is_distributed())
@@ -305,8 +351,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let value: f64 = out.loss.clone().into_scalar().elem();
                     if !value.is_finite() {
                         if !world.is_distributed() {
-                            return Err(TrainError::NonFiniteLoss {
-                                value,
+                            return Err(TrainError::Diverged {
+                                cause: Divergence::NonFiniteLoss(value),
                                 step: self.state.global_step + 1,
                                 epoch,
                             });
@@ -353,8 +399,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                         "the step's token count and loss",
                     )?;
                     if global[3] > 0.0 {
-                        return Err(TrainError::NonFiniteLoss {
-                            value: non_finite.unwrap_or(f64::NAN),
+                        return Err(TrainError::Diverged {
+                            cause: Divergence::NonFiniteLoss(non_finite.unwrap_or(f64::NAN)),
                             step: self.state.global_step + 1,
                             epoch,
                         });
@@ -367,11 +413,29 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                     grads = sync::all_reduce_grads(&world, &self.model, grads)?;
                 }
+                // The divergence guard, before the update: every rank sees the same global
+                // loss and gradients, so every rank stops at the same step.
+                let loss = loss_sum / weight_total.max(1) as f64;
+                let first = *first_loss.get_or_insert(loss);
+                let mut scale = 1.0 / weight_total.max(1) as f64;
+                let norm = step::grad_norm(&self.model, &grads, scale);
+                let diverged = if loss > EXPLODING_LOSS_FACTOR * first.max(1.0) {
+                    Some(Divergence::ExplodingLoss { loss, first })
+                } else if !norm.is_finite() || norm > MAX_GRAD_NORM {
+                    Some(Divergence::Gradients(norm))
+                } else {
+                    None
+                };
+                if let Some(cause) = diverged {
+                    return Err(TrainError::Diverged {
+                        cause,
+                        step: self.state.global_step + 1,
+                        epoch,
+                    });
+                }
                 window_tokens += step_tokens;
                 self.state.tokens_seen += step_tokens as u64;
-                let mut scale = 1.0 / weight_total.max(1) as f64;
                 let grad_norm = s.clip_grad_norm.map(|max| {
-                    let norm = step::grad_norm(&self.model, &grads, scale);
                     scale *= (max / (norm + 1e-6)).min(1.0);
                     norm
                 });
@@ -390,7 +454,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 self.state.global_step += 1;
                 self.state.step_in_epoch += 1;
-                let loss = loss_sum / weight_total.max(1) as f64;
                 losses.push(loss);
                 progress.advance(
                     loss,

@@ -249,3 +249,109 @@ fn resuming_with_nothing_to_resume_says_so() {
         "{log}"
     );
 }
+
+/// A fresh run into a directory that holds another run's checkpoints is refused with the ways
+/// out, touching nothing; `overwrite_output_dir=True` deletes them first. A new run's metrics
+/// start a new file (the old one is kept beside it); a rerun of the same run is allowed.
+#[test]
+fn a_fresh_run_into_another_runs_output_dir_is_refused() {
+    let dir = TempDir::new("rerun");
+    let out = format!("output_dir={}", dir.path().display());
+    let short = ["epochs=1", "max_steps_per_epoch=2"];
+    tune_ok(&args(&out, &short));
+    let adapter = dir.path().join("epoch_0/adapter_model.safetensors");
+    let before = |name: &str| std::fs::read(dir.path().join(name)).unwrap();
+    let (adapter_before, config_before, metrics_before) = (
+        std::fs::read(&adapter).unwrap(),
+        before("tune_config.yaml"),
+        before("logs/metrics.jsonl"),
+    );
+
+    let other = [&short[..], &["seed=7"]].concat();
+    let refused = tune(&args(&out, &other));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    for part in [
+        "holds checkpoints of another run",
+        "epoch_0",
+        "differs in: seed",
+        "resume_from_checkpoint=True",
+        "overwrite_output_dir=True",
+    ] {
+        assert!(err.contains(part), "missing `{part}`: {err}");
+    }
+    assert_eq!(std::fs::read(&adapter).unwrap(), adapter_before);
+    assert_eq!(before("tune_config.yaml"), config_before);
+    assert_eq!(before("logs/metrics.jsonl"), metrics_before);
+
+    let replaced = tune_ok(&args(
+        &out,
+        &[&other[..], &["overwrite_output_dir=True"]].concat(),
+    ));
+    let log = String::from_utf8_lossy(&replaced.stderr);
+    assert!(log.contains("deleted the other run's checkpoints") && log.contains("epoch_0"));
+    assert_ne!(std::fs::read(&adapter).unwrap(), adapter_before);
+    assert!(String::from_utf8_lossy(&before("tune_config.yaml")).contains("seed: 7"));
+    let steps: Vec<u64> = losses(dir.path()).iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, [1, 2], "the new run's metrics are not appended");
+    let aside: Vec<_> = std::fs::read_dir(dir.path().join("logs"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name() != "metrics.jsonl")
+        .map(|e| std::fs::read(e.path()).unwrap())
+        .collect();
+    assert_eq!(aside, [metrics_before], "the old metrics are kept beside");
+
+    // The same run again replaces its own checkpoints, as torchtune does.
+    tune_ok(&args(&out, &other));
+}
+
+/// A run that diverges never publishes the diverged weights and names the last healthy
+/// checkpoint; a resume may change only the learning rate (here: to a diverging one).
+#[test]
+fn a_diverged_run_publishes_nothing_and_names_the_last_healthy_checkpoint() {
+    let dir = TempDir::new("diverged");
+    let out = format!("output_dir={}", dir.path().display());
+    let base = ["max_steps_per_epoch=3", "~lr_scheduler"];
+    tune_ok(&args(&out, &[&base[..], &["epochs=1"]].concat()));
+    let res = tune(&args(
+        &out,
+        &[
+            &base[..],
+            &[
+                "epochs=2",
+                "resume_from_checkpoint=True",
+                "optimizer.lr=1e30",
+                "save_every_n_steps=1",
+            ],
+        ]
+        .concat(),
+    ));
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    assert!(err.contains("optimizer.lr changed since"), "{err}");
+    assert!(err.contains("training diverged at step 4"), "{err}");
+    assert!(
+        err.contains("holds"),
+        "the trained weights are checked: {err}"
+    );
+    let last = dir.path().join("epoch_0");
+    assert!(
+        err.contains(&format!(
+            "The last complete checkpoint is {}",
+            last.display()
+        )),
+        "{err}"
+    );
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains("step_4") || n.starts_with(".tmp")),
+        "{names:?}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One prepared GPU check for a borrowed NVIDIA machine that has PyTorch but no cargo and no
+# network: prebuilt binaries and wheels travel in BIN (default .gpu/), results go to RESULTS.
+#
+#   Here:  cargo build --release --features cuda --bin tune --example random_checkpoint
+#          cp target/release/tune target/release/examples/random_checkpoint .gpu/
+#          (optional) wheels for torchtune 0.6.1 and what it imports in .gpu/whl/
+#   There: RESULTS=/some/dir benches/gpu_session.sh
+#
+# It runs, each under its own time limit so one slow part cannot eat the others:
+#   1. a LoRA fine-tune of the tiny model on cuda in fp32 and bf16 (the loss must fall);
+#   2. benches/compare.sh on cuda in bf16: tune against plain PyTorch (and torchtune's
+#      builders when its wheels import) on the same shapes, same machine;
+#   3. benches/gpu_distributed.sh: single device against a 1-rank lora_finetune_distributed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.gpu}
+RESULTS=${RESULTS:-/tmp/tune-gpu-results}
+mkdir -p "$RESULTS"
+export TUNE=$PWD/$BIN/tune RANDOM_CHECKPOINT=$PWD/$BIN/random_checkpoint
+nvidia-smi -L | tee "$RESULTS/gpu.txt"
+if ls "$BIN"/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$BIN"/whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -c "import torchtune.models.llama3; print('torchtune imports')" 2>&1 | tail -1
+
+echo "== 1. tiny LoRA on cuda"
+for dtype in fp32 bf16; do
+  timeout 150 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
+    device=cuda dtype=$dtype output_dir="/tmp/tiny-$dtype" epochs=1 2>&1 | tail -3
+  python3 - "/tmp/tiny-$dtype/logs/metrics.jsonl" "$dtype" <<'PY' | tee -a "$RESULTS/tiny.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"tiny lora cuda {sys.argv[2]}: {len(rows)} steps, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
+PY
+done
+
+echo "== 2. tune vs PyTorch on cuda, bf16"
+RUNS=${RUNS:-"tiny:lora:8:256:10 smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
+  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 330 benches/compare.sh \
+  2>"$RESULTS/compare.err" | tee "$RESULTS/compare.md"
+tail -5 "$RESULTS/compare.err"
+
+echo "== 3. data parallelism on cuda"
+RUN_DIR=/tmp/tune-gpu-bench timeout 150 benches/gpu_distributed.sh 2>&1 | tee "$RESULTS/distributed.md"
