@@ -4,6 +4,7 @@
 #
 #   Here:  cargo build --release --features cuda --bin tune --example random_checkpoint
 #          cp target/release/tune target/release/examples/random_checkpoint .gpu/
+#          (tune may travel xz-compressed as .gpu/tune.xz: 47 MB stripped, 9 MB compressed)
 #          (optional) wheels for torchtune 0.6.1 and what it imports in .gpu/whl/
 #   There: RESULTS=/some/dir benches/gpu_session.sh
 #
@@ -18,6 +19,12 @@ BIN=${BIN:-.gpu}
 RESULTS=${RESULTS:-/tmp/tune-gpu-results}
 mkdir -p "$RESULTS"
 export TUNE=$PWD/$BIN/tune RANDOM_CHECKPOINT=$PWD/$BIN/random_checkpoint
+if [ -f "$BIN/tune.xz" ]; then
+  mkdir -p /tmp/tune-bin
+  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+    "$BIN/tune.xz" /tmp/tune-bin/tune && chmod +x /tmp/tune-bin/tune
+  export TUNE=/tmp/tune-bin/tune
+fi
 nvidia-smi -L | tee "$RESULTS/gpu.txt"
 if ls "$BIN"/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -27,7 +34,7 @@ python3 -c "import torchtune.models.llama3; print('torchtune imports')" 2>&1 | t
 
 echo "== 1. tiny LoRA on cuda"
 for dtype in fp32 bf16; do
-  timeout 150 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
+  timeout 100 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
     device=cuda dtype=$dtype output_dir="/tmp/tiny-$dtype" epochs=1 2>&1 | tail -3
   python3 - "/tmp/tiny-$dtype/logs/metrics.jsonl" "$dtype" <<'PY' | tee -a "$RESULTS/tiny.txt"
 import json, sys
@@ -37,10 +44,10 @@ PY
 done
 
 echo "== 2. tune vs PyTorch on cuda, bf16"
-RUNS=${RUNS:-"tiny:lora:8:256:10 smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
-  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 330 benches/compare.sh \
+RUNS=${RUNS:-"smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
+  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 220 benches/compare.sh \
   2>"$RESULTS/compare.err" | tee "$RESULTS/compare.md"
 tail -5 "$RESULTS/compare.err"
 
 echo "== 3. data parallelism on cuda"
-RUN_DIR=/tmp/tune-gpu-bench timeout 150 benches/gpu_distributed.sh 2>&1 | tee "$RESULTS/distributed.md"
+RUN_DIR=/tmp/tune-gpu-bench timeout 100 benches/gpu_distributed.sh 2>&1 | tee "$RESULTS/distributed.md"

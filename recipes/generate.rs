@@ -49,6 +49,28 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     // Prompt.
     let tokenizer = data::tokenizer(&cfg.tokenizer)?;
     let prompt = prompt_ids(cfg, &tokenizer)?;
+    let positions = lm.args.max_position_embeddings;
+    if prompt.len() >= positions {
+        anyhow::bail!(
+            "prompt: {} tokens, but the model has {positions} positions (max_position_embeddings in {}): shorten the prompt",
+            prompt.len(),
+            cfg.checkpointer
+                .checkpoint_dir
+                .join("config.json")
+                .display()
+        );
+    }
+    let room = positions - prompt.len();
+    let max_new_tokens = if cfg.max_new_tokens > room {
+        eprintln!(
+            "warning: max_new_tokens={} would run past the model's {positions} positions after a {}-token prompt: generating at most {room}",
+            cfg.max_new_tokens,
+            prompt.len()
+        );
+        room
+    } else {
+        cfg.max_new_tokens
+    };
 
     // Decode.
     let seed = cfg.seed.unwrap_or_else(clock_seed);
@@ -64,7 +86,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         }
     }
     let opts = GenerateOptions {
-        max_new_tokens: cfg.max_new_tokens,
+        max_new_tokens,
         sampling,
         seed,
         stop_ids,
@@ -78,7 +100,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     };
     eprintln!(
         "Generating up to {} tokens after a {}-token prompt ({how})",
-        cfg.max_new_tokens,
+        max_new_tokens,
         prompt.len()
     );
     let out = generate(&lm, &prompt, &opts, |_| {}).context("generation failed")?;

@@ -215,6 +215,10 @@ fn run(
             ),
         }));
     }
+    if matches!(typed, RecipeConfig::Train(..)) {
+        // SIGINT/SIGTERM stop training at the next step boundary (a second one exits at once).
+        tune::training::interrupt::install().map_err(CliError::failed)?;
+    }
     let started = launch.start().map_err(CliError::bad)?;
     let worlds = started.worlds.clone();
     let device = match &typed {
@@ -252,8 +256,16 @@ fn run(
         }
         Device::Cuda => run_cuda(job, worlds)?,
     };
-    if outcome.is_ok() {
+    let stopped = match &outcome {
+        Err(LaunchError::Worker { error, .. }) => tune::distributed::launch::stop_signal(error),
+        _ => None,
+    };
+    if outcome.is_ok() || stopped.is_some() {
         started.done();
+    }
+    if let (Some(signal), Err(LaunchError::Worker { error, .. })) = (stopped, &outcome) {
+        // An orderly stop, reported as the stop itself, whichever worker's it is.
+        return Err(CliError::Stopped(anyhow!("{error}"), signal.exit_code()));
     }
     let outcome = outcome.map_err(|e| if launch.nnodes > 1 { e.explained() } else { e });
     outcome.map_err(|e| match e {

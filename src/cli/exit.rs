@@ -7,6 +7,8 @@ pub enum CliError {
     BadInput(anyhow::Error),
     /// The run failed: exit code 1.
     Failed(anyhow::Error),
+    /// A signal stopped the run in order: 128 + the signal's number, as the shell reports it.
+    Stopped(anyhow::Error, u8),
 }
 
 impl CliError {
@@ -14,6 +16,7 @@ impl CliError {
         match self {
             Self::BadInput(_) => 2,
             Self::Failed(_) => 1,
+            Self::Stopped(_, code) => *code,
         }
     }
 
@@ -29,6 +32,7 @@ impl CliError {
     pub fn render(&self) -> String {
         let e = match self {
             Self::BadInput(e) | Self::Failed(e) => e,
+            Self::Stopped(e, _) => return format!("{e}"),
         };
         let mut out = format!("error: {e}");
         for cause in e.chain().skip(1) {

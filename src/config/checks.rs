@@ -34,10 +34,11 @@ fn dataset_entries<'a>(root: &'a Value, key: &str) -> Vec<(String, &'a Value)> {
 
 pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     model_rules(recipe, root, cx);
+    // Generation has ranges too (max_new_tokens, temperature, top_k, top_p).
+    range_rules(root, cx);
     if !recipe.is_training() {
         return;
     }
-    range_rules(root, cx);
     for (path, entry) in dataset_entries(root, "dataset") {
         dataset_rules(recipe, entry, &path, cx);
     }
@@ -78,7 +79,7 @@ type RangeRule = (&'static str, fn(f64) -> bool, &'static str);
 
 /// Training values whose type is right but whose value would train nonsense or fail later.
 fn range_rules(root: &Value, cx: &mut Checker) {
-    let rules: [RangeRule; 13] = [
+    let rules: [RangeRule; 21] = [
         ("optimizer.lr", |v| v > 0.0, "greater than 0 (e.g. 2e-5)"),
         ("batch_size", |v| v >= 1.0, "at least 1"),
         ("epochs", |v| v >= 1.0, "at least 1"),
@@ -108,6 +109,27 @@ fn range_rules(root: &Value, cx: &mut Checker) {
             "tokenizer.max_seq_len",
             |v| v >= 2.0,
             "at least 2, or null for no limit",
+        ),
+        ("log_every_n_steps", |v| v >= 1.0, "at least 1"),
+        ("save_every_n_steps", |v| v >= 1.0, "at least 1, or null"),
+        (
+            "keep_last_n_checkpoints",
+            |v| v >= 1.0,
+            "at least 1, or null to keep all",
+        ),
+        ("kd_ratio", |v| (0.0..=1.0).contains(&v), "from 0 to 1"),
+        // Generation.
+        ("max_new_tokens", |v| v >= 1.0, "at least 1"),
+        (
+            "temperature",
+            |v| v >= 0.0 && v.is_finite(),
+            "0 (greedy) or greater",
+        ),
+        ("top_k", |v| v >= 1.0, "at least 1, or null for no top-k"),
+        (
+            "top_p",
+            |v| v > 0.0 && v <= 1.0,
+            "greater than 0 and at most 1, or null",
         ),
         // Parallelism: data parallelism over every rank is all tune does.
         (

@@ -277,8 +277,12 @@ fn start_orchestrator(endpoint: &str, port: u16) -> Result<(), LaunchError> {
         endpoint: endpoint.to_string(),
         message: format!("cannot find the tune binary to host the rendezvous ({e})"),
     })?;
+    use std::os::unix::process::CommandExt;
     std::process::Command::new(exe)
         .args(["rendezvous", "--port", &port.to_string()])
+        // Its own process group: a Ctrl-C at the terminal stops the run at a step boundary,
+        // which needs the rendezvous alive until the launcher exits (it exits with it).
+        .process_group(0)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         // Its logs (a node that left without closing its connection, ...) repeat what the
@@ -374,12 +378,20 @@ where
         }
     }
     drop(tx);
+    // A stop signal ends every worker at the same step: wait for all of them (rank 0 may still
+    // be saving) and report rank 0's stop, which names the checkpoint.
+    let mut stopped: Option<(usize, anyhow::Error)> = None;
     for _ in 0..count {
         let Ok((rank, outcome)) = rx.recv() else {
             break;
         };
         match outcome {
             Ok(Ok(())) => {}
+            Ok(Err(e)) if stop_signal(&e).is_some() => {
+                if stopped.as_ref().is_none_or(|(r, _)| rank < *r) {
+                    stopped = Some((rank, e));
+                }
+            }
             Ok(Err(e)) => return Err(LaunchError::worker(rank, e)),
             Err(payload) => {
                 let message = payload
@@ -391,7 +403,20 @@ where
             }
         }
     }
-    Ok(())
+    match stopped {
+        Some((rank, e)) => Err(LaunchError::worker(rank, e)),
+        None => Ok(()),
+    }
+}
+
+/// The signal that stopped a worker, when its error is that orderly stop.
+pub fn stop_signal(error: &anyhow::Error) -> Option<crate::training::interrupt::Signal> {
+    error.chain().find_map(
+        |cause| match cause.downcast_ref::<crate::training::TrainError>()? {
+            crate::training::TrainError::Interrupted { signal, .. } => Some(*signal),
+            _ => None,
+        },
+    )
 }
 
 #[cfg(test)]

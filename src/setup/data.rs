@@ -143,18 +143,39 @@ pub fn train_data(
     base_dir: &Path,
 ) -> Result<super::session::TrainData, SetupError> {
     let tokenizer = tokenizer(&cfg.tokenizer)?;
-    let dataset = dataset(
-        &cfg.dataset,
-        &tokenizer,
-        cfg.tokenizer.max_seq_len,
-        base_dir,
-    )?;
+    let positions = crate::model_io::hf::load_args(&cfg.checkpointer.checkpoint_dir)
+        .map_err(|source| SetupError::Model {
+            key: "checkpointer.checkpoint_dir",
+            source,
+        })?
+        .max_position_embeddings;
+    let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
+    let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;
     let loader = loader(&dataset, cfg.batch_size, cfg.shuffle, run.seed)?;
     Ok(super::session::TrainData {
         tokenizer,
         dataset,
         loader,
     })
+}
+
+/// The sample length: `tokenizer.max_seq_len`, at most the model's positions
+/// (`max_position_embeddings`; RoPE would run past them, on positions the model never saw). A
+/// longer `max_seq_len` is lowered with a warning naming the length used; `null` means the
+/// model's positions.
+pub fn within_positions(max_seq_len: Option<usize>, positions: usize, announce: bool) -> usize {
+    match max_seq_len {
+        Some(len) if len > positions => {
+            if announce {
+                eprintln!(
+                    "warning: tokenizer.max_seq_len={len} is more than the model's {positions} positions (max_position_embeddings in its config.json): samples are truncated to {positions} tokens"
+                );
+            }
+            positions
+        }
+        Some(len) => len,
+        None => positions,
+    }
 }
 
 /// The DPO recipes train on chosen / rejected pairs; an SFT dataset has no rejected side.

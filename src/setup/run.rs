@@ -46,6 +46,7 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
         seed,
         // Full-weight training shards AdamW's moments over the ranks; LoRA's are small.
         shard_optimizer: !super::model::is_lora(&cfg.model),
+        save_on_preempt: cfg.save_on_preempt,
     }
 }
 

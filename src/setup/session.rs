@@ -33,17 +33,38 @@ pub struct TrainData {
 pub enum FinishError {
     #[error(transparent)]
     Train(#[from] TrainError),
-    /// Training stopped after saving at least one checkpoint: where to continue from.
-    #[error(
-        "{source}\nThe last complete checkpoint is {}: continue from it with resume_from_checkpoint=True",
-        last.display()
-    )]
+    /// Training stopped after saving at least one checkpoint: where to continue from, and the
+    /// command that does.
+    #[error("{source}\n{resume}")]
     Stopped {
         source: TrainError,
-        last: std::path::PathBuf,
+        resume: Box<ResumePoint>,
     },
+    /// A signal stopped a run that had saved nothing yet.
+    #[error(
+        "{source}; no checkpoint was saved yet (with save_on_preempt: True a signal saves one first)"
+    )]
+    StoppedUnsaved { source: TrainError },
     #[error("push_to_hub: {0}")]
     Push(#[from] crate::hub::HubError),
+}
+
+/// Where a stopped run can continue from: its last complete checkpoint and the command.
+#[derive(Debug)]
+pub struct ResumePoint {
+    pub last: std::path::PathBuf,
+    pub command: String,
+}
+
+impl std::fmt::Display for ResumePoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "The last complete checkpoint is {}. Continue from it with:\n  {}",
+            self.last.display(),
+            self.command
+        )
+    }
 }
 
 /// The trainer core and the run's checkpoint client, ready to train.
@@ -204,7 +225,16 @@ impl<B: AutodiffBackend> Session<B> {
                     eprintln!("checkpoint: {e}");
                 }
                 return Err(match saver.last_complete_dir() {
-                    Some(last) => FinishError::Stopped { source, last },
+                    Some(last) => FinishError::Stopped {
+                        source,
+                        resume: Box::new(ResumePoint {
+                            last,
+                            command: resume_command(std::env::args()),
+                        }),
+                    },
+                    None if matches!(source, TrainError::Interrupted { .. }) => {
+                        FinishError::StoppedUnsaved { source }
+                    }
                     None => FinishError::Train(source),
                 });
             }
@@ -214,6 +244,28 @@ impl<B: AutodiffBackend> Session<B> {
         push_if_configured(push, saver.last_published.as_ref())?;
         Ok(summary)
     }
+}
+
+/// This process's command line with `resume_from_checkpoint=True` in place of any value it
+/// had, quoted for a POSIX shell.
+fn resume_command(args: impl Iterator<Item = String>) -> String {
+    let quote = |arg: &str| {
+        let plain = !arg.is_empty()
+            && arg
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-./=:,+@%~".contains(c));
+        if plain {
+            arg.to_string()
+        } else {
+            format!("'{}'", arg.replace('\'', r"'\''"))
+        }
+    };
+    let mut words: Vec<String> = args
+        .filter(|a| !a.starts_with("resume_from_checkpoint="))
+        .map(|a| quote(&a))
+        .collect();
+    words.push("resume_from_checkpoint=True".into());
+    words.join(" ")
 }
 
 /// The closing lines of a training run.
@@ -247,4 +299,24 @@ fn push_if_configured(
     })?;
     eprintln!("Pushed {} to {}", last.dir.display(), report.repo_url);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_resume_command_replaces_the_flag_and_quotes_what_the_shell_would_split() {
+        let args = [
+            "tune",
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            "my config.yaml",
+            "resume_from_checkpoint=False",
+            "dataset.source=it's",
+        ];
+        assert_eq!(
+            super::resume_command(args.iter().map(|a| a.to_string())),
+            r"tune run lora_finetune_single_device --config 'my config.yaml' 'dataset.source=it'\''s' resume_from_checkpoint=True"
+        );
+    }
 }

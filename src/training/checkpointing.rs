@@ -307,7 +307,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             Ok(())
         };
         let request = SaveRequest::new(name.clone(), meta, writer);
-        let report = if kind == SaveKind::Final {
+        let report = if kind.blocks() {
             self.client.save_blocking(request)
         } else {
             self.client.save(request)
@@ -319,7 +319,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
                 report.waited.as_secs_f64()
             ));
         }
-        if kind != SaveKind::Final {
+        if !kind.blocks() {
             (self.log)(format!(
                 "checkpoint {name}: training blocked {:.3}s for the snapshot; writing in the background",
                 snapshot_time.as_secs_f64()

@@ -5,6 +5,7 @@ pub mod checkpointing;
 pub mod chunked_loss;
 pub mod dpo;
 pub mod grads;
+pub mod interrupt;
 pub mod kd;
 pub mod loss;
 pub mod memory;

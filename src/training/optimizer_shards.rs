@@ -39,7 +39,7 @@ pub fn staging_dir(output_dir: &Path, name: &str) -> PathBuf {
 /// The checkpoint a save of `kind` at `state` is published as.
 pub fn checkpoint_name(kind: SaveKind, state: &TrainState) -> String {
     match kind {
-        SaveKind::Periodic => format!("step_{}", state.global_step),
+        SaveKind::Periodic | SaveKind::Preempt => format!("step_{}", state.global_step),
         SaveKind::EpochEnd | SaveKind::Final => {
             format!("epoch_{}", state.epoch.saturating_sub(1))
         }
@@ -188,7 +188,7 @@ impl<B: AutodiffBackend> SaveHook<B> for ShardWriter {
             staging_dir(&self.output_dir, &name).join(shard_file_name(self.rank, self.world));
         let tensors = optimizer.state.clone();
         self.in_flight = Some(std::thread::spawn(move || write_durable(&file, &tensors)));
-        if kind == SaveKind::Final {
+        if kind.blocks() {
             self.finish()?;
         }
         Ok(())

@@ -38,6 +38,8 @@ pub struct TrainerSettings {
     /// ZeRO-1 with several workers: each rank keeps and updates the optimizer state of its
     /// share of the parameters only (full-weight training; LoRA's state is small).
     pub shard_optimizer: bool,
+    /// On a stop signal, save a checkpoint at the step boundary before returning.
+    pub save_on_preempt: bool,
 }
 
 /// Where training stands; saved in every checkpoint so a resumed run continues exactly.
@@ -102,6 +104,15 @@ pub enum SaveKind {
     EpochEnd,
     /// End of training: synchronous.
     Final,
+    /// A stop signal with `save_on_preempt`: a `step_N` checkpoint, synchronous.
+    Preempt,
+}
+
+impl SaveKind {
+    /// Whether training waits for the checkpoint to be published (the process exits after).
+    pub fn blocks(self) -> bool {
+        matches!(self, Self::Final | Self::Preempt)
+    }
 }
 
 /// The optimizer as a checkpoint holds it: its step count and every parameter's moments
@@ -177,6 +188,11 @@ pub enum TrainError {
         step: usize,
         epoch: usize,
     },
+    #[error("stopped by {signal} at the end of step {step}")]
+    Interrupted {
+        signal: super::interrupt::Signal,
+        step: usize,
+    },
     #[error(
         "the dataset yields {batches} batches of {batch_size}, fewer than gradient_accumulation_steps ({accum}): lower batch_size or gradient_accumulation_steps, or add data"
     )]
@@ -185,8 +201,9 @@ pub enum TrainError {
         batch_size: usize,
         accum: usize,
     },
+    /// Boxed, as `Checkpoint`: data errors carry a path and the row's details.
     #[error("data: {0}")]
-    Data(#[from] crate::data::DataError),
+    Data(Box<crate::data::DataError>),
     #[error(
         "the batch at step {step} holds token id {id}, but the model's vocabulary has {vocab_size} entries: the tokenizer does not match the model (check tokenizer.path against checkpointer.checkpoint_dir)"
     )]
@@ -204,6 +221,12 @@ pub enum TrainError {
     Distributed(#[from] DistributedError),
     #[error("{0}")]
     Other(String),
+}
+
+impl From<crate::data::DataError> for TrainError {
+    fn from(e: crate::data::DataError) -> Self {
+        Self::Data(Box::new(e))
+    }
 }
 
 impl From<super::checkpointing::CheckpointingError> for TrainError {
@@ -383,6 +406,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                 }
                 let mut grads = accumulator.take();
+                // A stop signal is acted on at the end of this step; every rank agrees on it
+                // through the step's collective call.
+                let mut stop = super::interrupt::requested();
                 if world.is_distributed() {
                     // One step over the global batch: sum what the ranks hold.
                     let mut local = vec![
@@ -390,6 +416,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                         loss_sum,
                         step_tokens as f64,
                         f64::from(u8::from(non_finite.is_some())),
+                        f64::from(u8::from(stop.is_some())),
                     ];
                     local.extend(extra.iter().map(|(_, v)| *v));
                     let global = sync::all_reduce_scalars::<B::InnerBackend>(
@@ -408,7 +435,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                     weight_total = global[0].round() as usize;
                     loss_sum = global[1];
                     step_tokens = global[2].round() as usize;
-                    for (entry, v) in extra.iter_mut().zip(&global[4..]) {
+                    // A signal on any node stops every rank after this step.
+                    if global[4] > 0.0 {
+                        stop.get_or_insert(super::interrupt::Signal::Terminate);
+                    }
+                    for (entry, v) in extra.iter_mut().zip(&global[5..]) {
                         entry.1 = *v;
                     }
                     grads = sync::all_reduce_grads(&world, &self.model, grads)?;
@@ -493,14 +524,26 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 // The epoch-end save follows the last step of an epoch: no periodic one then.
                 let epoch_done = self.state.step_in_epoch == steps_per_epoch;
-                if !epoch_done
+                let periodic = !epoch_done
                     && s.save_every_n_steps
-                        .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n))
-                {
+                        .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n));
+                if periodic {
                     let optimizer = self.snapshot(shard.as_ref())?;
                     progress.suspend(|| {
                         saver.save(SaveKind::Periodic, &mut self.model, &optimizer, &self.state)
                     })?;
+                }
+                if let Some(signal) = stop {
+                    progress.finish();
+                    if s.save_on_preempt && !periodic {
+                        let optimizer = self.snapshot(shard.as_ref())?;
+                        saver.save(SaveKind::Preempt, &mut self.model, &optimizer, &self.state)?;
+                    }
+                    self.loggers.flush()?;
+                    return Err(TrainError::Interrupted {
+                        signal,
+                        step: self.state.global_step,
+                    });
                 }
             }
             progress.finish();

@@ -506,10 +506,41 @@ fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
             "0 is out of range",
         ),
         ("clip_grad_norm=0", "clip_grad_norm", "0 is out of range"),
+        ("log_every_n_steps=0", "log_every_n_steps", "at least 1"),
+        ("save_every_n_steps=0", "save_every_n_steps", "at least 1"),
+        (
+            "keep_last_n_checkpoints=0",
+            "keep_last_n_checkpoints",
+            "at least 1",
+        ),
     ] {
         let e = errors("tiny/lora_single_device", "lora_finetune", &[over]);
         assert!(e.has(key, says), "{over}: {e}");
     }
+    let e = errors(
+        "tiny/kd_lora_single_device",
+        "knowledge_distillation_single_device",
+        &["kd_ratio=1.5"],
+    );
+    assert!(
+        e.has("kd_ratio", "1.5 is out of range: it must be from 0 to 1"),
+        "{e}"
+    );
+    for (over, key, says) in [
+        ("max_new_tokens=0", "max_new_tokens", "at least 1"),
+        ("temperature=-0.5", "temperature", "0 (greedy) or greater"),
+        ("top_k=0", "top_k", "at least 1"),
+        ("top_p=0", "top_p", "greater than 0 and at most 1"),
+        ("top_p=1.5", "top_p", "1.5 is out of range"),
+    ] {
+        let e = errors("tiny/generation", "generate", &[over]);
+        assert!(e.has(key, says), "{over}: {e}");
+    }
+    warnings(
+        "tiny/generation",
+        "generate",
+        &["temperature=0", "top_p=1", "top_k=1"],
+    );
     // The limits themselves are fine.
     warnings(
         "tiny/lora_single_device",

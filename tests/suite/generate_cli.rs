@@ -173,3 +173,29 @@ fn bad_adapter_dir_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("adapter_config.json"), "{err}");
 }
+
+/// Generation stops at the model's positions: more new tokens than fit are lowered with a
+/// warning naming the number used; a prompt that fills them is an error naming config.json.
+#[test]
+fn generation_stays_within_the_models_positions() {
+    let run = tune_generate(&["max_new_tokens=100000", "stop_at_eos=False"]);
+    assert!(
+        run.stderr
+            .contains("would run past the model's 256 positions")
+            && run.stderr.contains("generating at most"),
+        "{}",
+        run.stderr
+    );
+    let long = format!("prompt={}", "word ".repeat(400));
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(["run", "generate", "--config", "tiny/generation", &long])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the model has 256 positions") && err.contains("config.json"),
+        "{err}"
+    );
+}

@@ -105,3 +105,26 @@ fn a_diverging_run_stops_with_a_clear_message() {
     assert!(err.contains("Lower optimizer.lr"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A `tokenizer.max_seq_len` past the model's positions is lowered to them with a warning.
+#[test]
+fn max_seq_len_past_the_models_positions_is_lowered_with_a_warning() {
+    let out = TempDir::new("positions");
+    let output_dir = format!("output_dir={}", out.path().display());
+    let res = tune_ok(&[
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        "tiny/lora_single_device",
+        &output_dir,
+        "tokenizer.max_seq_len=4096",
+        "epochs=1",
+        "max_steps_per_epoch=1",
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        err.contains("tokenizer.max_seq_len=4096 is more than the model's 256 positions")
+            && err.contains("truncated to 256 tokens"),
+        "{err}"
+    );
+}

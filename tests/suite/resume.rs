@@ -355,3 +355,82 @@ fn a_diverged_run_publishes_nothing_and_names_the_last_healthy_checkpoint() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// SIGINT and SIGTERM (with `save_on_preempt`) while a checkpoint is being written: the run
+/// stops at the step boundary, the save completes, the message names the last checkpoint and
+/// the command that resumes, the exit code is 128 + the signal; the resumed run's losses and
+/// final adapter equal an uninterrupted run's.
+#[test]
+fn a_signal_stops_at_a_step_boundary_and_the_resumed_run_matches() {
+    let extra = ["epochs=3", "save_every_n_steps=2"];
+    let reference = TempDir::new("signal-ref");
+    let out_ref = format!("output_dir={}", reference.path().display());
+    tune_ok(&args(&out_ref, &extra));
+
+    for (signal, code, preempt) in [("INT", 130, false), ("TERM", 143, true)] {
+        let dir = TempDir::new("signal");
+        let out = format!("output_dir={}", dir.path().display());
+        let preempt_arg = format!("save_on_preempt={}", if preempt { "True" } else { "False" });
+        let child = tune_command(&args(&out, &[&extra[..], &[&preempt_arg]].concat()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Signal while step_2 is being written (or just after it was).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let writing = std::fs::read_dir(dir.path()).is_ok_and(|rd| {
+                rd.filter_map(|e| e.ok()).any(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    name.starts_with(".tmp-step_2-") || name == "step_2"
+                })
+            });
+            if writing || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let sent = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let stopped = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&stopped.stderr);
+        assert_eq!(stopped.status.code(), Some(code), "SIG{signal}: {err}");
+        assert!(
+            err.contains(&format!("stopped by SIG{signal} at the end of step")),
+            "{err}"
+        );
+        assert!(err.contains("The last complete checkpoint is"), "{err}");
+        assert!(err.contains("resume_from_checkpoint=True"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        let step: usize = err
+            .split("at the end of step ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        if preempt && !step.is_multiple_of(8) {
+            assert!(dir.path().join(format!("step_{step}")).is_dir(), "{err}");
+        }
+        assert!(
+            std::fs::read_dir(dir.path()).unwrap().all(|e| !e
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".tmp")),
+            "the save in flight completed"
+        );
+
+        tune_ok(&args(
+            &out,
+            &[&extra[..], &["resume_from_checkpoint=True"]].concat(),
+        ));
+        assert_eq!(losses(reference.path()), losses(dir.path()), "SIG{signal}");
+        assert_eq!(
+            std::fs::read(reference.path().join("epoch_2/adapter_model.safetensors")).unwrap(),
+            std::fs::read(dir.path().join("epoch_2/adapter_model.safetensors")).unwrap(),
+        );
+    }
+}
