@@ -36,6 +36,23 @@ pub enum CheckpointError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
+    /// A PEFT adapter tensor whose shape is not what its adapter_config.json and the base model
+    /// give: the rank (`r`) is adapter_config.json's, the other side is the base model's.
+    #[error(
+        "tensor {name} in {} has shape {found:?}, but {} needs {expected:?}: {}",
+        file.display(),
+        config.display(),
+        adapter_shape_hint(*rank, expected, found)
+    )]
+    AdapterShape {
+        name: String,
+        file: PathBuf,
+        /// The adapter's adapter_config.json.
+        config: PathBuf,
+        rank: usize,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("tensor {name} in {file} has dtype {dtype}; tune reads F32, BF16 and F16")]
     UnsupportedDtype {
         name: String,
@@ -54,5 +71,26 @@ impl CheckpointError {
     pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Self::Io { path, source }
+    }
+}
+
+/// Which side of an adapter tensor's shape is wrong: its rank (then adapter_config.json's `r`
+/// does not match the weights saved with it) or the base model's dimension (then the adapter
+/// was trained on another model).
+fn adapter_shape_hint(rank: usize, expected: &[usize], found: &[usize]) -> String {
+    let rank_found = found
+        .iter()
+        .zip(expected)
+        .find_map(|(&f, &e)| (e == rank && f != e).then_some(f));
+    let model_differs = found.len() != expected.len()
+        || found
+            .iter()
+            .zip(expected)
+            .any(|(&f, &e)| e != rank && f != e);
+    match rank_found {
+        Some(r) if !model_differs => format!(
+            "the weights have rank {r} but its `r` is {rank}; use the adapter_config.json saved with these weights (or set \"r\": {r})"
+        ),
+        _ => "the adapter was trained on a different base model than checkpointer.checkpoint_dir holds".to_string(),
     }
 }

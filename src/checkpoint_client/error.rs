@@ -197,10 +197,10 @@ fn describe_last(last: Option<&str>, output_dir: &std::path::Path) -> String {
 pub(crate) fn io_hint(e: &io::Error) -> &'static str {
     match e.kind() {
         io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem => {
-            " (check that the output directory is writable, or choose another output_dir)"
+            " (check that the directory is writable, or choose another one)"
         }
         io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
-            " (the disk is full: free space, lower keep_last_n, or choose another output_dir)"
+            " (the disk is full: free space, lower keep_last_n_checkpoints, or choose another output_dir)"
         }
         _ => "",
     }

@@ -45,6 +45,7 @@ pub use discovery::{
     CheckpointEntry, CleanAction, CleanedDir, clean_partial, latest_complete, latest_verified,
     list_checkpoints, list_checkpoints_verified,
 };
+pub(crate) use error::io_hint;
 pub use error::{ClientError, SaveFailure, VerifyError, WriteError};
 pub use meta::{
     CheckpointManifest, CheckpointMeta, CheckpointName, FORMAT_VERSION, FileRecord, METADATA_FILE,

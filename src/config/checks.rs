@@ -344,12 +344,13 @@ fn checkpointer_paths(root: &Value, ck: &str, resume: bool, cx: &mut Checker) {
     };
     let dir_path = Path::new(dir);
     if !dir_path.is_dir() {
+        let what = if dir_path.exists() {
+            format!("`{dir}` is not a directory")
+        } else {
+            format!("directory `{dir}` does not exist")
+        };
         cx.problem(
-            Problem::new(
-                ProblemKind::MissingPath,
-                join(ck, "checkpoint_dir"),
-                format!("directory `{dir}` does not exist"),
-            )
+            Problem::new(ProblemKind::MissingPath, join(ck, "checkpoint_dir"), what)
             .with_fix(format!(
                 "download the model there (`tune download <repo_id> --output-dir {dir}`) or pass `{ck}.checkpoint_dir=<dir>`"
             )),

@@ -205,9 +205,11 @@ pub fn load_adapter<B: Backend>(
                     expected: shape.to_vec(),
                 })?;
             if found != shape {
-                return Err(CheckpointError::ShapeMismatch {
+                return Err(CheckpointError::AdapterShape {
                     name: key,
                     file: path.clone(),
+                    config: dir.join(ADAPTER_CONFIG),
+                    rank: settings.rank,
                     expected: shape.to_vec(),
                     found,
                 });

@@ -24,6 +24,7 @@ pub fn loggers(
         .and_then(|c| c.log_dir.clone())
         .unwrap_or_else(|| output_dir.join("logs"));
     let io = |source| SetupError::Io {
+        what: "metric_logger.log_dir",
         path: log_dir.clone(),
         source,
     };

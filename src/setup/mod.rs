@@ -55,8 +55,10 @@ pub enum SetupError {
         checkpoint: PathBuf,
         changed: Vec<String>,
     },
-    #[error("{path}: {source}")]
+    /// `what`: the config key or file the path came from, so the user knows what to change.
+    #[error("{what} {}: {source}{}", path.display(), crate::checkpoint_client::io_hint(source))]
     Io {
+        what: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },

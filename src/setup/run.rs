@@ -348,6 +348,7 @@ pub const LOCK_FILE: &str = ".tune.lock";
 pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> {
     use std::io::{Read, Seek, Write};
     let io = |source| SetupError::Io {
+        what: "output_dir",
         path: dir.to_path_buf(),
         source,
     };
@@ -360,6 +361,7 @@ pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> 
         .truncate(false)
         .open(&path)
         .map_err(|source| SetupError::Io {
+            what: "output_dir's lock",
             path: path.clone(),
             source,
         })?;
@@ -373,7 +375,13 @@ pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> 
                 holder: holder.trim().to_string(),
             });
         }
-        Err(std::fs::TryLockError::Error(source)) => return Err(SetupError::Io { path, source }),
+        Err(std::fs::TryLockError::Error(source)) => {
+            return Err(SetupError::Io {
+                what: "output_dir's lock",
+                path,
+                source,
+            });
+        }
     }
     // Who holds it, for the message a second run prints.
     let _ = file.set_len(0);

@@ -127,6 +127,7 @@ fn output_dir_is_shared<B: burn::tensor::backend::Backend>(
 ) -> Result<bool, SetupError> {
     use crate::distributed::sync::{all_reduce_scalars, from_rank_zero, hash64};
     let io = |source| SetupError::Io {
+        what: "output_dir",
         path: dir.to_path_buf(),
         source,
     };

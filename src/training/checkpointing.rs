@@ -69,8 +69,12 @@ pub enum CheckpointingError {
         changed.join(", ")
     )]
     ConfigChanged { dir: PathBuf, changed: Vec<String> },
-    #[error("rank {rank}: writing its optimizer shard: {message}")]
-    Shard { rank: usize, message: String },
+    #[error("rank {rank}: writing its optimizer shard: {source}")]
+    Shard {
+        rank: usize,
+        #[source]
+        source: WriteError,
+    },
 }
 
 /// The parts of the config a resumed run must share with the checkpoint (model, data,
@@ -267,7 +271,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         meta.extra = serde_json::to_value(&info).unwrap_or_default();
 
         let writer = move |dir: &Path| -> Result<(), WriteError> {
-            let fail = |e: crate::checkpoint::CheckpointError| WriteError::msg(e.to_string());
+            let fail = |e: crate::checkpoint::CheckpointError| WriteError::Other(Box::new(e));
             if let Some((tensors, config)) = adapter {
                 write_adapter(dir, &tensors, &config).map_err(fail)?;
             }

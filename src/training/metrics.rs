@@ -11,6 +11,8 @@ use super::tensorboard::EventWriter;
 pub type Metrics = Vec<(String, f64)>;
 
 pub trait MetricSink: Send {
+    /// Where this sink writes, for error messages.
+    fn destination(&self) -> PathBuf;
     fn log(&mut self, step: usize, metrics: &Metrics) -> std::io::Result<()>;
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
@@ -23,6 +25,10 @@ pub struct StdoutSink {
 }
 
 impl MetricSink for StdoutSink {
+    fn destination(&self) -> PathBuf {
+        PathBuf::from("<stdout>")
+    }
+
     fn log(&mut self, step: usize, metrics: &Metrics) -> std::io::Result<()> {
         let body: Vec<String> = metrics
             .iter()
@@ -127,6 +133,10 @@ fn truncate_after(path: &Path, step: usize) -> std::io::Result<()> {
 }
 
 impl MetricSink for JsonlSink {
+    fn destination(&self) -> PathBuf {
+        self.path.clone()
+    }
+
     fn log(&mut self, _step: usize, metrics: &Metrics) -> std::io::Result<()> {
         let mut obj = serde_json::Map::new();
         for (k, v) in metrics {
@@ -153,17 +163,23 @@ impl MetricSink for JsonlSink {
 
 pub struct TensorBoardSink {
     writer: EventWriter,
+    log_dir: PathBuf,
 }
 
 impl TensorBoardSink {
     pub fn create(log_dir: &Path) -> std::io::Result<Self> {
         Ok(Self {
             writer: EventWriter::create(log_dir)?,
+            log_dir: log_dir.to_path_buf(),
         })
     }
 }
 
 impl MetricSink for TensorBoardSink {
+    fn destination(&self) -> PathBuf {
+        self.log_dir.clone()
+    }
+
     fn log(&mut self, step: usize, metrics: &Metrics) -> std::io::Result<()> {
         for (k, v) in metrics.iter().filter(|(k, _)| k != "step") {
             self.writer.scalar(k, *v as f32, step as i64)?;
@@ -177,17 +193,32 @@ pub struct MetricLoggers {
     pub sinks: Vec<Box<dyn MetricSink>>,
 }
 
+/// A metric sink that could not write (a full disk, a log directory removed mid-run).
+#[derive(Debug, thiserror::Error)]
+#[error("writing metrics to {}: {source}", path.display())]
+pub struct MetricsError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
 impl MetricLoggers {
-    pub fn log(&mut self, step: usize, metrics: &Metrics) -> std::io::Result<()> {
+    pub fn log(&mut self, step: usize, metrics: &Metrics) -> Result<(), MetricsError> {
         for sink in &mut self.sinks {
-            sink.log(step, metrics)?;
+            sink.log(step, metrics).map_err(|source| MetricsError {
+                path: sink.destination(),
+                source,
+            })?;
         }
         Ok(())
     }
 
-    pub fn flush(&mut self) -> std::io::Result<()> {
+    pub fn flush(&mut self) -> Result<(), MetricsError> {
         for sink in &mut self.sinks {
-            sink.flush()?;
+            sink.flush().map_err(|source| MetricsError {
+                path: sink.destination(),
+                source,
+            })?;
         }
         Ok(())
     }

@@ -59,15 +59,15 @@ fn sync(path: &Path) -> std::io::Result<()> {
 /// Writes `tensors` as `file` and fsyncs it and its directory, then marks it done. The mark is
 /// the last thing this rank touches: rank 0 may move the file and remove the directory as soon
 /// as it appears (and fsyncs everything it publishes).
-pub fn write_durable(file: &Path, tensors: &[(String, HostTensor)]) -> Result<(), String> {
+pub fn write_durable(file: &Path, tensors: &[(String, HostTensor)]) -> Result<(), WriteError> {
     let dir = file.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    write_file(file, tensors, StorageDtype::F32).map_err(|e| e.to_string())?;
+    fs::create_dir_all(dir).map_err(|e| WriteError::io(dir, e))?;
+    write_file(file, tensors, StorageDtype::F32).map_err(|e| WriteError::Other(Box::new(e)))?;
     sync(file)
         .and_then(|()| sync(dir))
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+        .map_err(|e| WriteError::io(file, e))?;
     let mark = done_mark(file);
-    fs::write(&mark, b"").map_err(|e| format!("{}: {e}", mark.display()))
+    fs::write(&mark, b"").map_err(|e| WriteError::io(&mark, e))
 }
 
 /// Rank 0's checkpoint writer: its own shard into `into`, then every other rank's, moved in
@@ -85,7 +85,7 @@ pub fn assemble(
         own,
         StorageDtype::F32,
     )
-    .map_err(|e| WriteError::msg(e.to_string()))?;
+    .map_err(|e| WriteError::Other(Box::new(e)))?;
     let staging = staging_dir(output_dir, name);
     let deadline = Instant::now() + timeout;
     for rank in 1..world {
@@ -100,12 +100,8 @@ pub fn assemble(
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        fs::rename(&file, into.join(shard_file_name(rank, world))).map_err(|e| {
-            WriteError::msg(format!(
-                "moving {} into the checkpoint: {e}",
-                file.display()
-            ))
-        })?;
+        fs::rename(&file, into.join(shard_file_name(rank, world)))
+            .map_err(|e| WriteError::io(&file, e))?;
     }
     let _ = fs::remove_dir_all(&staging);
     Ok(())
@@ -143,7 +139,7 @@ pub struct ShardWriter {
     pub output_dir: PathBuf,
     pub rank: usize,
     pub world: usize,
-    in_flight: Option<JoinHandle<Result<(), String>>>,
+    in_flight: Option<JoinHandle<Result<(), WriteError>>>,
 }
 
 impl ShardWriter {
@@ -160,14 +156,14 @@ impl ShardWriter {
     pub fn finish(&mut self) -> Result<(), TrainError> {
         match self.in_flight.take().map(JoinHandle::join) {
             None | Some(Ok(Ok(()))) => Ok(()),
-            Some(Ok(Err(message))) => Err(CheckpointingError::Shard {
+            Some(Ok(Err(source))) => Err(CheckpointingError::Shard {
                 rank: self.rank,
-                message,
+                source,
             }
             .into()),
             Some(Err(_)) => Err(CheckpointingError::Shard {
                 rank: self.rank,
-                message: "its writer thread panicked".into(),
+                source: WriteError::msg("its writer thread panicked"),
             }
             .into()),
         }

@@ -212,8 +212,8 @@ pub enum TrainError {
         vocab_size: usize,
         step: usize,
     },
-    #[error("writing metrics: {0}")]
-    Metrics(#[from] std::io::Error),
+    #[error(transparent)]
+    Metrics(#[from] super::metrics::MetricsError),
     /// Boxed: the checkpoint client's errors carry paths and sources.
     #[error(transparent)]
     Checkpoint(Box<super::checkpointing::CheckpointingError>),

@@ -174,6 +174,36 @@ fn bad_adapter_dir_is_a_clear_error() {
     assert!(err.contains("adapter_config.json"), "{err}");
 }
 
+/// An adapter_config.json whose `r` does not match the weights saved with it: the error names
+/// adapter_config.json (not the model's config.json) and the rank the weights have.
+#[test]
+fn an_adapter_rank_mismatch_names_adapter_config_json() {
+    let dir = TempDir::new("rank-mismatch");
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama-lora");
+    for name in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(name), dir.path().join(name)).unwrap();
+    }
+    let config = dir.path().join("adapter_config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("\"r\": 4,"));
+    std::fs::write(&config, text.replace("\"r\": 4,", "\"r\": 8,")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(["run", "generate", "--config", "tiny/generation"])
+        .arg(format!("adapter_dir={}", dir.path().display()))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{} needs", config.display()))
+            && err.contains("the weights have rank 4 but its `r` is 8")
+            && !err.contains("model's config.json"),
+        "{err}"
+    );
+}
+
 /// Generation stops at the model's positions: more new tokens than fit are lowered with a
 /// warning naming the number used; a prompt that fills them is an error naming config.json.
 #[test]

@@ -128,3 +128,37 @@ fn max_seq_len_past_the_models_positions_is_lowered_with_a_warning() {
         "{err}"
     );
 }
+
+/// An output_dir or log_dir that cannot be created: the error names the key and the path
+/// (the plain "Not a directory (os error 20)" named neither).
+#[test]
+fn an_unusable_output_or_log_dir_is_named_with_its_key() {
+    let tmp = TempDir::new("unusable");
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let under_file = file.join("out");
+    for (key, extra) in [
+        ("output_dir", format!("output_dir={}", under_file.display())),
+        (
+            "metric_logger.log_dir",
+            format!("metric_logger.log_dir={}", under_file.display()),
+        ),
+    ] {
+        let out_dir = format!("output_dir={}", tmp.path().join("ok").display());
+        let res = tune(&[
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            "tiny/lora_single_device",
+            &out_dir,
+            &extra,
+        ]);
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!("{key} {}: ", under_file.display())),
+            "{key}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
