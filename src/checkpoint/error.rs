@@ -40,15 +40,14 @@ pub enum CheckpointError {
     /// give: the rank (`r`) is adapter_config.json's, the other side is the base model's.
     #[error(
         "tensor {name} in {} has shape {found:?}, but {} needs {expected:?}: {}",
-        file.display(),
-        config.display(),
+        dir.join("adapter_model.safetensors").display(),
+        dir.join("adapter_config.json").display(),
         adapter_shape_hint(*rank, expected, found)
     )]
     AdapterShape {
         name: String,
-        file: PathBuf,
-        /// The adapter's adapter_config.json.
-        config: PathBuf,
+        /// The adapter directory.
+        dir: PathBuf,
         rank: usize,
         expected: Vec<usize>,
         found: Vec<usize>,

@@ -207,8 +207,7 @@ pub fn load_adapter<B: Backend>(
             if found != shape {
                 return Err(CheckpointError::AdapterShape {
                     name: key,
-                    file: path.clone(),
-                    config: dir.join(ADAPTER_CONFIG),
+                    dir: dir.to_path_buf(),
                     rank: settings.rank,
                     expected: shape.to_vec(),
                     found,
