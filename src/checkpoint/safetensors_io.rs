@@ -29,6 +29,10 @@ impl SafetensorsFile {
         // SAFETY: the file is opened read-only and tune never writes to a checkpoint it reads;
         // a concurrent external writer would be a user error the OS cannot prevent anyway.
         let mmap = unsafe { Mmap::map(&file) }.map_err(CheckpointError::io(path))?;
+        check_data_offsets(&mmap).map_err(|message| CheckpointError::BadSafetensors {
+            path: path.to_path_buf(),
+            message,
+        })?;
         let (header_len, meta) =
             SafeTensors::read_metadata(&mmap).map_err(|e| CheckpointError::BadSafetensors {
                 path: path.to_path_buf(),
@@ -130,6 +134,41 @@ impl SafetensorsFile {
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
         self.meta.info(name).map(|i| i.dtype)
     }
+}
+
+/// The largest header safetensors reads (its `MAX_HEADER_SIZE`); larger ones it refuses itself.
+const MAX_HEADER_BYTES: usize = 100_000_000;
+
+/// Refuses a header whose tensor data ends past the end of the file. safetensors 0.6's
+/// `read_metadata` adds that end to the header length unchecked, which overflows (a panic with
+/// overflow checks on) for offsets near `u64::MAX`; every other defect is left to it to report.
+fn check_data_offsets(bytes: &[u8]) -> Result<(), String> {
+    let Some(len) = bytes.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()) else {
+        return Ok(());
+    };
+    let Some(header) = usize::try_from(u64::from_le_bytes(len))
+        .ok()
+        .filter(|&n| n <= MAX_HEADER_BYTES)
+        .and_then(|n| bytes.get(8..8 + n))
+    else {
+        return Ok(());
+    };
+    let Ok(serde_json::Value::Object(entries)) = serde_json::from_slice(header) else {
+        return Ok(());
+    };
+    let data_len = (bytes.len() - 8 - header.len()) as u64;
+    for (name, info) in entries.iter().filter(|(name, _)| *name != "__metadata__") {
+        let end = info
+            .get("data_offsets")
+            .and_then(|o| o.get(1))
+            .and_then(serde_json::Value::as_u64);
+        if let Some(end) = end.filter(|&end| end > data_len) {
+            return Err(format!(
+                "tensor `{name}` has data_offsets ending at byte {end}, but the file holds {data_len} bytes of tensor data"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn decode(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {

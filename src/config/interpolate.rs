@@ -12,12 +12,18 @@ use serde_yaml::{Mapping, Value};
 use crate::config::error::ConfigError;
 use crate::config::yaml;
 
+/// How deep resolution may recurse (nested values plus chained references). A config tree
+/// alone stays far below it (YAML nests at most 128 levels, an override key and its value 256);
+/// only a chain of hundreds of references reaches it, which would otherwise overflow the stack.
+const MAX_DEPTH: usize = 512;
+
 /// Returns a copy of `root` with every interpolation resolved.
 pub fn resolve(root: &Value) -> Result<Value, ConfigError> {
     Resolver {
         root,
         stack: Vec::new(),
         cache: HashMap::new(),
+        depth: 0,
     }
     .node(root, "")
 }
@@ -32,6 +38,8 @@ struct Resolver<'a> {
     /// Keys whose value is being resolved right now, outermost first (cycle detection).
     stack: Vec<String>,
     cache: HashMap<String, Value>,
+    /// `node` calls in progress.
+    depth: usize,
 }
 
 fn join(parent: &str, child: &str) -> String {
@@ -44,6 +52,13 @@ fn join(parent: &str, child: &str) -> String {
 
 impl Resolver<'_> {
     fn node(&mut self, node: &Value, path: &str) -> Result<Value, ConfigError> {
+        self.depth += 1;
+        let result = self.node_inner(node, path);
+        self.depth -= 1;
+        result
+    }
+
+    fn node_inner(&mut self, node: &Value, path: &str) -> Result<Value, ConfigError> {
         Ok(match node {
             Value::String(s) if s.contains("${") => self.string(s, path)?,
             Value::Mapping(m) => {
@@ -121,6 +136,16 @@ impl Resolver<'_> {
             return Err(ConfigError::InterpolationCycle {
                 key: from.to_string(),
                 chain,
+            });
+        }
+        if self.depth >= MAX_DEPTH {
+            return Err(ConfigError::BadInterpolation {
+                key: from.to_string(),
+                text: format!("${{{reference}}}"),
+                reason: format!(
+                    "references nest more than {MAX_DEPTH} levels deep (starting at `{}`); give the keys values instead of chaining them",
+                    self.stack.first().map_or(from, String::as_str)
+                ),
             });
         }
         let raw = yaml::get(self.root, reference).ok_or_else(|| ConfigError::MissingReference {

@@ -77,10 +77,20 @@ pub fn apply_all(root: &mut Value, args: &[String]) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// As deep as YAML itself nests; deeper keys would only overflow the stack of every walk
+/// over the tree.
+const MAX_KEY_SEGMENTS: usize = 128;
+
 fn check_key(key: &str) -> Result<(), String> {
     if key.is_empty() || key.split('.').any(str::is_empty) {
         return Err(format!(
             "`{key}` is not a valid dotted key such as `model.lora_rank`"
+        ));
+    }
+    let segments = key.split('.').count();
+    if segments > MAX_KEY_SEGMENTS {
+        return Err(format!(
+            "the key has {segments} dotted parts; config keys nest at most {MAX_KEY_SEGMENTS} levels deep"
         ));
     }
     Ok(())

@@ -224,6 +224,9 @@ fn parse_csv(path: &Path, text: &str) -> Result<Vec<Value>> {
     Ok(rows)
 }
 
+/// The most rows a Parquet footer may reserve room for up front; more still load, growing.
+const MAX_ROWS_HINT: usize = 1 << 16;
+
 /// Every row of a Parquet file as a JSON object (nested lists and structs included, e.g.
 /// a chat dataset's `messages` column), in file order.
 fn parse_parquet(path: &Path) -> Result<Vec<Value>> {
@@ -239,7 +242,10 @@ fn parse_parquet(path: &Path) -> Result<Vec<Value>> {
         message: e.to_string(),
     };
     let reader = SerializedFileReader::new(file).map_err(|e| parse_err(String::new(), e))?;
-    let mut rows = Vec::with_capacity(reader.metadata().file_metadata().num_rows().max(0) as usize);
+    // The footer's row count only sizes the first allocation: a corrupt one (negative, or
+    // 2^62) must neither overflow the capacity nor reserve terabytes.
+    let hint = usize::try_from(reader.metadata().file_metadata().num_rows()).unwrap_or(0);
+    let mut rows = Vec::with_capacity(hint.min(MAX_ROWS_HINT));
     for (i, row) in reader
         .get_row_iter(None)
         .map_err(|e| parse_err(String::new(), e))?

@@ -14,6 +14,7 @@ mod data;
 mod distributed;
 mod dpo;
 mod dpo_recipes;
+mod fuzz;
 mod generate;
 mod generate_cli;
 mod kd;
