@@ -8,6 +8,8 @@ use std::path::PathBuf;
 /// Failure to produce a resolved YAML tree (reading, parsing, overriding, interpolating).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error(transparent)]
+    Shipped(#[from] crate::config::shipped::ShippedError),
     #[error("config `{name}` is neither a built-in config nor an existing file{hint}")]
     NotFound { name: String, hint: String },
     #[error("cannot read config file {}: {source}", path.display())]

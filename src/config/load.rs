@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_yaml::{Mapping, Value};
 
 use crate::config::error::ConfigError;
-use crate::config::{builtin, interpolate, overrides, suggest, yaml};
+use crate::config::{builtin, interpolate, overrides, shipped, suggest, yaml};
 
 /// A config after overrides and interpolation, not yet validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,7 +25,8 @@ impl ResolvedConfig {
 }
 
 /// Loads `name_or_path` (built-in name, with or without `.yaml`, or a file path),
-/// applies `overrides` (`a.b=v`, `~a.b`, `model=builder`) and resolves `${...}`.
+/// applies `overrides` (`a.b=v`, `~a.b`, `model=builder`), resolves `${...}` and points
+/// shipped `assets/` paths missing here at tune's embedded copy ([`shipped`]).
 pub fn load_config(
     name_or_path: &str,
     overrides: &[String],
@@ -34,7 +35,8 @@ pub fn load_config(
     let mut value = parse_yaml(&source, &text)?;
     yaml::normalise_numbers(&mut value);
     overrides::apply_all(&mut value, overrides)?;
-    let value = interpolate::resolve(&value)?;
+    let mut value = interpolate::resolve(&value)?;
+    shipped::resolve_paths(&mut value)?;
     Ok(ResolvedConfig { source, value })
 }
 

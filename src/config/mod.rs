@@ -15,6 +15,7 @@ pub mod overrides;
 pub mod paths;
 pub mod recipes;
 pub mod schema;
+pub mod shipped;
 pub mod spec;
 pub mod suggest;
 pub mod validate;

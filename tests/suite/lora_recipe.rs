@@ -162,3 +162,52 @@ fn an_unusable_output_or_log_dir_is_named_with_its_key() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// After `cargo install`, no source tree: the tiny configs run from any directory on the copy
+/// of the tiny model and data embedded in the binary, written once into the user cache.
+#[test]
+fn the_tiny_config_runs_from_a_directory_outside_the_repository() {
+    let cwd = TempDir::new("outside");
+    let cache = TempDir::new("outside-cache");
+    let out = cwd.path().join("run");
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_tune"))
+            .args([
+                "run",
+                "lora_finetune_single_device",
+                "--config",
+                "tiny/lora_single_device",
+                &format!("output_dir={}", out.display()),
+                "max_steps_per_epoch=5",
+                "overwrite_output_dir=True",
+            ])
+            .current_dir(cwd.path())
+            .env("XDG_CACHE_HOME", cache.path())
+            .output()
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let res = run();
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(res.status.success(), "{err}");
+    }
+    let copies: Vec<_> = std::fs::read_dir(cache.path().join("tune"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(copies.len(), 1, "one copy, reused: {copies:?}");
+    assert!(copies[0].starts_with("assets-"), "{copies:?}");
+    let copy = cache.path().join("tune").join(&copies[0]);
+    assert_eq!(
+        std::fs::read(copy.join("assets/tiny-llama/model.safetensors")).unwrap(),
+        std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("assets/tiny-llama/model.safetensors")
+        )
+        .unwrap()
+    );
+    let saved = std::fs::read_to_string(out.join("tune_config.yaml")).unwrap();
+    assert!(saved.contains(&copy.display().to_string()), "{saved}");
+    let metrics = read_metrics(&out.join("logs/metrics.jsonl"));
+    assert_eq!(metrics.len(), 5);
+}
