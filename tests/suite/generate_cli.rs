@@ -18,6 +18,21 @@ struct Run {
     stderr: String,
 }
 
+/// `tune run generate --config tiny/generation <extra>` that must fail with exit code 1 and
+/// print nothing on stdout; its stderr.
+fn generate_fails(extra: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(["run", "generate", "--config", "tiny/generation"])
+        .args(extra)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(out.stdout.is_empty(), "{err}");
+    err
+}
+
 fn tune_generate(extra: &[&str]) -> Run {
     let mut args = vec![
         "run",
@@ -157,20 +172,7 @@ fn seeded_sampling_is_reproducible() {
 
 #[test]
 fn bad_adapter_dir_is_a_clear_error() {
-    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
-        .args([
-            "run",
-            "generate",
-            "--config",
-            "tiny/generation",
-            "adapter_dir=tests/fixtures/tiny-llama",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(out.stdout.is_empty());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = generate_fails(&["adapter_dir=tests/fixtures/tiny-llama"]);
     assert!(err.contains("adapter_config.json"), "{err}");
 }
 
@@ -188,14 +190,7 @@ fn an_adapter_rank_mismatch_names_adapter_config_json() {
     let text = std::fs::read_to_string(&config).unwrap();
     assert!(text.contains("\"r\": 4,"));
     std::fs::write(&config, text.replace("\"r\": 4,", "\"r\": 8,")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
-        .args(["run", "generate", "--config", "tiny/generation"])
-        .arg(format!("adapter_dir={}", dir.path().display()))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = generate_fails(&[&format!("adapter_dir={}", dir.path().display())]);
     assert!(
         err.contains(&format!("{} needs", config.display()))
             && err.contains("the weights have rank 4 but its `r` is 8")
@@ -217,13 +212,7 @@ fn generation_stays_within_the_models_positions() {
         run.stderr
     );
     let long = format!("prompt={}", "word ".repeat(400));
-    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
-        .args(["run", "generate", "--config", "tiny/generation", &long])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = generate_fails(&[&long]);
     assert!(
         err.contains("the model has 256 positions") && err.contains("config.json"),
         "{err}"
