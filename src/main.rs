@@ -150,6 +150,8 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             commit_message,
             create_pr,
             hf_token,
+            include_training_state,
+            dry_run,
         } => {
             let opts = tune::hub::PushOptions {
                 dir,
@@ -159,10 +161,15 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 commit_message,
                 create_pr,
                 token: hf_token,
+                include_training_state,
                 progress: true,
                 ..Default::default()
             };
-            commands::push(opts, &mut out)
+            if dry_run {
+                commands::push_dry_run(&opts, &mut out)
+            } else {
+                commands::push(opts, &mut out)
+            }
         }
         Command::Plot {
             metrics,

@@ -127,6 +127,12 @@ pub enum Command {
         create_pr: bool,
         #[arg(long)]
         hf_token: Option<String>,
+        /// Also upload the optimizer state and tune_checkpoint.json (only resuming needs them).
+        #[arg(long)]
+        include_training_state: bool,
+        /// List the files that would be uploaded, then stop (no token or network needed).
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Measure training/forward throughput, step-time split, memory, load time and checkpoint
     /// blocking on random weights of a known shape (nothing is downloaded).

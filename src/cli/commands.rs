@@ -248,6 +248,38 @@ pub fn download(
     Ok(())
 }
 
+/// `tune push --dry-run`: one line per file that would go (size and repo path).
+pub fn push_dry_run(opts: &crate::hub::PushOptions, out: &mut dyn Write) -> Result<(), CliError> {
+    use crate::hub::HubError;
+    let files = crate::hub::plan_push(opts).map_err(|e| match e {
+        HubError::InvalidPushDir { .. } | HubError::InvalidRepoId { .. } => CliError::bad(e),
+        other => CliError::failed(other),
+    })?;
+    for f in &files {
+        writeln!(
+            out,
+            "{:>10}  {}",
+            crate::checkpoint_client::human_size(f.size),
+            f.path
+        )
+        .map_err(CliError::failed)?;
+    }
+    let skipped = if opts.include_training_state {
+        String::new()
+    } else {
+        format!(
+            " (training state not included: {}; --include-training-state adds it)",
+            crate::hub::TRAINING_STATE.join(", ")
+        )
+    };
+    eprintln!(
+        "Would upload {} files to {}{skipped}",
+        files.len(),
+        opts.repo_id
+    );
+    Ok(())
+}
+
 pub fn push(opts: crate::hub::PushOptions, out: &mut dyn Write) -> Result<(), CliError> {
     use crate::hub::HubError;
     let report = crate::hub::push(opts).map_err(|e| match e {

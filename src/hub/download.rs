@@ -120,6 +120,14 @@ pub fn download_with_env(opts: DownloadOptions, env: &HubEnv) -> Result<Download
     };
     if let Some(out) = &opts.output_dir {
         export(&report, out)?;
+        crate::hub::provenance::record(
+            out,
+            &crate::hub::provenance::Source {
+                repo_id: opts.repo_id.clone(),
+                revision: revision.clone(),
+                commit: report.commit.clone(),
+            },
+        )?;
         report.root = out.clone();
     }
     Ok(report)

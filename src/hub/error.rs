@@ -39,6 +39,11 @@ pub enum HubError {
     MissingToken { repo: String },
 
     #[error(
+        "cannot push to {repo}: HF_HUB_OFFLINE is set, and a push needs the network; unset HF_HUB_OFFLINE (or `tune push --dry-run` lists what would be uploaded)"
+    )]
+    OfflinePush { repo: String },
+
+    #[error(
         "cannot reach {endpoint}: {cause}; check your network or set HF_HUB_OFFLINE=1 to use cached files"
     )]
     Unreachable { endpoint: String, cause: String },

@@ -71,14 +71,20 @@ impl ModelCardInfo {
         if adapter_config.is_file() && dir.join("adapter_model.safetensors").is_file() {
             let config = read_json(&adapter_config)?;
             info.adapter = true;
-            info.base_model = str_field(&config, "base_model_name_or_path");
+            info.base_model = hub_id_field(&config, "base_model_name_or_path");
             info.lora = Some(LoraInfo::from_adapter_config(&config));
         } else if dir.join("config.json").is_file() {
             let config = read_json(&dir.join("config.json"))?;
-            info.base_model = str_field(&config, "_name_or_path");
+            info.base_model = hub_id_field(&config, "_name_or_path");
         }
         Ok(info)
     }
+}
+
+/// A base model the card may name: a Hub repo id, never a local path (the Hub rejects such
+/// metadata, and nobody else can load from it).
+fn hub_id_field(config: &serde_json::Value, key: &str) -> Option<String> {
+    str_field(config, key).filter(|name| crate::hub::provenance::is_hub_id(name))
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value, HubError> {

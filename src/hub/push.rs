@@ -35,6 +35,9 @@ pub struct PushOptions {
     pub model_card: Option<String>,
     /// Files of `dir` not to upload (globs, e.g. `*.pt`). Dot-files are never uploaded.
     pub ignore_patterns: Vec<String>,
+    /// Also upload what only resuming needs ([`TRAINING_STATE`]): optimizer state and the
+    /// checkpoint manifest. Off by default: a Hub user loads the model, not the run.
+    pub include_training_state: bool,
     pub progress: bool,
     /// Connect/read timeout; default 60 s.
     pub timeout: Option<Duration>,
@@ -75,6 +78,32 @@ pub struct PushReport {
     pub pull_request_url: Option<String>,
 }
 
+/// Files of a tune checkpoint that only resuming the run needs (fnmatch patterns): the
+/// optimizer state (one file, or one shard per rank), the checkpoint manifest, and
+/// torchtune's recipe state.
+pub const TRAINING_STATE: &[&str] = &[
+    "optimizer.safetensors",
+    "optimizer-*-of-*.safetensors",
+    "tune_checkpoint.json",
+    "recipe_state.pt",
+];
+
+/// What a push would upload, without a token or the network: the folder is checked as for a
+/// push and its files listed (README.md as it would be published).
+pub fn plan(opts: &PushOptions) -> Result<Vec<PushedFile>, HubError> {
+    validate_repo_id(&opts.repo_id)?;
+    validate_push_dir(&opts.dir)?;
+    let (files, _) = collect_files(opts)?;
+    Ok(files
+        .iter()
+        .map(|f| PushedFile {
+            path: f.path_in_repo.clone(),
+            size: f.size,
+            lfs: false,
+        })
+        .collect())
+}
+
 /// Pushes with settings from the process environment.
 pub fn push(opts: PushOptions) -> Result<PushReport, HubError> {
     push_with_env(opts, &HubEnv::from_process())
@@ -85,6 +114,11 @@ pub fn push_with_env(opts: PushOptions, env: &HubEnv) -> Result<PushReport, HubE
     // Everything local is checked before the first request.
     validate_repo_id(&opts.repo_id)?;
     let kind = validate_push_dir(&opts.dir)?;
+    if env.offline {
+        return Err(HubError::OfflinePush {
+            repo: opts.repo_id.clone(),
+        });
+    }
     let token = env
         .resolve_token(opts.token.as_deref())
         .ok_or_else(|| HubError::MissingToken {
@@ -162,7 +196,11 @@ pub fn push_with_env(opts: PushOptions, env: &HubEnv) -> Result<PushReport, HubE
 fn collect_files(opts: &PushOptions) -> Result<(Vec<UploadFile>, ReadmeSource), HubError> {
     let mut paths = Vec::new();
     walk(&opts.dir, "", &mut paths)?;
-    paths.retain(|(rel, _)| is_selected(rel, &[], &opts.ignore_patterns));
+    let mut ignore = opts.ignore_patterns.clone();
+    if !opts.include_training_state {
+        ignore.extend(TRAINING_STATE.iter().map(|p| p.to_string()));
+    }
+    paths.retain(|(rel, _)| is_selected(rel, &[], &ignore));
     let has_readme = paths.iter().any(|(rel, _)| rel == "README.md");
     let readme = match (&opts.model_card, has_readme) {
         (Some(_), _) => ReadmeSource::Supplied,

@@ -99,6 +99,16 @@ pub fn save_hf_dir(
             "torch_dtype"
         };
         obj.insert(key.into(), dtype.torch_name().into());
+        // The Hub repo the weights came from, as transformers records it; never a local path.
+        if let Some(id) = source_dir.and_then(crate::hub::provenance::hub_id) {
+            obj.insert("_name_or_path".into(), id.into());
+        } else if obj
+            .get("_name_or_path")
+            .and_then(serde_json::Value::as_str)
+            .is_some_and(|name| !crate::hub::provenance::is_hub_id(name))
+        {
+            obj.remove("_name_or_path");
+        }
     }
     let path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&config).unwrap_or_default();

@@ -136,7 +136,9 @@ pub fn attach_adapters<B: Backend>(
     if let Some(mut config) =
         load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")?
     {
-        config.base_model_name_or_path = Some(checkpointer.checkpoint_dir.display().to_string());
+        config.base_model_name_or_path = Some(crate::hub::provenance::base_model_name(
+            &checkpointer.checkpoint_dir,
+        ));
         return Ok(config);
     }
     let attached = peft::attach_lora(model, &plan.targets, &plan.settings, seed);
@@ -147,7 +149,9 @@ pub fn attach_adapters<B: Backend>(
         });
     }
     Ok(peft::AdapterConfig::new(
-        Some(checkpointer.checkpoint_dir.display().to_string()),
+        Some(crate::hub::provenance::base_model_name(
+            &checkpointer.checkpoint_dir,
+        )),
         &plan.settings,
         plan.targets.clone(),
     ))

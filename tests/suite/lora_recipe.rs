@@ -211,3 +211,52 @@ fn the_tiny_config_runs_from_a_directory_outside_the_repository() {
     let metrics = read_metrics(&out.join("logs/metrics.jsonl"));
     assert_eq!(metrics.len(), 5);
 }
+
+/// `tune push --dry-run` on a checkpoint a run wrote: what a Hub user loads and the card, not
+/// the optimizer state or the manifest; no token or network needed (offline mode set).
+#[test]
+fn push_dry_run_lists_what_a_hub_user_loads() {
+    let out = TempDir::new("push-dry-run");
+    lora_run(&out, &["max_steps_per_epoch=2"]);
+    let checkpoint = out.path().join("epoch_0");
+    assert!(checkpoint.join("optimizer.safetensors").is_file());
+    let res = tune_command(&[
+        "push",
+        &checkpoint.display().to_string(),
+        "me/tiny-lora",
+        "--dry-run",
+    ])
+    .env("HF_HUB_OFFLINE", "1")
+    .env_remove("HF_TOKEN")
+    .output()
+    .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr),
+    );
+    assert!(res.status.success(), "{stderr}");
+    let listed: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.split_whitespace().last())
+        .collect();
+    assert!(
+        listed.contains(&"adapter_model.safetensors")
+            && listed.contains(&"adapter_config.json")
+            && listed.contains(&"README.md"),
+        "{stdout}"
+    );
+    assert!(
+        !listed.contains(&"optimizer.safetensors") && !listed.contains(&"tune_checkpoint.json"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("--include-training-state"), "{stderr}");
+    // Without --dry-run, offline mode refuses the push by name.
+    let res = tune_command(&["push", &checkpoint.display().to_string(), "me/tiny-lora"])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_TOKEN", "hf_x")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success());
+    assert!(stderr.contains("HF_HUB_OFFLINE is set"), "{stderr}");
+}

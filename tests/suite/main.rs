@@ -17,6 +17,7 @@ mod dpo_recipes;
 mod fuzz;
 mod generate;
 mod generate_cli;
+mod hub_roundtrip;
 mod kd;
 mod kd_recipe;
 mod kernels;

@@ -291,3 +291,89 @@ fn push_to_an_unreachable_hub_is_reported() {
     let err = refused(&dir, &tmp);
     assert!(matches!(err, HubError::Unreachable { .. }), "{err}");
 }
+
+/// A tune checkpoint holds what resuming needs beside what a Hub user loads: the optimizer
+/// state (one file or per-rank shards) and the manifest stay home unless asked for.
+#[test]
+fn training_state_is_not_pushed_unless_asked() {
+    let tmp = TempDir::new("push-state");
+    let dir = adapter_dir(tmp.path());
+    for name in [
+        "optimizer.safetensors",
+        "optimizer-00001-of-00002.safetensors",
+        "tune_checkpoint.json",
+    ] {
+        std::fs::write(dir.join(name), "state").expect("state file");
+    }
+    let uploaded = |include_training_state: bool| {
+        let (server, state) = fake_hub::start(vec![]);
+        let mut opts = options(&dir, &server.url());
+        opts.include_training_state = include_training_state;
+        let report = push_with_env(opts, &env(&tmp)).expect("push");
+        let mut committed: Vec<String> = state
+            .lock()
+            .expect("state")
+            .committed
+            .keys()
+            .cloned()
+            .collect();
+        committed.sort();
+        let reported: Vec<String> = report.files.iter().map(|f| f.path.clone()).collect();
+        assert_eq!(committed, reported);
+        committed
+    };
+    assert_eq!(
+        uploaded(false),
+        [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors"
+        ]
+    );
+    assert_eq!(
+        uploaded(true),
+        [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "optimizer-00001-of-00002.safetensors",
+            "optimizer.safetensors",
+            "tune_checkpoint.json"
+        ]
+    );
+    // The dry run lists the same files, with no token and no server.
+    let mut opts = options(&dir, &refused_endpoint());
+    opts.token = None;
+    let planned: Vec<String> = crate::hub::push::plan(&opts)
+        .expect("plan")
+        .into_iter()
+        .map(|f| f.path)
+        .collect();
+    assert_eq!(
+        planned,
+        [
+            "README.md",
+            "adapter_config.json",
+            "adapter_model.safetensors"
+        ]
+    );
+}
+
+/// HF_HUB_OFFLINE is honoured: a push is refused before any request, saying why.
+#[test]
+fn push_in_offline_mode_is_refused_before_any_request() {
+    let (server, state) = fake_hub::start(vec![]);
+    let tmp = TempDir::new("push-offline");
+    let dir = adapter_dir(tmp.path());
+    let home = tmp.path().join("home");
+    let env = HubEnv::from_lookup(|name| match name {
+        "HF_HOME" => Some(home.to_string_lossy().into_owned()),
+        "HF_HUB_OFFLINE" => Some("1".into()),
+        _ => None,
+    });
+    let err = push_with_env(options(&dir, &server.url()), &env).unwrap_err();
+    assert!(matches!(err, HubError::OfflinePush { .. }), "{err}");
+    assert!(err.to_string().contains("unset HF_HUB_OFFLINE"), "{err}");
+    let state = state.lock().expect("state");
+    assert!(state.created.is_empty() && state.committed.is_empty());
+}

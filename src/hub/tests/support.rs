@@ -120,7 +120,7 @@ impl TestServer {
             std::thread::spawn(move || {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 let mut served = 0;
-                while !stop.load(Ordering::SeqCst) && Instant::now() < deadline && served < 400 {
+                while !stop.load(Ordering::SeqCst) && Instant::now() < deadline && served < 2000 {
                     match listener.accept() {
                         Ok((stream, _)) => {
                             served += 1;
