@@ -1,27 +1,21 @@
 //! Hugging Face Hub integration: download models/datasets into the standard
 //! Hugging Face cache, and push adapters/checkpoints with a model card.
 //!
-//! All network calls are blocking (ureq, the client hf-hub 0.4 uses); call them
-//! from `tokio::task::spawn_blocking` when inside an async runtime.
+//! Every network call goes through hf-hub 1.0's blocking client ([`client`]); what is ours is
+//! the model card, the checks before a push, what a push uploads, provenance, progress bars
+//! and errors that say what to do.
 
-pub mod api;
-pub mod cache;
-pub mod commit;
-pub mod create;
+pub mod client;
 pub mod datasets;
 pub mod download;
 pub mod env;
 pub mod error;
-pub mod fetch;
-pub mod http;
-pub mod lfs;
 pub mod model_card;
 pub mod patterns;
 pub mod progress;
 pub mod provenance;
 pub mod push;
 pub mod repo;
-pub mod upload_info;
 pub mod validate;
 
 #[cfg(test)]

@@ -4,16 +4,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::hub::commit::{CommitTarget, UploadMode, commit_payload, create_commit, preupload};
-use crate::hub::create::create_repo;
+use hf_hub::repository::{AddSource, CommitOperation};
+use hf_hub::{HFError, RepoTypeModel};
+
+use crate::hub::client::{Context, connect, error, split};
 use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
-use crate::hub::http::HubClient;
-use crate::hub::lfs::upload_lfs_files;
 use crate::hub::model_card::{ModelCardInfo, render};
 use crate::hub::patterns::is_selected;
-use crate::hub::repo::{RepoType, validate_repo_id};
-use crate::hub::upload_info::UploadFile;
+use crate::hub::progress::TransferBar;
+use crate::hub::repo::validate_repo_id;
 use crate::hub::validate::{CheckpointKind, validate_push_dir};
 
 /// What to push. `None` fields fall back to the environment.
@@ -39,7 +39,7 @@ pub struct PushOptions {
     /// checkpoint manifest. Off by default: a Hub user loads the model, not the run.
     pub include_training_state: bool,
     pub progress: bool,
-    /// Connect/read timeout; default 60 s.
+    /// Unused: hf-hub 1.0 sets its own timeouts and retries transient failures.
     pub timeout: Option<Duration>,
 }
 
@@ -59,7 +59,6 @@ pub enum ReadmeSource {
 pub struct PushedFile {
     pub path: String,
     pub size: u64,
-    pub lfs: bool,
 }
 
 /// What a push did.
@@ -70,8 +69,6 @@ pub struct PushReport {
     pub kind: CheckpointKind,
     pub created_repo: bool,
     pub files: Vec<PushedFile>,
-    /// LFS objects sent (the others were already on the Hub).
-    pub lfs_uploaded: usize,
     pub readme: ReadmeSource,
     pub commit_url: Option<String>,
     pub commit_oid: Option<String>,
@@ -99,7 +96,6 @@ pub fn plan(opts: &PushOptions) -> Result<Vec<PushedFile>, HubError> {
         .map(|f| PushedFile {
             path: f.path_in_repo.clone(),
             size: f.size,
-            lfs: false,
         })
         .collect())
 }
@@ -109,7 +105,9 @@ pub fn push(opts: PushOptions) -> Result<PushReport, HubError> {
     push_with_env(opts, &HubEnv::from_process())
 }
 
-/// Pushes with explicit environment settings (options still win).
+/// Pushes with explicit environment settings (options still win): creates the repo when it
+/// does not exist, then uploads every file in one commit (hf-hub chooses Xet or inline
+/// transfers per file, as the Hub asks).
 pub fn push_with_env(opts: PushOptions, env: &HubEnv) -> Result<PushReport, HubError> {
     // Everything local is checked before the first request.
     validate_repo_id(&opts.repo_id)?;
@@ -127,73 +125,109 @@ pub fn push_with_env(opts: PushOptions, env: &HubEnv) -> Result<PushReport, HubE
     let (files, readme) = collect_files(&opts)?;
 
     let endpoint = env.resolve_endpoint(opts.endpoint.as_deref());
-    let client = HubClient::new(
-        &endpoint,
-        Some(token),
-        opts.timeout.unwrap_or(Duration::from_secs(60)),
-    )?;
-    let progress = opts.progress && !env.disable_progress;
-    let created_repo = create_repo(&client, &opts.repo_id, RepoType::Model, opts.private)?;
-
+    let client = connect(&endpoint, Some(token), &env.cache_dir)?;
     let revision = opts.revision.clone().unwrap_or_else(|| "main".to_string());
-    let target = CommitTarget {
-        repo_id: &opts.repo_id,
-        repo_type: RepoType::Model,
+    let cx = Context {
+        repo: &opts.repo_id,
         revision: &revision,
-        create_pr: opts.create_pr,
+        endpoint: &endpoint,
+        local: &opts.dir,
+        local_action: "read from",
     };
-    let modes = preupload(&client, &target, &files)?;
-    let mut included: Vec<(&UploadFile, UploadMode)> = Vec::new();
-    for file in &files {
-        if let Some(verdict) = modes.get(&file.path_in_repo)
-            && !verdict.should_ignore
-        {
-            included.push((file, verdict.mode));
-        }
-    }
-    let lfs: Vec<&UploadFile> = included
-        .iter()
-        .filter(|(_, mode)| *mode == UploadMode::Lfs)
-        .map(|(file, _)| *file)
-        .collect();
-    let lfs_uploaded = upload_lfs_files(
-        &client,
-        &opts.repo_id,
-        RepoType::Model,
-        &revision,
-        &lfs,
-        progress,
-    )?;
+    let created_repo = match client
+        .create_repository()
+        .repo_id(&opts.repo_id)
+        .repo_type(RepoTypeModel)
+        .private(opts.private)
+        .send()
+    {
+        Ok(_) => true,
+        // An existing repo keeps its visibility; the commit goes on top of it.
+        Err(HFError::Conflict { .. }) => false,
+        Err(e) => return Err(error(e, &cx)),
+    };
 
     let summary = opts.commit_message.clone().unwrap_or_else(|| match kind {
         CheckpointKind::PeftAdapter => "Upload LoRA adapter with tune".to_string(),
         CheckpointKind::Full { .. } => "Upload model with tune".to_string(),
     });
-    let body = commit_payload(&summary, "", &included)?;
-    let info = create_commit(&client, &target, body)?;
+    let operations = files
+        .iter()
+        .map(|f| CommitOperation::Add {
+            path_in_repo: f.path_in_repo.clone(),
+            source: match &f.source {
+                Source::File(path) => AddSource::File(path.clone()),
+                Source::Bytes(bytes) => AddSource::Bytes(bytes.clone().into()),
+            },
+        })
+        .collect();
+    let (owner, name) = split(&opts.repo_id);
+    let bar = TransferBar::new(opts.progress && !env.disable_progress, &opts.repo_id);
+    let info = client
+        .model(owner, name)
+        .create_commit()
+        .operations(operations)
+        .commit_message(summary)
+        .revision(revision.clone())
+        .create_pr(opts.create_pr)
+        .progress(bar.handler())
+        .send()
+        .map_err(|e| error(e, &cx))?;
+    bar.finish();
     Ok(PushReport {
         repo_url: format!("{endpoint}/{}", opts.repo_id),
         repo_id: opts.repo_id.clone(),
         kind,
         created_repo,
-        files: included
+        files: files
             .iter()
-            .map(|(file, mode)| PushedFile {
-                path: file.path_in_repo.clone(),
-                size: file.size,
-                lfs: *mode == UploadMode::Lfs,
+            .map(|f| PushedFile {
+                path: f.path_in_repo.clone(),
+                size: f.size,
             })
             .collect(),
-        lfs_uploaded,
         readme,
         commit_url: info.commit_url,
         commit_oid: info.commit_oid,
-        pull_request_url: info.pull_request_url,
+        pull_request_url: info.pr_url,
     })
 }
 
+/// A file to upload: its repo path, size and where its bytes are.
+struct Upload {
+    path_in_repo: String,
+    size: u64,
+    source: Source,
+}
+
+enum Source {
+    File(PathBuf),
+    Bytes(Vec<u8>),
+}
+
+impl Upload {
+    fn file(rel: &str, path: &Path) -> Result<Self, HubError> {
+        let size = std::fs::metadata(path)
+            .map_err(HubError::io("read", path))?
+            .len();
+        Ok(Self {
+            path_in_repo: rel.to_string(),
+            size,
+            source: Source::File(path.to_path_buf()),
+        })
+    }
+
+    fn bytes(rel: &str, bytes: Vec<u8>) -> Self {
+        Self {
+            path_in_repo: rel.to_string(),
+            size: bytes.len() as u64,
+            source: Source::Bytes(bytes),
+        }
+    }
+}
+
 /// The files to upload, sorted by repo path, README.md included.
-fn collect_files(opts: &PushOptions) -> Result<(Vec<UploadFile>, ReadmeSource), HubError> {
+fn collect_files(opts: &PushOptions) -> Result<(Vec<Upload>, ReadmeSource), HubError> {
     let mut paths = Vec::new();
     walk(&opts.dir, "", &mut paths)?;
     let mut ignore = opts.ignore_patterns.clone();
@@ -212,16 +246,16 @@ fn collect_files(opts: &PushOptions) -> Result<(Vec<UploadFile>, ReadmeSource), 
         if rel == "README.md" && readme != ReadmeSource::Kept {
             continue;
         }
-        files.push(UploadFile::from_file(rel, path)?);
+        files.push(Upload::file(rel, path)?);
     }
     match readme {
         ReadmeSource::Supplied => {
             let card = opts.model_card.clone().unwrap_or_default();
-            files.push(UploadFile::from_bytes("README.md", card.into_bytes()));
+            files.push(Upload::bytes("README.md", card.into_bytes()));
         }
         ReadmeSource::Generated => {
             let card = render(ModelCardInfo::from_dir(&opts.dir, &opts.repo_id)?);
-            files.push(UploadFile::from_bytes("README.md", card.into_bytes()));
+            files.push(Upload::bytes("README.md", card.into_bytes()));
         }
         ReadmeSource::Kept => {}
     }

@@ -26,13 +26,6 @@ impl RepoType {
             RepoType::Dataset => "datasets/",
         }
     }
-
-    pub(crate) fn to_hf_hub(self) -> hf_hub::RepoType {
-        match self {
-            RepoType::Model => hf_hub::RepoType::Model,
-            RepoType::Dataset => hf_hub::RepoType::Dataset,
-        }
-    }
 }
 
 /// Checks a repo id the way `huggingface_hub.utils.validate_repo_id` does.

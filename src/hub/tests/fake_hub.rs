@@ -19,6 +19,11 @@ pub struct FakeRepo {
     pub gated: bool,
     /// When set, requests need `Bearer <token>`.
     pub token: Option<String>,
+    /// The next LFS download sends only this many bytes, then closes (an interrupted
+    /// transfer); later ones are whole.
+    pub cut_lfs_after: Option<usize>,
+    /// LFS downloads send the right length with one byte flipped.
+    pub corrupt_lfs: bool,
 }
 
 #[derive(Default)]
@@ -58,7 +63,13 @@ pub fn start(repos: Vec<(&str, FakeRepo)>) -> (TestServer, Arc<Mutex<State>>) {
 }
 
 fn not_found(message: &str) -> Response {
-    Response::json(404, serde_json::json!({"error": message}))
+    let response = Response::json(404, serde_json::json!({"error": message}));
+    // The Hub names what is missing in X-Error-Code.
+    if message == "Repository not found" {
+        response.header("X-Error-Code", "RepoNotFound")
+    } else {
+        response
+    }
 }
 
 /// Splits "/api/models/org/name/revision/main" style paths.
@@ -126,18 +137,54 @@ fn handle(state: &mut State, req: &Request) -> Response {
             serde_json::json!({"sha": COMMIT, "siblings": siblings}),
         );
     }
+    // Tree listing (hf-hub 1.0 lists a snapshot's files with it), one page.
+    if let Some(rest) = path.strip_prefix("/api/")
+        && let Some((repo_key, rev)) = split_repo(rest, "/tree/")
+        && req.method == "GET"
+    {
+        let Some(repo) = state.repos.get(repo_key) else {
+            return not_found("Repository not found");
+        };
+        if let Some(denied) = access(repo, req) {
+            return denied;
+        }
+        let rev = decode(rev);
+        if rev != "main" && rev != COMMIT {
+            return Response::json(404, serde_json::json!({"error": "Invalid rev id"}))
+                .header("X-Error-Code", "RevisionNotFound");
+        }
+        let entries: Vec<_> = repo
+            .files
+            .iter()
+            .map(|(p, b)| {
+                serde_json::json!({"type": "file", "path": p, "size": b.len(), "oid": sha256_hex(b)})
+            })
+            .collect();
+        return Response::json(200, serde_json::Value::Array(entries));
+    }
     // LFS "CDN" with Range support.
     if let Some(oid) = path.strip_prefix("/cdn/") {
-        let bytes = state
-            .repos
-            .values()
-            .flat_map(|r| r.files.iter())
-            .find(|(_, b)| sha256_hex(b) == oid)
-            .map(|(_, b)| b.clone());
-        return match bytes {
-            Some(bytes) => ranged(req, bytes),
-            None => not_found("no such object"),
+        let found = state.repos.values_mut().find_map(|r| {
+            let bytes = r
+                .files
+                .iter()
+                .find(|(_, b)| sha256_hex(b) == oid)?
+                .1
+                .clone();
+            Some((r, bytes))
+        });
+        let Some((repo, mut bytes)) = found else {
+            return not_found("no such object");
         };
+        if let Some(cut) = repo.cut_lfs_after.take() {
+            let total = bytes.len();
+            bytes.truncate(cut);
+            return Response::bytes(200, bytes).header("Content-Length", &total.to_string());
+        }
+        if repo.corrupt_lfs {
+            bytes[0] ^= 0xff;
+        }
+        return ranged(req, bytes);
     }
     // Resolve (HEAD / GET).
     if (req.method == "HEAD" || req.method == "GET")
