@@ -108,59 +108,63 @@ fn access(repo: &FakeRepo, req: &Request) -> Option<Response> {
     None
 }
 
+/// The repo `repo_key` at `rev`, or the response the Hub gives when it is missing, refused or
+/// at an unknown revision.
+fn readable<'a>(
+    state: &'a State,
+    repo_key: &str,
+    rev: &str,
+    req: &Request,
+) -> Result<&'a FakeRepo, Response> {
+    let Some(repo) = state.repos.get(repo_key) else {
+        return Err(not_found("Repository not found"));
+    };
+    if let Some(denied) = access(repo, req) {
+        return Err(denied);
+    }
+    let rev = decode(rev);
+    if rev != "main" && rev != COMMIT {
+        return Err(
+            Response::json(404, serde_json::json!({"error": "Invalid rev id"}))
+                .header("X-Error-Code", "RevisionNotFound"),
+        );
+    }
+    Ok(repo)
+}
+
 fn handle(state: &mut State, req: &Request) -> Response {
     let path = req.path().to_string();
     let base = req.base_url();
-    // Repo info.
-    if let Some(rest) = path.strip_prefix("/api/")
-        && let Some((repo_key, rev)) = split_repo(rest, "/revision/")
-        && req.method == "GET"
-    {
-        let Some(repo) = state.repos.get(repo_key) else {
-            return not_found("Repository not found");
-        };
-        if let Some(denied) = access(repo, req) {
-            return denied;
+    // Repo info, and the tree listing hf-hub 1.0 lists a snapshot's files with (one page).
+    for endpoint in ["/revision/", "/tree/"] {
+        if let Some(rest) = path.strip_prefix("/api/")
+            && let Some((repo_key, rev)) = split_repo(rest, endpoint)
+            && req.method == "GET"
+        {
+            let repo = match readable(state, repo_key, rev, req) {
+                Ok(repo) => repo,
+                Err(refused) => return refused,
+            };
+            if endpoint == "/tree/" {
+                let entries: Vec<_> = repo
+                    .files
+                    .iter()
+                    .map(|(p, b)| {
+                        serde_json::json!({"type": "file", "path": p, "size": b.len(), "oid": sha256_hex(b)})
+                    })
+                    .collect();
+                return Response::json(200, serde_json::Value::Array(entries));
+            }
+            let siblings: Vec<_> = repo
+                .files
+                .iter()
+                .map(|(p, _)| serde_json::json!({"rfilename": p}))
+                .collect();
+            return Response::json(
+                200,
+                serde_json::json!({"sha": COMMIT, "siblings": siblings}),
+            );
         }
-        let rev = decode(rev);
-        if rev != "main" && rev != COMMIT {
-            return Response::json(404, serde_json::json!({"error": "Invalid rev id"}))
-                .header("X-Error-Code", "RevisionNotFound");
-        }
-        let siblings: Vec<_> = repo
-            .files
-            .iter()
-            .map(|(p, _)| serde_json::json!({"rfilename": p}))
-            .collect();
-        return Response::json(
-            200,
-            serde_json::json!({"sha": COMMIT, "siblings": siblings}),
-        );
-    }
-    // Tree listing (hf-hub 1.0 lists a snapshot's files with it), one page.
-    if let Some(rest) = path.strip_prefix("/api/")
-        && let Some((repo_key, rev)) = split_repo(rest, "/tree/")
-        && req.method == "GET"
-    {
-        let Some(repo) = state.repos.get(repo_key) else {
-            return not_found("Repository not found");
-        };
-        if let Some(denied) = access(repo, req) {
-            return denied;
-        }
-        let rev = decode(rev);
-        if rev != "main" && rev != COMMIT {
-            return Response::json(404, serde_json::json!({"error": "Invalid rev id"}))
-                .header("X-Error-Code", "RevisionNotFound");
-        }
-        let entries: Vec<_> = repo
-            .files
-            .iter()
-            .map(|(p, b)| {
-                serde_json::json!({"type": "file", "path": p, "size": b.len(), "oid": sha256_hex(b)})
-            })
-            .collect();
-        return Response::json(200, serde_json::Value::Array(entries));
     }
     // LFS "CDN" with Range support.
     if let Some(oid) = path.strip_prefix("/cdn/") {
