@@ -153,3 +153,62 @@ fn download_train_push_keeps_the_base_models_repo_id_and_no_training_state() {
         }
     }
 }
+
+/// Both DPO recipes end like every other recipe (their own copy of the epilogue used to skip
+/// it): `push_to_hub` uploads the final checkpoint, adapter or model, with no training state.
+#[test]
+fn dpo_recipes_push_their_final_checkpoint() {
+    let (server, state) = fake_hub::start(vec![]);
+    let tmp = TempDir::new("dpo-push");
+    for (recipe, repo, pushed) in [
+        (
+            "lora_dpo_single_device",
+            "me/tiny-dpo-lora",
+            "adapter_model.safetensors",
+        ),
+        (
+            "full_dpo_single_device",
+            "me/tiny-dpo-full",
+            "model.safetensors",
+        ),
+    ] {
+        let out = tmp.path().join(recipe);
+        let err = ok(
+            tune_with_hub(
+                &[
+                    "run",
+                    recipe,
+                    "--config",
+                    &format!("tiny/{recipe}"),
+                    &format!("output_dir={}", out.display()),
+                    "max_steps_per_epoch=1",
+                    "epochs=1",
+                    &format!("push_to_hub={{repo_id: {repo}, private: True}}"),
+                ],
+                &server.url(),
+                &tmp.path().join("hf-home"),
+            ),
+            recipe,
+        );
+        assert!(
+            err.contains(&format!("to {}/{repo}", server.url())),
+            "{recipe}: {err}"
+        );
+        let state = state.lock().unwrap();
+        let created: Vec<&str> = state
+            .created
+            .iter()
+            .filter_map(|c| c["name"].as_str())
+            .collect();
+        assert!(
+            created.contains(&repo.split('/').nth(1).unwrap()),
+            "{created:?}"
+        );
+        assert_eq!(
+            state.committed[pushed],
+            std::fs::read(out.join("epoch_0").join(pushed)).unwrap(),
+            "{recipe}"
+        );
+        assert!(!state.committed.contains_key("optimizer.safetensors"));
+    }
+}
