@@ -57,6 +57,8 @@ pub struct ModelCardInfo {
     pub command: Option<String>,
     /// Extra tags after the defaults.
     pub tags: Vec<String>,
+    /// The folder holds tune's int4 export under `quantized/` (QAT recipes).
+    pub quantized: bool,
 }
 
 impl ModelCardInfo {
@@ -77,6 +79,7 @@ impl ModelCardInfo {
             let config = read_json(&dir.join("config.json"))?;
             info.base_model = hub_id_field(&config, "_name_or_path");
         }
+        info.quantized = dir.join("quantized/config.json").is_file();
         Ok(info)
     }
 }
@@ -258,5 +261,12 @@ pub fn render(info: ModelCardInfo) -> String {
         );
     }
     out.push_str("```\n");
+    if info.quantized {
+        let _ = writeln!(
+            out,
+            "\n## The int4 export in `quantized/`\n\n`quantized/` holds the quantization-aware-trained model with its decoder linear weights stored as int4 values and per-group scales (`quant_method: tune_int4_groupwise` in its config.json). transformers has no loader for that format: load the files above, or run the export with tune, which dequantizes it on load:\n\n```bash\ntune download {} --output-dir model\ntune run generate --config <your generation config> checkpointer.checkpoint_dir=model/quantized\n```",
+            info.repo_id
+        );
+    }
     out
 }

@@ -21,6 +21,7 @@ fn adapter_card_has_front_matter_summary_and_loading_snippet() {
         metrics: vec![("Tokens/s".into(), "5120".into())],
         command: Some("tune run lora_finetune_single_device --config llama3_2/1B_lora".into()),
         tags: vec!["lora".into(), "alpaca".into()],
+        quantized: false,
     });
     let expected_front = "---\nbase_model: meta-llama/Llama-3.2-1B\nlibrary_name: peft\nlicense: llama3.2\ndatasets:\n- tatsu-lab/alpaca\ntags:\n- tune\n- lora\n- peft\n- lora_finetune_single_device\n- alpaca\npipeline_tag: text-generation\n---\n";
     assert!(card.starts_with(expected_front), "{card}");
@@ -52,4 +53,26 @@ fn full_checkpoint_card_uses_transformers_and_quotes_odd_values() {
     assert!(card.contains("tags:\n- tune\n"));
     assert!(!card.contains("base_model"));
     assert!(card.contains("AutoModelForCausalLM.from_pretrained(\"me/full\")"));
+}
+
+/// A QAT checkpoint's card says what `quantized/` holds and how to load it, since
+/// transformers cannot; other cards say nothing of it.
+#[test]
+fn a_quantized_export_gets_loader_notes() {
+    let quantized = render(ModelCardInfo {
+        repo_id: "me/qat".into(),
+        quantized: true,
+        ..ModelCardInfo::default()
+    });
+    assert!(
+        quantized.contains("## The int4 export in `quantized/`")
+            && quantized.contains("tune_int4_groupwise")
+            && quantized.contains("tune download me/qat --output-dir model"),
+        "{quantized}"
+    );
+    let plain = render(ModelCardInfo {
+        repo_id: "me/full".into(),
+        ..ModelCardInfo::default()
+    });
+    assert!(!plain.contains("quantized/"));
 }
