@@ -22,12 +22,9 @@ use super::RunContext;
 
 pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
     // Model: gradients are never needed, so load on the inner (non-autodiff) backend, in
-    // `dtype` (set before the first tensor exists).
-    precision::set_device_dtype::<B::InnerBackend>(
-        &ctx.device,
-        cfg.dtype,
-        precision::Use::Generation,
-    )?;
+    // `dtype` (set before the first tensor exists; fp32 on the CPU backend).
+    let dtype = precision::generation_dtype::<B::InnerBackend>(cfg.dtype);
+    precision::set_device_dtype::<B::InnerBackend>(&ctx.device, dtype, precision::Use::Generation)?;
     let started = Instant::now();
     let loaded = model::load::<B::InnerBackend>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
     let mut lm = loaded.model;
@@ -42,7 +39,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         cfg.checkpointer.checkpoint_dir.display(),
         lm.args.family.model_type(),
         lm.args.num_params() as f64 / 1e6,
-        precision::name(cfg.dtype),
+        precision::name(dtype),
         started.elapsed().as_secs_f64()
     );
 

@@ -218,3 +218,19 @@ fn generation_stays_within_the_models_positions() {
         "{err}"
     );
 }
+
+/// On the CPU backend bf16 generation computes in fp32 (bf16 converts on every op there) and
+/// says so: the text is the fp32 text.
+#[test]
+fn bf16_generation_on_the_cpu_computes_in_fp32_and_says_so() {
+    let fp32 = tune_generate(&[&prompt_arg(), "temperature=0", "dtype=fp32"]);
+    let bf16 = tune_generate(&[&prompt_arg(), "temperature=0", "dtype=bf16"]);
+    assert_eq!(bf16.stdout, fp32.stdout);
+    assert!(
+        bf16.stderr
+            .contains("dtype: generation on the CPU computes in fp32, not bf16"),
+        "{}",
+        bf16.stderr
+    );
+    assert!(!fp32.stderr.contains("computes in fp32"), "{}", fp32.stderr);
+}
