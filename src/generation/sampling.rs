@@ -94,13 +94,15 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)
         .enumerate()
         .map(|(i, &l)| (i as u32, l as f64 / t))
         .collect();
-    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let by_logit = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     if let Some(k) = params.top_k.filter(|&k| k > 0 && k < order.len()) {
-        // torchtune keeps every token tied with the k-th (`probs < pivot` are dropped).
+        // Only the top k need sorting: select the k-th in O(vocab), then keep it, everything
+        // above it, and (as torchtune, which drops only `probs < pivot`) every token tied with it.
+        order.select_nth_unstable_by(k - 1, by_logit);
         let pivot = order[k - 1].1;
-        let keep = order.iter().take_while(|(_, l)| *l >= pivot).count();
-        order.truncate(keep);
+        order.retain(|(_, l)| *l >= pivot);
     }
+    order.sort_by(by_logit);
     let max = order.first().map_or(0.0, |(_, l)| *l);
     let mut probs: Vec<(u32, f64)> = order
         .into_iter()
@@ -168,6 +170,47 @@ mod tests {
         assert_eq!(ids, vec![1, 2]);
         let sum: f64 = probs.iter().map(|(_, q)| q).sum();
         assert!((sum - 1.0).abs() < 1e-12);
+    }
+
+    /// The top-k selection keeps exactly what sorting the whole vocabulary and cutting after
+    /// the k-th (ties included) keeps, in the same order.
+    #[test]
+    fn top_k_selection_equals_a_full_sort() {
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as f32 / (1u64 << 31) as f32
+        };
+        for round in 0..50 {
+            // Coarse values make ties common.
+            let logits: Vec<f32> = (0..500).map(|_| (next() * 20.0).round() / 4.0).collect();
+            for k in [1, 2, 10, 37, 300, 499] {
+                let params = SamplingParams {
+                    temperature: 0.7,
+                    top_k: Some(k),
+                    top_p: None,
+                };
+                let mut full: Vec<(u32, f64)> = logits
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &l)| (i as u32, l as f64 / 0.7))
+                    .collect();
+                full.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let pivot = full[k - 1].1;
+                let expected: Vec<u32> = full
+                    .iter()
+                    .take_while(|(_, l)| *l >= pivot)
+                    .map(|(i, _)| *i)
+                    .collect();
+                let got: Vec<u32> = filtered_probs(&logits, &params)
+                    .iter()
+                    .map(|(i, _)| *i)
+                    .collect();
+                assert_eq!(got, expected, "round {round}, k {k}");
+            }
+        }
     }
 
     #[test]
