@@ -1,6 +1,6 @@
 //! The Hub client: hf-hub 1.0's blocking client, configured from tune's environment
-//! ([`HubEnv`]: token, endpoint, cache), and its errors turned into [`HubError`]s that say
-//! what to do.
+//! ([`HubEnv`](crate::hub::HubEnv): token, endpoint, cache), and its errors turned into
+//! [`HubError`]s that say what to do.
 //!
 //! The blocking client runs its own tokio runtime, so tune's callers (the CLI, a recipe's
 //! epilogue) stay synchronous; none of them runs inside an async runtime.
@@ -9,7 +9,6 @@ use std::path::Path;
 
 use hf_hub::{HFClientBuilder, HFClientSync, HFError};
 
-use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
 
 /// How often a transient failure (connection refused, 5xx, timeout) is retried. hf-hub's
@@ -57,11 +56,6 @@ pub fn connect(
             cause: other.to_string(),
         },
     })
-}
-
-/// The endpoint options and the environment name.
-pub fn endpoint(env: &HubEnv, explicit: Option<&str>) -> String {
-    env.resolve_endpoint(explicit)
 }
 
 /// `org/name` -> ("org", "name"); a bare name has no owner.
@@ -140,7 +134,6 @@ pub fn error(e: HFError, cx: &Context<'_>) -> HubError {
         HFError::Http { context }
         | HFError::Conflict { context }
         | HFError::RateLimited { context, .. } => HubError::Http {
-            method: "request".into(),
             url: context.url.clone(),
             status: context.status.as_u16(),
             message: context

@@ -1,7 +1,6 @@
 //! Dataset files from the Hub, for recipes whose dataset `source` is a Hub repo.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use crate::hub::download::{DownloadOptions, download_with_env};
 use crate::hub::env::HubEnv;
@@ -27,7 +26,6 @@ pub struct DatasetFetchOptions {
     pub cache_dir: Option<PathBuf>,
     pub offline: Option<bool>,
     pub progress: bool,
-    pub timeout: Option<Duration>,
 }
 
 /// Fetches the data files of a dataset repo into the cache and returns their
@@ -74,7 +72,6 @@ pub fn fetch_dataset_files_with_env(
             cache_dir: opts.cache_dir.clone(),
             offline: opts.offline,
             progress: opts.progress,
-            timeout: opts.timeout,
             output_dir: None,
         },
         env,

@@ -4,7 +4,6 @@
 //! they came from ([`provenance`](crate::hub::provenance)).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use hf_hub::{HFError, HFRepositorySync, RepoType as HfRepoType};
 
@@ -36,8 +35,6 @@ pub struct DownloadOptions {
     pub offline: Option<bool>,
     /// Show progress bars (also off with `HF_HUB_DISABLE_PROGRESS_BARS`).
     pub progress: bool,
-    /// Unused: hf-hub 1.0 sets its own timeouts and retries transient failures.
-    pub timeout: Option<Duration>,
 }
 
 impl DownloadOptions {

@@ -53,9 +53,8 @@ pub enum HubError {
     )]
     InvalidEndpoint { endpoint: String, cause: String },
 
-    #[error("{method} {url} failed with HTTP {status}: {message}")]
+    #[error("{url} failed with HTTP {status}: {message}")]
     Http {
-        method: String,
         url: String,
         status: u16,
         message: String,
@@ -97,9 +96,6 @@ pub enum HubError {
 
     #[error("{} cannot be pushed: {reason}", dir.display())]
     InvalidPushDir { dir: PathBuf, reason: String },
-
-    #[error("LFS upload of {path} failed: {detail}")]
-    Lfs { path: String, detail: String },
 
     #[error(
         "no data files in dataset {repo} match {patterns:?}; pass data_files naming the files to use"

@@ -2,7 +2,6 @@
 //! every file plus a model card in one commit.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use hf_hub::repository::{AddSource, CommitOperation};
 use hf_hub::{HFError, RepoTypeModel};
@@ -39,8 +38,6 @@ pub struct PushOptions {
     /// checkpoint manifest. Off by default: a Hub user loads the model, not the run.
     pub include_training_state: bool,
     pub progress: bool,
-    /// Unused: hf-hub 1.0 sets its own timeouts and retries transient failures.
-    pub timeout: Option<Duration>,
 }
 
 /// Where the published README.md came from.
@@ -91,13 +88,7 @@ pub fn plan(opts: &PushOptions) -> Result<Vec<PushedFile>, HubError> {
     validate_repo_id(&opts.repo_id)?;
     validate_push_dir(&opts.dir)?;
     let (files, _) = collect_files(opts)?;
-    Ok(files
-        .iter()
-        .map(|f| PushedFile {
-            path: f.path_in_repo.clone(),
-            size: f.size,
-        })
-        .collect())
+    Ok(files.iter().map(Upload::listed).collect())
 }
 
 /// Pushes with settings from the process environment.
@@ -179,13 +170,7 @@ pub fn push_with_env(opts: PushOptions, env: &HubEnv) -> Result<PushReport, HubE
         repo_id: opts.repo_id.clone(),
         kind,
         created_repo,
-        files: files
-            .iter()
-            .map(|f| PushedFile {
-                path: f.path_in_repo.clone(),
-                size: f.size,
-            })
-            .collect(),
+        files: files.iter().map(Upload::listed).collect(),
         readme,
         commit_url: info.commit_url,
         commit_oid: info.commit_oid,
@@ -215,6 +200,14 @@ impl Upload {
             size,
             source: Source::File(path.to_path_buf()),
         })
+    }
+
+    /// What the report and the dry run list of it.
+    fn listed(&self) -> PushedFile {
+        PushedFile {
+            path: self.path_in_repo.clone(),
+            size: self.size,
+        }
     }
 
     fn bytes(rel: &str, bytes: Vec<u8>) -> Self {

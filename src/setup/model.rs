@@ -133,12 +133,12 @@ pub fn attach_adapters<B: Backend>(
             message: "this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False".into(),
         });
     }
+    // The Hub id of the base model when known, else its path (as peft writes it).
+    let base_model = crate::hub::provenance::base_model_name(&checkpointer.checkpoint_dir);
     if let Some(mut config) =
         load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")?
     {
-        config.base_model_name_or_path = Some(crate::hub::provenance::base_model_name(
-            &checkpointer.checkpoint_dir,
-        ));
+        config.base_model_name_or_path = Some(base_model);
         return Ok(config);
     }
     let attached = peft::attach_lora(model, &plan.targets, &plan.settings, seed);
@@ -149,9 +149,7 @@ pub fn attach_adapters<B: Backend>(
         });
     }
     Ok(peft::AdapterConfig::new(
-        Some(crate::hub::provenance::base_model_name(
-            &checkpointer.checkpoint_dir,
-        )),
+        Some(base_model),
         &plan.settings,
         plan.targets.clone(),
     ))
