@@ -212,6 +212,31 @@ fn the_tiny_config_runs_from_a_directory_outside_the_repository() {
     assert_eq!(metrics.len(), 5);
 }
 
+/// Outside the repository with a cache that cannot be written (XDG_CACHE_HOME is a file): the
+/// error names the config key, its value, the path that failed and the ways out; no panic.
+#[test]
+fn an_unwritable_cache_for_the_shipped_assets_is_named() {
+    let cwd = TempDir::new("outside-nocache");
+    let blocker = cwd.path().join("not-a-dir");
+    std::fs::write(&blocker, "x").unwrap();
+    let res = std::process::Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(["validate", "tiny/lora_single_device"])
+        .current_dir(cwd.path())
+        .env("XDG_CACHE_HOME", &blocker)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("config key ")
+            && err.contains("`assets/")
+            && err.contains(&blocker.display().to_string())
+            && err.contains("set XDG_CACHE_HOME to a writable directory"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// `tune push --dry-run` on a checkpoint a run wrote: what a Hub user loads and the card, not
 /// the optimizer state or the manifest; no token or network needed (offline mode set).
 #[test]
