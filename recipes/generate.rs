@@ -12,11 +12,12 @@ use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::GenerateConfig;
+use tune::data::LabeledMessage;
 use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
 use tune::model_io::peft;
 use tune::precision;
 use tune::setup::{data, model};
-use tune::tokenizer::{Message, Tokenizer};
+use tune::tokenizer::{Message, Role, Tokenizer};
 
 use super::RunContext;
 
@@ -125,10 +126,34 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     Ok(())
 }
 
-/// With `chat: True` the messages go through the checkpoint's chat template (which writes
-/// BOS itself, so no special tokens are added); otherwise the user prompt is plain text with
+/// A torchtune tokenizer component (`llama3_tokenizer`, ...) formats the prompt as torchtune's
+/// generate recipe does: the system and user messages and an empty assistant turn, which gets
+/// its header and no end tokens (torchtune's Qwen, Mistral, Gemma and Phi-3 tokenizers append
+/// EOS there too, which ends the answer before it starts; tune does not). Otherwise, with
+/// `chat: True` the messages go through the checkpoint's chat template (which writes BOS
+/// itself, so no special tokens are added), and without it the user prompt is plain text with
 /// the tokenizer's own special tokens (e.g. BOS).
 fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    let format = tokenizer.format().format;
+    if format.is_torchtune() {
+        if cfg.chat {
+            anyhow::bail!(
+                "chat: True formats the prompt with the checkpoint's chat template, but `tokenizer._component_` names a torchtune tokenizer, which formats it as {} does; drop `chat`, or set `tokenizer._component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer` to use the chat template",
+                format.name()
+            );
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = &cfg.prompt.system {
+            messages.push(LabeledMessage::new(Role::System, system.clone(), true));
+        }
+        messages.push(LabeledMessage::new(
+            Role::User,
+            cfg.prompt.user.clone(),
+            true,
+        ));
+        messages.push(LabeledMessage::new(Role::Assistant, "", false));
+        return tune::data::tokenize_prompt(tokenizer, &messages).context("prompt");
+    }
     if cfg.chat {
         if !tokenizer.has_chat_template() {
             anyhow::bail!(

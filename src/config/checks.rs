@@ -6,12 +6,13 @@ use std::path::Path;
 
 use serde_yaml::Value;
 
-use crate::config::components::{self, Component, DatasetKind, LossKind};
+use crate::config::components::{self, Component, DatasetKind, LossKind, TokenizerKind};
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::paths;
 use crate::config::recipes::Recipe;
 use crate::config::validate::{Checker, join};
 use crate::config::yaml;
+use crate::tokenizer::PromptTemplate;
 
 fn component_at(root: &Value, path: &str) -> Option<(String, Component)> {
     let name = yaml::get(root, &join(path, "_component_"))?.as_str()?;
@@ -34,6 +35,7 @@ fn dataset_entries<'a>(root: &'a Value, key: &str) -> Vec<(String, &'a Value)> {
 
 pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     model_rules(recipe, root, cx);
+    prompt_template_rule(root, cx);
     // Generation has ranges too (max_new_tokens, temperature, top_k, top_p).
     range_rules(root, cx);
     if !recipe.is_training() {
@@ -71,6 +73,42 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
             )
             .with_fix("e.g. `betas: [0.9, 0.999]`"),
         );
+    }
+}
+
+/// `tokenizer.prompt_template` must name a template tune knows (or be a `{role: [prefix,
+/// suffix]}` mapping), and only a torchtune tokenizer component formats with one.
+fn prompt_template_rule(root: &Value, cx: &mut Checker) {
+    let key = "tokenizer.prompt_template";
+    let Some(value) = yaml::get(root, key).filter(|v| !v.is_null()) else {
+        return;
+    };
+    let chat_template = matches!(
+        component_at(root, "tokenizer"),
+        Some((
+            _,
+            Component::Tokenizer(TokenizerKind::HuggingFace | TokenizerKind::SmolLM2)
+        ))
+    );
+    let problem = if chat_template {
+        Some((
+            "this tokenizer component formats with the checkpoint's chat template, which a prompt template cannot wrap".to_string(),
+            "remove `prompt_template`, or name a torchtune tokenizer component (e.g. torchtune.models.llama3.llama3_tokenizer)",
+        ))
+    } else {
+        serde_json::to_value(value)
+            .map_err(|e| e.to_string())
+            .and_then(|json| PromptTemplate::from_value(&json).map_err(|e| e.to_string()))
+            .err()
+            .map(|e| {
+                (
+                    e,
+                    "name a built-in template or give a mapping {role: [prefix, suffix]}",
+                )
+            })
+    };
+    if let Some((message, fix)) = problem {
+        cx.problem(Problem::new(ProblemKind::InvalidValue, key, message).with_fix(fix));
     }
 }
 

@@ -80,7 +80,15 @@ pub struct TokenizerConfig {
     pub path: PathBuf,
     pub merges_file: Option<PathBuf>,
     pub max_seq_len: Option<usize>,
-    pub prompt_template: Option<Value>,
+    /// Absent: the component's default template (Llama2ChatTemplate for `llama2_tokenizer`,
+    /// MistralChatTemplate for `mistral_tokenizer`, none otherwise); `Some(None)`: `null`, no
+    /// template.
+    #[serde(
+        default,
+        deserialize_with = "explicit_null",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub prompt_template: Option<Option<Value>>,
     pub special_tokens_path: Option<PathBuf>,
 }
 
@@ -154,6 +162,9 @@ pub struct DatasetConfig {
     pub column: Option<String>,
     #[serde(default = "yes")]
     pub add_eos: bool,
+    /// Packing: a sample that does not fit continues in the next pack (torchtune's default:
+    /// true for text completion, false otherwise).
+    pub split_across_pack: Option<bool>,
     pub filter_fn: Option<String>,
 }
 
@@ -274,6 +285,11 @@ fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<DatasetConfig>, D:
         OneOrMany::One(one) => vec![*one],
         OneOrMany::Many(many) => many,
     })
+}
+
+/// Tells `key: null` (Some(None)) from a missing key (None).
+fn explicit_null<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<Value>>, D::Error> {
+    Ok(Some(Option::<Value>::deserialize(d)?))
 }
 
 fn opt_one_or_many<'de, D: Deserializer<'de>>(

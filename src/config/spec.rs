@@ -185,6 +185,7 @@ pub static DATASET: Section = section(
         opt("conversation_style", Ty::Enum(&["sharegpt", "openai"])),
         opt("column", Ty::Str),
         opt("add_eos", Ty::Bool),
+        opt("split_across_pack", Ty::Bool),
         warn(
             "filter_fn",
             NSTR,

@@ -97,8 +97,13 @@ impl Dataset {
         let samples = if kind.is_preference() {
             Samples::Preference(pairs)
         } else if let Some(n) = pack_len {
-            let split = spec.split_across_pack.unwrap_or(false);
-            Samples::Packed(pack(&sft, n, pad_id, split)?)
+            // torchtune's text_completion_dataset splits across packs by default, the others not
+            let split = spec
+                .split_across_pack
+                .unwrap_or(kind == DatasetKind::TextCompletion);
+            // torchtune's PackedDataset pads packs with id 0 whatever the tokenizer (its
+            // `padding_idx` default); the padding is its own document and never trained.
+            Samples::Packed(pack(&sft, n, 0, split)?)
         } else {
             Samples::Sft(sft)
         };

@@ -98,6 +98,12 @@ pub enum TokenizeError {
     MessageNotInTemplate { index: usize, role: String },
     #[error("max_seq_len must be at least 2 (got {0})")]
     MaxSeqLen(usize),
+    #[error(
+        "the tokenizer component's format writes the special token {0:?}, which the tokenizer.json does not have; point `tokenizer.path` at this model family's tokenizer"
+    )]
+    MissingSpecialToken(String),
+    #[error("{0}")]
+    Template(String),
 }
 
 pub type Result<T, E = DataError> = std::result::Result<T, E>;

@@ -2,6 +2,7 @@
 mod collate;
 mod dataset;
 mod error;
+mod formats;
 mod loader;
 mod packing;
 mod source;
@@ -16,7 +17,9 @@ pub use loader::{DataLoader, LoaderConfig};
 pub use packing::{PackedSample, pack};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
 pub use spec::{ConversationStyle, DatasetKind, DatasetSpec, OneOrMany};
-pub use tokenize::{IGNORE_INDEX, SftSample, tokenize_messages, tokenize_text, truncate};
+pub use tokenize::{
+    IGNORE_INDEX, SftSample, tokenize_messages, tokenize_prompt, tokenize_text, truncate,
+};
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
 };

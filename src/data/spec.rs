@@ -44,7 +44,7 @@ pub struct DatasetSpec {
     pub column_map: Option<BTreeMap<String, String>>,
     pub train_on_input: Option<bool>,
     pub packed: Option<bool>,
-    /// Only for packing text completion: split samples across packs (torchtune default false).
+    /// Packing: split samples across packs (torchtune's default: true for text completion).
     pub split_across_pack: Option<bool>,
     pub new_system_prompt: Option<String>,
     /// Chat datasets: the column holding the conversation (default `conversations` for

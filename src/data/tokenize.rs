@@ -10,6 +10,7 @@
 //! when its bytes overlap a trained span. If a template is not prefix-stable, spans fall back
 //! to searching each message's content in the rendered text (content + up to the next stop token).
 use super::error::TokenizeError;
+use super::formats;
 use super::transform::LabeledMessage;
 use crate::tokenizer::{Message, Role, Tokenizer};
 
@@ -53,17 +54,22 @@ fn check_len(max_seq_len: Option<usize>) -> Result<()> {
     }
 }
 
-/// Tokenizes a conversation: with the tokenizer's chat template when it has one, else the plain
-/// format (BOS, each message's text, EOS after each assistant message). BOS is prepended when the
-/// tokenizer has one and the template did not write it; EOS is appended after a final assistant
-/// message when the template wrote no stop token for it (torchtune adds both). Truncated to
-/// `max_seq_len` as torchtune does (see [`truncate`]).
+/// Tokenizes a conversation. With a torchtune tokenizer component (`llama3_tokenizer`, ...)
+/// exactly as that component does (see `data::formats`). Otherwise with the tokenizer's chat
+/// template when it has one, else the plain format (BOS, each message's text, EOS after each
+/// assistant message). BOS is prepended when the tokenizer has one and the template did not
+/// write it; EOS is appended after a final assistant message when the template wrote no stop
+/// token for it (torchtune adds both). Truncated to `max_seq_len` as torchtune does (see
+/// [`truncate`]).
 pub fn tokenize_messages(
     tok: &Tokenizer,
     messages: &[LabeledMessage],
     max_seq_len: Option<usize>,
 ) -> Result<SftSample> {
     check_len(max_seq_len)?;
+    if tok.format().format.is_torchtune() {
+        return formats::tokenize(tok, messages, max_seq_len, true);
+    }
     let mut sample = if tok.has_chat_template() {
         with_template(tok, messages)?
     } else {
@@ -90,9 +96,15 @@ pub fn truncate(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>) {
     sample.labels[last] = IGNORE_INDEX;
 }
 
-/// Text completion (torchtune `TextCompletionDataset`): `encode(text)` with the post-processor's
-/// special tokens (BOS), EOS appended when `add_eos`, truncated to `max_seq_len - 1` without
-/// forcing EOS, every token trained.
+/// The token ids of a generation prompt (a final empty assistant message) in the tokenizer
+/// component's torchtune format: the last message gets its header and no end tokens.
+pub fn tokenize_prompt(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<Vec<u32>> {
+    Ok(formats::tokenize(tok, messages, None, false)?.tokens)
+}
+
+/// Text completion (torchtune `TextCompletionDataset`): `encode(text)` with BOS (a torchtune
+/// component's own; otherwise the post-processor's special tokens), EOS appended when `add_eos`,
+/// truncated to `max_seq_len - 1` without forcing EOS, every token trained.
 pub fn tokenize_text(
     tok: &Tokenizer,
     text: &str,
@@ -100,6 +112,18 @@ pub fn tokenize_text(
     max_seq_len: Option<usize>,
 ) -> Result<SftSample> {
     check_len(max_seq_len)?;
+    if tok.format().format.is_torchtune() {
+        let mut tokens: Vec<u32> = tok.format_bos_id().into_iter().collect();
+        tokens.extend(tok.encode(text, false)?);
+        if add_eos && let Some(eos) = tok.format_eos_id() {
+            tokens.push(eos);
+        }
+        if let Some(max) = max_seq_len {
+            tokens.truncate(max - 1);
+        }
+        let labels = tokens.iter().map(|&t| i64::from(t)).collect();
+        return Ok(SftSample { tokens, labels });
+    }
     let mut tokens = tok.encode(text, true)?;
     if let (true, Some(eos)) = (add_eos, tok.eos_id())
         && tokens.last() != Some(&eos)

@@ -3,18 +3,65 @@
 use std::path::Path;
 
 use super::SetupError;
-use crate::config::components::Component;
+use crate::config::components::{Component, TokenizerKind};
 use crate::config::paths::resolve_tokenizer_json;
 use crate::config::schema::{ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig};
 use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig, OneOrMany};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{MessageFormat, ModelFormat, PromptTemplate, Tokenizer};
 
+/// The model's tokenizer.json with the message format of the component the config names.
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
     let path = resolve_tokenizer_json(&cfg.path).map_err(|e| SetupError::Invalid {
         key: "tokenizer.path".into(),
         message: e.to_string(),
     })?;
-    Ok(Tokenizer::from_path(path)?)
+    let mut tokenizer = Tokenizer::from_path(path)?;
+    tokenizer.set_format(model_format(cfg)?)?;
+    Ok(tokenizer)
+}
+
+/// The format torchtune's tokenizer component writes, and its prompt template: the configured
+/// one, or the component's default.
+pub fn model_format(cfg: &TokenizerConfig) -> Result<ModelFormat, SetupError> {
+    let kind = match &cfg.component {
+        Component::Tokenizer(kind) => *kind,
+        _ => TokenizerKind::HuggingFace,
+    };
+    let format = match kind {
+        TokenizerKind::Llama3 => MessageFormat::Llama3,
+        TokenizerKind::Qwen2 => MessageFormat::Qwen2,
+        TokenizerKind::Qwen2_5 | TokenizerKind::Qwen3 => MessageFormat::Qwen2_5,
+        TokenizerKind::Llama2 | TokenizerKind::Mistral | TokenizerKind::Gemma => {
+            MessageFormat::SentencePiece
+        }
+        TokenizerKind::Phi3Mini => MessageFormat::Phi3,
+        TokenizerKind::SmolLM2 | TokenizerKind::HuggingFace => MessageFormat::ChatTemplate,
+    };
+    let invalid = |message: String| SetupError::Invalid {
+        key: "tokenizer.prompt_template".into(),
+        message,
+    };
+    let prompt_template = match &cfg.prompt_template {
+        None => match kind {
+            TokenizerKind::Llama2 => Some(PromptTemplate::Llama2Chat),
+            TokenizerKind::Mistral => Some(PromptTemplate::MistralChat),
+            _ => None,
+        },
+        Some(None) => None,
+        Some(Some(value)) => {
+            if format == MessageFormat::ChatTemplate {
+                return Err(invalid(
+                    "the checkpoint's chat template formats the messages with this tokenizer component, so a prompt template cannot apply; remove `prompt_template`, or name a torchtune tokenizer component (e.g. torchtune.models.llama3.llama3_tokenizer)".into(),
+                ));
+            }
+            let json = serde_json::to_value(value).map_err(|e| invalid(e.to_string()))?;
+            Some(PromptTemplate::from_value(&json).map_err(|e| invalid(e.to_string()))?)
+        }
+    };
+    Ok(ModelFormat {
+        format,
+        prompt_template,
+    })
 }
 
 /// The data module's view of one `dataset` entry.
@@ -51,6 +98,7 @@ pub fn spec(cfg: &DatasetConfig) -> Result<(DatasetSpec, DatasetKind), SetupErro
         }),
         column: cfg.column.clone(),
         add_eos: Some(cfg.add_eos),
+        split_across_pack: cfg.split_across_pack,
         ..Default::default()
     };
     Ok((spec, kind))

@@ -51,6 +51,16 @@ pub enum TokenizerError {
     NoChatTemplate,
     #[error("rendering the chat template from {origin} failed: {message}")]
     TemplateRender { origin: String, message: String },
+    #[error("{0}")]
+    PromptTemplate(String),
+    #[error(
+        "{component} needs the special token {token:?}, which {path} does not have: point `tokenizer.path` at this model family's tokenizer.json, or use `_component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer` to format with the checkpoint's chat template"
+    )]
+    MissingFormatToken {
+        component: &'static str,
+        token: String,
+        path: PathBuf,
+    },
     #[error("encoding failed: {0}")]
     Encode(String),
     #[error("decoding failed: {0}")]

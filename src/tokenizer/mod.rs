@@ -1,10 +1,12 @@
 //! Hugging Face tokenizers (`tokenizer.json`) with the checkpoint's special tokens and chat template.
 mod error;
+mod format;
 mod message;
 mod special;
 mod template;
 
 pub use error::{Result, TokenizerError};
+pub use format::{MessageFormat, ModelFormat, PromptTemplate};
 pub use message::{Message, Role};
 pub use special::SpecialToken;
 pub use template::{ChatTemplate, TemplateVars};
@@ -16,6 +18,7 @@ pub type Offsets = (usize, usize);
 use std::path::{Path, PathBuf};
 
 /// A tokenizer loaded from a `tokenizer.json` plus the checkpoint's config files.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
@@ -25,6 +28,7 @@ pub struct Tokenizer {
     unk: Option<SpecialToken>,
     stop_ids: Vec<u32>,
     template: Option<ChatTemplate>,
+    format: ModelFormat,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -36,6 +40,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("pad", &self.pad)
             .field("stop_ids", &self.stop_ids)
             .field("template", &self.template)
+            .field("format", &self.format)
             .finish()
     }
 }
@@ -85,6 +90,7 @@ impl Tokenizer {
             unk,
             stop_ids,
             template,
+            format: ModelFormat::default(),
         })
     }
 
@@ -174,6 +180,85 @@ impl Tokenizer {
             None => None,
         };
         Ok(())
+    }
+
+    /// Whether the vocabulary encodes whitespace itself (SentencePiece's check: some of
+    /// space, newline, tab, CR, VT encodes to tokens).
+    pub fn encodes_whitespace(&self) -> bool {
+        [" ", "\n", "\t", "\r", "\u{b}"]
+            .iter()
+            .any(|c| self.encode(c, false).is_ok_and(|ids| !ids.is_empty()))
+    }
+
+    /// The message format of the configured tokenizer component.
+    pub fn format(&self) -> &ModelFormat {
+        &self.format
+    }
+
+    /// Selects the tokenizer component's format, after checking that the vocabulary has the
+    /// special tokens it writes.
+    pub fn set_format(&mut self, format: ModelFormat) -> Result<()> {
+        let needed: &[&str] = match format.format {
+            MessageFormat::ChatTemplate | MessageFormat::SentencePiece => &[],
+            MessageFormat::Llama3 => &[
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ],
+            MessageFormat::Qwen2 | MessageFormat::Qwen2_5 => &["<|im_start|>", "<|im_end|>"],
+            MessageFormat::Phi3 => &[
+                "<|user|>",
+                "<|assistant|>",
+                "<|system|>",
+                "<|end|>",
+                "<|endoftext|>",
+            ],
+        };
+        let missing = |token: &str| TokenizerError::MissingFormatToken {
+            component: format.format.name(),
+            token: token.to_string(),
+            path: self.path.clone(),
+        };
+        if let Some(t) = needed.iter().find(|t| self.token_to_id(t).is_none()) {
+            return Err(missing(t));
+        }
+        if matches!(
+            format.format,
+            MessageFormat::SentencePiece | MessageFormat::Phi3
+        ) {
+            if self.bos.is_none() {
+                return Err(missing("bos_token"));
+            }
+            if format.format == MessageFormat::SentencePiece && self.eos.is_none() {
+                return Err(missing("eos_token"));
+            }
+        }
+        self.format = format;
+        Ok(())
+    }
+
+    /// The BOS the format writes (None: the format writes none).
+    pub fn format_bos_id(&self) -> Option<u32> {
+        match self.format.format {
+            MessageFormat::Llama3 => self.token_to_id("<|begin_of_text|>"),
+            MessageFormat::Qwen2 | MessageFormat::Qwen2_5 => None,
+            MessageFormat::ChatTemplate | MessageFormat::SentencePiece | MessageFormat::Phi3 => {
+                self.bos_id()
+            }
+        }
+    }
+
+    /// The EOS the format writes: torchtune's components fix it (Llama 3's `<|end_of_text|>`,
+    /// Qwen's `<|im_end|>`, Phi-3's `<|endoftext|>`); otherwise the checkpoint's.
+    pub fn format_eos_id(&self) -> Option<u32> {
+        match self.format.format {
+            MessageFormat::Llama3 => self.token_to_id("<|end_of_text|>"),
+            MessageFormat::Qwen2 | MessageFormat::Qwen2_5 => self.token_to_id("<|im_end|>"),
+            MessageFormat::Phi3 => self.token_to_id("<|endoftext|>"),
+            MessageFormat::ChatTemplate | MessageFormat::SentencePiece => self.eos_id(),
+        }
     }
 
     /// Renders `messages` with the chat template (text, not ids; tokenize it with

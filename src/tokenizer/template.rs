@@ -10,6 +10,7 @@ use std::path::Path;
 const NAME: &str = "chat_template";
 
 /// A compiled chat template.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,

@@ -602,3 +602,45 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
         assert!(e.has(key, says), "{over}: {e}");
     }
 }
+
+#[test]
+fn prompt_templates_are_checked_by_name_and_only_with_a_torchtune_tokenizer() {
+    let llama3 = "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer";
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[llama3, "tokenizer.prompt_template=my.module.MyTemplate"],
+    );
+    assert!(
+        e.to_string().contains("tokenizer.prompt_template")
+            && e.to_string().contains("my.module.MyTemplate"),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[llama3, "tokenizer.prompt_template={user: [only]}"],
+    );
+    assert!(e.to_string().contains("[prefix, suffix]"), "{e}");
+    // The checkpoint's chat template formats HFTokenizer's messages: a template cannot apply.
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["tokenizer.prompt_template=torchtune.data.SummarizeTemplate"],
+    );
+    assert!(e.to_string().contains("chat template"), "{e}");
+    // Built-in names and mappings validate.
+    for t in [
+        "torchtune.data.QuestionAnswerTemplate",
+        "torchtune.models.llama2.Llama2ChatTemplate",
+        "{user: ['Q: ', ' A: ']}",
+        "null",
+    ] {
+        let cfg = load_config(
+            "tiny/lora_single_device",
+            &args(&[llama3, &format!("tokenizer.prompt_template={t}")]),
+        )
+        .unwrap();
+        validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{t}: {e}"));
+    }
+}

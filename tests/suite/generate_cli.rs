@@ -62,12 +62,6 @@ fn tune_generate(extra: &[&str]) -> Run {
 /// The completion the library gives for the tiny config's model, greedy, 8 tokens.
 fn expected(chat: bool, adapter: bool) -> String {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
-    let mut lm = load_model::<Cpu>(&dir, None, &Default::default())
-        .unwrap()
-        .model;
-    if adapter {
-        load_adapter(&mut lm, &fixture("tiny-llama-lora")).unwrap();
-    }
     let tok = Tokenizer::from_path(dir.join("tokenizer.json")).unwrap();
     let prompt = if chat {
         let text = tok
@@ -77,6 +71,19 @@ fn expected(chat: bool, adapter: bool) -> String {
     } else {
         tok.encode(PROMPT, true).unwrap()
     };
+    complete(&prompt, adapter)
+}
+
+/// The tiny model's greedy 8-token completion of `prompt`, decoded.
+fn complete(prompt: &[u32], adapter: bool) -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    let mut lm = load_model::<Cpu>(&dir, None, &Default::default())
+        .unwrap()
+        .model;
+    if adapter {
+        load_adapter(&mut lm, &fixture("tiny-llama-lora")).unwrap();
+    }
+    let tok = Tokenizer::from_path(dir.join("tokenizer.json")).unwrap();
     let opts = GenerateOptions {
         max_new_tokens: 8,
         sampling: SamplingParams::GREEDY,
@@ -85,7 +92,7 @@ fn expected(chat: bool, adapter: bool) -> String {
         stop_at_eos: true,
         use_kv_cache: true,
     };
-    let out = generate(&lm, &prompt, &opts, |_| {}).unwrap();
+    let out = generate(&lm, prompt, &opts, |_| {}).unwrap();
     tok.decode(&out.tokens, true).unwrap()
 }
 
@@ -233,4 +240,36 @@ fn bf16_generation_on_the_cpu_computes_in_fp32_and_says_so() {
         bf16.stderr
     );
     assert!(!fp32.stderr.contains("computes in fp32"), "{}", fp32.stderr);
+}
+
+/// A torchtune tokenizer component formats the prompt as torchtune's generate recipe does: the
+/// user message and an empty assistant turn that gets its header and nothing after it.
+#[test]
+fn a_torchtune_tokenizer_formats_the_prompt_as_its_component() {
+    let llama3 = "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer";
+    let run = tune_generate(&[&prompt_arg(), "temperature=0", llama3]);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    let tok = Tokenizer::from_path(dir.join("tokenizer.json")).unwrap();
+    let id = |t: &str| tok.token_to_id(t).unwrap();
+    let enc = |t: &str| tok.encode(t, false).unwrap();
+    let mut ids = vec![id("<|begin_of_text|>"), id("<|start_header_id|>")];
+    ids.extend(enc("user"));
+    ids.push(id("<|end_header_id|>"));
+    ids.extend(enc("\n\n"));
+    ids.extend(enc(PROMPT));
+    ids.extend([id("<|eot_id|>"), id("<|start_header_id|>")]);
+    ids.extend(enc("assistant"));
+    ids.push(id("<|end_header_id|>"));
+    ids.extend(enc("\n\n"));
+    assert!(
+        run.stderr
+            .contains(&format!("after a {}-token prompt", ids.len())),
+        "{}",
+        run.stderr
+    );
+    // the same prompt through the library gives the same completion
+    assert_eq!(run.stdout, format!("{}\n", complete(&ids, false)));
+    // chat: True asks for the chat template, which a torchtune component replaces: refused.
+    let err = generate_fails(&[&prompt_arg(), llama3, "chat=True"]);
+    assert!(err.contains("HuggingFaceModelTokenizer"), "{err}");
 }

@@ -31,3 +31,4 @@ mod qat_recipes;
 mod resume;
 mod support;
 mod tokenizer;
+mod torchtune_tokens;
