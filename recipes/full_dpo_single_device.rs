@@ -33,7 +33,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
-    data::require_preference_data(&data.dataset)?;
+    data::require_preference_data(&data)?;
 
     // Loss: DPO against the frozen reference.
     let mut dpo = DpoLoss::new(

@@ -31,7 +31,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
-    data::require_preference_data(&data.dataset)?;
+    data::require_preference_data(&data)?;
 
     // Loss: DPO against the adapter-free model.
     let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::AdaptersDisabled);

@@ -183,10 +183,11 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 other => CliError::failed(other),
             })?;
             eprintln!(
-                "Wrote {} ({} loss points, {} lr points)",
+                "Wrote {} ({} loss points, {} lr points, {} validation points)",
                 output.display(),
                 curves.loss.len(),
-                curves.lr.len()
+                curves.lr.len(),
+                curves.val_loss.len()
             );
             Ok(())
         }

@@ -43,6 +43,8 @@ pub enum PlotError {
 pub struct Curves {
     pub loss: Vec<(f64, f64)>,
     pub lr: Vec<(f64, f64)>,
+    /// `val_loss` (runs with `dataset_val`), drawn on the loss chart.
+    pub val_loss: Vec<(f64, f64)>,
 }
 
 /// Reads `step`, `loss` and `lr` from every line of a metrics.jsonl. A line that is not a JSON
@@ -80,6 +82,9 @@ pub fn read_metrics(path: &Path) -> Result<Curves, PlotError> {
         }
         if let Some(lr) = number("lr") {
             curves.lr.push((step, lr));
+        }
+        if let Some(v) = number("val_loss") {
+            curves.val_loss.push((step, v));
         }
     }
     if curves.loss.is_empty() {
@@ -150,11 +155,21 @@ fn draw<DB: DrawingBackend>(curves: &Curves, root: &DrawingArea<DB, Shift>) -> R
 
     let steps = x_range(&curves.loss);
     let mut chart = ChartBuilder::on(&top)
-        .caption("training loss", (FONT_FAMILY, 22))
+        .caption(
+            if curves.val_loss.is_empty() {
+                "training loss"
+            } else {
+                "training and validation loss"
+            },
+            (FONT_FAMILY, 22),
+        )
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d(steps.clone(), y_range(&curves.loss))
+        .build_cartesian_2d(
+            steps.clone(),
+            y_range(&[curves.loss.as_slice(), curves.val_loss.as_slice()].concat()),
+        )
         .map_err(err)?;
     chart
         .configure_mesh()
@@ -182,6 +197,27 @@ fn draw<DB: DrawingBackend>(curves: &Curves, root: &DrawingArea<DB, Shift>) -> R
             .map_err(err)?
             .label("smoothed (EMA 0.9)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
+    }
+    if !curves.val_loss.is_empty() {
+        let color = RGBColor(230, 120, 0);
+        chart
+            .draw_series(LineSeries::new(
+                curves.val_loss.iter().copied(),
+                color.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label("validation loss")
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(
+                curves
+                    .val_loss
+                    .iter()
+                    .map(|&p| Circle::new(p, 3, color.filled())),
+            )
+            .map_err(err)?;
     }
     chart
         .configure_series_labels()

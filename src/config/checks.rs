@@ -41,8 +41,21 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     if !recipe.is_training() {
         return;
     }
-    for (path, entry) in dataset_entries(root, "dataset") {
-        dataset_rules(recipe, entry, &path, cx);
+    for key in ["dataset", "dataset_val"] {
+        for (path, entry) in dataset_entries(root, key) {
+            dataset_rules(recipe, entry, &path, cx);
+        }
+    }
+    let has = |key: &str| yaml::get(root, key).is_some_and(|v| !v.is_null());
+    if has("run_val_every_n_steps") && !has("dataset_val") {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "run_val_every_n_steps",
+                "is set, but there is no `dataset_val` to validate on (torchtune refuses this too)",
+            )
+            .with_fix("add a `dataset_val` section, or set `run_val_every_n_steps: null`"),
+        );
     }
     let expect_loss = if recipe.is_dpo() {
         LossKind::Dpo

@@ -369,6 +369,8 @@ pub struct TrainConfig {
     pub run_val_every_n_steps: Option<usize>,
     #[serde(default, deserialize_with = "opt_one_or_many")]
     pub dataset_val: Option<Vec<DatasetConfig>>,
+    /// The validation batch size (torchtune: `batch_size` when unset).
+    pub batch_size_val: Option<usize>,
     pub model: ModelConfig,
     pub tokenizer: TokenizerConfig,
     pub checkpointer: CheckpointerConfig,

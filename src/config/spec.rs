@@ -333,6 +333,7 @@ static TRAIN_COMMON: &[Field] = &[
     opt("push_to_hub", Ty::Nullable(&Ty::Section(&PUSH_TO_HUB))),
     opt("run_val_every_n_steps", NUINT),
     opt("dataset_val", Ty::Nullable(&Ty::OneOrMany(&DATASET))),
+    opt("batch_size_val", NUINT),
     req("model", Ty::Section(&MODEL)),
     req("tokenizer", Ty::Section(&TOKENIZER)),
     req("checkpointer", Ty::Section(&CHECKPOINTER)),

@@ -8,6 +8,7 @@ use crate::config::paths::resolve_tokenizer_json;
 use crate::config::schema::{ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig};
 use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig, OneOrMany};
 use crate::tokenizer::{MessageFormat, ModelFormat, PromptTemplate, Tokenizer};
+use crate::training::validation::Validation;
 
 /// The model's tokenizer.json with the message format of the component the config names.
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
@@ -200,10 +201,52 @@ pub fn train_data(
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;
     let loader = loader(&dataset, cfg.batch_size, cfg.shuffle, run.seed)?;
+    let validation = match &cfg.dataset_val {
+        Some(entries) => Some(validation(
+            entries,
+            cfg,
+            &tokenizer,
+            max_seq_len,
+            run.world.size,
+            base_dir,
+        )?),
+        None => None,
+    };
     Ok(super::session::TrainData {
         tokenizer,
         dataset,
         loader,
+        validation,
+    })
+}
+
+/// The validation set (`dataset_val`, tokenized as the training set) and its loader:
+/// unshuffled batches of `batch_size_val` (default `batch_size`), the partial last one dropped,
+/// as torchtune's validation loader.
+fn validation(
+    entries: &[DatasetConfig],
+    cfg: &crate::config::schema::TrainConfig,
+    tokenizer: &Tokenizer,
+    max_seq_len: usize,
+    world_size: usize,
+    base_dir: &Path,
+) -> Result<Validation, SetupError> {
+    let dataset = dataset(entries, tokenizer, Some(max_seq_len), base_dir)?;
+    let batch_size = cfg.batch_size_val.unwrap_or(cfg.batch_size);
+    let loader = loader(&dataset, batch_size, false, 0)?;
+    if loader.num_batches_per_rank(world_size) == 0 {
+        return Err(SetupError::Invalid {
+            key: "dataset_val".into(),
+            message: format!(
+                "the validation set has {} samples, too few for one batch of batch_size_val={batch_size} on each of {world_size} worker(s); lower batch_size_val or add data",
+                dataset.len()
+            ),
+        });
+    }
+    Ok(Validation {
+        dataset,
+        loader,
+        every_n_steps: cfg.run_val_every_n_steps,
     })
 }
 
@@ -226,15 +269,23 @@ pub fn within_positions(max_seq_len: Option<usize>, positions: usize, announce: 
     }
 }
 
-/// The DPO recipes train on chosen / rejected pairs; an SFT dataset has no rejected side.
-pub fn require_preference_data(dataset: &Dataset) -> Result<(), SetupError> {
-    match dataset.samples() {
-        data::Samples::Preference(_) => Ok(()),
-        _ => Err(SetupError::Invalid {
-            key: "dataset".into(),
-            message: "DPO trains on preference pairs, but this dataset has no chosen/rejected responses; use \
-                      torchtune.datasets.preference_dataset, hh_rlhf_helpful_dataset or stack_exchange_paired_dataset"
-                .into(),
-        }),
+/// The DPO recipes train (and validate) on chosen / rejected pairs; an SFT dataset has no
+/// rejected side.
+pub fn require_preference_data(data: &super::session::TrainData) -> Result<(), SetupError> {
+    let sets = std::iter::once(("dataset", &data.dataset)).chain(
+        data.validation
+            .as_ref()
+            .map(|v| ("dataset_val", &v.dataset)),
+    );
+    for (key, dataset) in sets {
+        if !matches!(dataset.samples(), data::Samples::Preference(_)) {
+            return Err(SetupError::Invalid {
+                key: key.into(),
+                message: "DPO trains on preference pairs, but this dataset has no chosen/rejected responses; use \
+                          torchtune.datasets.preference_dataset, hh_rlhf_helpful_dataset or stack_exchange_paired_dataset"
+                    .into(),
+            });
+        }
     }
+    Ok(())
 }

@@ -18,6 +18,7 @@ use crate::training::optimizer_shards::ShardWriter;
 use crate::training::trainer::{
     LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState, TrainSummary,
 };
+use crate::training::validation::Validation;
 use crate::training::{TrainError, Trainer};
 
 /// A run's training data: this rank's share of every batch comes from `loader`.
@@ -25,6 +26,8 @@ pub struct TrainData {
     pub tokenizer: crate::tokenizer::Tokenizer,
     pub dataset: Dataset,
     pub loader: DataLoader,
+    /// `dataset_val`: scored every `run_val_every_n_steps` and at each epoch end.
+    pub validation: Option<Validation>,
 }
 
 /// The end of a run that trained: the push is the only step after training that can fail
@@ -210,7 +213,13 @@ impl<B: AutodiffBackend> Session<B> {
             (None, Some(w)) => w,
             (None, None) => &mut NoSave,
         };
-        let fitted = trainer.fit(&data.dataset, &data.loader, loss, hook);
+        let fitted = trainer.fit(
+            &data.dataset,
+            &data.loader,
+            loss,
+            hook,
+            data.validation.as_ref(),
+        );
         if let Some(writer) = shard_writer.as_mut() {
             writer.finish()?;
         }

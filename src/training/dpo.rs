@@ -14,7 +14,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use super::activation_checkpointing;
 use super::loss::sequence_log_probs;
 use super::sft::token_batch;
-use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
@@ -202,16 +202,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
         labels: &[i64],
     ) -> DpoForward<B> {
         let policy = pair_log_probs(logits.clone(), labels, pairs);
-        let mean = |t: Tensor<B, 3>| -> f64 {
-            crate::precision::to_f32(t.detach())
-                .mean()
-                .into_scalar()
-                .elem()
-        };
-        let logits_mean = (
-            mean(logits.clone().narrow(0, 0, pairs)),
-            mean(logits.narrow(0, pairs, pairs)),
-        );
+        let logits_mean = logits_means(logits, pairs);
         let terms = dpo_loss(
             self.settings,
             policy.chosen.clone(),
@@ -226,6 +217,20 @@ impl<B: AutodiffBackend> DpoLoss<B> {
             logits_mean,
         }
     }
+}
+
+/// Means of the logits over the chosen rows and over the rejected rows.
+fn logits_means<B: Backend>(logits: Tensor<B, 3>, pairs: usize) -> (f64, f64) {
+    let mean = |t: Tensor<B, 3>| -> f64 {
+        crate::precision::to_f32(t.detach())
+            .mean()
+            .into_scalar()
+            .elem()
+    };
+    (
+        mean(logits.clone().narrow(0, 0, pairs)),
+        mean(logits.narrow(0, pairs, pairs)),
+    )
 }
 
 /// The policy's forward mode: adapters and fake quantization on, dropout on.
@@ -245,8 +250,17 @@ fn mean(v: &[f64]) -> f64 {
 
 /// torchtune's DPO metrics, each a mean over the pairs of the batch.
 pub fn metrics<B: AutodiffBackend>(out: &DpoForward<B>) -> Vec<(&'static str, f64)> {
-    let chosen = host(&out.terms.chosen_rewards);
-    let rejected = host(&out.terms.rejected_rewards);
+    pair_metrics(&out.terms, &out.policy, out.logits_mean)
+}
+
+/// The DPO metrics from the loss terms, the policy's scores and its logits' means.
+fn pair_metrics<B: Backend>(
+    terms: &DpoTerms<B>,
+    policy: &PairLogProbs<B>,
+    logits_mean: (f64, f64),
+) -> Vec<(&'static str, f64)> {
+    let chosen = host(&terms.chosen_rewards);
+    let rejected = host(&terms.rejected_rewards);
     let wins: Vec<f64> = chosen
         .iter()
         .zip(&rejected)
@@ -260,14 +274,14 @@ pub fn metrics<B: AutodiffBackend>(out: &DpoForward<B>) -> Vec<(&'static str, f6
         ("rewards/margins", mean(&margins)),
         (
             "log_probs/chosen",
-            mean(&host(&out.policy.chosen.clone().detach())),
+            mean(&host(&policy.chosen.clone().detach())),
         ),
         (
             "log_probs/rejected",
-            mean(&host(&out.policy.rejected.clone().detach())),
+            mean(&host(&policy.rejected.clone().detach())),
         ),
-        ("logits/chosen", out.logits_mean.0),
-        ("logits/rejected", out.logits_mean.1),
+        ("logits/chosen", logits_mean.0),
+        ("logits/rejected", logits_mean.1),
     ]
 }
 
@@ -306,6 +320,44 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
             tokens: batch.tokens.len(),
             metrics: metrics(&out),
             grads,
+        })
+    }
+
+    /// The DPO loss and metrics of validation pairs: the policy without dropout, the reference
+    /// as in training.
+    fn evaluate(
+        &mut self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<EvalOutput, TrainError> {
+        let pairs = pairs_in(batch)?;
+        let policy_mode = ForwardMode {
+            train: false,
+            ..POLICY_MODE
+        };
+        let (policy, logits) = concatenated_forward(model, batch, policy_mode)?;
+        let reference_mode = ForwardMode {
+            adapters: false,
+            fake_quant: true,
+            train: false,
+        };
+        let reference = match &self.reference {
+            DpoReference::AdaptersDisabled => concatenated_forward(model, batch, reference_mode)?.0,
+            DpoReference::Frozen(frozen) => concatenated_forward(frozen, batch, reference_mode)?.0,
+        };
+        let terms = dpo_loss(
+            self.settings,
+            policy.chosen.clone(),
+            policy.rejected.clone(),
+            reference.chosen,
+            reference.rejected,
+        );
+        let loss: f64 = terms.losses.clone().mean().into_scalar().elem();
+        Ok(EvalOutput {
+            loss,
+            weight: pairs,
+            metrics: pair_metrics(&terms, &policy, logits_means(logits, pairs)),
         })
     }
 }

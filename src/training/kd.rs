@@ -13,7 +13,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use super::activation_checkpointing;
 use super::loss::{self, flat_logits, next_token_targets};
 use super::sft::token_batch;
-use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
 use crate::kernels;
 use crate::models::CausalLm;
@@ -203,6 +203,30 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             tokens: batch.tokens.len(),
             metrics,
             grads,
+        })
+    }
+
+    /// The distillation loss of a validation batch, with its class and KD parts.
+    fn evaluate(
+        &mut self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<EvalOutput, TrainError> {
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: false,
+            train: false,
+        };
+        let teacher = self.teacher.forward(token_batch(batch), mode);
+        let student = model.forward(token_batch(batch), mode);
+        let class_loss = loss::cross_entropy(student.clone(), &batch.labels);
+        let kd_loss = self.objective.loss(student, teacher, &batch.labels);
+        let (class, kd) = (scalar(&class_loss), scalar(&kd_loss));
+        Ok(EvalOutput {
+            loss: scalar(&total_loss(class_loss, kd_loss, self.kd_ratio)),
+            weight: batch.num_trained_tokens,
+            metrics: vec![("class_loss", class), ("kd_loss", kd)],
         })
     }
 }

@@ -70,3 +70,39 @@ pub fn sequence_log_probs<B: Backend>(logits: Tensor<B, 3>, labels: &[i64]) -> T
     let (log_probs, _) = masked_log_probs(logits, labels);
     log_probs.reshape([batch, seq]).sum_dim(1).reshape([batch])
 }
+
+/// Rows of `[batch * seq, vocab]` logits held at once by [`chunked_cross_entropy`].
+const EVAL_CHUNK_ROWS: usize = 1024;
+
+/// [`cross_entropy`] of the hidden states `[batch, seq, hidden]` without gradients, projecting
+/// to the vocabulary [`EVAL_CHUNK_ROWS`] positions at a time so a long validation batch never
+/// holds all its logits.
+pub fn chunked_cross_entropy<B: Backend>(
+    model: &crate::models::CausalLm<B>,
+    hidden: Tensor<B, 3>,
+    labels: &[i64],
+    mode: crate::modules::ForwardMode,
+) -> f64 {
+    use burn::tensor::ElementConversion;
+    let [batch, seq, width] = hidden.dims();
+    let (targets, mask) = next_token_targets(labels, batch);
+    let count = mask.iter().filter(|m| **m > 0.0).count();
+    let flat = hidden.reshape([batch * seq, width]);
+    let device = flat.device();
+    let mut total = 0.0;
+    let rows = batch * seq;
+    let mut start = 0;
+    while start < rows {
+        let end = (start + EVAL_CHUNK_ROWS).min(rows);
+        if mask[start..end].iter().any(|m| *m > 0.0) {
+            let logits = precision::to_f32(model.project(flat.clone().slice(start..end), mode));
+            let m =
+                precision::f32_tensor::<B, 1>(mask[start..end].to_vec(), [end - start], &device);
+            let lp = target_log_probs(logits, &targets[start..end]) * m;
+            let sum: f64 = lp.sum().into_scalar().elem();
+            total += sum;
+        }
+        start = end;
+    }
+    -total / count.max(1) as f64
+}

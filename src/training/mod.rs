@@ -18,6 +18,7 @@ pub mod sft;
 pub mod step;
 pub mod tensorboard;
 pub mod trainer;
+pub mod validation;
 
 pub use trainer::{
     LossStep, SaveHook, SaveKind, StepInfo, StepOutput, TrainError, TrainState, Trainer,

@@ -4,7 +4,7 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::trainer::{LossStep, StepInfo, StepOutput, TrainError};
+use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use super::{activation_checkpointing, chunked_loss, loss};
 use crate::data::Batch;
 use crate::models::{CausalLm, TokenBatch};
@@ -107,6 +107,25 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             tokens: batch.tokens.len(),
             metrics: vec![],
             grads,
+        })
+    }
+
+    fn evaluate(
+        &mut self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &Batch,
+        info: StepInfo,
+    ) -> Result<EvalOutput, TrainError> {
+        let mode = ForwardMode {
+            adapters: true,
+            fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
+            train: false,
+        };
+        let hidden = model.hidden(token_batch(batch), mode, None);
+        Ok(EvalOutput {
+            loss: loss::chunked_cross_entropy(model, hidden, &batch.labels, mode),
+            weight: batch.num_trained_tokens,
+            metrics: vec![],
         })
     }
 }

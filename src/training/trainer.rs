@@ -19,6 +19,7 @@ use super::optimizer::Optimizer;
 use super::progress::EpochProgress;
 use super::schedule::Schedule;
 use super::step::{self, GradAccumulator};
+use super::validation::Validation;
 use crate::data::{Batch, DataLoader, Dataset};
 use crate::distributed::{DistributedError, World, sync};
 use crate::models::CausalLm;
@@ -87,6 +88,16 @@ pub struct StepInfo {
     pub seed: u64,
 }
 
+/// What a loss step returns for one validation batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalOutput {
+    /// The mean loss over the batch's `weight` units, as [`StepOutput::loss`].
+    pub loss: f64,
+    pub weight: usize,
+    /// The recipe's own metrics, averaged over the validation set by weight.
+    pub metrics: Vec<(&'static str, f64)>,
+}
+
 pub trait LossStep<B: AutodiffBackend> {
     fn step(
         &mut self,
@@ -94,6 +105,15 @@ pub trait LossStep<B: AutodiffBackend> {
         batch: &Batch,
         info: StepInfo,
     ) -> Result<StepOutput<B>, TrainError>;
+
+    /// The same loss on a validation batch, on the model without autodiff and with dropout off
+    /// (torchtune's `model.eval()` under `torch.no_grad()`).
+    fn evaluate(
+        &mut self,
+        model: &CausalLm<B::InnerBackend>,
+        batch: &Batch,
+        info: StepInfo,
+    ) -> Result<EvalOutput, TrainError>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,7 +257,11 @@ impl From<super::checkpointing::CheckpointingError> for TrainError {
 
 /// Every token and label must index the model's vocabulary: an id past it would index outside
 /// the embedding and the logits.
-fn check_vocabulary(batch: &Batch, vocab_size: usize, step: usize) -> Result<(), TrainError> {
+pub(crate) fn check_vocabulary(
+    batch: &Batch,
+    vocab_size: usize,
+    step: usize,
+) -> Result<(), TrainError> {
     let tokens = batch.tokens.iter().map(|&t| t as i64);
     let labels = batch
         .labels
@@ -299,6 +323,34 @@ impl<B: AutodiffBackend> Trainer<B> {
         })
     }
 
+    /// Scores the validation set after the current step, logs `val_loss` (and the recipe's
+    /// `val_*` metrics) at this step and prints it.
+    fn validate(
+        &mut self,
+        validation: &Validation,
+        loss_step: &mut dyn LossStep<B>,
+        info: StepInfo,
+        progress: &EpochProgress,
+    ) -> Result<(), TrainError> {
+        let metrics = validation.run(&self.model, loss_step, &self.world, info)?;
+        if self.world.is_main() {
+            let line = metrics
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.4}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let step = self.state.global_step;
+            progress.suspend(|| eprintln!("Validation at step {step}: {line}"));
+        }
+        let mut line: Metrics = vec![
+            ("step".into(), self.state.global_step as f64),
+            ("epoch".into(), info.epoch as f64),
+        ];
+        line.extend(metrics);
+        self.loggers.log(self.state.global_step, &line)?;
+        Ok(())
+    }
+
     /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume).
     pub fn fit(
         mut self,
@@ -306,6 +358,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         loader: &DataLoader,
         loss_step: &mut dyn LossStep<B>,
         saver: &mut dyn SaveHook<B>,
+        validation: Option<&Validation>,
     ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
         let s = self.settings.clone();
         super::memory::enter_training_steady_state();
@@ -330,6 +383,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut first_loss: Option<f64> = None;
         let mut last_metrics = Metrics::new();
         let mut accumulator = GradAccumulator::<B>::default();
+        let mut validated_at: Option<usize> = None;
         let shard = (s.shard_optimizer && world.is_distributed())
             .then(|| sync::OptimizerShard::new(&self.model, &world));
         if let Some(shard) = &shard {
@@ -522,6 +576,14 @@ impl<B: AutodiffBackend> Trainer<B> {
                     window_tokens = 0;
                     window_start = Instant::now();
                 }
+                if let Some(v) = validation.filter(|v| v.due(self.state.global_step)) {
+                    let info = StepInfo {
+                        global_step: self.state.global_step,
+                        ..info
+                    };
+                    self.validate(v, loss_step, info, &progress)?;
+                    validated_at = Some(self.state.global_step);
+                }
                 // The epoch-end save follows the last step of an epoch: no periodic one then.
                 let epoch_done = self.state.step_in_epoch == steps_per_epoch;
                 let periodic = !epoch_done
@@ -545,6 +607,18 @@ impl<B: AutodiffBackend> Trainer<B> {
                         step: self.state.global_step,
                     });
                 }
+            }
+            // Every epoch ends with a validation score, unless its last step just had one.
+            if let Some(v) = validation
+                && validated_at != Some(self.state.global_step)
+            {
+                let info = StepInfo {
+                    epoch,
+                    global_step: self.state.global_step,
+                    seed: s.seed,
+                };
+                self.validate(v, loss_step, info, &progress)?;
+                validated_at = Some(self.state.global_step);
             }
             progress.finish();
             self.state.epoch += 1;

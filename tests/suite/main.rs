@@ -32,3 +32,4 @@ mod resume;
 mod support;
 mod tokenizer;
 mod torchtune_tokens;
+mod validation;
