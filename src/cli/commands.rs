@@ -130,6 +130,25 @@ pub fn infer_script(config: &str) -> Option<(Recipe, &'static str)> {
     None
 }
 
+/// The recipe a config's header runs (`tune run <recipe> ...`), whether or not tune has it.
+fn header_recipe(config: &str) -> Option<String> {
+    let text = std::fs::read_to_string(config).ok()?;
+    text.lines()
+        .take_while(|l| l.starts_with('#') || l.trim().is_empty())
+        .find_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let at = words.windows(2).position(|w| w == ["tune", "run"])?;
+            // `tune run --nproc_per_node 2 <recipe>`: the first word that is not an option
+            // or its value
+            words[at + 2..]
+                .iter()
+                .find(|w| {
+                    w.contains('_') && w.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                })
+                .map(|w| w.to_string())
+        })
+}
+
 /// Loads and validates a config for `recipe`, printing warnings to stderr.
 pub fn resolve(
     recipe: &str,
@@ -161,9 +180,14 @@ pub fn validate_cmd(
             (recipe, recipe.script_name(recipes::is_distributed_name(r)))
         }
         None => infer_script(config).ok_or_else(|| {
-            CliError::bad(anyhow!(
-                "cannot tell which recipe {config} is for: pass --recipe <name> (`tune ls` lists recipes)"
-            ))
+            CliError::bad(match header_recipe(config) {
+                Some(name) => anyhow!(
+                    "{config} is for torchtune's `{name}` recipe, which tune does not have (`tune ls` lists tune's recipes)"
+                ),
+                None => anyhow!(
+                    "cannot tell which recipe {config} is for: pass --recipe <name> (`tune ls` lists recipes)"
+                ),
+            })
         })?,
     };
     resolve(recipe.name(), config, overrides)?;

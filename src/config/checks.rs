@@ -47,6 +47,24 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
         }
     }
     let has = |key: &str| yaml::get(root, key).is_some_and(|v| !v.is_null());
+    let top = yaml::get(root, "keep_last_n_checkpoints").filter(|v| !v.is_null());
+    let nested = yaml::get(root, "checkpointer.keep_last_n_checkpoints").filter(|v| !v.is_null());
+    if let (Some(a), Some(b)) = (top, nested)
+        && a != b
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "checkpointer.keep_last_n_checkpoints",
+                format!(
+                    "is {}, but the top-level keep_last_n_checkpoints is {}",
+                    yaml::short(b),
+                    yaml::short(a)
+                ),
+            )
+            .with_fix("keep one of the two"),
+        );
+    }
     if has("run_val_every_n_steps") && !has("dataset_val") {
         cx.problem(
             Problem::new(
@@ -130,7 +148,7 @@ type RangeRule = (&'static str, fn(f64) -> bool, &'static str);
 
 /// Training values whose type is right but whose value would train nonsense or fail later.
 fn range_rules(root: &Value, cx: &mut Checker) {
-    let rules: [RangeRule; 21] = [
+    let rules: [RangeRule; 22] = [
         ("optimizer.lr", |v| v > 0.0, "greater than 0 (e.g. 2e-5)"),
         ("batch_size", |v| v >= 1.0, "at least 1"),
         ("epochs", |v| v >= 1.0, "at least 1"),
@@ -165,6 +183,11 @@ fn range_rules(root: &Value, cx: &mut Checker) {
         ("save_every_n_steps", |v| v >= 1.0, "at least 1, or null"),
         (
             "keep_last_n_checkpoints",
+            |v| v >= 1.0,
+            "at least 1, or null to keep all",
+        ),
+        (
+            "checkpointer.keep_last_n_checkpoints",
             |v| v >= 1.0,
             "at least 1, or null to keep all",
         ),

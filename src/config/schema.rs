@@ -69,6 +69,29 @@ pub struct ModelConfig {
     pub use_dora: bool,
     #[serde(default)]
     pub quantize_base: bool,
+    /// A generic builder's architecture (checked against config.json; see `setup::model`).
+    #[serde(flatten)]
+    pub architecture: Architecture,
+}
+
+/// torchtune's generic builders take the architecture as arguments (`torchtune.models.llama2.
+/// llama2` with `num_layers`, `embed_dim`, ...). tune builds every model from the checkpoint's
+/// config.json, so these only have to agree with it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Architecture {
+    pub vocab_size: Option<usize>,
+    pub num_layers: Option<usize>,
+    pub num_heads: Option<usize>,
+    pub num_kv_heads: Option<usize>,
+    pub embed_dim: Option<usize>,
+    pub intermediate_dim: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub max_seq_len: Option<usize>,
+    pub norm_eps: Option<f64>,
+    pub rope_base: Option<f64>,
+    pub tie_word_embeddings: Option<bool>,
+    /// Refused unless 0 by validation.
+    pub attn_dropout: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -126,6 +149,8 @@ pub struct CheckpointerConfig {
     pub model_type: Option<String>,
     #[serde(default = "yes")]
     pub safe_serialization: bool,
+    /// torchtune main's spelling of the top-level `keep_last_n_checkpoints`.
+    pub keep_last_n_checkpoints: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -350,8 +375,13 @@ pub struct TrainConfig {
     pub save_adapter_weights_only: bool,
     /// tune: also checkpoint every N optimizer steps (None: at epoch ends only).
     pub save_every_n_steps: Option<usize>,
-    /// tune: delete older `step_*` checkpoints beyond this many.
+    /// tune: delete older `step_*` checkpoints beyond this many (also accepted as
+    /// `checkpointer.keep_last_n_checkpoints`, where torchtune main puts it).
     pub keep_last_n_checkpoints: Option<usize>,
+    /// torchtune's QLoRA configs: tune always loads checkpoints memory-mapped, one tensor at a
+    /// time, which is what this asks for, so both values load the same way.
+    #[serde(default)]
+    pub low_cpu_ram: bool,
     pub profiler: Option<ProfilerConfig>,
     #[serde(default)]
     pub optimizer_in_bwd: bool,

@@ -34,6 +34,9 @@ pub enum Note {
     Warn(&'static str),
     /// A `true` value is an error with this text.
     ErrorIfTrue(&'static str),
+    /// Accepted only when unset, null, false or empty: anything else would change the result
+    /// in a way tune cannot honour, so it is an error with this text.
+    Refuse(&'static str),
 }
 
 #[derive(Debug)]
@@ -81,6 +84,14 @@ const fn warn(key: &'static str, ty: Ty, msg: &'static str) -> Field {
         note: Note::Warn(msg),
     }
 }
+const fn refuse(key: &'static str, ty: Ty, msg: &'static str) -> Field {
+    Field {
+        key,
+        ty,
+        required: false,
+        note: Note::Refuse(msg),
+    }
+}
 const fn section(
     name: &'static str,
     component: Option<ComponentKind>,
@@ -115,6 +126,27 @@ pub static MODEL: Section = section(
         opt("lora_rank", Ty::UInt),
         opt("lora_alpha", Ty::Float),
         opt("lora_dropout", Ty::Float),
+        // The architecture arguments of torchtune's generic builders (`llama2`, `lora_qwen2`):
+        // checked against the checkpoint's config.json, which tune builds the model from.
+        opt("vocab_size", Ty::UInt),
+        opt("num_layers", Ty::UInt),
+        opt("num_heads", Ty::UInt),
+        opt("num_kv_heads", Ty::UInt),
+        opt("embed_dim", Ty::UInt),
+        opt("intermediate_dim", Ty::UInt),
+        opt("head_dim", Ty::UInt),
+        opt("max_seq_len", Ty::UInt),
+        opt("norm_eps", Ty::Float),
+        opt("rope_base", Ty::Float),
+        opt("tie_word_embeddings", Ty::Bool),
+        Field {
+            key: "attn_dropout",
+            ty: Ty::Float,
+            required: false,
+            note: Note::Refuse(
+                "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
+            ),
+        },
         warn(
             "use_dora",
             Ty::Bool,
@@ -163,6 +195,8 @@ pub static CHECKPOINTER: Section = section(
         opt("output_dir", NSTR),
         opt("model_type", NSTR),
         opt("safe_serialization", Ty::Bool),
+        // torchtune main's place for it; the same as the top-level key.
+        opt("keep_last_n_checkpoints", NUINT),
     ],
 );
 
@@ -186,10 +220,10 @@ pub static DATASET: Section = section(
         opt("column", Ty::Str),
         opt("add_eos", Ty::Bool),
         opt("split_across_pack", Ty::Bool),
-        warn(
+        refuse(
             "filter_fn",
             NSTR,
-            "dataset filter functions are Python callables and are not supported; no rows are filtered",
+            "dataset filter functions are Python callables, which tune cannot run, and training on the unfiltered rows would change the data; filter the data file beforehand and set `filter_fn: null`",
         ),
     ],
 );
@@ -303,6 +337,9 @@ static TRAIN_COMMON: &[Field] = &[
     opt("save_adapter_weights_only", Ty::Bool),
     opt("save_every_n_steps", NUINT),
     opt("keep_last_n_checkpoints", NUINT),
+    // torchtune's QLoRA configs: load the checkpoint without a full copy in CPU memory. tune
+    // always loads memory-mapped, one tensor at a time, so both values load that way.
+    opt("low_cpu_ram", Ty::Bool),
     opt("profiler", Ty::Nullable(&Ty::Section(&PROFILER))),
     warn(
         "optimizer_in_bwd",
@@ -376,20 +413,20 @@ static GENERATE: &[Field] = &[
     opt("stop_at_eos", Ty::Bool),
     opt("adapter_dir", NSTR),
     opt("enable_kv_cache", Ty::Bool),
-    warn(
+    refuse(
         "quantizer",
         Ty::Nullable(&Ty::Section(&QUANTIZER)),
-        "quantized generation is not supported; generating in `dtype`",
+        "quantized generation is not supported, and generating in `dtype` instead would not be the model asked for; set `quantizer: null` (a QAT run's int4 export is in its checkpoint's quantized/ folder)",
     ),
-    warn(
+    refuse(
         "instruct_template",
         NSTR,
-        "old torchtune key; use `chat: True` and the tokenizer's chat template",
+        "an old torchtune key tune cannot honour; format the prompt with `tokenizer.prompt_template`, or the checkpoint's chat template (`chat: True` with the HuggingFaceModelTokenizer component), and set `instruct_template: null`",
     ),
-    warn(
+    refuse(
         "chat_format",
         NSTR,
-        "old torchtune key; use `chat: True` and the tokenizer's chat template",
+        "an old torchtune key tune cannot honour; the tokenizer component sets the format (or `chat: True` with the HuggingFaceModelTokenizer component for the chat template); set `chat_format: null`",
     ),
 ];
 

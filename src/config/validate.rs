@@ -329,8 +329,21 @@ impl Checker {
             Note::ErrorIfTrue(msg) if v.as_bool() == Some(true) => {
                 self.problem(Problem::new(ProblemKind::InvalidValue, path, msg));
             }
+            Note::Refuse(msg) if asks_for_something(v) => {
+                self.problem(Problem::new(ProblemKind::InvalidValue, path, msg));
+            }
             _ => {}
         }
+    }
+}
+
+/// Whether a refused key's value asks for the behaviour tune lacks: anything but null, false,
+/// zero and empty.
+fn asks_for_something(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::Mapping(m) => !m.is_empty(),
+        other => truthy(other),
     }
 }
 

@@ -192,12 +192,15 @@ pub fn train_data(
     base_dir: &Path,
 ) -> Result<super::session::TrainData, SetupError> {
     let tokenizer = tokenizer(&cfg.tokenizer)?;
-    let positions = crate::model_io::hf::load_args(&cfg.checkpointer.checkpoint_dir)
-        .map_err(|source| SetupError::Model {
-            key: "checkpointer.checkpoint_dir",
-            source,
-        })?
-        .max_position_embeddings;
+    let args =
+        crate::model_io::hf::load_args(&cfg.checkpointer.checkpoint_dir).map_err(|source| {
+            SetupError::Model {
+                key: "checkpointer.checkpoint_dir",
+                source,
+            }
+        })?;
+    super::model::check_architecture(&cfg.model.architecture, &args)?;
+    let positions = args.max_position_embeddings;
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;
     let loader = loader(&dataset, cfg.batch_size, cfg.shuffle, run.seed)?;

@@ -238,3 +238,81 @@ impl LoraPlan {
         )
     }
 }
+
+/// A generic builder's architecture arguments must describe the checkpoint: tune builds the
+/// model from config.json, so a disagreement means the config is for another model.
+pub fn check_architecture(
+    arch: &crate::config::schema::Architecture,
+    args: &crate::models::ModelArgs,
+) -> Result<(), SetupError> {
+    let whole = [
+        ("vocab_size", arch.vocab_size, args.vocab_size, "vocab_size"),
+        (
+            "num_layers",
+            arch.num_layers,
+            args.num_layers,
+            "num_hidden_layers",
+        ),
+        (
+            "num_heads",
+            arch.num_heads,
+            args.num_heads,
+            "num_attention_heads",
+        ),
+        (
+            "num_kv_heads",
+            arch.num_kv_heads,
+            args.num_kv_heads,
+            "num_key_value_heads",
+        ),
+        ("embed_dim", arch.embed_dim, args.hidden_size, "hidden_size"),
+        (
+            "intermediate_dim",
+            arch.intermediate_dim,
+            args.intermediate_size,
+            "intermediate_size",
+        ),
+        ("head_dim", arch.head_dim, args.head_dim, "head_dim"),
+        (
+            "max_seq_len",
+            arch.max_seq_len,
+            args.max_position_embeddings,
+            "max_position_embeddings",
+        ),
+    ];
+    let mismatch = |key: &str, ours: String, theirs: String, hf: &str| SetupError::Invalid {
+        key: format!("model.{key}"),
+        message: format!(
+            "is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `model.{key}` or point the checkpointer at the model this config describes"
+        ),
+    };
+    for (key, ours, theirs, hf) in whole {
+        if let Some(v) = ours
+            && v != theirs
+        {
+            return Err(mismatch(key, v.to_string(), theirs.to_string(), hf));
+        }
+    }
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+    for (key, ours, theirs, hf) in [
+        ("norm_eps", arch.norm_eps, args.rms_norm_eps, "rms_norm_eps"),
+        ("rope_base", arch.rope_base, args.rope_theta, "rope_theta"),
+    ] {
+        if let Some(v) = ours
+            && !close(v, theirs)
+        {
+            return Err(mismatch(key, v.to_string(), theirs.to_string(), hf));
+        }
+    }
+    if let Some(tied) = arch.tie_word_embeddings
+        && tied != args.tie_word_embeddings
+    {
+        return Err(mismatch(
+            "tie_word_embeddings",
+            tied.to_string(),
+            args.tie_word_embeddings.to_string(),
+            "tie_word_embeddings",
+        ));
+    }
+    Ok(())
+}

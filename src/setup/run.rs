@@ -282,7 +282,8 @@ pub fn checkpointer(
 ) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
     crate::training::checkpointing::RunCheckpointer::new(
         checkpoint_dir(cfg),
-        cfg.keep_last_n_checkpoints,
+        cfg.keep_last_n_checkpoints
+            .or(cfg.checkpointer.keep_last_n_checkpoints),
         recipe,
         content,
         fingerprint,

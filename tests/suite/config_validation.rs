@@ -644,3 +644,71 @@ fn prompt_templates_are_checked_by_name_and_only_with_a_torchtune_tokenizer() {
         validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{t}: {e}"));
     }
 }
+
+/// Keys and components of torchtune main's configs: accepted where tune does what they ask,
+/// refused by name where it cannot.
+#[test]
+fn torchtune_main_spellings_are_accepted_or_refused_by_name() {
+    let ok = |overrides: &[&str]| {
+        let cfg = load_config("tiny/lora_single_device", &args(overrides)).unwrap();
+        validate_with("lora_finetune", &cfg, &NO_PATHS)
+            .unwrap_or_else(|e| panic!("{overrides:?}: {e}"));
+    };
+    ok(&["low_cpu_ram=True"]);
+    ok(&["checkpointer.keep_last_n_checkpoints=2"]);
+    ok(&[
+        "keep_last_n_checkpoints=2",
+        "checkpointer.keep_last_n_checkpoints=2",
+    ]);
+    // A generic builder with its architecture arguments (checked against config.json at run).
+    ok(&[
+        "model=torchtune.models.llama3.lora_llama3",
+        "model.lora_rank=8",
+        "model.lora_alpha=16",
+        "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.num_layers=2",
+        "model.embed_dim=64",
+        "model.attn_dropout=0.0",
+        "model.norm_eps=1e-5",
+    ]);
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "keep_last_n_checkpoints=2",
+            "checkpointer.keep_last_n_checkpoints=3",
+        ],
+    );
+    assert!(
+        e.to_string()
+            .contains("checkpointer.keep_last_n_checkpoints"),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "model.attn_dropout=0.1",
+            "dataset.filter_fn=my_module.keep_short",
+        ],
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("model.attn_dropout") && text.contains("attention dropout"),
+        "{e}"
+    );
+    assert!(
+        text.contains("dataset.filter_fn") && text.contains("filter the data file"),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["model=torchtune.models.llama3_2_vision.lora_llama3_2_vision_11b"],
+    );
+    assert!(
+        e.to_string()
+            .contains("vision-language models are not supported"),
+        "{e}"
+    );
+}

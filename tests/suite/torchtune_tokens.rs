@@ -188,3 +188,74 @@ fn every_torchtune_case_gives_the_same_tokens_and_labels() {
         "{refusals:#?}"
     );
 }
+
+/// A torchtune config's first step trains on the batch torchtune builds and reports the loss
+/// PyTorch computes on it: tiny-qwen2 through `qwen2_5_tokenizer` + `alpaca_dataset`, the first 4
+/// rows unshuffled (three of them padded), scored by transformers (first_batch_loss.json). LoRA's
+/// B starts at zero, so step 1's loss is the base model's.
+#[test]
+fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
+    let text = std::fs::read_to_string(root().join("first_batch_loss.json")).expect("fixture");
+    let want: Value = serde_json::from_str(&text).unwrap();
+    let qwen = fixture("tiny-qwen2");
+    let tokenizer = format!("tokenizer.path={}", qwen.join("tokenizer.json").display());
+    let checkpoint = format!("checkpointer.checkpoint_dir={}", qwen.display());
+    let data = format!(
+        "dataset.data_files={}",
+        fixture("alpaca_tiny.json").display()
+    );
+    let overrides = [
+        "model=torchtune.models.qwen2_5.lora_qwen2_5_0_5b",
+        "tokenizer._component_=torchtune.models.qwen2_5.qwen2_5_tokenizer",
+        tokenizer.as_str(),
+        "tokenizer.max_seq_len=256",
+        checkpoint.as_str(),
+        "checkpointer.model_type=QWEN2",
+        data.as_str(),
+        "shuffle=False",
+        "batch_size=4",
+        "max_steps_per_epoch=1",
+    ];
+
+    // The batch itself, through the config -> tokenizer -> dataset path.
+    let cfg =
+        tune::config::load_config("tiny/lora_single_device", &crate::common::args(&overrides))
+            .unwrap();
+    let (typed, _) = tune::config::validate_with(
+        "lora_finetune_single_device",
+        &cfg,
+        &tune::config::ValidateOptions { check_paths: false },
+    )
+    .unwrap();
+    let train = typed.as_train().expect("a training config");
+    let tok = setup_data::tokenizer(&train.tokenizer).unwrap();
+    let ds = setup_data::dataset(&train.dataset, &tok, Some(256), &fixture("")).unwrap();
+    let batch = ds.collate(&[0, 1, 2, 3]).unwrap();
+    let rows = |key: &str| -> Vec<i64> {
+        want[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_i64().unwrap()))
+            .collect()
+    };
+    let tokens: Vec<i64> = batch.tokens.iter().map(|&t| i64::from(t)).collect();
+    assert_eq!(batch.seq_len, 186);
+    assert_eq!(tokens, rows("tokens"), "tokens (pad {})", want["pad_id"]);
+    assert_eq!(batch.labels, rows("labels"));
+
+    // The recipe's first step on it.
+    let out = crate::support::TempDir::new("first-batch");
+    let metrics = crate::support::run_recipe(
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &out,
+        &overrides,
+    );
+    let loss = metrics[0]["loss"].as_f64().unwrap();
+    let expected = want["loss"].as_f64().unwrap();
+    assert!(
+        (loss - expected).abs() < 1e-4,
+        "tune's step-1 loss {loss} vs PyTorch's {expected}"
+    );
+}

@@ -95,6 +95,9 @@ pub struct ModelBuilder {
 impl ModelBuilder {
     pub fn canonical_name(&self) -> String {
         let m = self.family.module();
+        if self.size == GENERIC {
+            return format!("tune.models.{m}.{}{m}", self.variant.prefix());
+        }
         format!("tune.models.{m}.{}{m}_{}", self.variant.prefix(), self.size)
     }
 
@@ -112,6 +115,20 @@ pub(super) fn parse(name: &str) -> Option<Lookup> {
         .into_iter()
         .find_map(|v| builder.strip_prefix(v.prefix()).map(|b| (v, b)))
         .unwrap_or((ModelVariant::Full, builder));
+    // torchtune's generic builders (`torchtune.models.llama2.llama2`, `lora_llama2`) take the
+    // architecture as arguments; tune reads it from config.json and checks the two agree.
+    if let Some((family, _, _)) = FAMILIES.iter().find(|(_, m, _)| *m == body && *m == module) {
+        let builder = ModelBuilder {
+            family: *family,
+            variant,
+            size: GENERIC.to_string(),
+        };
+        return Some(Lookup {
+            canonical: format!("tune.models.{module}.{}{module}", variant.prefix()),
+            component: Component::Model(builder),
+            warning: qlora_warning(variant),
+        });
+    }
     // Longest family prefix wins so `llama3_2_1b` is llama3_2, not llama3 size `2_1b`.
     let (family, fam_module, _) = FAMILIES
         .iter()
@@ -132,14 +149,20 @@ pub(super) fn parse(name: &str) -> Option<Lookup> {
         variant,
         size: size.to_string(),
     };
-    let warning = (variant == ModelVariant::QLora).then(|| {
-        "QLoRA's 4-bit base weights are not supported; the base model stays in `dtype` (plain LoRA)"
-            .to_string()
-    });
     Some(Lookup {
         canonical: builder.canonical_name(),
         component: Component::Model(builder),
-        warning,
+        warning: qlora_warning(variant),
+    })
+}
+
+/// The size of a generic builder (`llama2`, `lora_qwen2`): its architecture is in the section.
+pub const GENERIC: &str = "generic";
+
+fn qlora_warning(variant: ModelVariant) -> Option<String> {
+    (variant == ModelVariant::QLora).then(|| {
+        "QLoRA's 4-bit base weights are not supported; the base model stays in `dtype` (plain LoRA)"
+            .to_string()
     })
 }
 

@@ -381,7 +381,18 @@ static UNSUPPORTED: &[(&str, &str)] = &[
 const META: &str = "only Hugging Face checkpoints are read; convert to HF safetensors \
                     (config.json + *.safetensors) and use torchtune.training.FullModelHFCheckpointer";
 
+const VISION: &str = "vision-language models are not supported: tune fine-tunes text-only decoders \
+                      (for Llama 3.2's text models use torchtune.models.llama3_2.*)";
+
 pub(super) fn unsupported(name: &str) -> Option<&'static str> {
+    let multimodal = ["torchtune.models.", "tune.models."].iter().any(|ns| {
+        name.strip_prefix(ns).is_some_and(|rest| {
+            rest.contains("_vision") || rest.starts_with("llama4.") || rest.starts_with("clip.")
+        })
+    });
+    if multimodal {
+        return Some(VISION);
+    }
     UNSUPPORTED
         .iter()
         .find(|(n, _)| *n == name)
