@@ -17,11 +17,22 @@ pub enum Family {
     Qwen3,
     Phi3,
     Gemma,
+    Gemma2,
+    /// Gemma 3's text-only models (`Gemma3ForCausalLM`, model_type `gemma3_text`).
+    Gemma3,
 }
 
 impl Family {
-    pub const KNOWN: &'static [&'static str] =
-        &["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"];
+    pub const KNOWN: &'static [&'static str] = &[
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+    ];
 
     pub fn from_model_type(model_type: &str) -> Option<Self> {
         Some(match model_type {
@@ -31,6 +42,8 @@ impl Family {
             "qwen3" => Self::Qwen3,
             "phi3" => Self::Phi3,
             "gemma" => Self::Gemma,
+            "gemma2" => Self::Gemma2,
+            "gemma3_text" => Self::Gemma3,
             _ => return None,
         })
     }
@@ -43,7 +56,14 @@ impl Family {
             Self::Qwen3 => "qwen3",
             Self::Phi3 => "phi3",
             Self::Gemma => "gemma",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3_text",
         }
+    }
+
+    /// Gemma's conventions: `1 + w` norms, embeddings scaled by sqrt(hidden), tied output.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma | Self::Gemma2 | Self::Gemma3)
     }
 }
 
@@ -96,6 +116,24 @@ pub struct ModelArgs {
     pub activation: Activation,
     /// Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` on disk.
     pub fused_projections: bool,
+    /// The attention scores' scale: `query_pre_attn_scalar ** -0.5` for Gemma 2/3, else
+    /// `head_dim ** -0.5`.
+    pub attn_scale: f64,
+    /// Gemma 2: attention scores become `tanh(s / cap) * cap` before the mask.
+    pub attn_logit_softcap: Option<f64>,
+    /// Gemma 2: logits become `tanh(l / cap) * cap`.
+    pub final_logit_softcap: Option<f64>,
+    /// Layers that attend only to the last `sliding_window` positions (query i sees keys j
+    /// with `i - window < j <= i`), by layer index; empty when none does.
+    pub sliding_layers: Vec<bool>,
+    pub sliding_window: Option<usize>,
+    /// Gemma 2/3: the attention and MLP outputs are normalised too (`post_attention_layernorm`
+    /// on the attention output, `pre_feedforward_layernorm` / `post_feedforward_layernorm`
+    /// around the MLP).
+    pub sandwich_norms: bool,
+    /// Gemma 3: the RoPE base of the sliding layers (the full layers use `rope_theta` and
+    /// `rope_scaling`).
+    pub local_rope_theta: Option<f64>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
@@ -158,6 +196,14 @@ impl ModelArgs {
         let f = |key: &str| raw.get(key).and_then(Value::as_f64);
         let b = |key: &str| raw.get(key).and_then(Value::as_bool);
         let rope_params = raw.get("rope_parameters").filter(|v| v.is_object());
+        // Gemma 3 in the transformers 5 layout: one RoPE per layer type.
+        let (rope_params, local_rope) = match rope_params.and_then(|p| p.get("full_attention")) {
+            Some(full) => (
+                Some(full),
+                rope_params.and_then(|p| p.get("sliding_attention")),
+            ),
+            None => (rope_params, None),
+        };
         let rope_theta = f("rope_theta")
             .or_else(|| {
                 rope_params
@@ -198,13 +244,33 @@ impl ModelArgs {
                 _ => Vec::new(),
             }
         };
-        let gemma = family == Family::Gemma;
+        let gemma = family.is_gemma();
+        let num_layers = req("num_hidden_layers")?;
+        let sliding_window = raw
+            .get("sliding_window")
+            .and_then(Value::as_u64)
+            .map(|w| w as usize);
+        let sliding_layers = sliding_layers(&raw, family, num_layers, sliding_window)?;
+        let local_rope_theta = match family {
+            Family::Gemma3 => Some(
+                local_rope
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+                    .or_else(|| f("rope_local_base_freq"))
+                    .unwrap_or(10_000.0),
+            ),
+            _ => None,
+        };
+        let query_scalar = f("query_pre_attn_scalar")
+            .filter(|_| matches!(family, Family::Gemma2 | Family::Gemma3));
+        let cap = |key: &str| f(key).filter(|c| *c > 0.0);
+        let softcaps = family == Family::Gemma2;
         Ok(Self {
             family,
             vocab_size: req("vocab_size")?,
             hidden_size,
             intermediate_size: req("intermediate_size")?,
-            num_layers: req("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -219,11 +285,19 @@ impl ModelArgs {
             tie_word_embeddings: b("tie_word_embeddings").unwrap_or(gemma),
             attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
             mlp_bias: b("mlp_bias").unwrap_or(false),
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
             norm_weight_offset: gemma,
             scale_embeddings: gemma,
             activation,
             fused_projections: family == Family::Phi3,
+            attn_scale: 1.0 / query_scalar.unwrap_or(head_dim as f64).sqrt(),
+            // Gemma 3 defines no soft-capping (transformers ignores the keys for it).
+            attn_logit_softcap: cap("attn_logit_softcapping").filter(|_| softcaps),
+            final_logit_softcap: cap("final_logit_softcapping").filter(|_| softcaps),
+            sliding_window: sliding_window.filter(|_| sliding_layers.iter().any(|s| *s)),
+            sliding_layers,
+            sandwich_norms: matches!(family, Family::Gemma2 | Family::Gemma3),
+            local_rope_theta,
             bos_token_id: ids("bos_token_id").first().copied(),
             eos_token_ids: ids("eos_token_id"),
             pad_token_id: ids("pad_token_id").first().copied(),
@@ -251,10 +325,65 @@ impl ModelArgs {
             }
             + if self.qk_norm { 2 * self.head_dim } else { 0 };
         let mlp = 3 * h * self.intermediate_size;
-        let layer = attn + mlp + 2 * h;
+        let layer = attn + mlp + if self.sandwich_norms { 4 * h } else { 2 * h };
         let embed = self.vocab_size * h;
         embed * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
     }
+}
+
+/// Which layers use sliding-window attention, as transformers decides it: `layer_types` when
+/// the config has it; else Gemma 2 alternates (even layers slide), Gemma 3 slides except every
+/// `sliding_window_pattern`-th layer, and Mistral and Phi-3 slide everywhere when `sliding_window` is
+/// set. Families that define windows only behind a switch (Qwen's `use_sliding_window`) are
+/// refused when it is on.
+fn sliding_layers(
+    raw: &Value,
+    family: Family,
+    num_layers: usize,
+    window: Option<usize>,
+) -> Result<Vec<bool>, String> {
+    if window.is_none() {
+        return Ok(Vec::new());
+    }
+    if let Some(types) = raw.get("layer_types").and_then(Value::as_array) {
+        if types.len() != num_layers {
+            return Err(format!(
+                "\"layer_types\" has {} entries for {num_layers} layers",
+                types.len()
+            ));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                other => Err(format!(
+                    "unsupported layer type {other:?} in \"layer_types\"; supported: sliding_attention, full_attention"
+                )),
+            })
+            .collect();
+    }
+    Ok(match family {
+        Family::Gemma2 => (0..num_layers).map(|i| (i + 1) % 2 != 0).collect(),
+        Family::Gemma3 => {
+            let pattern = raw
+                .get("sliding_window_pattern")
+                .and_then(Value::as_u64)
+                .unwrap_or(6) as usize;
+            (0..num_layers)
+                .map(|i| (i + 1) % pattern.max(1) != 0)
+                .collect()
+        }
+        Family::Mistral | Family::Phi3 => vec![true; num_layers],
+        Family::Qwen2 | Family::Qwen3
+            if raw.get("use_sliding_window").and_then(Value::as_bool) == Some(true) =>
+        {
+            return Err(
+                "\"use_sliding_window\": true is not supported for Qwen models (their released checkpoints leave it off)".into(),
+            );
+        }
+        _ => Vec::new(),
+    })
 }
 
 fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {

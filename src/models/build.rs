@@ -109,7 +109,7 @@ impl<B: Backend> Builder<'_, B> {
         ))
     }
 
-    fn attention(&mut self, p: &str) -> Result<Attention<B>, CheckpointError> {
+    fn attention(&mut self, p: &str, layer: usize) -> Result<Attention<B>, CheckpointError> {
         let a = self.args;
         let (h, q, kv, bias) = (a.hidden_size, a.q_dim(), a.kv_dim(), a.attention_bias);
         let (q_proj, k_proj, v_proj) = if a.fused_projections {
@@ -159,6 +159,9 @@ impl<B: Backend> Builder<'_, B> {
             num_heads: a.num_heads,
             num_kv_heads: a.num_kv_heads,
             head_dim: a.head_dim,
+            scale: a.attn_scale,
+            softcap: a.attn_logit_softcap,
+            sliding: a.sliding_layers.get(layer).copied().unwrap_or(false),
         })
     }
 
@@ -194,11 +197,22 @@ impl<B: Backend> Builder<'_, B> {
         let mut layers = Vec::with_capacity(a.num_layers);
         for l in 0..a.num_layers {
             let p = format!("model.layers.{l}");
+            let mut sandwich = |name: &str| -> Result<Option<RmsNorm<B>>, CheckpointError> {
+                if a.sandwich_norms {
+                    Ok(Some(self.norm(&format!("{p}.{name}"), a.hidden_size)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
+            let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
             layers.push(DecoderLayer {
                 input_layernorm: self.norm(&format!("{p}.input_layernorm"), a.hidden_size)?,
-                self_attn: self.attention(&format!("{p}.self_attn"))?,
+                self_attn: self.attention(&format!("{p}.self_attn"), l)?,
                 post_attention_layernorm: self
                     .norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?,
+                pre_feedforward_layernorm,
+                post_feedforward_layernorm,
                 mlp: self.mlp(&format!("{p}.mlp"))?,
             });
         }
@@ -219,6 +233,7 @@ impl<B: Backend> Builder<'_, B> {
             lm_head,
             args: a.clone(),
             rope: Rope::new(a),
+            rope_local: Rope::local(a),
         })
     }
 }

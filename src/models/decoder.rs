@@ -24,13 +24,23 @@ pub struct Attention<B: Backend> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The scores' scale (`head_dim ** -0.5`, or Gemma's `query_pre_attn_scalar ** -0.5`).
+    pub scale: f64,
+    /// Gemma 2: scores become `tanh(s / cap) * cap` before the mask.
+    pub softcap: Option<f64>,
+    /// Attends through the pass's sliding-window mask (and Gemma 3's local RoPE).
+    pub sliding: bool,
 }
 
-/// What every layer of one forward pass shares: RoPE tables, the attention mask, switches.
+/// What every layer of one forward pass shares: RoPE tables, the attention masks, switches.
 pub struct PassContext<B: Backend> {
     pub rope_q: RopeTables<B>,
     pub rope_k: RopeTables<B>,
     pub mask: mask::AttentionMask<B>,
+    /// The sliding layers' mask, when the model has any.
+    pub mask_sliding: Option<mask::AttentionMask<B>>,
+    /// Gemma 3's sliding layers' RoPE tables (their own base).
+    pub rope_local: Option<(RopeTables<B>, RopeTables<B>)>,
     pub mode: ForwardMode,
 }
 
@@ -68,8 +78,12 @@ impl<B: Backend> Attention<B> {
         if let Some(norm) = &self.k_norm {
             k = norm.forward(k);
         }
-        let q = rope::apply(q, &ctx.rope_q) * (1.0 / (d as f64).sqrt());
-        let k = rope::apply(k, &ctx.rope_k);
+        let (rope_q, rope_k) = match (&ctx.rope_local, self.sliding) {
+            (Some((q, k)), true) => (q, k),
+            _ => (&ctx.rope_q, &ctx.rope_k),
+        };
+        let q = rope::apply(q, rope_q) * self.scale;
+        let k = rope::apply(k, rope_k);
         // Keys and values as `[batch, kv_heads, k_len, head_dim]`, the cache's layout.
         let (mut k, mut v) = (permute(k, [0, 2, 1, 3]), permute(v, [0, 2, 1, 3]));
         if let Some(cache) = cache {
@@ -84,8 +98,15 @@ impl<B: Backend> Attention<B> {
             n_rep * seq,
             d,
         ]);
-        let scores = q.matmul(k.swap_dims(2, 3));
-        let probs = masked_softmax(scores, &ctx.mask);
+        let mut scores = q.matmul(k.swap_dims(2, 3));
+        if let Some(cap) = self.softcap {
+            scores = softcap(scores, cap);
+        }
+        let mask = match (&ctx.mask_sliding, self.sliding) {
+            (Some(m), true) => m,
+            _ => &ctx.mask,
+        };
+        let probs = masked_softmax(scores, mask);
         let out = permute(
             probs.matmul(v).reshape([batch, kvh, n_rep, seq, d]),
             [0, 3, 1, 2, 4],
@@ -119,6 +140,11 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
+/// Gemma 2's soft-capping: `tanh(x / cap) * cap`, in fp32 like the scores around it.
+pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f64) -> Tensor<B, D> {
+    (x / cap).tanh() * cap
+}
+
 /// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let inner =
@@ -130,7 +156,12 @@ fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 pub struct DecoderLayer<B: Backend> {
     pub input_layernorm: RmsNorm<B>,
     pub self_attn: Attention<B>,
+    /// Before the MLP; Gemma 2/3 (with the feed-forward norms): on the attention output.
     pub post_attention_layernorm: RmsNorm<B>,
+    /// Gemma 2/3: before the MLP.
+    pub pre_feedforward_layernorm: Option<RmsNorm<B>>,
+    /// Gemma 2/3: on the MLP output.
+    pub post_feedforward_layernorm: Option<RmsNorm<B>>,
     pub mlp: Mlp<B>,
 }
 
@@ -141,10 +172,19 @@ impl<B: Backend> DecoderLayer<B> {
         ctx: &PassContext<B>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(x), ctx, cache);
+        let attn = self
+            .self_attn
+            .forward(self.input_layernorm.forward(x.clone()), ctx, cache);
+        if let (Some(pre), Some(post)) = (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            // Gemma 2/3: every sublayer's output is normalised before the residual add.
+            let h = x + self.post_attention_layernorm.forward(attn);
+            let mlp = self.mlp.forward(pre.forward(h.clone()), ctx.mode);
+            return h + post.forward(mlp);
+        }
+        let h = x + attn;
         h.clone()
             + self
                 .mlp
@@ -188,6 +228,8 @@ pub struct CausalLm<B: Backend> {
     pub lm_head: Option<Linear<B>>,
     pub args: ModelArgs,
     pub rope: rope::Rope,
+    /// Gemma 3's sliding layers' RoPE.
+    pub rope_local: Option<rope::Rope>,
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -262,15 +304,28 @@ impl<B: Backend> CausalLm<B> {
                 .rope
                 .tables::<B2>(input.positions, batch, kv_heads, device),
             mask: mask::causal::<B2>(batch, seq, offset, input.document_ids, device),
+            mask_sliding: self.args.sliding_window.map(|w| {
+                mask::causal_window::<B2>(batch, seq, offset, input.document_ids, Some(w), device)
+            }),
+            rope_local: self.rope_local.as_ref().map(|r| {
+                (
+                    r.tables::<B2>(input.positions, batch, heads, device),
+                    r.tables::<B2>(input.positions, batch, kv_heads, device),
+                )
+            }),
             mode,
         }
     }
 
     /// Vocabulary logits for hidden states `[rows, hidden]` -> `[rows, vocab]`.
     pub fn project(&self, hidden: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(hidden, mode),
             None => hidden.matmul(self.model.embed_tokens.weight.val().transpose()),
+        };
+        match self.args.final_logit_softcap {
+            Some(cap) => softcap(logits, cap),
+            None => logits,
         }
     }
 

@@ -112,7 +112,8 @@ impl<B: Backend> CausalLm<B> {
         self.to_hf_layout(params)
     }
 
-    fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
+    /// Names and tensors (weights or their gradients) in the on-disk layout of the model's family.
+    pub fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
         if self.args.fused_projections {
             fuse_projections(params)
         } else {

@@ -13,15 +13,23 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(args: &ModelArgs) -> Self {
-        let dim = args.head_dim;
-        let base = args.rope_theta;
+        Self::with_base(args.head_dim, args.rope_theta, &args.rope_scaling)
+    }
+
+    /// Gemma 3's sliding layers: their own base, no scaling.
+    pub fn local(args: &ModelArgs) -> Option<Self> {
+        args.local_rope_theta
+            .map(|base| Self::with_base(args.head_dim, base, &RopeScaling::None))
+    }
+
+    fn with_base(dim: usize, base: f64, scaling: &RopeScaling) -> Self {
         let mut inv_freq: Vec<f64> = (0..dim / 2)
             .map(|i| {
                 let exponent = (2 * i) as f32 / dim as f32;
                 1.0 / base.powf(exponent as f64)
             })
             .collect();
-        match &args.rope_scaling {
+        match scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
             RopeScaling::Llama3 {

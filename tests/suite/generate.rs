@@ -103,6 +103,15 @@ fn kv_cache_equals_full_forward_qwen2_with_bias() {
     cache_matches_full_recompute("tiny-qwen2", &[17, 301, 5, 999, 42]);
 }
 
+/// Gemma 2 and 3 with a 5-token sliding window: the cached decode's mask must hide the keys
+/// that slid out, and Gemma 3's sliding layers use their own RoPE base.
+#[test]
+fn kv_cache_equals_full_forward_gemma2_and_gemma3_sliding_windows() {
+    let prompt = [17, 30, 5, 99, 42, 7, 8, 120];
+    cache_matches_full_recompute("families/gemma2", &prompt);
+    cache_matches_full_recompute("families/gemma3", &prompt);
+}
+
 #[test]
 fn stops_at_a_stop_token_unless_told_not_to() {
     let r = reference();

@@ -16,6 +16,9 @@ pub enum ModelFamily {
     Phi3,
     Gemma,
     Gemma2,
+    /// Not a torchtune module (torchtune has no Gemma 3); `tune.models.gemma3.*` names it.
+    Gemma3,
+    Llama3_3,
     SmolLM2,
 }
 
@@ -54,6 +57,8 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     (ModelFamily::Phi3, "phi3", &["mini"]),
     (ModelFamily::Gemma, "gemma", &["2b", "7b"]),
     (ModelFamily::Gemma2, "gemma2", &["2b", "9b", "27b"]),
+    (ModelFamily::Gemma3, "gemma3", &["1b"]),
+    (ModelFamily::Llama3_3, "llama3_3", &["70b"]),
     (ModelFamily::SmolLM2, "smollm2", &["135m", "360m", "1_7b"]),
 ];
 
