@@ -36,6 +36,20 @@ fn dataset_entries<'a>(root: &'a Value, key: &str) -> Vec<(String, &'a Value)> {
 pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     model_rules(recipe, root, cx);
     prompt_template_rule(root, cx);
+    let set = |key: &str| yaml::get(root, key).is_some_and(|v| !v.is_null());
+    if yaml::get(root, "tokenizer").is_some_and(Value::is_mapping)
+        && !set("tokenizer.path")
+        && !set("tokenizer.vocab_path")
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingKey,
+                "tokenizer.path",
+                "missing: the tokenizer needs `path` (or Phi-4's `vocab_path`)",
+            )
+            .with_fix("point `tokenizer.path` at the model's tokenizer.json"),
+        );
+    }
     // Generation has ranges too (max_new_tokens, temperature, top_k, top_p).
     range_rules(root, cx);
     if !recipe.is_training() {
@@ -361,16 +375,22 @@ pub fn paths(recipe: Recipe, root: &Value, cx: &mut Checker) {
     for ck in ["checkpointer", "teacher_checkpointer", "ref_checkpointer"] {
         checkpointer_paths(root, ck, resume, cx);
     }
-    if let Some(p) = yaml::get(root, "tokenizer.path").and_then(Value::as_str) {
+    let tokenizer_key = if yaml::get(root, "tokenizer.path").is_some() {
+        "tokenizer.path"
+    } else {
+        "tokenizer.vocab_path"
+    };
+    if let Some(p) = yaml::get(root, tokenizer_key).and_then(Value::as_str) {
         match paths::resolve_tokenizer_json(Path::new(p)) {
             Ok(found) if found != Path::new(p) && !Path::new(p).is_dir() => cx.warn(
-                "tokenizer.path",
+                tokenizer_key,
                 format!("`{p}` is not a tokenizer.json; using {}", found.display()),
             ),
             Ok(_) => {}
             Err(e) => cx.problem(
-                Problem::new(ProblemKind::MissingPath, "tokenizer.path", e.to_string())
-                    .with_fix("point `tokenizer.path` at the model's tokenizer.json"),
+                Problem::new(ProblemKind::MissingPath, tokenizer_key, e.to_string()).with_fix(
+                    format!("point `{tokenizer_key}` at the model's tokenizer.json"),
+                ),
             ),
         }
     }

@@ -99,9 +99,16 @@ pub struct Architecture {
 pub struct TokenizerConfig {
     #[serde(rename = "_component_")]
     pub component: Component,
-    /// As written; use `paths::resolve_tokenizer_json` to find the tokenizer.json.
-    pub path: PathBuf,
+    /// As written; use [`TokenizerConfig::location`] and `paths::resolve_tokenizer_json` to
+    /// find the tokenizer.json.
+    pub path: Option<PathBuf>,
+    /// Phi-4's tokenizer names its vocabulary `vocab_path` (vocab.json) instead of `path`.
+    pub vocab_path: Option<PathBuf>,
+    /// Phi-4's merges.txt (the tokenizer.json beside the vocabulary holds the merges).
+    pub merges_path: Option<PathBuf>,
     pub merges_file: Option<PathBuf>,
+    /// torchtune main: `left` keeps a too-long sample's last `max_seq_len` tokens.
+    pub truncation_type: Option<TruncationType>,
     pub max_seq_len: Option<usize>,
     /// Absent: the component's default template (Llama2ChatTemplate for `llama2_tokenizer`,
     /// MistralChatTemplate for `mistral_tokenizer`, none otherwise); `Some(None)`: `null`, no
@@ -113,6 +120,20 @@ pub struct TokenizerConfig {
     )]
     pub prompt_template: Option<Option<Value>>,
     pub special_tokens_path: Option<PathBuf>,
+}
+
+impl TokenizerConfig {
+    /// What points at the vocabulary: `path`, else `vocab_path` (validation requires one).
+    pub fn location(&self) -> Option<&std::path::Path> {
+        self.path.as_deref().or(self.vocab_path.as_deref())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TruncationType {
+    Left,
+    Right,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -164,11 +164,16 @@ pub static TOKENIZER: Section = section(
     "tokenizer",
     Some(ComponentKind::Tokenizer),
     &[
-        req("path", Ty::Str),
+        // `path`, or Phi-4's `vocab_path` (checks.rs requires one): the tokenizer.json beside
+        // either is the vocabulary.
+        opt("path", Ty::Str),
+        opt("vocab_path", NSTR),
+        opt("merges_path", NSTR),
         opt("merges_file", NSTR),
         opt("max_seq_len", NUINT),
         opt("prompt_template", Ty::Nullable(&Ty::Any)),
         opt("special_tokens_path", NSTR),
+        opt("truncation_type", Ty::Enum(&["left", "right"])),
     ],
 );
 

@@ -10,7 +10,7 @@
 use super::error::TokenizeError;
 use super::tokenize::{IGNORE_INDEX, SftSample};
 use super::transform::LabeledMessage;
-use crate::tokenizer::{MessageFormat, PromptTemplate, Role, Tokenizer};
+use crate::tokenizer::{MessageFormat, PromptTemplate, Role, Tokenizer, Truncation};
 
 type Result<T> = std::result::Result<T, TokenizeError>;
 
@@ -67,6 +67,7 @@ pub fn tokenize(
             sentencepiece(&enc, &templated, max_seq_len, add_end_tokens)?
         }
         MessageFormat::Phi3 => phi3(&enc, &templated, max_seq_len, add_end_tokens)?,
+        MessageFormat::Phi4 => phi4(&enc, &templated, max_seq_len, add_end_tokens)?,
         MessageFormat::ChatTemplate => unreachable_format(),
     };
     Ok(to_sample(tokens, mask))
@@ -87,10 +88,17 @@ fn to_sample(tokens: Vec<u32>, mask: Vec<bool>) -> SftSample {
     SftSample { tokens, labels }
 }
 
-/// torchtune's `truncate`: keep the first `max` items; when `last` is given and the final
-/// item differs from it, it becomes `last` (applied whether or not anything was cut).
-fn truncate<T: PartialEq + Copy>(v: &mut Vec<T>, max: usize, last: Option<T>) {
-    v.truncate(max);
+/// torchtune's `truncate`: keep the first `max` items (the last ones with `Truncation::Left`);
+/// when `last` is given and the final item differs from it, it becomes `last` (applied whether
+/// or not anything was cut).
+fn truncate<T: PartialEq + Copy>(v: &mut Vec<T>, max: usize, last: Option<T>, side: Truncation) {
+    match side {
+        Truncation::Right => v.truncate(max),
+        Truncation::Left => {
+            let cut = v.len().saturating_sub(max);
+            v.drain(..cut);
+        }
+    }
     if let (Some(l), Some(end)) = (last, v.last_mut())
         && *end != l
     {
@@ -101,6 +109,8 @@ fn truncate<T: PartialEq + Copy>(v: &mut Vec<T>, max: usize, last: Option<T>) {
 /// Encoding as torchtune's base tokenizers do it, on the model's tokenizer.json.
 struct Encoder<'a> {
     tok: &'a Tokenizer,
+    /// Which end a too-long conversation keeps.
+    side: Truncation,
     /// SentencePiece vocabularies that encode whitespace get their dummy-prefix space trimmed
     /// inside a turn by encoding `"\n" + text` and dropping the tokens of `"\n"`.
     trim_prefix: Option<usize>,
@@ -115,7 +125,11 @@ impl<'a> Encoder<'a> {
             })
             .flatten()
             .flatten();
-        Encoder { tok, trim_prefix }
+        Encoder {
+            tok,
+            side: tok.format().truncation,
+            trim_prefix,
+        }
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -268,8 +282,8 @@ fn llama3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> R
         mask.push(true);
     }
     if let Some(m) = max {
-        truncate(&mut tokens, m, add_end.then_some(eos));
-        truncate(&mut mask, m, add_end.then_some(true));
+        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
+        truncate(&mut mask, m, add_end.then_some(true), enc.side);
     }
     Ok((tokens, mask))
 }
@@ -330,8 +344,8 @@ fn chatml(
         mask.push(m);
     }
     if let Some(m) = max {
-        truncate(&mut tokens, m, add_end.then_some(eos));
-        truncate(&mut mask, m, add_end.then_some(true));
+        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
+        truncate(&mut mask, m, add_end.then_some(true), enc.side);
     }
     Ok((tokens, mask))
 }
@@ -379,8 +393,8 @@ fn sentencepiece(
         }
     }
     if let Some(m) = max {
-        truncate(&mut tokens, m, eos);
-        truncate(&mut mask, m, eos.and(last_masked));
+        truncate(&mut tokens, m, eos, enc.side);
+        truncate(&mut mask, m, eos.and(last_masked), enc.side);
     }
     Ok((tokens, mask))
 }
@@ -435,8 +449,43 @@ fn phi3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> Res
     if let Some(m) = max
         && tokens.len() >= m
     {
-        truncate(&mut tokens, m, add_end.then_some(eos));
-        truncate(&mut mask, m, add_end.then_some(last_masked));
+        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
+        truncate(&mut mask, m, add_end.then_some(last_masked), enc.side);
+    }
+    Ok((tokens, mask))
+}
+
+/// `Phi4Tokenizer.tokenize_messages` as its dataset path calls it: `<|im_start|>role<|im_sep|>`,
+/// the content pieces (trailing spaces stripped), `<|im_end|>` after every message but the
+/// assistant's; no BOS or EOS; truncated without forcing an end token. (torchtune's `add_eos`
+/// would close the assistant turn, but its `__call__` never passes it.)
+fn phi4(enc: &Encoder, turns: &[Turn], max: Option<usize>, _add_end: bool) -> Result<Tokens> {
+    let (start, sep, end) = (
+        enc.special("<|im_start|>")?,
+        enc.special("<|im_sep|>")?,
+        enc.special("<|im_end|>")?,
+    );
+    let (mut tokens, mut mask) = (Vec::new(), Vec::new());
+    for t in turns {
+        let mut ids = vec![start];
+        ids.extend(enc.encode(role_name(&t.role))?);
+        ids.push(sep);
+        for p in &t.pieces {
+            ids.extend(enc.encode(p.trim_end_matches(' '))?);
+        }
+        if t.role != Role::Assistant {
+            ids.push(end);
+        }
+        push(&mut tokens, &mut mask, &ids, t.masked);
+        if max.is_some_and(|m| tokens.len() >= m) {
+            break;
+        }
+    }
+    if let Some(m) = max
+        && tokens.len() >= m
+    {
+        truncate(&mut tokens, m, None, enc.side);
+        truncate(&mut mask, m, None, enc.side);
     }
     Ok((tokens, mask))
 }
@@ -448,11 +497,23 @@ mod tests {
     #[test]
     fn truncate_replaces_the_last_item_even_when_nothing_was_cut() {
         let mut v = vec![1, 2, 3];
-        truncate(&mut v, 5, Some(9));
+        truncate(&mut v, 5, Some(9), Truncation::Right);
         assert_eq!(v, [1, 2, 9]);
         let mut v = vec![1, 2, 3, 4];
-        truncate(&mut v, 2, None);
+        truncate(&mut v, 2, None, Truncation::Right);
         assert_eq!(v, [1, 2]);
+    }
+
+    /// torchtune main's `truncation_type: left` keeps the last `max_seq_len` tokens, then
+    /// forces the end token as on the right.
+    #[test]
+    fn left_truncation_keeps_the_end() {
+        let mut v = vec![1, 2, 3, 4, 5];
+        truncate(&mut v, 3, Some(9), Truncation::Left);
+        assert_eq!(v, [3, 4, 9]);
+        let mut v = vec![1, 2, 3, 4, 5];
+        truncate(&mut v, 3, None, Truncation::Left);
+        assert_eq!(v, [3, 4, 5]);
     }
 
     fn turn(role: Role, text: &str) -> Turn {

@@ -76,9 +76,29 @@ pub fn tokenize_messages(
         plain(tok, messages)?
     };
     if let Some(max) = max_seq_len {
-        truncate(&mut sample, max, tok.eos_id());
+        if tok.format().truncation == crate::tokenizer::Truncation::Left {
+            truncate_left(&mut sample, max, tok.eos_id());
+        } else {
+            truncate(&mut sample, max, tok.eos_id());
+        }
     }
     Ok(sample)
+}
+
+/// `truncation_type: left` (torchtune main): keep the last `max_seq_len` tokens; when something
+/// was cut, the last token becomes EOS with its label masked, as on the right.
+fn truncate_left(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>) {
+    if sample.tokens.len() <= max_seq_len || max_seq_len == 0 {
+        return;
+    }
+    let cut = sample.tokens.len() - max_seq_len;
+    sample.tokens.drain(..cut);
+    sample.labels.drain(..cut);
+    let last = max_seq_len - 1;
+    if let Some(eos) = eos {
+        sample.tokens[last] = eos;
+    }
+    sample.labels[last] = IGNORE_INDEX;
 }
 
 /// torchtune's `truncate` for SFT: keep the first `max_seq_len` tokens; when something was cut,

@@ -5,15 +5,27 @@ use std::path::Path;
 use super::SetupError;
 use crate::config::components::{Component, TokenizerKind};
 use crate::config::paths::resolve_tokenizer_json;
-use crate::config::schema::{ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig};
+use crate::config::schema::{
+    ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig, TruncationType,
+};
 use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig, OneOrMany};
-use crate::tokenizer::{MessageFormat, ModelFormat, PromptTemplate, Tokenizer};
+use crate::tokenizer::{MessageFormat, ModelFormat, PromptTemplate, Tokenizer, Truncation};
 use crate::training::validation::Validation;
 
 /// The model's tokenizer.json with the message format of the component the config names.
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
-    let path = resolve_tokenizer_json(&cfg.path).map_err(|e| SetupError::Invalid {
-        key: "tokenizer.path".into(),
+    let (key, location) = match (&cfg.path, &cfg.vocab_path) {
+        (Some(p), _) => ("tokenizer.path", p),
+        (None, Some(p)) => ("tokenizer.vocab_path", p),
+        (None, None) => {
+            return Err(SetupError::Invalid {
+                key: "tokenizer.path".into(),
+                message: "missing: point it at the model's tokenizer.json".into(),
+            });
+        }
+    };
+    let path = resolve_tokenizer_json(location).map_err(|e| SetupError::Invalid {
+        key: key.into(),
         message: e.to_string(),
     })?;
     let mut tokenizer = Tokenizer::from_path(path)?;
@@ -36,6 +48,7 @@ pub fn model_format(cfg: &TokenizerConfig) -> Result<ModelFormat, SetupError> {
             MessageFormat::SentencePiece
         }
         TokenizerKind::Phi3Mini => MessageFormat::Phi3,
+        TokenizerKind::Phi4 => MessageFormat::Phi4,
         TokenizerKind::SmolLM2 | TokenizerKind::HuggingFace => MessageFormat::ChatTemplate,
     };
     let invalid = |message: String| SetupError::Invalid {
@@ -62,6 +75,10 @@ pub fn model_format(cfg: &TokenizerConfig) -> Result<ModelFormat, SetupError> {
     Ok(ModelFormat {
         format,
         prompt_template,
+        truncation: match cfg.truncation_type {
+            Some(TruncationType::Left) => Truncation::Left,
+            Some(TruncationType::Right) | None => Truncation::Right,
+        },
     })
 }
 

@@ -33,6 +33,10 @@ pub enum MessageFormat {
     /// `Phi3MiniTokenizer`: `<s>` per turn, `<|user|>`/`<|assistant|>`/`<|system|>` + `\n`,
     /// content, `<|end|>\n`, `<|endoftext|>` after each assistant message.
     Phi3,
+    /// `Phi4Tokenizer`: per message `<|im_start|>role<|im_sep|>`, each content piece with its
+    /// trailing spaces stripped, `<|im_end|>` after every message but the assistant's (which
+    /// torchtune's training path leaves open); no BOS or EOS.
+    Phi4,
 }
 
 impl MessageFormat {
@@ -50,6 +54,7 @@ impl MessageFormat {
             MessageFormat::Qwen2_5 => "Qwen2_5Tokenizer",
             MessageFormat::SentencePiece => "tokenize_messages_no_special_tokens",
             MessageFormat::Phi3 => "Phi3MiniTokenizer",
+            MessageFormat::Phi4 => "Phi4Tokenizer",
         }
     }
 }
@@ -172,11 +177,22 @@ impl PromptTemplate {
     }
 }
 
-/// A tokenizer component's format and its prompt template.
+/// Which end of a too-long conversation is kept (torchtune main's `truncation_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Truncation {
+    /// The first `max_seq_len` tokens (torchtune 0.6.1's only behaviour).
+    #[default]
+    Right,
+    /// The last `max_seq_len` tokens.
+    Left,
+}
+
+/// A tokenizer component's format, its prompt template and its truncation side.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ModelFormat {
     pub format: MessageFormat,
     pub prompt_template: Option<PromptTemplate>,
+    pub truncation: Truncation,
 }
 
 #[cfg(test)]

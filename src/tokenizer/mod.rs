@@ -6,7 +6,7 @@ mod special;
 mod template;
 
 pub use error::{Result, TokenizerError};
-pub use format::{MessageFormat, ModelFormat, PromptTemplate};
+pub use format::{MessageFormat, ModelFormat, PromptTemplate, Truncation};
 pub use message::{Message, Role};
 pub use special::SpecialToken;
 pub use template::{ChatTemplate, TemplateVars};
@@ -215,6 +215,7 @@ impl Tokenizer {
                 "<|end|>",
                 "<|endoftext|>",
             ],
+            MessageFormat::Phi4 => &["<|im_start|>", "<|im_sep|>", "<|im_end|>", "<|endoftext|>"],
         };
         let missing = |token: &str| TokenizerError::MissingFormatToken {
             component: format.format.name(),
@@ -244,6 +245,7 @@ impl Tokenizer {
         match self.format.format {
             MessageFormat::Llama3 => self.token_to_id("<|begin_of_text|>"),
             MessageFormat::Qwen2 | MessageFormat::Qwen2_5 => None,
+            MessageFormat::Phi4 => self.token_to_id("<|endoftext|>"),
             MessageFormat::ChatTemplate | MessageFormat::SentencePiece | MessageFormat::Phi3 => {
                 self.bos_id()
             }
@@ -255,7 +257,9 @@ impl Tokenizer {
     pub fn format_eos_id(&self) -> Option<u32> {
         match self.format.format {
             MessageFormat::Llama3 => self.token_to_id("<|end_of_text|>"),
-            MessageFormat::Qwen2 | MessageFormat::Qwen2_5 => self.token_to_id("<|im_end|>"),
+            MessageFormat::Qwen2 | MessageFormat::Qwen2_5 | MessageFormat::Phi4 => {
+                self.token_to_id("<|im_end|>")
+            }
             MessageFormat::Phi3 => self.token_to_id("<|endoftext|>"),
             MessageFormat::ChatTemplate | MessageFormat::SentencePiece => self.eos_id(),
         }

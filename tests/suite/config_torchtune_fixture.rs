@@ -63,3 +63,70 @@ fn torchtune_config_without_overrides_reports_missing_paths() {
     assert!(e.has("tokenizer.path", "no tokenizer.json found"), "{e}");
     assert!(e.to_string().contains(FIXTURE));
 }
+
+/// Configs from torchtune main's recipes/configs (commit bd2a0fc, verbatim in
+/// tests/fixtures/torchtune_configs), each with something the first one lacks: QLoRA's
+/// `low_cpu_ram`, `checkpointer.keep_last_n_checkpoints`, a generic builder with architecture
+/// arguments, Phi-4's `vocab_path`/`merges_path` tokenizer, Qwen3. They validate (paths aside);
+/// a vision config and a PPO config are refused by name.
+#[test]
+fn torchtune_main_configs_validate_or_are_refused_by_name() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/torchtune_configs"
+    );
+    let no_paths = tune::config::ValidateOptions { check_paths: false };
+    for (file, recipe) in [
+        (
+            "gemma2_9B_qlora_single_device.yaml",
+            "lora_finetune_single_device",
+        ),
+        (
+            "llama3_2_1B_full_single_device.yaml",
+            "full_finetune_single_device",
+        ),
+        ("llama2_1B_qat_single_device.yaml", "qat_single_device"),
+        (
+            "phi4_14B_lora_single_device.yaml",
+            "lora_finetune_single_device",
+        ),
+        (
+            "qwen3_0.6B_lora_single_device.yaml",
+            "lora_finetune_single_device",
+        ),
+    ] {
+        let path = format!("{dir}/{file}");
+        assert_eq!(
+            tune::cli::commands::infer_recipe(&path).map(|r| r.name()),
+            tune::config::recipes::find(recipe).ok().map(|r| r.name()),
+            "{file}"
+        );
+        let cfg = load_config(&path, &[]).unwrap_or_else(|e| panic!("{file}: {e}"));
+        tune::config::validate_with(recipe, &cfg, &no_paths)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+    }
+    let vision = load_config(
+        &format!("{dir}/llama3_2_vision_11B_lora_single_device.yaml"),
+        &[],
+    )
+    .unwrap();
+    let err = tune::config::validate_with("lora_finetune_single_device", &vision, &no_paths)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("vision-language models are not supported"),
+        "{err}"
+    );
+    let ppo = format!("{dir}/mistral_7B_full_ppo_low_memory.yaml");
+    assert!(tune::cli::commands::infer_recipe(&ppo).is_none());
+    let mut out = Vec::new();
+    let err = match tune::cli::commands::validate_cmd(&ppo, &[], None, &mut out) {
+        Err(tune::cli::CliError::BadInput(e)) => e.to_string(),
+        Err(_) => panic!("a PPO config is bad input"),
+        Ok(()) => panic!("a PPO config validated"),
+    };
+    assert!(
+        err.contains("ppo_full_finetune_single_device") && err.contains("does not have"),
+        "{err}"
+    );
+}

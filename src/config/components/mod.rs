@@ -55,6 +55,7 @@ pub enum TokenizerKind {
     Qwen3,
     Mistral,
     Phi3Mini,
+    Phi4,
     Gemma,
     SmolLM2,
     /// Any model: everything comes from tokenizer.json / tokenizer_config.json.

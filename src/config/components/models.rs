@@ -14,6 +14,8 @@ pub enum ModelFamily {
     Qwen3,
     Mistral,
     Phi3,
+    /// Phi-4's checkpoints are the Phi-3 architecture (`Phi3ForCausalLM`).
+    Phi4,
     Gemma,
     Gemma2,
     /// Not a torchtune module (torchtune has no Gemma 3); `tune.models.gemma3.*` names it.
@@ -55,6 +57,7 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     ),
     (ModelFamily::Mistral, "mistral", &["7b"]),
     (ModelFamily::Phi3, "phi3", &["mini"]),
+    (ModelFamily::Phi4, "phi4", &["14b"]),
     (ModelFamily::Gemma, "gemma", &["2b", "7b"]),
     (ModelFamily::Gemma2, "gemma2", &["2b", "9b", "27b"]),
     (ModelFamily::Gemma3, "gemma3", &["1b"]),

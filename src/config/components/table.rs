@@ -97,6 +97,11 @@ static TABLE: &[Entry] = &[
         Component::Tokenizer(TokenizerKind::Phi3Mini),
     ),
     e(
+        "tune.models.phi4.phi4_tokenizer",
+        &["torchtune.models.phi4.phi4_tokenizer"],
+        Component::Tokenizer(TokenizerKind::Phi4),
+    ),
+    e(
         "tune.models.gemma.gemma_tokenizer",
         &["torchtune.models.gemma.gemma_tokenizer"],
         Component::Tokenizer(TokenizerKind::Gemma),
