@@ -1,7 +1,11 @@
 //! Epoch ordering and batching of sample indices.
 //!
-//! Epoch `e` is shuffled with `StdRng::seed_from_u64(seed + e)` (rand 0.9's StdRng; the
-//! permutation differs from torch's `DistributedSampler`, which seeds `seed + epoch` the same way).
+//! Epoch `e` is shuffled exactly as torch's `DistributedSampler` shuffles it:
+//! `torch.randperm(n, generator=torch.Generator().manual_seed(seed + e))`, a Fisher-Yates pass
+//! over MT19937's 32-bit draws (rand_mt's `Mt`, the same generator torch's CPU generator is).
+//! torchtune's recipes pass the sampler `seed=0` whatever the config's `seed`, so setup does
+//! too, and a run visits the samples in torchtune's order (tests/fixtures/torchtune_tokens/
+//! sample_order.json).
 //! `drop_last` defaults to true, as torchtune's recipes build their `DataLoader`s. An epoch's
 //! batches are plain index lists, so resuming at batch `k` of epoch `e` is
 //! `batches_for_epoch(e)[k..]`, with no data replayed.
@@ -12,9 +16,6 @@
 //! every W-th index from `r`; each rank then batches its share. Batch `k` of all ranks together
 //! holds exactly the samples of batch `k` of one device with a W times larger batch size.
 use super::error::{DataError, Result};
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 
 /// How samples are ordered and grouped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,12 +84,11 @@ impl DataLoader {
 
     /// The order of all sample indices in `epoch`.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.num_samples).collect();
         if self.config.shuffle {
-            let mut rng = StdRng::seed_from_u64(self.config.seed.wrapping_add(epoch));
-            order.shuffle(&mut rng);
+            torch_randperm(self.num_samples, self.config.seed.wrapping_add(epoch))
+        } else {
+            (0..self.num_samples).collect()
         }
-        order
     }
 
     /// The sample indices of every batch of `epoch`, in order.
@@ -118,9 +118,29 @@ impl DataLoader {
     }
 }
 
+/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed))` on the CPU: torch's
+/// generator is MT19937 seeded with the seed's low 32 bits, and randperm swaps each position
+/// `i` with `i + draw % (n - i)`. (torch switches to 64-bit draws past 2^32 / 20 samples, far
+/// beyond a fine-tuning set.)
+pub fn torch_randperm(n: usize, seed: u64) -> Vec<usize> {
+    let mut mt = rand_mt::Mt::new(seed as u32);
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in 0..n.saturating_sub(1) {
+        let z = (u64::from(mt.next_u32()) % (n - i) as u64) as usize;
+        order.swap(i, i + z);
+    }
+    order
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn randperm_is_torchs() {
+        // torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
+        assert_eq!(torch_randperm(10, 0), [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]);
+    }
 
     fn loader(n: usize, batch_size: usize) -> DataLoader {
         DataLoader::new(

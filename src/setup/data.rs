@@ -220,7 +220,14 @@ pub fn train_data(
     let positions = args.max_position_embeddings;
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;
-    let loader = loader(&dataset, cfg.batch_size, cfg.shuffle, run.seed)?;
+    // torchtune's recipes give their sampler seed 0 whatever the config's `seed` (which seeds
+    // initialisation and dropout), so the epochs visit the samples in torchtune's order.
+    let loader = loader(
+        &dataset,
+        cfg.batch_size,
+        cfg.shuffle,
+        TORCHTUNE_SAMPLER_SEED,
+    )?;
     let validation = match &cfg.dataset_val {
         Some(entries) => Some(validation(
             entries,
@@ -239,6 +246,9 @@ pub fn train_data(
         validation,
     })
 }
+
+/// The seed torchtune's recipes pass their `StatefulDistributedSampler`.
+pub const TORCHTUNE_SAMPLER_SEED: u64 = 0;
 
 /// The validation set (`dataset_val`, tokenized as the training set) and its loader:
 /// unshuffled batches of `batch_size_val` (default `batch_size`), the partial last one dropped,

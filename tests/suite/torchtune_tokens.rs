@@ -259,3 +259,38 @@ fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
         "tune's step-1 loss {loss} vs PyTorch's {expected}"
     );
 }
+
+/// A shuffled epoch visits the samples in the order torchtune's sampler draws them
+/// (sample_order.json: torchdata's StatefulDistributedSampler with torchtune's seed 0), on one
+/// rank and split across ranks.
+#[test]
+fn shuffled_epochs_visit_samples_in_torchtunes_order() {
+    let text = std::fs::read_to_string(root().join("sample_order.json")).expect("fixture");
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for case in cases {
+        let n = case["n"].as_u64().unwrap() as usize;
+        let epoch = case["epoch"].as_u64().unwrap();
+        let world = case["world"].as_u64().unwrap() as usize;
+        let loader = tune::data::DataLoader::new(
+            n,
+            tune::data::LoaderConfig {
+                batch_size: 1,
+                shuffle: true,
+                seed: setup_data::TORCHTUNE_SAMPLER_SEED,
+                drop_last: false,
+            },
+        )
+        .unwrap();
+        for (rank, want) in case["ranks"].as_array().unwrap().iter().enumerate() {
+            let got: Vec<usize> = loader
+                .rank_batches(epoch, rank, world)
+                .into_iter()
+                .flatten()
+                .collect();
+            let want: Vec<usize> = serde_json::from_value(want.clone()).unwrap();
+            assert_eq!(got, want, "n {n} epoch {epoch} world {world} rank {rank}");
+        }
+    }
+}
