@@ -40,6 +40,7 @@ pub fn recipe_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
     if yaml::get(root, "tokenizer").is_some_and(Value::is_mapping)
         && !set("tokenizer.path")
         && !set("tokenizer.vocab_path")
+        && !set("tokenizer.tokenizer_json_path")
     {
         cx.problem(
             Problem::new(
@@ -375,11 +376,22 @@ pub fn paths(recipe: Recipe, root: &Value, cx: &mut Checker) {
     for ck in ["checkpointer", "teacher_checkpointer", "ref_checkpointer"] {
         checkpointer_paths(root, ck, resume, cx);
     }
-    let tokenizer_key = if yaml::get(root, "tokenizer.path").is_some() {
-        "tokenizer.path"
-    } else {
-        "tokenizer.vocab_path"
-    };
+    let tokenizer_key = [
+        "tokenizer.path",
+        "tokenizer.tokenizer_json_path",
+        "tokenizer.vocab_path",
+    ]
+    .into_iter()
+    .find(|k| yaml::get(root, k).is_some_and(|v| !v.is_null()))
+    .unwrap_or("tokenizer.path");
+    for key in [
+        "tokenizer.tokenizer_config_json_path",
+        "tokenizer.generation_config_path",
+    ] {
+        if let Some(p) = yaml::get(root, key).and_then(Value::as_str) {
+            require(Path::new(p).is_file(), cx, key, "file", p, "a JSON file");
+        }
+    }
     if let Some(p) = yaml::get(root, tokenizer_key).and_then(Value::as_str) {
         match paths::resolve_tokenizer_json(Path::new(p)) {
             Ok(found) if found != Path::new(p) && !Path::new(p).is_dir() => cx.warn(

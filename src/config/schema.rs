@@ -109,6 +109,11 @@ pub struct TokenizerConfig {
     pub merges_file: Option<PathBuf>,
     /// torchtune main: `left` keeps a too-long sample's last `max_seq_len` tokens.
     pub truncation_type: Option<TruncationType>,
+    /// torchtune's `HuggingFaceModelTokenizer`: the tokenizer.json, and the config files that
+    /// would otherwise be read from beside it.
+    pub tokenizer_json_path: Option<PathBuf>,
+    pub tokenizer_config_json_path: Option<PathBuf>,
+    pub generation_config_path: Option<PathBuf>,
     pub max_seq_len: Option<usize>,
     /// Absent: the component's default template (Llama2ChatTemplate for `llama2_tokenizer`,
     /// MistralChatTemplate for `mistral_tokenizer`, none otherwise); `Some(None)`: `null`, no
@@ -123,9 +128,16 @@ pub struct TokenizerConfig {
 }
 
 impl TokenizerConfig {
-    /// What points at the vocabulary: `path`, else `vocab_path` (validation requires one).
-    pub fn location(&self) -> Option<&std::path::Path> {
-        self.path.as_deref().or(self.vocab_path.as_deref())
+    /// What points at the vocabulary and its key: `path`, `tokenizer_json_path` or
+    /// `vocab_path` (validation requires one).
+    pub fn location(&self) -> Option<(&'static str, &std::path::Path)> {
+        [
+            ("tokenizer.path", &self.path),
+            ("tokenizer.tokenizer_json_path", &self.tokenizer_json_path),
+            ("tokenizer.vocab_path", &self.vocab_path),
+        ]
+        .into_iter()
+        .find_map(|(key, p)| p.as_deref().map(|p| (key, p)))
     }
 }
 

@@ -164,8 +164,8 @@ pub static TOKENIZER: Section = section(
     "tokenizer",
     Some(ComponentKind::Tokenizer),
     &[
-        // `path`, or Phi-4's `vocab_path` (checks.rs requires one): the tokenizer.json beside
-        // either is the vocabulary.
+        // `path`, Phi-4's `vocab_path` or HuggingFaceModelTokenizer's `tokenizer_json_path`
+        // (checks.rs requires one): the tokenizer.json it names or sits beside is the vocabulary.
         opt("path", Ty::Str),
         opt("vocab_path", NSTR),
         opt("merges_path", NSTR),
@@ -174,6 +174,10 @@ pub static TOKENIZER: Section = section(
         opt("prompt_template", Ty::Nullable(&Ty::Any)),
         opt("special_tokens_path", NSTR),
         opt("truncation_type", Ty::Enum(&["left", "right"])),
+        // torchtune's HuggingFaceModelTokenizer names its files.
+        opt("tokenizer_json_path", NSTR),
+        opt("tokenizer_config_json_path", NSTR),
+        opt("generation_config_path", NSTR),
     ],
 );
 

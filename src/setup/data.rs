@@ -9,26 +9,28 @@ use crate::config::schema::{
     ConversationStyle, DataFiles, DatasetConfig, TokenizerConfig, TruncationType,
 };
 use crate::data::{self, DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig, OneOrMany};
-use crate::tokenizer::{MessageFormat, ModelFormat, PromptTemplate, Tokenizer, Truncation};
+use crate::tokenizer::{
+    ConfigFiles, MessageFormat, ModelFormat, PromptTemplate, Tokenizer, Truncation,
+};
 use crate::training::validation::Validation;
 
 /// The model's tokenizer.json with the message format of the component the config names.
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
-    let (key, location) = match (&cfg.path, &cfg.vocab_path) {
-        (Some(p), _) => ("tokenizer.path", p),
-        (None, Some(p)) => ("tokenizer.vocab_path", p),
-        (None, None) => {
-            return Err(SetupError::Invalid {
-                key: "tokenizer.path".into(),
-                message: "missing: point it at the model's tokenizer.json".into(),
-            });
-        }
+    let Some((key, location)) = cfg.location() else {
+        return Err(SetupError::Invalid {
+            key: "tokenizer.path".into(),
+            message: "missing: point it at the model's tokenizer.json".into(),
+        });
     };
     let path = resolve_tokenizer_json(location).map_err(|e| SetupError::Invalid {
         key: key.into(),
         message: e.to_string(),
     })?;
-    let mut tokenizer = Tokenizer::from_path(path)?;
+    let configs = ConfigFiles {
+        tokenizer_config: cfg.tokenizer_config_json_path.clone(),
+        generation_config: cfg.generation_config_path.clone(),
+    };
+    let mut tokenizer = Tokenizer::from_files(&path, &configs)?;
     tokenizer.set_format(model_format(cfg)?)?;
     Ok(tokenizer)
 }

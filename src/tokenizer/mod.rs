@@ -13,6 +13,13 @@ pub use template::{ChatTemplate, TemplateVars};
 
 use special::CheckpointConfigs;
 
+/// Config files named explicitly instead of found beside tokenizer.json.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigFiles {
+    pub tokenizer_config: Option<PathBuf>,
+    pub generation_config: Option<PathBuf>,
+}
+
 /// A token's byte range `[start, end)` in the encoded text.
 pub type Offsets = (usize, usize);
 use std::path::{Path, PathBuf};
@@ -70,17 +77,38 @@ impl Tokenizer {
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
             });
         };
+        Self::load(file, &dir, &ConfigFiles::default())
+    }
+
+    /// As [`Tokenizer::from_path`] with the tokenizer_config.json and generation_config.json
+    /// given explicitly (torchtune's `HuggingFaceModelTokenizer` arguments) instead of found
+    /// beside tokenizer.json.
+    pub fn from_files(tokenizer_json: &Path, configs: &ConfigFiles) -> Result<Self> {
+        let dir = tokenizer_json
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        Self::load(tokenizer_json.to_path_buf(), &dir, configs)
+    }
+
+    fn load(file: PathBuf, dir: &Path, configs: &ConfigFiles) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| TokenizerError::Load {
             path: file.clone(),
             message: e.to_string(),
         })?;
-        let cfgs = CheckpointConfigs::read(&dir)?;
+        let mut cfgs = CheckpointConfigs::read(dir)?;
+        if let Some(path) = &configs.tokenizer_config {
+            cfgs.tokenizer_config = Some(special::JsonFile::read(path)?);
+        }
+        if let Some(path) = &configs.generation_config {
+            cfgs.generation_config = Some(special::JsonFile::read(path)?);
+        }
         let bos = cfgs.resolve("bos", &inner)?;
         let eos = cfgs.resolve("eos", &inner)?;
         let pad = cfgs.resolve("pad", &inner)?;
         let unk = cfgs.resolve("unk", &inner)?;
         let stop_ids = cfgs.stop_ids(eos.as_ref().map(|t| t.id))?;
-        let template = ChatTemplate::discover(&dir, cfgs.tokenizer_config.as_ref())?;
+        let template = ChatTemplate::discover(dir, cfgs.tokenizer_config.as_ref())?;
         Ok(Tokenizer {
             inner,
             path: file,

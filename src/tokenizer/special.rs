@@ -21,6 +21,22 @@ pub(crate) struct JsonFile {
 }
 
 impl JsonFile {
+    /// Reads a file that must exist.
+    pub fn read(path: &Path) -> Result<JsonFile> {
+        let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let value = serde_json::from_str(&text).map_err(|source| TokenizerError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(JsonFile {
+            path: path.to_path_buf(),
+            value,
+        })
+    }
+
     /// Reads `dir/name` if it exists.
     pub fn read_optional(dir: &Path, name: &str) -> Result<Option<JsonFile>> {
         let path = dir.join(name);

@@ -655,6 +655,18 @@ fn torchtune_main_spellings_are_accepted_or_refused_by_name() {
             .unwrap_or_else(|e| panic!("{overrides:?}: {e}"));
     };
     ok(&["low_cpu_ram=True"]);
+    ok(&[
+        "tokenizer._component_=torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer",
+        "~tokenizer.path",
+        "tokenizer.tokenizer_json_path=assets/tiny-llama/tokenizer.json",
+        "tokenizer.truncation_type=left",
+    ]);
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["~tokenizer.path"],
+    );
+    assert!(e.to_string().contains("tokenizer.path"), "{e}");
     ok(&["checkpointer.keep_last_n_checkpoints=2"]);
     ok(&[
         "keep_last_n_checkpoints=2",

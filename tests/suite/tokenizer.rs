@@ -184,3 +184,39 @@ fn tokenizer_and_dataset_are_send_sync() {
     assert_send_sync::<Tokenizer>();
     assert_send_sync::<tune::data::Dataset>();
 }
+
+/// torchtune's `HuggingFaceModelTokenizer` names its files: `tokenizer_json_path`, and a
+/// tokenizer_config.json (chat template, special tokens) and generation_config.json (stop ids)
+/// from elsewhere than beside it. Each is honoured, and the config validates.
+#[test]
+fn huggingface_model_tokenizer_arguments_name_the_files_used() {
+    let dir = temp_checkpoint("hfmt", &[]);
+    let config = dir.join("elsewhere_tokenizer_config.json");
+    std::fs::write(
+        &config,
+        r#"{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"}"#,
+    )
+    .unwrap();
+    let generation = dir.join("elsewhere_generation_config.json");
+    std::fs::write(&generation, r#"{"eos_token_id": [2004, 7]}"#).unwrap();
+    let yaml = format!(
+        "_component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer\ntokenizer_json_path: {}\ntokenizer_config_json_path: {}\ngeneration_config_path: {}\nmax_seq_len: 64\n",
+        fixture("tiny-llama/tokenizer.json").display(),
+        config.display(),
+        generation.display()
+    );
+    let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml).unwrap();
+    let tok = tune::setup::data::tokenizer(&cfg).unwrap();
+    let text = tok
+        .apply_chat_template(&[Message::new(Role::User, "hi")], false)
+        .unwrap();
+    assert_eq!(text, "<<hi>>");
+    assert_eq!(tok.eos_id(), tok.token_to_id("<|eot_id|>"));
+    assert!(tok.stop_ids().contains(&7), "{:?}", tok.stop_ids());
+    // A named file that is missing is an error naming it.
+    let yaml = yaml.replace("elsewhere_generation_config.json", "missing.json");
+    let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml).unwrap();
+    let err = tune::setup::data::tokenizer(&cfg).unwrap_err().to_string();
+    assert!(err.contains("missing.json"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
