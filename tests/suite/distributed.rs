@@ -15,10 +15,11 @@ use tune::training::optimizer_shards::read_state;
 
 const STEPS: &str = "max_steps_per_epoch=10";
 
+/// `(step, value)` of every metrics line that has `key` (validation lines carry only theirs).
 fn column_by_step(dir: &Path, key: &str) -> Vec<(u64, f64)> {
     read_metrics(&dir.join("logs/metrics.jsonl"))
         .iter()
-        .map(|m| (m["step"].as_u64().unwrap(), m[key].as_f64().unwrap()))
+        .filter_map(|m| Some((m["step"].as_u64()?, m.get(key)?.as_f64()?)))
         .collect()
 }
 
@@ -154,7 +155,14 @@ fn wait_with_deadline(child: Child, limit: Duration) -> std::process::Output {
 fn two_lora_workers_match_one_device_with_twice_the_batch() {
     let one = TempDir::new("dp-lora-1");
     let two = TempDir::new("dp-lora-2");
-    let common = [STEPS, "save_adapter_weights_only=True"];
+    // Validation too: each rank scores its share of the 8 rows, the sums are all-reduced.
+    let common = [
+        STEPS,
+        "save_adapter_weights_only=True",
+        "run_val_every_n_steps=5",
+        "batch_size_val=2",
+        "dataset_val={_component_: torchtune.datasets.alpaca_dataset, source: json, data_files: assets/data/alpaca_tiny.json, split: 'train[:8]'}",
+    ];
     train(
         1,
         "lora_finetune_single_device",
@@ -188,6 +196,14 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
     let losses = column_by_step(two.path(), "loss");
     assert_eq!(losses.len(), 10);
     assert_same_curve("loss", &losses, &column_by_step(one.path(), "loss"), 1e-4);
+    let val = column_by_step(two.path(), "val_loss");
+    assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), [5, 10]);
+    assert_same_curve(
+        "val_loss",
+        &val,
+        &column_by_step(one.path(), "val_loss"),
+        1e-4,
+    );
     assert_same_weights(
         &two.path().join("epoch_0/adapter_model.safetensors"),
         &one.path().join("epoch_0/adapter_model.safetensors"),
@@ -270,7 +286,14 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
 fn two_processes_as_two_nodes_match_one_device() {
     let one = TempDir::new("dp-nodes-1");
     let two = TempDir::new("dp-nodes-2");
-    let common = [STEPS, "save_adapter_weights_only=True"];
+    // Validation too: each rank scores its share of the 8 rows, the sums are all-reduced.
+    let common = [
+        STEPS,
+        "save_adapter_weights_only=True",
+        "run_val_every_n_steps=5",
+        "batch_size_val=2",
+        "dataset_val={_component_: torchtune.datasets.alpaca_dataset, source: json, data_files: assets/data/alpaca_tiny.json, split: 'train[:8]'}",
+    ];
     train(
         1,
         "lora_finetune_single_device",
