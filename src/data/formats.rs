@@ -399,18 +399,21 @@ fn sentencepiece(
     Ok((tokens, mask))
 }
 
-/// `Phi3MiniTokenizer.tokenize_messages`: `<s>` per turn, a role token and `\n`, the content
-/// (leading space always trimmed), `<|end|>\n`, and `<|endoftext|>` after assistant messages.
+/// `Phi3MiniTokenizer.tokenize_messages` as its dataset path calls it (`add_eos` left at its
+/// default, False): `<s>` once at the start, per message a role token and `\n`, the content
+/// (leading space always trimmed), `<|end|>\n`; no `<|endoftext|>`, and a too-long sample is
+/// cut without forcing an end token. (With `add_eos`, torchtune would start every turn with
+/// `<s>` and end each answer with `<|endoftext|>`, but nothing in its recipes passes it.)
+/// Generating, the final empty assistant turn gets its role token and `\n` only.
 fn phi3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> Result<Tokens> {
     let bos = enc.tok.format_bos_id();
-    let eos = enc.eos()?;
     let newline = enc.encode("\n")?;
     let end = enc.special("<|end|>")?;
     let (mut tokens, mut mask) = (Vec::new(), Vec::new());
-    let mut start_of_turn = true;
-    let mut last_masked = true;
     for (i, t) in turns.iter().enumerate() {
-        if start_of_turn && let Some(b) = bos {
+        if i == 0
+            && let Some(b) = bos
+        {
             push(&mut tokens, &mut mask, &[b], t.masked);
         }
         let role = match t.role {
@@ -435,13 +438,6 @@ fn phi3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> Res
             ids.extend_from_slice(&newline);
         }
         push(&mut tokens, &mut mask, &ids, t.masked);
-        if t.role == Role::Assistant && add_end {
-            push(&mut tokens, &mut mask, &[eos], t.masked);
-            start_of_turn = true;
-        } else {
-            start_of_turn = false;
-        }
-        last_masked = t.masked;
         if max.is_some_and(|m| tokens.len() >= m) {
             break;
         }
@@ -449,8 +445,8 @@ fn phi3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> Res
     if let Some(m) = max
         && tokens.len() >= m
     {
-        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
-        truncate(&mut mask, m, add_end.then_some(last_masked), enc.side);
+        truncate(&mut tokens, m, None, enc.side);
+        truncate(&mut mask, m, None, enc.side);
     }
     Ok((tokens, mask))
 }

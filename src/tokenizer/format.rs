@@ -30,8 +30,8 @@ pub enum MessageFormat {
     /// BOS at the start of each turn, each message encoded on its own (SentencePiece's leading
     /// space trimmed inside a turn), EOS after each assistant message.
     SentencePiece,
-    /// `Phi3MiniTokenizer`: `<s>` per turn, `<|user|>`/`<|assistant|>`/`<|system|>` + `\n`,
-    /// content, `<|end|>\n`, `<|endoftext|>` after each assistant message.
+    /// `Phi3MiniTokenizer` as torchtune's datasets call it: `<s>` once, per message
+    /// `<|user|>`/`<|assistant|>`/`<|system|>` + `\n`, content, `<|end|>\n`; no EOS.
     Phi3,
     /// `Phi4Tokenizer`: per message `<|im_start|>role<|im_sep|>`, each content piece with its
     /// trailing spaces stripped, `<|im_end|>` after every message but the assistant's (which
