@@ -110,6 +110,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 mode: match mode {
                     tune::cli::args::BenchModeArg::Forward => tune::bench::BenchMode::Forward,
                     tune::cli::args::BenchModeArg::Lora => tune::bench::BenchMode::Lora,
+                    tune::cli::args::BenchModeArg::Dora => tune::bench::BenchMode::Dora,
                     tune::cli::args::BenchModeArg::Full => tune::bench::BenchMode::Full,
                 },
                 batch_size,

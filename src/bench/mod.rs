@@ -26,7 +26,16 @@ use crate::training::{loss, sft, step};
 pub enum BenchMode {
     Forward,
     Lora,
+    /// LoRA with DoRA's magnitudes (peft's `use_dora`).
+    Dora,
     Full,
+}
+
+impl BenchMode {
+    /// Adapters train, the base is frozen.
+    pub fn is_adapter(self) -> bool {
+        matches!(self, Self::Lora | Self::Dora)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -86,7 +95,7 @@ fn step_flops(args: &ModelArgs, tokens: usize, seq: usize, mode: BenchMode) -> f
     match mode {
         BenchMode::Forward => forward,
         // Frozen weights need no weight gradients: backward is about one forward.
-        BenchMode::Lora => 2.0 * forward,
+        BenchMode::Lora | BenchMode::Dora => 2.0 * forward,
         BenchMode::Full => 3.0 * forward,
     }
 }
@@ -153,7 +162,7 @@ pub fn run<B: AutodiffBackend>(
         .unwrap_or(0);
 
     let trainable = match s.mode {
-        BenchMode::Lora => {
+        BenchMode::Lora | BenchMode::Dora => {
             let targets: Vec<String> = [
                 "q_proj",
                 "v_proj",
@@ -168,6 +177,7 @@ pub fn run<B: AutodiffBackend>(
                 rank: s.lora_rank,
                 alpha: 2.0 * s.lora_rank as f64,
                 dropout: 0.0,
+                dora: s.mode == BenchMode::Dora,
             };
             attach_lora(&mut model, &targets, &settings, 0);
             Trainable::AdaptersOnly
@@ -273,7 +283,7 @@ pub fn run<B: AutodiffBackend>(
     // Checkpointing: what blocks training (the host snapshot) vs writing it all synchronously.
     if s.mode != BenchMode::Forward {
         let t = Instant::now();
-        let state = if s.mode == BenchMode::Lora {
+        let state = if s.mode.is_adapter() {
             crate::model_io::peft::adapter_state_dict(&mut model)
         } else {
             model.hf_state_dict()
@@ -283,7 +293,7 @@ pub fn run<B: AutodiffBackend>(
         let t = Instant::now();
         let out = scratch.join(format!("bench-{}-ckpt", s.shape));
         std::fs::create_dir_all(&out).map_err(|e| fail(&e))?;
-        let state = if s.mode == BenchMode::Lora {
+        let state = if s.mode.is_adapter() {
             state
         } else {
             model.hf_state_dict()

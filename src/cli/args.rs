@@ -230,5 +230,6 @@ pub enum RepoTypeArg {
 pub enum BenchModeArg {
     Forward,
     Lora,
+    Dora,
     Full,
 }

@@ -289,6 +289,17 @@ fn model_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
         ),
         _ => {}
     }
+    let dora = yaml::get(root, "model.use_dora").and_then(Value::as_bool) == Some(true);
+    if dora && recipe == Recipe::QatLora {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "model.use_dora",
+                "DoRA under QAT's fake quantization has no reference implementation to match (torchao and torchtune combine QAT with plain LoRA)",
+            )
+            .with_fix("set `use_dora: False`, or train DoRA with lora_finetune_single_device"),
+        );
+    }
     let lora_keys = ["lora_attn_modules", "lora_rank", "lora_alpha"];
     if builder.is_lora() && recipe.is_training() {
         for k in lora_keys {

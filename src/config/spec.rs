@@ -147,11 +147,7 @@ pub static MODEL: Section = section(
                 "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
             ),
         },
-        warn(
-            "use_dora",
-            Ty::Bool,
-            "DoRA is not supported; training plain LoRA",
-        ),
+        opt("use_dora", Ty::Bool),
         warn(
             "quantize_base",
             Ty::Bool,

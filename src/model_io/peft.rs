@@ -79,7 +79,7 @@ impl AdapterConfig {
             task_type: causal_lm(),
             peft_type: lora_type(),
             use_rslora: false,
-            use_dora: false,
+            use_dora: settings.dora,
             other,
         }
     }
@@ -89,6 +89,7 @@ impl AdapterConfig {
             rank: self.r,
             alpha: self.lora_alpha,
             dropout: self.lora_dropout,
+            dora: self.use_dora,
         }
     }
 
@@ -108,10 +109,10 @@ impl AdapterConfig {
                 ),
             });
         }
-        if config.use_dora || config.use_rslora {
+        if config.use_rslora {
             return Err(CheckpointError::Invalid {
                 path,
-                message: "DoRA and rsLoRA adapters are not supported yet".into(),
+                message: "rsLoRA adapters (use_rslora: true) are not supported yet".into(),
             });
         }
         Ok(config)
@@ -145,6 +146,12 @@ pub fn peft_key(module_path: &str, which: char) -> String {
     format!("{PEFT_PREFIX}{module_path}.lora_{which}.weight")
 }
 
+/// The PEFT key of a DoRA magnitude vector, as peft saves it (its adapter name and the
+/// `.weight` of its module dropped): `...q_proj.lora_magnitude_vector`.
+pub fn magnitude_key(module_path: &str) -> String {
+    format!("{PEFT_PREFIX}{module_path}.lora_magnitude_vector")
+}
+
 /// Attaches fresh adapters to the linear layers named in `targets` (leaf names: `q_proj`,
 /// `down_proj`, `lm_head`, ...). Returns the module paths that got one.
 pub fn attach_lora<B: Backend>(
@@ -160,7 +167,11 @@ pub fn attach_lora<B: Backend>(
         let leaf = path.rsplit('.').next().unwrap_or(&path);
         if targets.iter().any(|t| t == leaf) {
             let (out, inp) = (linear.out_features(), linear.in_features());
-            linear.lora = Some(Lora::init(inp, out, settings, &mut rng, &device));
+            let mut lora = Lora::init(inp, out, settings, &mut rng, &device);
+            if settings.dora {
+                lora = lora.with_magnitude(linear.weight.val(), None);
+            }
+            linear.lora = Some(lora);
             attached.push(path);
         }
     }
@@ -217,12 +228,28 @@ pub fn load_adapter<B: Backend>(
         };
         let a = take('A', [settings.rank, inp])?;
         let b = take('B', [out, settings.rank])?;
-        linear.lora = Some(Lora::from_tensors(
-            a.to_tensor(&device),
-            b.to_tensor(&device),
-            &settings,
-        ));
+        let mut lora = Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings);
         used += 2;
+        if settings.dora {
+            let key = magnitude_key(&module);
+            let found = file
+                .shape(&key)
+                .ok_or_else(|| CheckpointError::MissingTensor {
+                    name: key.clone(),
+                    dir: path.clone(),
+                    expected: vec![out],
+                })?;
+            if found != [out] {
+                return Err(CheckpointError::Invalid {
+                    path: path.clone(),
+                    message: format!("{key} has shape {found:?}, expected [{out}]"),
+                });
+            }
+            let m = file.read(&key)?.to_tensor(&device);
+            lora = lora.with_magnitude(linear.weight.val(), Some(m));
+            used += 1;
+        }
+        linear.lora = Some(lora);
     }
     let total = file.names().len();
     if used != total {
@@ -241,10 +268,10 @@ pub fn load_adapter<B: Backend>(
 }
 
 fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {
-    model
-        .linears_mut()
-        .iter()
-        .any(|(m, l)| l.lora.is_some() && (peft_key(m, 'A') == key || peft_key(m, 'B') == key))
+    model.linears_mut().iter().any(|(m, l)| {
+        l.lora.is_some()
+            && (peft_key(m, 'A') == key || peft_key(m, 'B') == key || magnitude_key(m) == key)
+    })
 }
 
 /// The adapter tensors of `model` under their PEFT keys.
@@ -260,6 +287,9 @@ pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, H
                 peft_key(&module, 'B'),
                 HostTensor::from_tensor(&lora.b.val()),
             ));
+            if let Some(m) = &lora.magnitude {
+                out.push((magnitude_key(&module), HostTensor::from_tensor(&m.val())));
+            }
         }
     }
     out

@@ -7,7 +7,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use super::fake_quant::{self, QuantScheme};
-use super::lora::Lora;
+use super::lora::{self, Lora};
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -67,22 +67,54 @@ impl<B: Backend> Linear<B> {
             }
             None => x.clone(),
         };
-        let mut y = base_in.matmul(weight.transpose());
-        if let Some(bias) = &self.bias {
-            y = y + bias.val().unsqueeze_dim(0);
-        }
+        let xw = base_in.matmul(weight.clone().transpose());
+        let y = match &self.bias {
+            Some(bias) => xw + bias.val().unsqueeze_dim(0),
+            None => xw,
+        };
         match &self.lora {
-            // The adapter sees the unquantized input, as torchao's QAT+LoRA does.
-            Some(lora) if mode.adapters => y + lora.forward(x, mode.train),
+            Some(lora) if mode.adapters => match &lora.magnitude {
+                // The adapter sees the unquantized input, as torchao's QAT+LoRA does.
+                None => y + lora.forward(x, mode.train),
+                // torchtune's DoRALinear: the whole output, bias included, rescaled per row;
+                // dropout only on the adapter's input. (peft agrees without dropout or bias;
+                // with dropout it rescales the base product of the dropped input instead.)
+                Some(magnitude) => {
+                    let scale = dora_scale(weight, lora, magnitude.val()).unsqueeze_dim(0);
+                    (y + lora.forward(x, mode.train)) * scale
+                }
+            },
             _ => y,
         }
     }
 
-    /// The base weight with the adapter folded in, for export.
+    /// The base weight with the adapter folded in, for export: `W + scale * B A`, and for DoRA
+    /// that weight's rows rescaled to the magnitude (as peft's `merge_and_unload`).
     pub fn merged_weight(&self) -> Tensor<B, 2> {
         match &self.lora {
-            Some(lora) => self.weight.val() + lora.delta_weight(),
+            Some(lora) => {
+                let adapted = self.weight.val() + lora.delta_weight();
+                match &lora.magnitude {
+                    Some(m) => {
+                        let scale = m.val() / lora::row_norms(adapted.clone());
+                        adapted * scale.unsqueeze_dim(1)
+                    }
+                    None => adapted,
+                }
+            }
             None => self.weight.val(),
         }
     }
+}
+
+/// DoRA's per-row factor `magnitude / ||W + scale * B A||` `[out]`, the norm detached as peft
+/// and torchtune detach it (the DoRA paper's cheaper gradient: the norm is a constant to the
+/// backward pass).
+fn dora_scale<B: Backend>(
+    weight: Tensor<B, 2>,
+    lora: &Lora<B>,
+    magnitude: Tensor<B, 1>,
+) -> Tensor<B, 1> {
+    let norm = lora::row_norms(weight + lora.delta_weight()).detach();
+    magnitude / norm
 }

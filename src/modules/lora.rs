@@ -1,5 +1,7 @@
 //! LoRA adapter: `y += scale * B(A(dropout(x)))`, with A `[r, in]` and B `[out, r]` stored in
-//! PEFT's layout so adapters load and save without transposes.
+//! PEFT's layout so adapters load and save without transposes. With a magnitude vector it is
+//! DoRA (peft's `use_dora`, torchtune's `DoRALinear`): the adapted weight `W + scale * B A` is
+//! normalised per output row and rescaled by a trained magnitude (see `Linear::forward`).
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
@@ -13,6 +15,8 @@ pub struct LoraSettings {
     pub rank: usize,
     pub alpha: f64,
     pub dropout: f64,
+    /// DoRA: a trained magnitude per output row.
+    pub dora: bool,
 }
 
 impl LoraSettings {
@@ -29,6 +33,8 @@ pub struct Lora<B: Backend> {
     pub b: Param<Tensor<B, 2>>,
     pub scale: f64,
     pub dropout: f64,
+    /// DoRA's magnitude, `[out_features]` (PEFT `lora_magnitude_vector`); `None` is plain LoRA.
+    pub magnitude: Option<Param<Tensor<B, 1>>>,
 }
 
 impl<B: Backend> Lora<B> {
@@ -57,7 +63,18 @@ impl<B: Backend> Lora<B> {
             b: Param::from_tensor(b),
             scale: settings.scale(),
             dropout: settings.dropout,
+            magnitude: None,
         }
+    }
+
+    /// Makes this a DoRA adapter: `magnitude` given (a saved adapter), or initialised as PEFT
+    /// and torchtune do, to the row norms of the adapted weight `base + scale * B A` (the
+    /// base weight's own norms for a fresh adapter, whose B is zero).
+    pub fn with_magnitude(mut self, base: Tensor<B, 2>, magnitude: Option<Tensor<B, 1>>) -> Self {
+        // A leaf of its own: computed from other parameters, but trained independently.
+        let m = magnitude.unwrap_or_else(|| row_norms(base + self.delta_weight()).detach());
+        self.magnitude = Some(Param::from_tensor(m));
+        self
     }
 
     pub fn rank(&self) -> usize {
@@ -82,6 +99,12 @@ impl<B: Backend> Lora<B> {
     pub fn delta_weight(&self) -> Tensor<B, 2> {
         self.b.val().matmul(self.a.val()) * self.scale
     }
+}
+
+/// The L2 norm of each row of `w` `[out, in]`: `[out]`.
+pub fn row_norms<B: Backend>(w: Tensor<B, 2>) -> Tensor<B, 1> {
+    let out = w.dims()[0];
+    w.powi_scalar(2).sum_dim(1).sqrt().reshape([out])
 }
 
 /// Seeded RNG for adapter initialisation.

@@ -114,6 +114,7 @@ pub fn lora_plan(model: &ModelConfig) -> Result<LoraPlan, SetupError> {
             rank,
             alpha,
             dropout: model.lora_dropout,
+            dora: model.use_dora,
         },
         targets,
     })

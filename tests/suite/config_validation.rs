@@ -372,7 +372,6 @@ fn unsupported_options_warn() {
             "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
             "metric_logger.project=p",
             "optimizer=bitsandbytes.optim.PagedAdamW8bit",
-            "model.use_dora=True",
         ],
     );
     let keys: Vec<&str> = w.iter().map(|w| w.key.as_str()).collect();
@@ -382,7 +381,6 @@ fn unsupported_options_warn() {
         "profiler.enabled",
         "metric_logger._component_",
         "optimizer._component_",
-        "model.use_dora",
     ] {
         assert!(keys.contains(&k), "missing warning for {k}: {w:?}");
     }

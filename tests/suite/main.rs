@@ -12,6 +12,7 @@ mod config_torchtune_fixture;
 mod config_validation;
 mod data;
 mod distributed;
+mod dora;
 mod dpo;
 mod dpo_recipes;
 mod fuzz;
