@@ -146,7 +146,7 @@ class Decoder(nn.Module):
         return F.linear(self.norm(x), self.embed_tokens.weight)
 
 
-def torchtune_model(cfg, lora_targets, rank, alpha):
+def torchtune_model(cfg, lora_targets, rank, alpha, use_dora=False):
     from torchtune.models.llama3 import llama3, lora_llama3
 
     kw = dict(
@@ -171,6 +171,7 @@ def torchtune_model(cfg, lora_targets, rank, alpha):
             lora_rank=rank,
             lora_alpha=alpha,
             lora_dropout=0.0,
+            use_dora=use_dora,
             **kw,
         )
     # Tie the output projection to the embedding, as the shapes' configs do.
@@ -190,7 +191,8 @@ def peak_rss_bytes():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="tiny")
-    p.add_argument("--mode", choices=["lora", "full", "forward"], default="lora")
+    # dora: torchtune's DoRALinear (needs --impl torchtune)
+    p.add_argument("--mode", choices=["lora", "dora", "full", "forward"], default="lora")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
@@ -205,23 +207,31 @@ def main():
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    lora = a.mode == "lora"
+    lora = a.mode in ("lora", "dora")
+    if a.mode == "dora" and a.impl != "torchtune":
+        p.error("--mode dora runs torchtune's DoRALinear: add --impl torchtune")
     targets = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") if lora else ()
     rank, alpha = (a.lora_rank, 2.0 * a.lora_rank) if lora else (0, 0.0)
 
     def build():
         if a.impl == "torchtune":
-            return torchtune_model(cfg, targets, rank, alpha)
+            return torchtune_model(cfg, targets, rank, alpha, use_dora=a.mode == "dora")
         return Decoder(cfg, targets, rank, alpha)
 
     # Save and load a checkpoint of this shape (load timed, as tune bench does).
     from safetensors.torch import load_file, save_file
 
     model = build()
-    params = sum(p.numel() for n, p in model.named_parameters() if "lora" not in n)
+    params = sum(
+        p.numel() for n, p in model.named_parameters() if "lora" not in n and "magnitude" not in n
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if "lora" not in k}
+        state = {
+            k: v.contiguous()
+            for k, v in model.state_dict().items()
+            if "lora" not in k and "magnitude" not in k
+        }
         # Tied weights share storage; safetensors refuses shared tensors, so store one copy.
         seen, unique = set(), {}
         for k, v in state.items():
@@ -234,12 +244,16 @@ def main():
         loaded = load_file(path)
         model = build()
         model.load_state_dict(loaded, strict=False)
+        # torchtune's recipes set DoRA's magnitudes from the loaded weights' norms.
+        for m in model.modules():
+            if hasattr(m, "initialize_dora_magnitude"):
+                m.initialize_dora_magnitude()
         load_s = time.perf_counter() - t
         del loaded
     model = model.to(device=dev, dtype=dtype)
 
     for n, prm in model.named_parameters():
-        prm.requires_grad = (a.mode == "full") or (lora and "lora" in n)
+        prm.requires_grad = (a.mode == "full") or (lora and ("lora" in n or "magnitude" in n))
     trainable = [prm for prm in model.parameters() if prm.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-5, weight_decay=0.01) if trainable else None
     if a.mode == "forward":
