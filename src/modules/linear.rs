@@ -115,6 +115,9 @@ fn dora_scale<B: Backend>(
     lora: &Lora<B>,
     magnitude: Tensor<B, 1>,
 ) -> Tensor<B, 1> {
-    let norm = lora::row_norms(weight + lora.delta_weight()).detach();
+    // From detached inputs, so autodiff records none of it (no weight-sized tensor is kept
+    // for a backward pass that would not use it).
+    let delta = lora.b.val().detach().matmul(lora.a.val().detach()) * lora.scale;
+    let norm = lora::row_norms(weight.detach() + delta);
     magnitude / norm
 }
