@@ -277,15 +277,27 @@ fn llama3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> R
             break;
         }
     }
-    if add_end {
-        tokens.push(eos);
-        mask.push(true);
+    let eos = add_end.then_some((eos, true));
+    Ok(end_and_truncate(enc, (tokens, mask), eos, max))
+}
+
+/// Appends EOS with the given mask when the sequence ends, then truncates as the Llama 3 and
+/// Qwen tokenizers do: a forced EOS in the last kept place, its label masked.
+fn end_and_truncate(
+    enc: &Encoder,
+    (mut tokens, mut mask): Tokens,
+    eos: Option<(u32, bool)>,
+    max: Option<usize>,
+) -> Tokens {
+    if let Some((id, masked)) = eos {
+        tokens.push(id);
+        mask.push(masked);
     }
     if let Some(m) = max {
-        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
-        truncate(&mut mask, m, add_end.then_some(true), enc.side);
+        truncate(&mut tokens, m, eos.map(|e| e.0), enc.side);
+        truncate(&mut mask, m, eos.map(|_| true), enc.side);
     }
-    Ok((tokens, mask))
+    (tokens, mask)
 }
 
 /// `Qwen2Tokenizer` / `Qwen2_5Tokenizer.tokenize_messages`: ChatML; the last assistant message
@@ -338,16 +350,8 @@ fn chatml(
             break;
         }
     }
-    if add_end {
-        let m = mask.last().copied().unwrap_or(true);
-        tokens.push(eos);
-        mask.push(m);
-    }
-    if let Some(m) = max {
-        truncate(&mut tokens, m, add_end.then_some(eos), enc.side);
-        truncate(&mut mask, m, add_end.then_some(true), enc.side);
-    }
-    Ok((tokens, mask))
+    let eos = add_end.then(|| (eos, mask.last().copied().unwrap_or(true)));
+    Ok(end_and_truncate(enc, (tokens, mask), eos, max))
 }
 
 /// `tokenize_messages_no_special_tokens` (Llama 2, Mistral, Gemma): BOS at each turn's start,
