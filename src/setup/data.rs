@@ -31,8 +31,53 @@ pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
         generation_config: cfg.generation_config_path.clone(),
     };
     let mut tokenizer = Tokenizer::from_files(&path, &configs)?;
+    if let Some(special) = &cfg.special_tokens_path {
+        check_special_tokens(&tokenizer, special)?;
+    }
     tokenizer.set_format(model_format(cfg)?)?;
     Ok(tokenizer)
+}
+
+/// torchtune's `special_tokens_path` (a tokenizer.json whose `added_tokens` give the special
+/// tokens' ids): tune takes them from the model's tokenizer.json, so the file must agree with
+/// it, or the ids torchtune would use are not the ones tune trains on.
+fn check_special_tokens(tokenizer: &Tokenizer, path: &Path) -> Result<(), SetupError> {
+    let key = "tokenizer.special_tokens_path";
+    let invalid = |message: String| SetupError::Invalid {
+        key: key.into(),
+        message,
+    };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| invalid(format!("{} is not JSON: {e}", path.display())))?;
+    let tokens = json
+        .get("added_tokens")
+        .and_then(serde_json::Value::as_array)
+        .ok_or_else(|| {
+            invalid(format!(
+                "{} has no `added_tokens` list (torchtune reads the special tokens from it)",
+                path.display()
+            ))
+        })?;
+    for t in tokens {
+        let (Some(content), Some(id)) = (
+            t.get("content").and_then(serde_json::Value::as_str),
+            t.get("id").and_then(serde_json::Value::as_u64),
+        ) else {
+            continue;
+        };
+        let ours = tokenizer.token_to_id(content);
+        if ours != Some(id as u32) {
+            return Err(invalid(format!(
+                "{} gives {content:?} id {id}, but {} has {}: point both at the same model's tokenizer.json, or drop special_tokens_path",
+                path.display(),
+                tokenizer.path().display(),
+                ours.map_or("no such token".to_string(), |i| format!("id {i}")),
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The format torchtune's tokenizer component writes, and its prompt template: the configured

@@ -220,3 +220,33 @@ fn huggingface_model_tokenizer_arguments_name_the_files_used() {
     assert!(err.contains("missing.json"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// torchtune's `special_tokens_path` gives the special tokens' ids; tune reads them from the
+/// model's tokenizer.json, so a file that agrees is accepted and one that does not is refused.
+#[test]
+fn special_tokens_path_must_agree_with_the_vocabulary() {
+    let json = fixture("tiny-llama/tokenizer.json");
+    let yaml = |special: &std::path::Path| {
+        format!(
+            "_component_: torchtune.models.llama3.llama3_tokenizer\npath: {}\nspecial_tokens_path: {}\n",
+            json.display(),
+            special.display()
+        )
+    };
+    let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml(&json)).unwrap();
+    tune::setup::data::tokenizer(&cfg).unwrap();
+    let dir = temp_checkpoint("special", &[]);
+    let other = dir.join("special.json");
+    std::fs::write(
+        &other,
+        r#"{"added_tokens": [{"id": 7, "content": "<|eot_id|>"}]}"#,
+    )
+    .unwrap();
+    let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml(&other)).unwrap();
+    let err = tune::setup::data::tokenizer(&cfg).unwrap_err().to_string();
+    assert!(
+        err.contains("special_tokens_path") && err.contains("<|eot_id|>") && err.contains("id 7"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
