@@ -217,6 +217,47 @@ fn phi3_stores_fused_projections() {
     }
 }
 
+/// Gemma 2 and Gemma 3 configs as transformers 5 writes them (tests/fixtures/families): the
+/// sandwich norms and q/k norms save under transformers' names and reload bit-exactly, and the
+/// architecture keys survive in config.json.
+#[test]
+fn gemma2_and_gemma3_round_trip_with_their_extra_norms() {
+    for family in ["gemma2", "gemma3"] {
+        let dir = fixture(&format!("families/{family}"));
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let (tmp, names) = round_trip(config.clone(), DEFAULT_MAX_SHARD_BYTES);
+        for norm in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ] {
+            assert_eq!(
+                names[&format!("model.layers.3.{norm}.weight")],
+                vec![32],
+                "{family} {norm}"
+            );
+        }
+        assert_eq!(
+            names.contains_key("model.layers.0.self_attn.q_norm.weight"),
+            family == "gemma3"
+        );
+        let saved: Value =
+            serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap())
+                .unwrap();
+        for key in [
+            "layer_types",
+            "sliding_window",
+            "query_pre_attn_scalar",
+            "rope_parameters",
+        ] {
+            assert_eq!(saved[key], config[key], "{family}: {key}");
+        }
+    }
+}
+
 #[test]
 fn gemma_round_trips_tied_with_offset_norms() {
     let (_t, names) = round_trip(gemma(), DEFAULT_MAX_SHARD_BYTES);
