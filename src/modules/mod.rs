@@ -3,6 +3,7 @@
 pub mod fake_quant;
 pub mod linear;
 pub mod lora;
+pub mod nf4;
 pub mod norm;
 
 pub use linear::{ForwardMode, Linear};

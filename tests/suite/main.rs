@@ -25,6 +25,7 @@ mod kernels;
 mod lora;
 mod lora_recipe;
 mod models;
+mod nf4;
 mod plot;
 mod precision;
 mod qat;
