@@ -2,7 +2,7 @@
 //! blocks of 64 values share a bf16 absmax scale; each value is the index of the nearest of 16
 //! normal-float levels, two to a byte (first value in the high nibble); the block scales are
 //! themselves quantized to int8 in blocks of 256 after subtracting their mean
-//! ("double quantization"), about 0.53 bytes per parameter in all.
+//! ("double quantization"): 0.516 bytes per parameter in all.
 //!
 //! torchao computes everything in the weight's dtype (bf16 for torchtune's QLoRA): every
 //! intermediate is rounded to bf16 here as torch rounds it (each op in f32, then
