@@ -446,13 +446,19 @@ fn phi3(enc: &Encoder, turns: &[Turn], max: Option<usize>, add_end: bool) -> Res
             break;
         }
     }
+    Ok(cut(enc, (tokens, mask), max))
+}
+
+/// The Phi tokenizers' truncation: only a sequence that reached `max` is cut, and nothing
+/// replaces its last token.
+fn cut(enc: &Encoder, (mut tokens, mut mask): Tokens, max: Option<usize>) -> Tokens {
     if let Some(m) = max
         && tokens.len() >= m
     {
         truncate(&mut tokens, m, None, enc.side);
         truncate(&mut mask, m, None, enc.side);
     }
-    Ok((tokens, mask))
+    (tokens, mask)
 }
 
 /// `Phi4Tokenizer.tokenize_messages` as its dataset path calls it: `<|im_start|>role<|im_sep|>`,
@@ -481,13 +487,7 @@ fn phi4(enc: &Encoder, turns: &[Turn], max: Option<usize>, _add_end: bool) -> Re
             break;
         }
     }
-    if let Some(m) = max
-        && tokens.len() >= m
-    {
-        truncate(&mut tokens, m, None, enc.side);
-        truncate(&mut mask, m, None, enc.side);
-    }
-    Ok((tokens, mask))
+    Ok(cut(enc, (tokens, mask), max))
 }
 
 #[cfg(test)]
