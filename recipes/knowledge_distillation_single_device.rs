@@ -63,6 +63,9 @@ pub fn run<B: AutodiffBackend>(
         &data.tokenizer,
         &ctx.device,
     )?;
+    if let Some(m) = &cfg.teacher_model {
+        model::check_architecture("teacher_model", &m.architecture, &teacher_model.args)?;
+    }
 
     let seed = run.seed;
     let session = session::session(

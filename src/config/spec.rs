@@ -32,10 +32,8 @@ pub enum Note {
     None,
     /// Accepted, but a truthy value is not honoured: warn with this text.
     Warn(&'static str),
-    /// A `true` value is an error with this text.
-    ErrorIfTrue(&'static str),
-    /// Accepted only when unset, null, false or empty: anything else would change the result
-    /// in a way tune cannot honour, so it is an error with this text.
+    /// Accepted only when unset, null, false, zero or empty: anything else would change the
+    /// result in a way tune cannot honour, so it is an error with this text.
     Refuse(&'static str),
 }
 
@@ -139,14 +137,11 @@ pub static MODEL: Section = section(
         opt("norm_eps", Ty::Float),
         opt("rope_base", Ty::Float),
         opt("tie_word_embeddings", Ty::Bool),
-        Field {
-            key: "attn_dropout",
-            ty: Ty::Float,
-            required: false,
-            note: Note::Refuse(
-                "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
-            ),
-        },
+        refuse(
+            "attn_dropout",
+            Ty::Float,
+            "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
+        ),
         opt("use_dora", Ty::Bool),
         warn(
             "quantize_base",
@@ -243,14 +238,11 @@ pub static OPTIMIZER: Section = section(
         opt("eps", Ty::Float),
         opt("momentum", Ty::Float),
         opt("fused", Ty::Bool),
-        Field {
-            key: "amsgrad",
-            ty: Ty::Bool,
-            required: false,
-            note: Note::ErrorIfTrue(
-                "AMSGrad is not supported; remove `amsgrad` or set it to False",
-            ),
-        },
+        refuse(
+            "amsgrad",
+            Ty::Bool,
+            "AMSGrad is not supported; remove `amsgrad` or set it to False",
+        ),
     ],
 );
 
@@ -360,14 +352,11 @@ static TRAIN_COMMON: &[Field] = &[
     // optimizer state) is what they ask for at these values; any other is refused, in
     // checks.rs for the numbers.
     warn("fsdp_reshard_after_forward", Ty::Bool, NO_FSDP),
-    Field {
-        key: "fsdp_cpu_offload",
-        ty: Ty::Bool,
-        required: false,
-        note: Note::ErrorIfTrue(
-            "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
-        ),
-    },
+    refuse(
+        "fsdp_cpu_offload",
+        Ty::Bool,
+        "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
+    ),
     opt("tensor_parallel_dim", Ty::UInt),
     opt("tensor_parallel_plan", Ty::Any),
     opt("data_parallel_shard_dim", Ty::Float),

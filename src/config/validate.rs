@@ -326,9 +326,6 @@ impl Checker {
         match note {
             Note::None => {}
             Note::Warn(msg) if truthy(v) => self.warn(path, msg),
-            Note::ErrorIfTrue(msg) if v.as_bool() == Some(true) => {
-                self.problem(Problem::new(ProblemKind::InvalidValue, path, msg));
-            }
             Note::Refuse(msg) if asks_for_something(v) => {
                 self.problem(Problem::new(ProblemKind::InvalidValue, path, msg));
             }

@@ -68,15 +68,13 @@ pub fn tokenize(
         }
         MessageFormat::Phi3 => phi3(&enc, &templated, max_seq_len, add_end_tokens)?,
         MessageFormat::Phi4 => phi4(&enc, &templated, max_seq_len, add_end_tokens)?,
-        MessageFormat::ChatTemplate => unreachable_format(),
+        MessageFormat::ChatTemplate => {
+            return Err(TokenizeError::Template(
+                "the chat-template format is tokenized by data::tokenize_messages, not by torchtune's formats".into(),
+            ));
+        }
     };
     Ok(to_sample(tokens, mask))
-}
-
-/// The chat-template format is tokenized by `data::tokenize`, never here; keep the match total
-/// without a panic on a path a user controls.
-fn unreachable_format() -> (Vec<u32>, Vec<bool>) {
-    (Vec::new(), Vec::new())
 }
 
 fn to_sample(tokens: Vec<u32>, mask: Vec<bool>) -> SftSample {

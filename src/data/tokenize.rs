@@ -12,7 +12,7 @@
 use super::error::TokenizeError;
 use super::formats;
 use super::transform::LabeledMessage;
-use crate::tokenizer::{Message, Role, Tokenizer};
+use crate::tokenizer::{Message, Role, Tokenizer, Truncation};
 
 /// Label of tokens excluded from the loss (PyTorch's cross-entropy ignore index).
 pub const IGNORE_INDEX: i64 = -100;
@@ -76,39 +76,29 @@ pub fn tokenize_messages(
         plain(tok, messages)?
     };
     if let Some(max) = max_seq_len {
-        if tok.format().truncation == crate::tokenizer::Truncation::Left {
-            truncate_left(&mut sample, max, tok.eos_id());
-        } else {
-            truncate(&mut sample, max, tok.eos_id());
-        }
+        truncate(&mut sample, max, tok.eos_id(), tok.format().truncation);
     }
     Ok(sample)
 }
 
-/// `truncation_type: left` (torchtune main): keep the last `max_seq_len` tokens; when something
-/// was cut, the last token becomes EOS with its label masked, as on the right.
-fn truncate_left(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>) {
+/// torchtune's `truncate` for SFT: keep the first `max_seq_len` tokens (the last ones with
+/// `truncation_type: left`, torchtune main); when something was cut, the last token becomes EOS
+/// and its label is masked (torchtune truncates the mask with `True`).
+pub fn truncate(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>, side: Truncation) {
     if sample.tokens.len() <= max_seq_len || max_seq_len == 0 {
         return;
     }
-    let cut = sample.tokens.len() - max_seq_len;
-    sample.tokens.drain(..cut);
-    sample.labels.drain(..cut);
-    let last = max_seq_len - 1;
-    if let Some(eos) = eos {
-        sample.tokens[last] = eos;
+    match side {
+        Truncation::Right => {
+            sample.tokens.truncate(max_seq_len);
+            sample.labels.truncate(max_seq_len);
+        }
+        Truncation::Left => {
+            let cut = sample.tokens.len() - max_seq_len;
+            sample.tokens.drain(..cut);
+            sample.labels.drain(..cut);
+        }
     }
-    sample.labels[last] = IGNORE_INDEX;
-}
-
-/// torchtune's `truncate` for SFT: keep the first `max_seq_len` tokens; when something was cut,
-/// the last token becomes EOS and its label is masked (torchtune truncates the mask with `True`).
-pub fn truncate(sample: &mut SftSample, max_seq_len: usize, eos: Option<u32>) {
-    if sample.tokens.len() <= max_seq_len || max_seq_len == 0 {
-        return;
-    }
-    sample.tokens.truncate(max_seq_len);
-    sample.labels.truncate(max_seq_len);
     let last = max_seq_len - 1;
     if let Some(eos) = eos {
         sample.tokens[last] = eos;

@@ -263,7 +263,7 @@ pub fn train_data(
                 source,
             }
         })?;
-    super::model::check_architecture(&cfg.model.architecture, &args)?;
+    super::model::check_architecture("model", &cfg.model.architecture, &args)?;
     let positions = args.max_position_embeddings;
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;

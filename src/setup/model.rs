@@ -243,6 +243,7 @@ impl LoraPlan {
 /// A generic builder's architecture arguments must describe the checkpoint: tune builds the
 /// model from config.json, so a disagreement means the config is for another model.
 pub fn check_architecture(
+    section: &str,
     arch: &crate::config::schema::Architecture,
     args: &crate::models::ModelArgs,
 ) -> Result<(), SetupError> {
@@ -282,9 +283,9 @@ pub fn check_architecture(
         ),
     ];
     let mismatch = |key: &str, ours: String, theirs: String, hf: &str| SetupError::Invalid {
-        key: format!("model.{key}"),
+        key: format!("{section}.{key}"),
         message: format!(
-            "is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `model.{key}` or point the checkpointer at the model this config describes"
+            "is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"
         ),
     };
     for (key, ours, theirs, hf) in whole {

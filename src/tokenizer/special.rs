@@ -43,15 +43,7 @@ impl JsonFile {
         if !path.is_file() {
             return Ok(None);
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| TokenizerError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let value = serde_json::from_str(&text).map_err(|source| TokenizerError::Json {
-            path: path.clone(),
-            source,
-        })?;
-        Ok(Some(JsonFile { path, value }))
+        Self::read(&path).map(Some)
     }
 
     fn get(&self, key: &str) -> Option<&Value> {

@@ -281,6 +281,20 @@ pub(crate) fn check_vocabulary(
     }
 }
 
+/// Adds a micro-batch's metrics, weighted, into the running sums (by name, in first-seen order).
+pub(crate) fn add_weighted(
+    sums: &mut Vec<(&'static str, f64)>,
+    metrics: Vec<(&'static str, f64)>,
+    weight: f64,
+) {
+    for (k, v) in metrics {
+        match sums.iter_mut().find(|(name, _)| *name == k) {
+            Some(entry) => entry.1 += v * weight,
+            None => sums.push((k, v * weight)),
+        }
+    }
+}
+
 /// The outcome of `fit`, for the final report.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
@@ -452,12 +466,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     weight_total += out.weight;
                     loss_sum += value * out.weight as f64;
                     step_tokens += out.tokens;
-                    for (k, v) in out.metrics {
-                        match extra.iter_mut().find(|(name, _)| *name == k) {
-                            Some(entry) => entry.1 += v * out.weight as f64,
-                            None => extra.push((k, v * out.weight as f64)),
-                        }
-                    }
+                    add_weighted(&mut extra, out.metrics, out.weight as f64);
                 }
                 let mut grads = accumulator.take();
                 // A stop signal is acted on at the end of this step; every rank agrees on it

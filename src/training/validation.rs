@@ -9,7 +9,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::metrics::Metrics;
-use super::trainer::{LossStep, StepInfo, TrainError, check_vocabulary};
+use super::trainer::{LossStep, StepInfo, TrainError, add_weighted, check_vocabulary};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::{World, sync};
 use crate::models::CausalLm;
@@ -50,12 +50,7 @@ impl Validation {
             let w = out.weight as f64;
             weight += w;
             loss_sum += out.loss * w;
-            for (k, v) in out.metrics {
-                match extra.iter_mut().find(|(name, _)| *name == k) {
-                    Some(entry) => entry.1 += v * w,
-                    None => extra.push((k, v * w)),
-                }
-            }
+            add_weighted(&mut extra, out.metrics, w);
         }
         if world.is_distributed() {
             let mut local = vec![weight, loss_sum];

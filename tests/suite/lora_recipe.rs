@@ -310,6 +310,35 @@ fn a_generic_builders_architecture_must_match_the_checkpoint() {
             && stderr.contains("config.json"),
         "{stderr}"
     );
+    // The same check for generation's model and for distillation's teacher.
+    let run = tune(&[
+        "run",
+        "generate",
+        "--config",
+        "tiny/generation",
+        "model=torchtune.models.llama3.llama3",
+        "model.embed_dim=128",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("model.embed_dim") && stderr.contains("hidden_size = 64"),
+        "{stderr}"
+    );
+    let run = tune(&[
+        "run",
+        "knowledge_distillation_single_device",
+        "--config",
+        "tiny/kd_lora_single_device",
+        &output_dir,
+        "teacher_model.num_layers=2",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("teacher_model.num_layers") && stderr.contains("num_hidden_layers = 3"),
+        "{stderr}"
+    );
 }
 
 /// `use_dora: True` trains DoRA (the magnitudes too), saves it as peft does and exports the
