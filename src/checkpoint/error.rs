@@ -17,6 +17,14 @@ pub enum CheckpointError {
         "{path}: not a valid safetensors file ({message}); the file may be truncated or corrupt: download it again"
     )]
     BadSafetensors { path: PathBuf, message: String },
+    #[error(
+        "{name} {shape:?}: {source}. torchtune's QLoRA refuses this model too: use the `lora_` model builder (without `quantize_base`), which keeps the base in `dtype`"
+    )]
+    Nf4 {
+        name: String,
+        shape: Vec<usize>,
+        source: crate::modules::nf4::Nf4Error,
+    },
     #[error("{path}: invalid index ({message})")]
     BadIndex { path: PathBuf, message: String },
     #[error("{index} lists shard {shard}, which does not exist; download the missing shard")]

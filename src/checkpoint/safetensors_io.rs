@@ -171,22 +171,30 @@ fn check_data_offsets(bytes: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Little-endian bytes of `dtype` as f32, decoded in parallel (a load decodes every weight,
+/// tensor by tensor).
 fn decode(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
+    use rayon::prelude::*;
+    let width = match dtype {
+        Dtype::F32 => 4,
+        Dtype::BF16 | Dtype::F16 => 2,
         _ => return None,
-    })
+    };
+    let one = move |c: &[u8]| match dtype {
+        Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        Dtype::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        _ => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+    };
+    let mut out = vec![0.0f32; bytes.len() / width];
+    const CHUNK: usize = 1 << 16;
+    out.par_chunks_mut(CHUNK)
+        .zip(bytes.par_chunks(CHUNK * width))
+        .for_each(|(dst, src)| {
+            for (v, c) in dst.iter_mut().zip(src.chunks_exact(width)) {
+                *v = one(c);
+            }
+        });
+    Some(out)
 }
 
 /// The storage dtype for saved weights.

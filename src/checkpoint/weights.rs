@@ -1,5 +1,6 @@
 //! `Weights`: all tensors of a Hugging Face checkpoint directory (one file, or shards listed by
-//! `model.safetensors.index.json`), read in parallel, handed out by name with shape checks.
+//! `model.safetensors.index.json`), memory-mapped and decoded one tensor at a time as the model
+//! takes them by name, with shape checks: a load never holds the whole checkpoint in f32.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -8,12 +9,11 @@ use super::error::CheckpointError;
 use super::host::HostTensor;
 use super::safetensors_io::{INDEX_FILE, SINGLE_FILE, SafetensorsFile, StorageDtype};
 
-/// One tensor read from a shard: name, value, file, on-disk dtype.
-type ShardTensor = (String, HostTensor, PathBuf, StorageDtype);
-
 pub struct Weights {
     pub dir: PathBuf,
-    tensors: HashMap<String, (HostTensor, PathBuf)>,
+    files: Vec<SafetensorsFile>,
+    /// Tensor name -> index into `files`, for the tensors not yet taken.
+    tensors: HashMap<String, usize>,
     taken: BTreeSet<String>,
     /// The dtype most tensors were stored in, so saves can keep it.
     pub storage_dtype: StorageDtype,
@@ -102,53 +102,27 @@ pub fn checkpoint_files(
 
 impl Weights {
     pub fn open(dir: &Path, explicit_files: Option<&[String]>) -> Result<Self, CheckpointError> {
-        let files = checkpoint_files(dir, explicit_files)?;
-        // One thread per shard: conversion to f32 dominates load time for bf16 checkpoints.
-        let results: Vec<Result<Vec<ShardTensor>, CheckpointError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = files
-                .iter()
-                .map(|path| {
-                    s.spawn(move || {
-                        let file = SafetensorsFile::open(path)?;
-                        let mut out = Vec::new();
-                        for name in file.names() {
-                            let dtype = file
-                                .dtype(&name)
-                                .map(StorageDtype::from_safetensors)
-                                .unwrap_or(StorageDtype::F32);
-                            out.push((name.clone(), file.read(&name)?, path.clone(), dtype));
-                        }
-                        Ok(out)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(CheckpointError::Invalid {
-                            path: dir.to_path_buf(),
-                            message: "reader thread panicked".into(),
-                        })
-                    })
-                })
-                .collect()
-        });
+        let paths = checkpoint_files(dir, explicit_files)?;
+        let mut files = Vec::with_capacity(paths.len());
         let mut tensors = HashMap::new();
         let mut dtype_counts: HashMap<StorageDtype, usize> = HashMap::new();
-        for result in results {
-            for (name, tensor, path, dtype) in result? {
+        for path in &paths {
+            let file = SafetensorsFile::open(path)?;
+            for name in file.names() {
+                let dtype = stored_dtype(&file, &name);
                 *dtype_counts.entry(dtype).or_default() += 1;
-                tensors.insert(name, (tensor, path));
+                tensors.insert(name, files.len());
             }
+            files.push(file);
         }
         let storage_dtype = dtype_counts
             .into_iter()
-            .max_by_key(|(_, n)| *n)
+            .max_by_key(|(d, n)| (*n, *d == StorageDtype::F32))
             .map(|(d, _)| d)
             .unwrap_or(StorageDtype::F32);
         Ok(Self {
             dir: dir.to_path_buf(),
+            files,
             tensors,
             taken: BTreeSet::new(),
             storage_dtype,
@@ -163,24 +137,35 @@ impl Weights {
         self.tensors.keys()
     }
 
+    /// The dtype tensor `name` is stored in (before it is taken).
+    pub fn dtype(&self, name: &str) -> Option<StorageDtype> {
+        let file = &self.files[*self.tensors.get(name)?];
+        Some(stored_dtype(file, name))
+    }
+
     /// Takes tensor `name`, checking it has `expected` shape.
     pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, CheckpointError> {
-        let (tensor, file) =
+        let index =
             self.tensors
-                .remove(name)
+                .get(name)
+                .copied()
                 .ok_or_else(|| CheckpointError::MissingTensor {
                     name: name.to_string(),
                     dir: self.dir.clone(),
                     expected: expected.to_vec(),
                 })?;
-        if tensor.shape != expected {
+        let file = &self.files[index];
+        let found = file.shape(name).unwrap_or_default();
+        if found != expected {
             return Err(CheckpointError::ShapeMismatch {
                 name: name.to_string(),
-                file,
+                file: file.path.clone(),
                 expected: expected.to_vec(),
-                found: tensor.shape,
+                found,
             });
         }
+        let tensor = file.read(name)?;
+        self.tensors.remove(name);
         self.taken.insert(name.to_string());
         Ok(tensor)
     }
@@ -203,4 +188,10 @@ impl Weights {
             names: format!("{}{more}", shown.join(", ")),
         })
     }
+}
+
+fn stored_dtype(file: &SafetensorsFile, name: &str) -> StorageDtype {
+    file.dtype(name)
+        .map(StorageDtype::from_safetensors)
+        .unwrap_or(StorageDtype::F32)
 }

@@ -6,7 +6,9 @@ use std::path::Path;
 
 use serde_yaml::Value;
 
-use crate::config::components::{self, Component, DatasetKind, LossKind, TokenizerKind};
+use crate::config::components::{
+    self, Component, DatasetKind, LossKind, ModelVariant, TokenizerKind,
+};
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::paths;
 use crate::config::recipes::Recipe;
@@ -288,6 +290,37 @@ fn model_rules(recipe: Recipe, root: &Value, cx: &mut Checker) {
             )),
         ),
         _ => {}
+    }
+    let quantize_base =
+        yaml::get(root, "model.quantize_base").and_then(Value::as_bool) == Some(true);
+    if quantize_base && !builder.is_lora() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "model.quantize_base",
+                format!("`{name}` is a full model builder; NF4 base weights (QLoRA) are for LoRA builders, as in torchtune"),
+            )
+            .with_fix(format!(
+                "remove `quantize_base`, or use `tune.models.{0}.qlora_{0}_{1}` with a LoRA recipe",
+                builder.family.module(),
+                builder.size
+            )),
+        );
+    }
+    let qlora = quantize_base || builder.variant == ModelVariant::QLora;
+    if qlora && recipe == Recipe::QatLora {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                key,
+                format!("`{name}` stores the base in NF4 (QLoRA), but QAT fake-quantizes a float base to int4: torchtune and torchao do not combine the two"),
+            )
+            .with_fix(format!(
+                "use `tune.models.{0}.lora_{0}_{1}` without `quantize_base` for QAT + LoRA, or lora_finetune_single_device for QLoRA",
+                builder.family.module(),
+                builder.size
+            )),
+        );
     }
     let dora = yaml::get(root, "model.use_dora").and_then(Value::as_bool) == Some(true);
     if dora && recipe == Recipe::QatLora {

@@ -143,11 +143,8 @@ pub static MODEL: Section = section(
             "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
         ),
         opt("use_dora", Ty::Bool),
-        warn(
-            "quantize_base",
-            Ty::Bool,
-            "4-bit base weights (QLoRA) are not supported; the base stays in `dtype`",
-        ),
+        // QLoRA: the decoder's linear base weights in NF4 (checks.rs: LoRA builders only).
+        opt("quantize_base", Ty::Bool),
     ],
 );
 

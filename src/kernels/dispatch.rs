@@ -106,3 +106,21 @@ pub fn as_flex<B: Backend, const D: usize>(x: Tensor<B, D>) -> Result<FlexTensor
 pub fn from_flex<B: Backend, const D: usize>(x: FlexTensor) -> Tensor<B, D> {
     cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(x)))
 }
+
+/// `x`'s primitive when `B` is `Autodiff<I, C>` (any inner backend), else `x` back: for ops
+/// with a backward of their own written once for every backend.
+pub fn as_autodiff<B: Backend, I: Backend, C: CheckpointStrategy, const D: usize>(
+    x: Tensor<B, D>,
+) -> Result<FloatTensor<Autodiff<I, C>>, Tensor<B, D>> {
+    let x = cast::<Tensor<B, D>, Tensor<Autodiff<I, C>, D>>(x)?;
+    Ok(x.into_primitive().tensor())
+}
+
+/// The inverse of [`as_autodiff`]: only called with `B` = `Autodiff<I, C>`.
+pub fn from_autodiff<B: Backend, I: Backend, C: CheckpointStrategy, const D: usize>(
+    x: FloatTensor<Autodiff<I, C>>,
+) -> Tensor<B, D> {
+    cast_back(Tensor::<Autodiff<I, C>, D>::from_primitive(
+        TensorPrimitive::Float(x),
+    ))
+}

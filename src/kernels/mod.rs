@@ -13,6 +13,7 @@
 
 mod dispatch;
 mod flex;
+mod nf4_linear;
 pub mod optim;
 pub mod rows;
 pub mod simd;
@@ -25,6 +26,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_flex::FlexTensor;
 
 use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
+pub use nf4_linear::nf4_linear;
 
 use crate::precision;
 

@@ -8,7 +8,9 @@ use burn::tensor::backend::Backend;
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::safetensors_io::{StorageDtype, save_sharded};
 use crate::checkpoint::weights::Weights;
-use crate::models::{CausalLm, ModelArgs, ModelError, build, build::ignorable_tensor};
+use crate::models::{
+    BaseWeights, CausalLm, ModelArgs, ModelError, build::ignorable_tensor, build_with,
+};
 
 /// Files copied next to saved weights so the output directory is a complete model.
 pub const COMPANION_FILES: &[&str] = &[
@@ -48,10 +50,21 @@ pub fn load_model<B: Backend>(
     files: Option<&[String]>,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, ModelError> {
+    load_model_with(dir, files, device, BaseWeights::Float)
+}
+
+/// [`load_model`] with the decoder's linear base weights stored as `base` says (NF4 for
+/// QLoRA, quantized tensor by tensor as they are read).
+pub fn load_model_with<B: Backend>(
+    dir: &Path,
+    files: Option<&[String]>,
+    device: &B::Device,
+    base: BaseWeights,
+) -> Result<LoadedModel<B>, ModelError> {
     let args = load_args(dir)?;
     let mut weights = Weights::open(dir, files)?;
     let storage_dtype = weights.storage_dtype;
-    let model = build::<B>(&args, &mut weights, device)?;
+    let model = build_with::<B>(&args, &mut weights, device, base)?;
     weights.finish(|name| ignorable_tensor(&args, name))?;
     Ok(LoadedModel {
         model,

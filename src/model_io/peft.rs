@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::module::Param;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
@@ -169,7 +168,7 @@ pub fn attach_lora<B: Backend>(
             let (out, inp) = (linear.out_features(), linear.in_features());
             let mut lora = Lora::init(inp, out, settings, &mut rng, &device);
             if settings.dora {
-                lora = lora.with_magnitude(linear.weight.val(), None);
+                lora = lora.with_magnitude(linear.base_weight(), None);
             }
             linear.lora = Some(lora);
             attached.push(path);
@@ -246,7 +245,7 @@ pub fn load_adapter<B: Backend>(
                 });
             }
             let m = file.read(&key)?.to_tensor(&device);
-            lora = lora.with_magnitude(linear.weight.val(), Some(m));
+            lora = lora.with_magnitude(linear.base_weight(), Some(m));
             used += 1;
         }
         linear.lora = Some(lora);
@@ -321,7 +320,7 @@ pub fn merge_adapters<B: Backend>(model: &mut CausalLm<B>) {
     for (_, linear) in model.linears_mut() {
         if linear.lora.is_some() {
             let merged = linear.merged_weight();
-            linear.weight = Param::from_tensor(merged);
+            linear.set_weight(merged);
             linear.lora = None;
         }
     }

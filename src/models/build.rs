@@ -7,21 +7,45 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
-use super::args::ModelArgs;
+use super::args::{Family, ModelArgs};
 use super::decoder::{Attention, CausalLm, DecoderBody, DecoderLayer, Embedding, Mlp};
 use super::rope::Rope;
-use crate::checkpoint::{CheckpointError, HostTensor, Weights};
+use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights};
+use crate::modules::frozen_nf4::{FrozenNf4, RowOrder};
+use crate::modules::nf4::Nf4Dtype;
 use crate::modules::{Linear, RmsNorm};
 use burn::module::Param;
+
+/// How the decoder layers' linear base weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BaseWeights {
+    #[default]
+    Float,
+    /// QLoRA: every decoder linear (attention and MLP; not the embeddings or the output
+    /// projection, as torchtune's `qlora_*` builders) in NF4, quantized as each tensor is read
+    /// (so the float model never exists as a whole) in the dtype the checkpoint stores it in,
+    /// as torchao's `copy_` does on torchtune's load, and dequantized in this dtype (the
+    /// model's).
+    Nf4(Nf4Dtype),
+}
 
 /// Where a model's parameters come from.
 pub trait ParamSource {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError>;
+
+    /// The dtype tensor `name` is stored in, when it comes from a file.
+    fn stored_dtype(&self, _name: &str) -> Option<StorageDtype> {
+        None
+    }
 }
 
 impl ParamSource for Weights {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError> {
         Weights::take(self, name, shape)
+    }
+
+    fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
+        self.dtype(name)
     }
 }
 
@@ -66,6 +90,7 @@ struct Builder<'a, B: Backend> {
     args: &'a ModelArgs,
     src: &'a mut dyn ParamSource,
     device: &'a B::Device,
+    base: BaseWeights,
 }
 
 impl<B: Backend> Builder<'_, B> {
@@ -84,20 +109,47 @@ impl<B: Backend> Builder<'_, B> {
         inp: usize,
         bias: bool,
     ) -> Result<Linear<B>, CheckpointError> {
-        let w = self.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let name = format!("{prefix}.weight");
+        let stored = self.src.stored_dtype(&name);
+        let w = self.src.take(&name, &[out, inp])?;
         let b = if bias {
-            Some(self.tensor(&format!("{prefix}.bias"), &[out])?)
+            Some(self.src.take(&format!("{prefix}.bias"), &[out])?)
         } else {
             None
         };
-        Ok(Linear::new(w, b))
+        self.linear_from(prefix, w, stored, b)
     }
 
-    fn linear_from(&self, weight: HostTensor, bias: Option<HostTensor>) -> Linear<B> {
-        Linear::new(
-            weight.to_tensor(self.device),
-            bias.map(|b| b.to_tensor(self.device)),
-        )
+    /// A linear layer from its tensors; a decoder layer's weight goes straight from the host
+    /// into NF4 when the base is quantized (in `stored`, the weight's dtype on disk, when
+    /// known).
+    fn linear_from(
+        &self,
+        prefix: &str,
+        weight: HostTensor,
+        stored: Option<StorageDtype>,
+        bias: Option<HostTensor>,
+    ) -> Result<Linear<B>, CheckpointError> {
+        let bias = bias.map(|b| b.to_tensor(self.device));
+        match self.base {
+            BaseWeights::Nf4(compute) if prefix.starts_with("model.layers.") => {
+                let shape = [weight.shape[0], weight.shape[1]];
+                let order = self.row_order(prefix);
+                let dtype = stored.map(nf4_dtype).unwrap_or(compute);
+                let q = FrozenNf4::quantize(&weight.data, shape, dtype, compute, order);
+                let q = q.map_err(|source| CheckpointError::Nf4 {
+                    name: format!("{prefix}.weight"),
+                    shape: shape.to_vec(),
+                    source,
+                })?;
+                Ok(Linear::new_nf4(q, bias))
+            }
+            _ => Ok(Linear::new(weight.to_tensor(self.device), bias)),
+        }
+    }
+
+    fn row_order(&self, prefix: &str) -> RowOrder {
+        nf4_row_order(self.args, prefix)
     }
 
     fn norm(&mut self, name: &str, dim: usize) -> Result<RmsNorm<B>, CheckpointError> {
@@ -113,9 +165,9 @@ impl<B: Backend> Builder<'_, B> {
         let a = self.args;
         let (h, q, kv, bias) = (a.hidden_size, a.q_dim(), a.kv_dim(), a.attention_bias);
         let (q_proj, k_proj, v_proj) = if a.fused_projections {
-            let w = self
-                .src
-                .take(&format!("{p}.qkv_proj.weight"), &[q + 2 * kv, h])?;
+            let name = format!("{p}.qkv_proj.weight");
+            let stored = self.src.stored_dtype(&name);
+            let w = self.src.take(&name, &[q + 2 * kv, h])?;
             let b = if bias {
                 Some(
                     self.src
@@ -126,12 +178,24 @@ impl<B: Backend> Builder<'_, B> {
             };
             let part = |t: &HostTensor, s, n| t.rows(s, n);
             (
-                self.linear_from(part(&w, 0, q), b.as_ref().map(|b| part(b, 0, q))),
-                self.linear_from(part(&w, q, kv), b.as_ref().map(|b| part(b, q, kv))),
                 self.linear_from(
+                    &format!("{p}.q_proj"),
+                    part(&w, 0, q),
+                    stored,
+                    b.as_ref().map(|b| part(b, 0, q)),
+                )?,
+                self.linear_from(
+                    &format!("{p}.k_proj"),
+                    part(&w, q, kv),
+                    stored,
+                    b.as_ref().map(|b| part(b, q, kv)),
+                )?,
+                self.linear_from(
+                    &format!("{p}.v_proj"),
                     part(&w, q + kv, kv),
+                    stored,
                     b.as_ref().map(|b| part(b, q + kv, kv)),
-                ),
+                )?,
             )
         } else {
             (
@@ -169,12 +233,12 @@ impl<B: Backend> Builder<'_, B> {
         let a = self.args;
         let (h, i, bias) = (a.hidden_size, a.intermediate_size, a.mlp_bias);
         let (gate_proj, up_proj) = if a.fused_projections {
-            let w = self
-                .src
-                .take(&format!("{p}.gate_up_proj.weight"), &[2 * i, h])?;
+            let name = format!("{p}.gate_up_proj.weight");
+            let stored = self.src.stored_dtype(&name);
+            let w = self.src.take(&name, &[2 * i, h])?;
             (
-                self.linear_from(w.rows(0, i), None),
-                self.linear_from(w.rows(i, i), None),
+                self.linear_from(&format!("{p}.gate_proj"), w.rows(0, i), stored, None)?,
+                self.linear_from(&format!("{p}.up_proj"), w.rows(i, i), stored, None)?,
             )
         } else {
             (
@@ -243,7 +307,69 @@ pub fn build<B: Backend>(
     src: &mut dyn ParamSource,
     device: &B::Device,
 ) -> Result<CausalLm<B>, CheckpointError> {
-    Builder { args, src, device }.build()
+    build_with(args, src, device, BaseWeights::Float)
+}
+
+/// [`build`] with the decoder's linear base weights stored as `base` says.
+pub fn build_with<B: Backend>(
+    args: &ModelArgs,
+    src: &mut dyn ParamSource,
+    device: &B::Device,
+    base: BaseWeights,
+) -> Result<CausalLm<B>, CheckpointError> {
+    Builder {
+        args,
+        src,
+        device,
+        base,
+    }
+    .build()
+}
+
+/// The NF4 quantization dtype of a weight stored in `dtype`.
+pub fn nf4_dtype(dtype: StorageDtype) -> Nf4Dtype {
+    match dtype {
+        StorageDtype::BF16 => Nf4Dtype::Bf16,
+        StorageDtype::F16 => Nf4Dtype::F16,
+        StorageDtype::F32 => Nf4Dtype::F32,
+    }
+}
+
+/// The row order torchtune quantizes the linear layer `prefix` in: it converts q_proj/k_proj
+/// rows to its interleaved RoPE order for every family but Qwen2/Qwen3 (whose torchtune RoPE
+/// rotates halves, as Hugging Face's does), and quantizes that layout.
+pub fn nf4_row_order(args: &ModelArgs, prefix: &str) -> RowOrder {
+    let rope_projection = prefix.ends_with(".q_proj") || prefix.ends_with(".k_proj");
+    let permuted = !matches!(args.family, Family::Qwen2 | Family::Qwen3);
+    if rope_projection && permuted {
+        RowOrder::RopeInterleaved {
+            head_dim: args.head_dim,
+        }
+    } else {
+        RowOrder::Stored
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Stores every decoder linear's base weight in NF4 (a model already built in float,
+    /// e.g. a QAT int4 export), quantized and dequantized in `dtype`.
+    pub fn quantize_base_nf4(&mut self, dtype: Nf4Dtype) -> Result<(), CheckpointError> {
+        let args = self.args.clone();
+        for (prefix, linear) in self.linears_mut() {
+            if !prefix.starts_with("model.layers.") {
+                continue;
+            }
+            let shape = [linear.out_features(), linear.in_features()];
+            linear
+                .quantize_nf4(dtype, dtype, nf4_row_order(&args, &prefix))
+                .map_err(|source| CheckpointError::Nf4 {
+                    name: format!("{prefix}.weight"),
+                    shape: shape.to_vec(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
 }
 
 /// Tensors a Hugging Face checkpoint may hold that the model legitimately does not use.

@@ -12,7 +12,7 @@ pub mod rope;
 use std::path::PathBuf;
 
 pub use args::{Family, ModelArgs};
-pub use build::{ParamSource, RandomInit, build};
+pub use build::{BaseWeights, ParamSource, RandomInit, build, build_with};
 pub use cache::KvCache;
 pub use decoder::{CausalLm, TokenBatch};
 pub use params::{NamedParam, Trainable, TrainableParam};

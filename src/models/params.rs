@@ -31,6 +31,32 @@ impl<B: Backend> CausalLm<B> {
         out
     }
 
+    /// The base weights stored in NF4 (QLoRA), dequantized as exported (bf16, as torchtune
+    /// saves them), by Hugging Face name. They are not parameters (nothing trains them), so
+    /// `named_params` does not list them.
+    fn nf4_weights(&self) -> Vec<(String, HostTensor)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let (a, m) = (&layer.self_attn, &layer.mlp);
+            let linears = [
+                ("self_attn.q_proj", &a.q_proj),
+                ("self_attn.k_proj", &a.k_proj),
+                ("self_attn.v_proj", &a.v_proj),
+                ("self_attn.o_proj", &a.o_proj),
+                ("mlp.gate_proj", &m.gate_proj),
+                ("mlp.up_proj", &m.up_proj),
+                ("mlp.down_proj", &m.down_proj),
+            ];
+            for (name, linear) in linears {
+                if let Some(q) = linear.nf4() {
+                    let value = HostTensor::new(q.shape().to_vec(), q.dequantize_for_export());
+                    out.push((format!("model.layers.{i}.{name}.weight"), value));
+                }
+            }
+        }
+        out
+    }
+
     /// All float parameters by module path, with whether each one trains.
     pub fn named_params(&self) -> Vec<NamedParam> {
         let mut v = Collector {
@@ -76,13 +102,15 @@ impl<B: Backend> CausalLm<B> {
 
     /// Base-model tensors with Hugging Face names (adapters excluded), as saved to
     /// `model.safetensors`: Phi-3's projections fused back into `qkv_proj`/`gate_up_proj`.
+    /// NF4 base weights are saved dequantized, in the model's dtype, as torchtune saves them.
     pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
-        let params: Vec<(String, HostTensor)> = self
+        let mut params: Vec<(String, HostTensor)> = self
             .named_params()
             .into_iter()
             .filter(|p| !p.is_adapter())
             .map(|p| (p.name, p.value))
             .collect();
+        params.extend(self.nf4_weights());
         self.to_hf_layout(params)
     }
 
@@ -100,7 +128,7 @@ impl<B: Backend> CausalLm<B> {
                 )
             })
             .collect();
-        let params: Vec<(String, HostTensor)> = self
+        let mut params: Vec<(String, HostTensor)> = self
             .named_params()
             .into_iter()
             .filter(|p| !p.is_adapter())
@@ -109,6 +137,11 @@ impl<B: Backend> CausalLm<B> {
                 (p.name, value)
             })
             .collect();
+        // NF4 bases: merged when adapted, else dequantized.
+        for (name, value) in self.nf4_weights() {
+            let value = merged.remove(&name).unwrap_or(value);
+            params.push((name, value));
+        }
         self.to_hf_layout(params)
     }
 

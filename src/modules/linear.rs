@@ -1,17 +1,26 @@
 //! Every linear layer of the decoder: a frozen-or-trainable base weight in Hugging Face's
-//! `[out, in]` layout, an optional bias, and an optional LoRA adapter kept separate so it can
-//! be disabled (DPO's reference model) or merged (export).
+//! `[out, in]` layout (or a frozen NF4 one, for QLoRA), an optional bias, and an optional LoRA
+//! adapter kept separate so it can be disabled (DPO's reference model) or merged (export).
+
+use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use super::fake_quant::{self, QuantScheme};
+use super::frozen_nf4::{FrozenNf4, RowOrder};
 use super::lora::{self, Lora};
+use super::nf4::{Nf4Dtype, Nf4Error};
+use crate::checkpoint::HostTensor;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    pub weight: Param<Tensor<B, 2>>,
+    /// The float base weight; `None` exactly when `nf4` holds it.
+    weight: Option<Param<Tensor<B, 2>>>,
+    /// The base weight in NF4 (QLoRA): frozen, dequantized per use, no gradient.
+    #[module(skip)]
+    nf4: Option<Arc<FrozenNf4>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub lora: Option<Lora<B>>,
     /// Fake quantization for QAT; `None` trains in plain floating point.
@@ -41,33 +50,131 @@ impl Default for ForwardMode {
 impl<B: Backend> Linear<B> {
     pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {
-            weight: Param::from_tensor(weight),
+            weight: Some(Param::from_tensor(weight)),
+            nf4: None,
             bias: bias.map(Param::from_tensor),
             lora: None,
             quant: None,
         }
     }
 
+    /// A layer whose frozen base weight is stored in NF4.
+    pub fn new_nf4(weight: FrozenNf4, bias: Option<Tensor<B, 1>>) -> Self {
+        Self {
+            weight: None,
+            nf4: Some(Arc::new(weight)),
+            bias: bias.map(Param::from_tensor),
+            lora: None,
+            quant: None,
+        }
+    }
+
+    /// Stores the base weight in NF4 as torchao's `to_nf4` does in `dtype`, rows in `order`,
+    /// dequantized in `compute` (no-op when it already is). The float weight is released.
+    pub fn quantize_nf4(
+        &mut self,
+        dtype: Nf4Dtype,
+        compute: Nf4Dtype,
+        order: RowOrder,
+    ) -> Result<(), Nf4Error> {
+        let Some(weight) = &self.weight else {
+            return Ok(());
+        };
+        let host = HostTensor::from_tensor(&weight.val());
+        let shape = [host.shape[0], host.shape[1]];
+        self.nf4 = Some(Arc::new(FrozenNf4::quantize(
+            &host.data, shape, dtype, compute, order,
+        )?));
+        self.weight = None;
+        Ok(())
+    }
+
+    /// The NF4 base weight, when the layer has one.
+    pub fn nf4(&self) -> Option<&FrozenNf4> {
+        self.nf4.as_deref()
+    }
+
+    /// `[out, in]`.
+    fn shape(&self) -> [usize; 2] {
+        match (&self.weight, &self.nf4) {
+            (Some(w), _) => w.val().dims(),
+            (None, Some(q)) => q.shape(),
+            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
+        }
+    }
+
     pub fn in_features(&self) -> usize {
-        self.weight.val().dims()[1]
+        self.shape()[1]
     }
 
     pub fn out_features(&self) -> usize {
-        self.weight.val().dims()[0]
+        self.shape()[0]
+    }
+
+    /// The base weight `[out, in]` (dequantized when stored in NF4), without the adapter.
+    pub fn base_weight(&self) -> Tensor<B, 2> {
+        match (&self.weight, &self.nf4) {
+            (Some(w), _) => w.val(),
+            // In the device's float dtype, as the float weight would be.
+            (None, Some(q)) => q.to_tensor::<B>(&self.device()),
+            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
+        }
+    }
+
+    /// The base weight as an export holds it: an NF4 base dequantized to bf16, as torchtune's
+    /// QLoRA state-dict hook saves it whatever the model dtype.
+    pub fn export_base_weight(&self) -> Tensor<B, 2> {
+        match (&self.weight, &self.nf4) {
+            (None, Some(q)) => {
+                let [out, inp] = q.shape();
+                let values = q.dequantize_for_export();
+                Tensor::from_data(
+                    burn::tensor::TensorData::new(values, [out, inp]),
+                    &self.device(),
+                )
+            }
+            _ => self.base_weight(),
+        }
+    }
+
+    /// The float base weight's parameter (`None` for an NF4 base, which has none).
+    pub fn weight_param(&self) -> Option<&Param<Tensor<B, 2>>> {
+        self.weight.as_ref()
+    }
+
+    /// Replaces the base weight with a float one (a merged export's).
+    pub fn set_weight(&mut self, weight: Tensor<B, 2>) {
+        self.weight = Some(Param::from_tensor(weight));
+        self.nf4 = None;
+    }
+
+    fn device(&self) -> B::Device {
+        match (&self.weight, &self.lora, &self.bias) {
+            (Some(w), _, _) => w.val().device(),
+            (_, Some(l), _) => l.a.val().device(),
+            (_, _, Some(b)) => b.val().device(),
+            _ => Default::default(),
+        }
     }
 
     /// `x` is `[..., in]` flattened to `[rows, in]`; returns `[rows, out]`.
     pub fn forward(&self, x: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
         let quant = self.quant.filter(|_| mode.fake_quant);
-        let mut weight = self.weight.val();
-        let base_in = match quant {
-            Some(scheme) => {
-                weight = fake_quant::weight(weight, scheme);
-                fake_quant::activation(x.clone(), scheme)
+        let xw = match (&self.weight, &self.nf4) {
+            (Some(weight), _) => {
+                let mut weight = weight.val();
+                let base_in = match quant {
+                    Some(scheme) => {
+                        weight = fake_quant::weight(weight, scheme);
+                        fake_quant::activation(x.clone(), scheme)
+                    }
+                    None => x.clone(),
+                };
+                base_in.matmul(weight.transpose())
             }
-            None => x.clone(),
+            (None, Some(q)) => crate::kernels::nf4_linear(x.clone(), q),
+            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
         };
-        let xw = base_in.matmul(weight.clone().transpose());
         let y = match &self.bias {
             Some(bias) => xw + bias.val().unsqueeze_dim(0),
             None => xw,
@@ -80,6 +187,7 @@ impl<B: Backend> Linear<B> {
                 // dropout only on the adapter's input. (peft agrees without dropout or bias;
                 // with dropout it rescales the base product of the dropped input instead.)
                 Some(magnitude) => {
+                    let weight = self.dora_base_weight(quant);
                     let scale = dora_scale(weight, lora, magnitude.val()).unsqueeze_dim(0);
                     (y + lora.forward(x, mode.train)) * scale
                 }
@@ -88,12 +196,23 @@ impl<B: Backend> Linear<B> {
         }
     }
 
+    /// The base weight DoRA normalises: the fake-quantized one under QAT (refused with DoRA
+    /// by the config checks, kept consistent here), the dequantized one for NF4.
+    fn dora_base_weight(&self, quant: Option<QuantScheme>) -> Tensor<B, 2> {
+        let weight = self.base_weight();
+        match quant {
+            Some(scheme) if self.weight.is_some() => fake_quant::weight(weight, scheme),
+            _ => weight,
+        }
+    }
+
     /// The base weight with the adapter folded in, for export: `W + scale * B A`, and for DoRA
-    /// that weight's rows rescaled to the magnitude (as peft's `merge_and_unload`).
+    /// that weight's rows rescaled to the magnitude (as peft's `merge_and_unload`); an NF4 `W`
+    /// as exported (bf16), as torchtune merges it.
     pub fn merged_weight(&self) -> Tensor<B, 2> {
         match &self.lora {
             Some(lora) => {
-                let adapted = self.weight.val() + lora.delta_weight();
+                let adapted = self.export_base_weight() + lora.delta_weight();
                 match &lora.magnitude {
                     Some(m) => {
                         let scale = m.val() / lora::row_norms(adapted.clone());
@@ -102,7 +221,7 @@ impl<B: Backend> Linear<B> {
                     None => adapted,
                 }
             }
-            None => self.weight.val(),
+            None => self.export_base_weight(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Building blocks shared by every model: linear layers with LoRA and fake quantization, norms.
 
 pub mod fake_quant;
+pub mod frozen_nf4;
 pub mod linear;
 pub mod lora;
 pub mod nf4;

@@ -4,10 +4,11 @@
 //! themselves quantized to int8 in blocks of 256 after subtracting their mean
 //! ("double quantization"): 0.516 bytes per parameter in all.
 //!
-//! torchao computes everything in the weight's dtype (bf16 for torchtune's QLoRA): every
-//! intermediate is rounded to bf16 here as torch rounds it (each op in f32, then
-//! round-to-nearest-even), so codes, scales and the dequantized weight match it bit for bit
-//! (tests/suite/nf4.rs against tests/fixtures/reference/nf4.safetensors).
+//! torchao computes everything in the weight's dtype (bf16 for torchtune's QLoRA configs, fp32
+//! when a config says `dtype: fp32`): every intermediate is rounded to that dtype here as torch
+//! rounds it (each bf16 op in f32, then round-to-nearest-even), so codes, scales and the
+//! dequantized weight match it bit for bit (tests/suite/nf4.rs against
+//! tests/fixtures/reference/nf4.safetensors and qlora.safetensors).
 
 use half::bf16;
 
@@ -32,85 +33,109 @@ pub enum Nf4Error {
     Shape { numel: usize },
 }
 
+/// A dtype torchao computes NF4 in: quantization in the dtype of the weight it quantizes,
+/// dequantization in the dtype of the NF4 tensor (torchtune's model dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nf4Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Nf4Dtype {
+    /// One torch op's result in this dtype: an f32 result rounded to bf16 or f16 (nearest,
+    /// ties to even), or the f32 result itself.
+    fn round(self, x: f32) -> f32 {
+        match self {
+            Self::Bf16 => bf16::from_f32(x).to_f32(),
+            Self::F16 => half::f16::from_f32(x).to_f32(),
+            Self::F32 => x,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            Self::Bf16 | Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
 /// A weight in torchao's NF4 layout.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Nf4Weight {
     pub shape: Vec<usize>,
+    /// The dtype it was quantized in: its level table, factors and mean are values of it.
+    pub dtype: Nf4Dtype,
     /// Two 4-bit level indices per byte, the first value in the high nibble.
     pub codes: Vec<u8>,
     /// Each block's absmax minus `mean`, quantized to int8 per scaler block.
     pub scalers: Vec<i8>,
-    /// Per scaler block: `256 / (2 * absmax)` of its mean-subtracted block scales.
-    pub factors: Vec<bf16>,
-    /// The mean of the block scales.
-    pub mean: bf16,
-}
-
-/// One torch bf16 op: computed in f32, rounded to bf16 (round to nearest, ties to even).
-fn r(x: f32) -> bf16 {
-    bf16::from_f32(x)
-}
-
-fn levels() -> [bf16; 16] {
-    NF4_LEVELS.map(r)
+    /// Per scaler block: `256 / (2 * absmax)` of its mean-subtracted block scales (values of
+    /// `dtype`, held as f32).
+    pub factors: Vec<f32>,
+    /// The mean of the block scales (a value of `dtype`).
+    pub mean: f32,
 }
 
 impl Nf4Weight {
     /// torchao's `to_nf4(weight)` for a bf16 weight (row-major, any shape).
-    pub fn quantize(weight: &[bf16], shape: &[usize]) -> Result<Self, Nf4Error> {
+    pub fn quantize_bf16(weight: &[bf16], shape: &[usize]) -> Result<Self, Nf4Error> {
+        let values: Vec<f32> = weight.iter().map(|v| v.to_f32()).collect();
+        Self::quantize(&values, shape, Nf4Dtype::Bf16)
+    }
+
+    /// torchao's `to_nf4(weight)` for a weight of `dtype` (row-major, any shape); `weight`'s
+    /// values are rounded to `dtype` first, as the weight torchao sees already is.
+    pub fn quantize(weight: &[f32], shape: &[usize], dtype: Nf4Dtype) -> Result<Self, Nf4Error> {
         let numel = weight.len();
         if numel == 0 || !numel.is_multiple_of(BLOCK_SIZE * SCALER_BLOCK_SIZE) {
             return Err(Nf4Error::Shape { numel });
         }
-        let absmax: Vec<bf16> = weight
+        let r = |x: f32| dtype.round(x);
+        let absmax: Vec<f32> = weight
             .chunks(BLOCK_SIZE)
-            .map(|b| {
-                b.iter()
-                    .map(|v| r(v.to_f32().abs()))
-                    .fold(r(0.0), bf16::max)
-            })
+            .map(|b| b.iter().map(|v| r(*v).abs()).fold(0.0, f32::max))
             .collect();
-        // torch's bf16 mean accumulates in f32 and rounds once.
-        let mean = r(absmax.iter().map(|v| v.to_f32()).sum::<f32>() / absmax.len() as f32);
-        let centred: Vec<bf16> = absmax
-            .iter()
-            .map(|v| r(v.to_f32() - mean.to_f32()))
-            .collect();
+        let mean = r(mean_f32(&absmax));
+        let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
         let mut scalers = Vec::with_capacity(centred.len());
         let mut factors = Vec::with_capacity(centred.len() / SCALER_BLOCK_SIZE);
         for block in centred.chunks(SCALER_BLOCK_SIZE) {
-            let max = block
-                .iter()
-                .map(|v| r(v.to_f32().abs()))
-                .fold(r(0.0), bf16::max);
-            let factor = r(256.0 / r(2.0 * max.to_f32()).to_f32());
+            let max = block.iter().map(|v| v.abs()).fold(0.0, f32::max);
+            // torch runs `256 / t` as `t.reciprocal() * 256`; times a power of two is exact.
+            let factor = r(r(1.0 / r(2.0 * max)) * 256.0);
             factors.push(factor);
             for v in block {
-                let q = r(v.to_f32() * factor.to_f32()).to_f32().round_ties_even();
+                let q = r(v * factor).round_ties_even();
                 scalers.push(q.clamp(-128.0, 127.0) as i8);
             }
         }
-        let nf4 = levels();
-        let mut indices = Vec::with_capacity(numel);
+        let nf4 = NF4_LEVELS.map(r);
+        let mut codes = Vec::with_capacity(numel / 2);
+        let mut high = None;
         for (block, scale) in weight.chunks(BLOCK_SIZE).zip(&absmax) {
             for v in block {
-                let scaled = r(v.to_f32() / scale.to_f32()).to_f32();
+                let scaled = r(r(*v) / scale);
                 // the first level at the smallest distance, as torch's min(dim).indices
-                let mut best = 0;
+                let mut best = 0u8;
                 let mut best_diff = f32::INFINITY;
                 for (i, level) in nf4.iter().enumerate() {
-                    let diff = r((scaled - level.to_f32()).abs()).to_f32();
+                    let diff = r((scaled - level).abs());
                     if diff < best_diff {
-                        best = i;
+                        best = i as u8;
                         best_diff = diff;
                     }
                 }
-                indices.push(best as u8);
+                match high.take() {
+                    None => high = Some(best),
+                    Some(h) => codes.push((h << 4) | best),
+                }
             }
         }
-        let codes = indices.chunks(2).map(|p| (p[0] << 4) | p[1]).collect();
         Ok(Nf4Weight {
             shape: shape.to_vec(),
+            dtype,
             codes,
             scalers,
             factors,
@@ -118,42 +143,72 @@ impl Nf4Weight {
         })
     }
 
-    /// The block scales as torchao dequantizes them: `int8 / factor + mean`, in bf16.
-    pub fn block_scales(&self) -> Vec<bf16> {
+    /// The block scales as torchao dequantizes them in the weight's own dtype.
+    pub fn block_scales(&self) -> Vec<f32> {
+        self.block_scales_in(self.dtype)
+    }
+
+    /// The block scales as torchao dequantizes them in `compute` (the NF4 tensor's dtype):
+    /// `int8 / factor + mean`, each op rounded to `compute`.
+    pub fn block_scales_in(&self, compute: Nf4Dtype) -> Vec<f32> {
+        let r = |x: f32| compute.round(x);
         self.scalers
             .chunks(SCALER_BLOCK_SIZE)
             .zip(&self.factors)
             .flat_map(|(block, factor)| {
-                block.iter().map(move |q| {
-                    r(r(f32::from(*q) / factor.to_f32()).to_f32() + self.mean.to_f32())
-                })
+                block
+                    .iter()
+                    .map(move |q| r(r(f32::from(*q) / factor) + self.mean))
             })
             .collect()
     }
 
-    /// torchao's `get_original_weight()`: each level times its block's scale, in bf16.
-    pub fn dequantize(&self) -> Vec<bf16> {
-        let nf4 = levels();
-        let scales = self.block_scales();
-        let mut out = Vec::with_capacity(self.codes.len() * 2);
-        for (i, byte) in self.codes.iter().enumerate() {
-            let scale = scales[i * 2 / BLOCK_SIZE].to_f32();
-            for code in [byte >> 4, byte & 0x0f] {
-                out.push(r(nf4[usize::from(code)].to_f32() * scale));
-            }
-        }
+    /// torchao's `get_original_weight()` in the weight's own dtype, row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.numel()];
+        self.dequantize_into(&self.block_scales(), self.dtype, 0, &mut out);
         out
     }
 
-    /// Bytes held: codes, int8 scalers, bf16 factors and the mean.
+    /// Decodes the values from flat index `start` on into `out`, in `compute`, given
+    /// [`Self::block_scales_in`] `compute`: each level (a value of the quantization dtype)
+    /// times its block's scale.
+    pub fn dequantize_into(
+        &self,
+        scales: &[f32],
+        compute: Nf4Dtype,
+        start: usize,
+        out: &mut [f32],
+    ) {
+        let nf4 = NF4_LEVELS.map(|l| self.dtype.round(l));
+        for (k, value) in (start..).zip(out.iter_mut()) {
+            let byte = self.codes[k / 2];
+            let code = if k % 2 == 0 { byte >> 4 } else { byte & 0x0f };
+            *value = compute.round(nf4[usize::from(code)] * scales[k / BLOCK_SIZE]);
+        }
+    }
+
+    /// Bytes held: codes, int8 scalers, the factors and the mean in `dtype`.
     pub fn bytes(&self) -> usize {
-        self.codes.len() + self.scalers.len() + 2 * self.factors.len() + 2
+        self.codes.len() + self.scalers.len() + self.dtype.bytes() * (self.factors.len() + 1)
+    }
+
+    pub fn numel(&self) -> usize {
+        self.codes.len() * 2
     }
 
     /// Unpacked level indices, one per value in row-major order (for tests and inspection).
     pub fn indices(&self) -> Vec<u8> {
         self.codes.iter().flat_map(|b| [b >> 4, b & 0x0f]).collect()
     }
+}
+
+/// torch's mean of float values: the sum accumulated in f32 (here in f64 and rounded once,
+/// which equals torch's cascaded f32 sum whenever that sum is exact or correctly rounded),
+/// divided in f32.
+fn mean_f32(values: &[f32]) -> f32 {
+    let sum = values.iter().map(|v| f64::from(*v)).sum::<f64>() as f32;
+    sum / values.len() as f32
 }
 
 #[cfg(test)]
@@ -163,7 +218,7 @@ mod tests {
     #[test]
     fn shapes_torchao_refuses_are_errors_naming_the_rule() {
         let w = vec![bf16::ZERO; 64 * 100];
-        let err = Nf4Weight::quantize(&w, &[100, 64]).unwrap_err();
+        let err = Nf4Weight::quantize_bf16(&w, &[100, 64]).unwrap_err();
         assert!(err.to_string().contains("6400 values"), "{err}");
     }
 
@@ -172,9 +227,9 @@ mod tests {
         // A block that holds each level times 0.5 (its absmax is 0.5) decodes to itself.
         let mut w: Vec<bf16> = Vec::new();
         while w.len() < BLOCK_SIZE * SCALER_BLOCK_SIZE {
-            w.extend(NF4_LEVELS.iter().map(|l| r(l * 0.5)));
+            w.extend(NF4_LEVELS.iter().map(|l| bf16::from_f32(l * 0.5)));
         }
-        let q = Nf4Weight::quantize(&w, &[256, 64]).unwrap();
+        let q = Nf4Weight::quantize_bf16(&w, &[256, 64]).unwrap();
         assert_eq!(&q.indices()[..16], (0..16).collect::<Vec<u8>>().as_slice());
         assert!(
             q.bytes() * 1000 < w.len() * 517,

@@ -7,13 +7,16 @@ use burn::tensor::backend::Backend;
 use super::SetupError;
 use crate::checkpoint::StorageDtype;
 use crate::config::components::{Component, ModelVariant};
+use crate::config::schema::Dtype;
 use crate::config::schema::{
     CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt,
 };
-use crate::model_io::hf::{LoadedModel, load_model};
+use crate::model_io::hf::{LoadedModel, load_model, load_model_with};
 use crate::model_io::{peft, quantized};
+use crate::models::BaseWeights;
 use crate::models::CausalLm;
 use crate::modules::LoraSettings;
+use crate::modules::nf4::Nf4Dtype;
 
 /// The safetensors files `checkpoint_files` names, expanding torchtune's
 /// `{filename_format, max_filename}` form.
@@ -50,11 +53,61 @@ pub fn load<B: Backend>(
     key: &'static str,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
+    load_with(cfg, key, BaseWeights::Float, device)
+}
+
+/// How a `model` section stores the base weights: NF4 for torchtune's `qlora_*` builders and
+/// `quantize_base: True`, in the run's dtype (torchao quantizes in the weight's dtype).
+pub fn base_weights<B: Backend>(
+    model: &ModelConfig,
+    device: &B::Device,
+) -> Result<BaseWeights, SetupError> {
+    let qlora = matches!(&model.component, Component::Model(b) if b.variant == ModelVariant::QLora);
+    if !(qlora || model.quantize_base) {
+        return Ok(BaseWeights::Float);
+    }
+    match crate::precision::device_dtype::<B>(device) {
+        Dtype::Bf16 => Ok(BaseWeights::Nf4(Nf4Dtype::Bf16)),
+        Dtype::Fp32 => Ok(BaseWeights::Nf4(Nf4Dtype::F32)),
+        Dtype::Fp16 => Err(SetupError::Invalid {
+            key: "dtype".into(),
+            message: "QLoRA's NF4 base weights are quantized in bf16 or fp32 (as torchtune's QLoRA configs run); set `dtype: bf16` or `dtype: fp32`".into(),
+        }),
+    }
+}
+
+/// The model a LoRA recipe trains adapters on (or generation runs), its base stored as the
+/// `model` section says (NF4 for QLoRA).
+pub fn load_base<B: Backend>(
+    model: &ModelConfig,
+    cfg: &CheckpointerConfig,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, SetupError> {
+    load_with(
+        cfg,
+        "checkpointer",
+        base_weights::<B>(model, device)?,
+        device,
+    )
+}
+
+/// [`load`] with the base weights stored as `base` says.
+pub fn load_with<B: Backend>(
+    cfg: &CheckpointerConfig,
+    key: &'static str,
+    base: BaseWeights,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, SetupError> {
     // A QAT run's int4 export (`<checkpoint>/quantized/`) loads dequantized, so `generate`
     // and every recipe read it like any other checkpoint.
     if quantized::is_quantized_export(&cfg.checkpoint_dir) {
-        let model = quantized::load_quantized_model::<B>(&cfg.checkpoint_dir, device)
+        let mut model = quantized::load_quantized_model::<B>(&cfg.checkpoint_dir, device)
             .map_err(|source| SetupError::Model { key, source })?;
+        if let BaseWeights::Nf4(dtype) = base {
+            model
+                .quantize_base_nf4(dtype)
+                .map_err(|source| SetupError::Checkpoint { key, source })?;
+        }
         eprintln!(
             "{key}: {} is a tune int4 export; its weights are dequantized on load",
             cfg.checkpoint_dir.display()
@@ -65,7 +118,7 @@ pub fn load<B: Backend>(
         });
     }
     let files = checkpoint_files(cfg);
-    load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device)
+    load_model_with::<B>(&cfg.checkpoint_dir, files.as_deref(), device, base)
         .map_err(|source| SetupError::Model { key, source })
 }
 

@@ -14,7 +14,7 @@ use super::SetupError;
 use super::model::{checkpoint_files, load_adapter_checkpoint};
 use crate::config::components::{Component, LossKind};
 use crate::config::schema::{CheckpointerConfig, LossConfig};
-use crate::model_io::hf::{load_args, load_model};
+use crate::model_io::hf::{load_args, load_model_with};
 use crate::models::{CausalLm, ModelArgs, Trainable};
 use crate::tokenizer::Tokenizer;
 use crate::training::kd::KdObjective;
@@ -114,13 +114,14 @@ fn tokenizer_difference(student: &Tokenizer, teacher: &Tokenizer) -> Option<Stri
 /// the student; with `teacher_checkpointer.adapter_checkpoint`, its PEFT adapter applies.
 pub fn load<B: Backend>(
     cfg: &CheckpointerConfig,
+    base: crate::models::BaseWeights,
     student: &ModelArgs,
     tokenizer: &Tokenizer,
     device: &B::Device,
 ) -> Result<CausalLm<B>, SetupError> {
     check_compatible(student, tokenizer, &cfg.checkpoint_dir)?;
     let files = checkpoint_files(cfg);
-    let mut teacher = load_model::<B>(&cfg.checkpoint_dir, files.as_deref(), device)
+    let mut teacher = load_model_with::<B>(&cfg.checkpoint_dir, files.as_deref(), device, base)
         .map_err(|source| SetupError::Model { key: KEY, source })?
         .model;
     load_adapter_checkpoint(&mut teacher, cfg, "teacher_checkpointer.adapter_checkpoint")?;

@@ -31,7 +31,9 @@ const MIN_ROWS_PER_CHUNK: usize = 256;
 /// Whether the output projection's weight (or the tied embedding) is trained.
 pub fn output_projection_trains<B: AutodiffBackend>(model: &CausalLm<B>) -> bool {
     match &model.lm_head {
-        Some(head) => head.weight.val().is_require_grad(),
+        Some(head) => head
+            .weight_param()
+            .is_some_and(|w| w.val().is_require_grad()),
         None => model.model.embed_tokens.weight.val().is_require_grad(),
     }
 }

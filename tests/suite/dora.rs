@@ -94,7 +94,7 @@ fn dora_magnitude_starts_at_the_adapted_weights_row_norms() {
         let Some(lora) = linear.lora.take() else {
             continue;
         };
-        let fresh = lora.with_magnitude(linear.weight.val(), None);
+        let fresh = lora.with_magnitude(linear.base_weight(), None);
         let got = tune::checkpoint::HostTensor::from_tensor(&fresh.magnitude.unwrap().val());
         let key = magnitude_key(&module);
         assert_close(&key, &got, &r.f32(&format!("init_magnitude.{key}")), 1e-5);

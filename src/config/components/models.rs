@@ -134,7 +134,7 @@ pub(super) fn parse(name: &str) -> Option<Lookup> {
         return Some(Lookup {
             canonical: format!("tune.models.{module}.{}{module}", variant.prefix()),
             component: Component::Model(builder),
-            warning: qlora_warning(variant),
+            warning: None,
         });
     }
     // Longest family prefix wins so `llama3_2_1b` is llama3_2, not llama3 size `2_1b`.
@@ -160,19 +160,12 @@ pub(super) fn parse(name: &str) -> Option<Lookup> {
     Some(Lookup {
         canonical: builder.canonical_name(),
         component: Component::Model(builder),
-        warning: qlora_warning(variant),
+        warning: None,
     })
 }
 
 /// The size of a generic builder (`llama2`, `lora_qwen2`): its architecture is in the section.
 pub const GENERIC: &str = "generic";
-
-fn qlora_warning(variant: ModelVariant) -> Option<String> {
-    (variant == ModelVariant::QLora).then(|| {
-        "QLoRA's 4-bit base weights are not supported; the base model stays in `dtype` (plain LoRA)"
-            .to_string()
-    })
-}
 
 /// torchtune and tune names for every family/variant/size we know, for suggestions.
 pub(super) fn example_names() -> Vec<String> {

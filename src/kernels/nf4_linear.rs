@@ -1,0 +1,117 @@
+//! `x @ W^T` for a frozen NF4 weight `W` (torchao's `linear_nf4`, torchtune's QLoRA base
+//! layers), with a backward of its own.
+//!
+//! Why: burn's autodiff matmul keeps both operands for the backward pass, so a plain
+//! `x.matmul(dequantized.transpose())` would hold every layer's dequantized weight from the
+//! forward pass until the backward pass: the whole model in float at once, which is what
+//! QLoRA exists to avoid. Here the forward pass dequantizes, multiplies and drops the weight;
+//! the backward pass dequantizes it again for `grad_x = grad_y @ W` (the weight is frozen, so
+//! it has no gradient), as torchao's `LinearNF4.backward` does.
+//!
+//! The op is written once against burn's backend API, so it serves Flex and CUDA alike.
+
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata};
+use burn_flex::Flex;
+
+use super::dispatch::{as_autodiff, from_autodiff};
+use crate::modules::frozen_nf4::FrozenNf4;
+
+/// `x` `[rows, in]` times the dequantized weight `[out, in]` transposed: `[rows, out]`.
+pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tensor<B, 2> {
+    let x = match on_autodiff::<B, Flex, NoCheckpointing>(x, weight) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    let x = match on_autodiff::<B, Flex, BalancedCheckpointing>(x, weight) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    #[cfg(feature = "cuda")]
+    let x = {
+        type Cuda = burn::backend::Cuda;
+        let x = match on_autodiff::<B, Cuda, NoCheckpointing>(x, weight) {
+            Ok(y) => return y,
+            Err(x) => x,
+        };
+        match on_autodiff::<B, Cuda, BalancedCheckpointing>(x, weight) {
+            Ok(y) => return y,
+            Err(x) => x,
+        }
+    };
+    // No autodiff (generation, a frozen teacher or reference): the weight is dropped as soon
+    // as the product exists.
+    let w = to_dtype(weight.to_tensor::<B>(&x.device()), x.dtype());
+    x.matmul(w.transpose())
+}
+
+fn to_dtype<B: Backend>(w: Tensor<B, 2>, dtype: DType) -> Tensor<B, 2> {
+    crate::precision::to_dtype(w, dtype)
+}
+
+fn on_autodiff<B: Backend, I: Backend, C: CheckpointStrategy>(
+    x: Tensor<B, 2>,
+    weight: &Arc<FrozenNf4>,
+) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+    let x = as_autodiff::<B, I, C, 2>(x)?;
+    Ok(from_autodiff::<B, I, C, 2>(autodiff::<I, C>(x, weight)))
+}
+
+/// The dequantized weight `[out, in]` on `device`, in `dtype`.
+fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType) -> FloatTensor<I> {
+    let w = I::float_from_data(TensorData::new(weight.dequantize(), weight.shape()), device);
+    if w.dtype() == dtype {
+        w
+    } else {
+        I::float_cast(w, dtype.into())
+    }
+}
+
+#[derive(Debug)]
+struct Nf4LinearBackward {
+    weight: Arc<FrozenNf4>,
+}
+
+impl<I: Backend> Backward<I, 1> for Nf4LinearBackward {
+    /// Where and in which dtype to dequantize the weight again.
+    type State = (I::Device, DType);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (device, dtype) = ops.state;
+        unary::<I, _>(ops.parents, ops.node, grads, |grad| {
+            // grad_x [rows, in] = grad_y [rows, out] @ W [out, in]
+            I::float_matmul(grad, dequantized::<I>(&self.weight, &device, dtype))
+        });
+    }
+}
+
+fn autodiff<I: Backend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+    weight: &Arc<FrozenNf4>,
+) -> FloatTensor<Autodiff<I, C>> {
+    let device = I::float_device(&x.primitive);
+    let dtype = x.primitive.dtype();
+    let w = dequantized::<I>(weight, &device, dtype);
+    let y = I::float_matmul(x.primitive.clone(), I::float_transpose(w));
+    let backward = Nf4LinearBackward {
+        weight: Arc::clone(weight),
+    };
+    match backward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((device, dtype), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
