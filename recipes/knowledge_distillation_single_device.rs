@@ -42,7 +42,7 @@ pub fn run<B: AutodiffBackend>(
     // Student: LoRA adapters on the frozen base, or the whole model (from the checkpoint
     // being resumed, which holds every weight).
     let (student, storage_dtype, content, shape) = if model::is_lora(&cfg.model) {
-        let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+        let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
         let mut student = loaded.model;
         let (plan, content) = model::lora(&mut student, cfg, &run)?;
         let student = student.set_trainable(Trainable::AdaptersOnly);
@@ -57,8 +57,13 @@ pub fn run<B: AutodiffBackend>(
     };
 
     // Teacher: frozen, on the inner backend (no autodiff graph, no optimizer state).
+    let teacher_base = match &cfg.teacher_model {
+        Some(m) => model::base_weights::<B::InnerBackend>(m, &ctx.device)?,
+        None => tune::models::BaseWeights::Float,
+    };
     let teacher_model = teacher::load::<B::InnerBackend>(
         teacher_ckpt,
+        teacher_base,
         &student.args,
         &data.tokenizer,
         &ctx.device,

@@ -24,7 +24,7 @@ pub fn run<B: AutodiffBackend>(
 ) -> anyhow::Result<()> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
-    let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(Trainable::AdaptersOnly);

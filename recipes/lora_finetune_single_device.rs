@@ -22,7 +22,7 @@ pub fn run<B: AutodiffBackend>(
 ) -> anyhow::Result<()> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).
-    let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(Trainable::AdaptersOnly);

@@ -223,7 +223,8 @@ mod tests {
             parse("torchtune.models.llama3.qlora_llama3_8b")
                 .unwrap()
                 .warning
-                .is_some()
+                .is_none(),
+            "QLoRA is supported: no warning"
         );
     }
 
