@@ -100,10 +100,16 @@ impl FrozenNf4 {
         self.dequantize_in(self.compute)
     }
 
-    /// The weight as torchtune saves it: its QLoRA state-dict hook dequantizes to bf16
-    /// whatever the model dtype.
+    /// The weight as torchtune saves it: its QLoRA state-dict hook casts the NF4 tensor to
+    /// bf16 whatever the model dtype, i.e. the compute-dtype dequantization rounded to bf16.
     pub fn dequantize_for_export(&self) -> Vec<f32> {
-        self.dequantize_in(Nf4Dtype::Bf16)
+        let mut values = self.dequantize();
+        if self.compute != Nf4Dtype::Bf16 {
+            values
+                .par_iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+        values
     }
 
     /// The dequantized weight in `compute`. Rows are decoded in parallel: this runs for every

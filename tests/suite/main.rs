@@ -30,6 +30,7 @@ mod plot;
 mod precision;
 mod qat;
 mod qat_recipes;
+mod qlora;
 mod resume;
 mod support;
 mod tokenizer;
