@@ -236,6 +236,43 @@ fn recipe_level_rules() {
 }
 
 #[test]
+fn qlora_is_refused_where_torchtune_has_no_such_combination() {
+    let e = errors(
+        "tiny/full_single_device",
+        "full_finetune",
+        &["model.quantize_base=True"],
+    );
+    assert!(
+        e.has(
+            "model.quantize_base",
+            "is a full model builder; NF4 base weights"
+        ),
+        "{e}"
+    );
+    let e = errors(
+        "tiny/qat_lora_single_device",
+        "qat_lora",
+        &["model._component_=tune.models.llama3.qlora_llama3_tiny"],
+    );
+    assert!(
+        e.has(
+            "model._component_",
+            "stores the base in NF4 (QLoRA), but QAT"
+        ),
+        "{e}"
+    );
+    // Accepted, without a warning, by the LoRA recipes.
+    assert!(
+        warnings(
+            "tiny/lora_single_device",
+            "lora_finetune",
+            &["model.quantize_base=True"]
+        )
+        .is_empty()
+    );
+}
+
+#[test]
 fn collects_every_problem_and_prints_one_per_line() {
     let e = errors(
         "tiny/lora_single_device",

@@ -31,6 +31,7 @@ mod precision;
 mod qat;
 mod qat_recipes;
 mod qlora;
+mod qlora_recipes;
 mod resume;
 mod support;
 mod tokenizer;
