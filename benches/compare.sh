@@ -9,6 +9,7 @@
 #   DTYPE=bf16 benches/compare.sh      # both sides in bf16 (default: bf16 on cuda, fp32 on cpu)
 #   RUNS="smollm2-135m:lora:1:128:3" benches/compare.sh
 #   RUNS="smollm2-135m:dora:4:256:2" benches/compare.sh   # DoRA against torchtune's DoRALinear
+#   RUNS="llama3.2-1b:qlora:1:256:2" benches/compare.sh   # QLoRA (qdora: QDoRA) against torchtune's
 #   TUNE=path/to/tune PYTHON=python3 benches/compare.sh   # a prebuilt tune and a Python that has
 #                                      # torch (a GPU machine without cargo or network)
 set -euo pipefail
@@ -42,8 +43,8 @@ for run in $RUNS; do
   args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE" --dtype "$DTYPE")
   echo "== $run" >&2
   "$TUNE" bench "${args[@]}" --json >> "$OUT"
-  # DoRA has no plain-PyTorch model here: torchtune's DoRALinear is the reference.
-  [ "$mode" = dora ] || "$PYTHON" benches/pytorch_reference.py "${args[@]}" >> "$OUT"
+  # DoRA and NF4 bases have no plain-PyTorch model here: torchtune's modules are the reference.
+  case "$mode" in dora|qlora|qdora) ;; *) "$PYTHON" benches/pytorch_reference.py "${args[@]}" >> "$OUT" ;; esac
   if "$PYTHON" -c "import torchtune.models.llama3" 2>/dev/null; then
     "$PYTHON" benches/pytorch_reference.py "${args[@]}" --impl torchtune >> "$OUT" || true
   fi

@@ -146,7 +146,7 @@ class Decoder(nn.Module):
         return F.linear(self.norm(x), self.embed_tokens.weight)
 
 
-def torchtune_model(cfg, lora_targets, rank, alpha, use_dora=False):
+def torchtune_model(cfg, lora_targets, rank, alpha, use_dora=False, quantize_base=False):
     from torchtune.models.llama3 import llama3, lora_llama3
 
     kw = dict(
@@ -172,6 +172,7 @@ def torchtune_model(cfg, lora_targets, rank, alpha, use_dora=False):
             lora_alpha=alpha,
             lora_dropout=0.0,
             use_dora=use_dora,
+            quantize_base=quantize_base,
             **kw,
         )
     # Tie the output projection to the embedding, as the shapes' configs do.
@@ -191,8 +192,11 @@ def peak_rss_bytes():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="tiny")
-    # dora: torchtune's DoRALinear (needs --impl torchtune)
-    p.add_argument("--mode", choices=["lora", "dora", "full", "forward"], default="lora")
+    # dora: torchtune's DoRALinear; qlora/qdora: LoRA/DoRA on torchao NF4 base weights
+    # (`quantize_base=True`, torchtune's qlora_* builders). These need --impl torchtune.
+    p.add_argument(
+        "--mode", choices=["lora", "dora", "qlora", "qdora", "full", "forward"], default="lora"
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
@@ -207,15 +211,26 @@ def main():
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    lora = a.mode in ("lora", "dora")
-    if a.mode == "dora" and a.impl != "torchtune":
-        p.error("--mode dora runs torchtune's DoRALinear: add --impl torchtune")
+    lora = a.mode in ("lora", "dora", "qlora", "qdora")
+    nf4 = a.mode in ("qlora", "qdora")
+    if a.mode in ("dora", "qlora", "qdora") and a.impl != "torchtune":
+        p.error(f"--mode {a.mode} runs torchtune's modules: add --impl torchtune")
     targets = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") if lora else ()
     rank, alpha = (a.lora_rank, 2.0 * a.lora_rank) if lora else (0, 0.0)
 
     def build():
         if a.impl == "torchtune":
-            return torchtune_model(cfg, targets, rank, alpha, use_dora=a.mode == "dora")
+            # NF4 bases are built in the run's dtype, as torchtune's recipes build them
+            # (`training.set_default_dtype`); `.to(dtype)` would not apply to NF4 tensors.
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(dtype if nf4 else previous)
+            try:
+                return torchtune_model(
+                    cfg, targets, rank, alpha,
+                    use_dora=a.mode in ("dora", "qdora"), quantize_base=nf4,
+                )
+            finally:
+                torch.set_default_dtype(previous)
         return Decoder(cfg, targets, rank, alpha)
 
     # Save and load a checkpoint of this shape (load timed, as tune bench does).
@@ -250,7 +265,7 @@ def main():
                 m.initialize_dora_magnitude()
         load_s = time.perf_counter() - t
         del loaded
-    model = model.to(device=dev, dtype=dtype)
+    model = model.to(device=dev) if nf4 else model.to(device=dev, dtype=dtype)
 
     for n, prm in model.named_parameters():
         prm.requires_grad = (a.mode == "full") or (lora and ("lora" in n or "magnitude" in n))
@@ -320,6 +335,16 @@ def main():
     }
     if dev.type == "cuda":
         out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
+    if nf4:
+        from torchao.dtypes.nf4tensor import NF4Tensor
+
+        stored = [p for p in model.parameters() if isinstance(p, NF4Tensor)]
+        nbytes = sum(
+            t.numel() * t.element_size()
+            for p in stored
+            for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor, p.scaler_mean)
+        )
+        out["nf4_bytes_per_param"] = nbytes / max(1, sum(p.numel() for p in stored))
     print(json.dumps(out))
 
 

@@ -111,6 +111,8 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                     tune::cli::args::BenchModeArg::Forward => tune::bench::BenchMode::Forward,
                     tune::cli::args::BenchModeArg::Lora => tune::bench::BenchMode::Lora,
                     tune::cli::args::BenchModeArg::Dora => tune::bench::BenchMode::Dora,
+                    tune::cli::args::BenchModeArg::Qlora => tune::bench::BenchMode::Qlora,
+                    tune::cli::args::BenchModeArg::Qdora => tune::bench::BenchMode::Qdora,
                     tune::cli::args::BenchModeArg::Full => tune::bench::BenchMode::Full,
                 },
                 batch_size,

@@ -12,9 +12,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
 use crate::config::schema::Dtype;
-use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
+use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
 use crate::model_io::peft::attach_lora;
-use crate::models::{ModelArgs, RandomInit, TokenBatch, Trainable, build};
+use crate::models::{BaseWeights, ModelArgs, RandomInit, TokenBatch, Trainable, build};
+use crate::modules::nf4::Nf4Dtype;
 use crate::modules::{ForwardMode, LoraSettings};
 use crate::precision;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
@@ -28,13 +29,26 @@ pub enum BenchMode {
     Lora,
     /// LoRA with DoRA's magnitudes (peft's `use_dora`).
     Dora,
+    /// LoRA on an NF4 base (torchtune's `qlora_*`).
+    Qlora,
+    /// DoRA on an NF4 base (torchtune's QDoRA).
+    Qdora,
     Full,
 }
 
 impl BenchMode {
     /// Adapters train, the base is frozen.
     pub fn is_adapter(self) -> bool {
-        matches!(self, Self::Lora | Self::Dora)
+        matches!(self, Self::Lora | Self::Dora | Self::Qlora | Self::Qdora)
+    }
+
+    /// The decoder's linear base weights are stored in NF4.
+    pub fn is_nf4(self) -> bool {
+        matches!(self, Self::Qlora | Self::Qdora)
+    }
+
+    fn is_dora(self) -> bool {
+        matches!(self, Self::Dora | Self::Qdora)
     }
 }
 
@@ -68,6 +82,8 @@ pub struct BenchReport {
     pub peak_memory_bytes: u64,
     pub achieved_flops: f64,
     pub matmul_peak_flops: f64,
+    /// NF4 modes: bytes the quantized base weights hold per parameter they store.
+    pub nf4_bytes_per_param: f64,
     /// Checkpoint: training blocked per save (host snapshot) vs a synchronous save of the same state.
     pub snapshot_seconds: f64,
     pub sync_save_seconds: f64,
@@ -95,7 +111,7 @@ fn step_flops(args: &ModelArgs, tokens: usize, seq: usize, mode: BenchMode) -> f
     match mode {
         BenchMode::Forward => forward,
         // Frozen weights need no weight gradients: backward is about one forward.
-        BenchMode::Lora | BenchMode::Dora => 2.0 * forward,
+        BenchMode::Lora | BenchMode::Dora | BenchMode::Qlora | BenchMode::Qdora => 2.0 * forward,
         BenchMode::Full => 3.0 * forward,
     }
 }
@@ -148,9 +164,25 @@ pub fn run<B: AutodiffBackend>(
     report.save_seconds = secs(t.elapsed());
     drop(model);
     let t = Instant::now();
-    let mut model = load_model::<B>(&dir, None, device)
+    let base = if s.mode.is_nf4() {
+        BaseWeights::Nf4(match s.dtype {
+            Dtype::Bf16 => Nf4Dtype::Bf16,
+            _ => Nf4Dtype::F32,
+        })
+    } else {
+        BaseWeights::Float
+    };
+    let mut model = load_model_with::<B>(&dir, None, device, base)
         .map_err(|e| fail(&e))?
         .model;
+    if s.mode.is_nf4() {
+        let (bytes, numel) = model
+            .linears_mut()
+            .iter()
+            .filter_map(|(_, l)| l.nf4())
+            .fold((0, 0), |(b, n), q| (b + q.bytes(), n + q.nf4.numel()));
+        report.nf4_bytes_per_param = bytes as f64 / numel.max(1) as f64;
+    }
     report.load_seconds = secs(t.elapsed());
     report.checkpoint_bytes = std::fs::read_dir(&dir)
         .map(|rd| {
@@ -162,7 +194,7 @@ pub fn run<B: AutodiffBackend>(
         .unwrap_or(0);
 
     let trainable = match s.mode {
-        BenchMode::Lora | BenchMode::Dora => {
+        mode if mode.is_adapter() => {
             let targets: Vec<String> = [
                 "q_proj",
                 "v_proj",
@@ -177,13 +209,13 @@ pub fn run<B: AutodiffBackend>(
                 rank: s.lora_rank,
                 alpha: 2.0 * s.lora_rank as f64,
                 dropout: 0.0,
-                dora: s.mode == BenchMode::Dora,
+                dora: s.mode.is_dora(),
             };
             attach_lora(&mut model, &targets, &settings, 0);
             Trainable::AdaptersOnly
         }
         BenchMode::Full => Trainable::All,
-        BenchMode::Forward => Trainable::Nothing,
+        _ => Trainable::Nothing,
     };
     let mut model = model.set_trainable(trainable);
     let mut optimizer = Optimizer::<B::InnerBackend>::new(OptimizerSettings {
@@ -344,6 +376,7 @@ impl BenchReport {
             "load_seconds": self.load_seconds,
             "achieved_flops": self.achieved_flops,
             "matmul_peak_flops": self.matmul_peak_flops,
+            "nf4_bytes_per_param": self.nf4_bytes_per_param,
         })
     }
 
@@ -369,6 +402,12 @@ impl BenchReport {
             100.0 * self.achieved_flops / self.matmul_peak_flops.max(1.0),
             self.matmul_peak_flops / 1e9,
         );
+        if self.nf4_bytes_per_param > 0.0 {
+            out.push_str(&format!(
+                "\nNF4 base weights: {:.4} bytes per parameter\n",
+                self.nf4_bytes_per_param
+            ));
+        }
         if self.sync_save_seconds > 0.0 {
             out.push_str(&format!(
                 "\ncheckpoint: training blocked {:.3} s per save (host snapshot) vs {:.3} s for a synchronous save ({:.1}x); model checkpoint {:.1} MB saved in {:.2} s ({:.0} MB/s)\n",

@@ -231,5 +231,9 @@ pub enum BenchModeArg {
     Forward,
     Lora,
     Dora,
+    /// LoRA on an NF4 base (QLoRA).
+    Qlora,
+    /// DoRA on an NF4 base (QDoRA).
+    Qdora,
     Full,
 }

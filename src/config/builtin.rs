@@ -34,6 +34,7 @@ macro_rules! builtin {
 
 static BUILTINS: &[BuiltinConfig] = &[
     builtin!("gemma/2B_lora_single_device", LoraFinetune),
+    builtin!("gemma/2B_qlora_single_device", LoraFinetune),
     builtin!("generation", Generate),
     builtin!("llama3/8B_qat_full", Qat, distributed),
     builtin!("llama3/8B_qat_lora", QatLora, distributed),
@@ -43,12 +44,15 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("llama3_1/8B_lora_dpo", LoraDpo, distributed),
     builtin!("llama3_1/8B_lora_dpo_single_device", LoraDpo),
     builtin!("llama3_1/8B_lora_single_device", LoraFinetune),
+    builtin!("llama3_1/8B_qlora_single_device", LoraFinetune),
     builtin!("llama3_2/1B_full", FullFinetune, distributed),
     builtin!("llama3_2/1B_full_single_device", FullFinetune),
     builtin!("llama3_2/1B_lora", LoraFinetune, distributed),
     builtin!("llama3_2/1B_lora_single_device", LoraFinetune),
     builtin!("llama3_2/1B_qat_lora", QatLora, distributed),
+    builtin!("llama3_2/1B_qlora_single_device", LoraFinetune),
     builtin!("llama3_2/3B_lora_single_device", LoraFinetune),
+    builtin!("llama3_2/3B_qlora_single_device", LoraFinetune),
     builtin!(
         "llama3_2/8B_to_1B_KD_lora_distributed",
         KnowledgeDistillation,
@@ -59,7 +63,9 @@ static BUILTINS: &[BuiltinConfig] = &[
         KnowledgeDistillation
     ),
     builtin!("mistral/7B_lora_single_device", LoraFinetune),
+    builtin!("mistral/7B_qlora_single_device", LoraFinetune),
     builtin!("phi3/mini_lora_single_device", LoraFinetune),
+    builtin!("phi3/mini_qlora_single_device", LoraFinetune),
     builtin!(
         "qwen2/1.5_to_0.5B_KD_lora_distributed",
         KnowledgeDistillation,

@@ -168,7 +168,7 @@ pub fn attach_lora<B: Backend>(
             let (out, inp) = (linear.out_features(), linear.in_features());
             let mut lora = Lora::init(inp, out, settings, &mut rng, &device);
             if settings.dora {
-                lora = lora.with_magnitude(linear.base_weight(), None);
+                lora = lora.with_magnitude(linear.base_weight_on(&device), None);
             }
             linear.lora = Some(lora);
             attached.push(path);
@@ -245,7 +245,7 @@ pub fn load_adapter<B: Backend>(
                 });
             }
             let m = file.read(&key)?.to_tensor(&device);
-            lora = lora.with_magnitude(linear.base_weight(), Some(m));
+            lora = lora.with_magnitude(linear.base_weight_on(&device), Some(m));
             used += 1;
         }
         linear.lora = Some(lora);

@@ -75,7 +75,8 @@ pub fn int4_weight_values<B: Backend>(
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let [out, inp] = w.dims();
     // fp32 quantization parameters whatever the weight's dtype, as torchao computes them.
-    let groups = precision::to_f32(w.detach()).reshape([out * inp / group_size, group_size]);
+    let groups =
+        precision::to_f32(super::constant(w)).reshape([out * inp / group_size, group_size]);
     let scale = (groups.clone().abs().max_dim(1) / 7.5).clamp_min(f32::EPSILON);
     // `+ 0.0` turns round's -0 into +0, as torchao's integer arithmetic does.
     let q = ((groups * scale.clone().recip()).round() + 0.0).clamp(-8.0, 7.0);

@@ -8,6 +8,7 @@ use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use super::constant;
 use super::fake_quant::{self, QuantScheme};
 use super::frozen_nf4::{FrozenNf4, RowOrder};
 use super::lora::{self, Lora};
@@ -113,10 +114,16 @@ impl<B: Backend> Linear<B> {
 
     /// The base weight `[out, in]` (dequantized when stored in NF4), without the adapter.
     pub fn base_weight(&self) -> Tensor<B, 2> {
+        self.base_weight_on(&self.device())
+    }
+
+    /// [`Self::base_weight`], an NF4 one dequantized onto `device` (an NF4 layer with neither
+    /// adapter nor bias holds no tensor to take the device from).
+    pub fn base_weight_on(&self, device: &B::Device) -> Tensor<B, 2> {
         match (&self.weight, &self.nf4) {
             (Some(w), _) => w.val(),
             // In the device's float dtype, as the float weight would be.
-            (None, Some(q)) => q.to_tensor::<B>(&self.device()),
+            (None, Some(q)) => q.to_tensor::<B>(device),
             (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
         }
     }
@@ -234,9 +241,9 @@ fn dora_scale<B: Backend>(
     lora: &Lora<B>,
     magnitude: Tensor<B, 1>,
 ) -> Tensor<B, 1> {
-    // From detached inputs, so autodiff records none of it (no weight-sized tensor is kept
+    // From constant inputs, so autodiff records none of it (no weight-sized tensor is kept
     // for a backward pass that would not use it).
-    let delta = lora.b.val().detach().matmul(lora.a.val().detach()) * lora.scale;
-    let norm = lora::row_norms(weight.detach() + delta);
+    let delta = constant(lora.b.val()).matmul(constant(lora.a.val())) * lora.scale;
+    let norm = lora::row_norms(constant(weight) + delta);
     magnitude / norm
 }

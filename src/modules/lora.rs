@@ -72,7 +72,10 @@ impl<B: Backend> Lora<B> {
     /// base weight's own norms for a fresh adapter, whose B is zero).
     pub fn with_magnitude(mut self, base: Tensor<B, 2>, magnitude: Option<Tensor<B, 1>>) -> Self {
         // A leaf of its own: computed from other parameters, but trained independently.
-        let m = magnitude.unwrap_or_else(|| row_norms(base + self.delta_weight()).detach());
+        let m = magnitude.unwrap_or_else(|| {
+            let adapted = super::constant(base) + super::constant(self.delta_weight());
+            row_norms(adapted)
+        });
         self.magnitude = Some(Param::from_tensor(m));
         self
     }

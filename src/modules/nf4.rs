@@ -11,6 +11,7 @@
 //! tests/fixtures/reference/nf4.safetensors and qlora.safetensors).
 
 use half::bf16;
+use rayon::prelude::*;
 
 /// Values per absmax block (torchao's `block_size` default).
 pub const BLOCK_SIZE: usize = 64;
@@ -92,54 +93,19 @@ impl Nf4Weight {
         if numel == 0 || !numel.is_multiple_of(BLOCK_SIZE * SCALER_BLOCK_SIZE) {
             return Err(Nf4Error::Shape { numel });
         }
-        let r = |x: f32| dtype.round(x);
-        let absmax: Vec<f32> = weight
-            .chunks(BLOCK_SIZE)
-            .map(|b| b.iter().map(|v| r(*v).abs()).fold(0.0, f32::max))
-            .collect();
-        let mean = r(mean_f32(&absmax));
-        let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
-        let mut scalers = Vec::with_capacity(centred.len());
-        let mut factors = Vec::with_capacity(centred.len() / SCALER_BLOCK_SIZE);
-        for block in centred.chunks(SCALER_BLOCK_SIZE) {
-            let max = block.iter().map(|v| v.abs()).fold(0.0, f32::max);
-            // torch runs `256 / t` as `t.reciprocal() * 256`; times a power of two is exact.
-            let factor = r(r(1.0 / r(2.0 * max)) * 256.0);
-            factors.push(factor);
-            for v in block {
-                let q = r(v * factor).round_ties_even();
-                scalers.push(q.clamp(-128.0, 127.0) as i8);
-            }
-        }
-        let nf4 = NF4_LEVELS.map(r);
-        let mut codes = Vec::with_capacity(numel / 2);
-        let mut high = None;
-        for (block, scale) in weight.chunks(BLOCK_SIZE).zip(&absmax) {
-            for v in block {
-                let scaled = r(r(*v) / scale);
-                // the first level at the smallest distance, as torch's min(dim).indices
-                let mut best = 0u8;
-                let mut best_diff = f32::INFINITY;
-                for (i, level) in nf4.iter().enumerate() {
-                    let diff = r((scaled - level).abs());
-                    if diff < best_diff {
-                        best = i as u8;
-                        best_diff = diff;
-                    }
-                }
-                match high.take() {
-                    None => high = Some(best),
-                    Some(h) => codes.push((h << 4) | best),
-                }
-            }
-        }
+        // One copy of the loops per dtype, so the rounding inlines into them.
+        let (scales, codes) = match dtype {
+            Nf4Dtype::Bf16 => quantize_in(weight, |x| bf16::from_f32(x).to_f32()),
+            Nf4Dtype::F16 => quantize_in(weight, |x| half::f16::from_f32(x).to_f32()),
+            Nf4Dtype::F32 => quantize_in(weight, |x| x),
+        };
         Ok(Nf4Weight {
             shape: shape.to_vec(),
             dtype,
             codes,
-            scalers,
-            factors,
-            mean,
+            scalers: scales.scalers,
+            factors: scales.factors,
+            mean: scales.mean,
         })
     }
 
@@ -181,10 +147,31 @@ impl Nf4Weight {
         out: &mut [f32],
     ) {
         let nf4 = NF4_LEVELS.map(|l| self.dtype.round(l));
-        for (k, value) in (start..).zip(out.iter_mut()) {
-            let byte = self.codes[k / 2];
-            let code = if k % 2 == 0 { byte >> 4 } else { byte & 0x0f };
-            *value = compute.round(nf4[usize::from(code)] * scales[k / BLOCK_SIZE]);
+        let mut k = start;
+        let mut out = out;
+        while !out.is_empty() {
+            // The 16 values this block can hold: one product per level instead of per value.
+            let block = k / BLOCK_SIZE;
+            let table = nf4.map(|level| compute.round(level * scales[block]));
+            let n = ((block + 1) * BLOCK_SIZE - k).min(out.len());
+            let (head, rest) = out.split_at_mut(n);
+            let mut i = 0;
+            if k % 2 == 1 {
+                head[0] = table[usize::from(self.codes[k / 2] & 0x0f)];
+                i = 1;
+            }
+            // Whole bytes: two values each.
+            let pairs = head[i..].chunks_exact_mut(2);
+            let bytes = &self.codes[(k + i) / 2..];
+            for (pair, byte) in pairs.zip(bytes) {
+                pair[0] = table[usize::from(byte >> 4)];
+                pair[1] = table[usize::from(byte & 0x0f)];
+            }
+            if (n - i) % 2 == 1 {
+                head[n - 1] = table[usize::from(self.codes[(k + n - 1) / 2] >> 4)];
+            }
+            k += n;
+            out = rest;
         }
     }
 
@@ -201,6 +188,74 @@ impl Nf4Weight {
     pub fn indices(&self) -> Vec<u8> {
         self.codes.iter().flat_map(|b| [b >> 4, b & 0x0f]).collect()
     }
+}
+
+/// The double-quantized block scales of a weight.
+struct Scales {
+    scalers: Vec<i8>,
+    factors: Vec<f32>,
+    mean: f32,
+}
+
+/// torchao's `to_nf4` with `r` rounding each op's result to the weight's dtype: the block
+/// scales and the packed codes.
+fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8>) {
+    let absmax: Vec<f32> = weight
+        .par_chunks(BLOCK_SIZE)
+        .map(|b| b.iter().map(|v| r(*v).abs()).fold(0.0, f32::max))
+        .collect();
+    let mean = r(mean_f32(&absmax));
+    let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
+    let mut scalers = Vec::with_capacity(centred.len());
+    let mut factors = Vec::with_capacity(centred.len() / SCALER_BLOCK_SIZE);
+    for block in centred.chunks(SCALER_BLOCK_SIZE) {
+        let max = block.iter().map(|v| v.abs()).fold(0.0, f32::max);
+        // torch runs `256 / t` as `t.reciprocal() * 256`; times a power of two is exact.
+        let factor = r(r(1.0 / r(2.0 * max)) * 256.0);
+        factors.push(factor);
+        for v in block {
+            let q = r(v * factor).round_ties_even();
+            scalers.push(q.clamp(-128.0, 127.0) as i8);
+        }
+    }
+    let nf4 = NF4_LEVELS.map(&r);
+    let midpoints: [f32; 15] = std::array::from_fn(|i| (nf4[i] + nf4[i + 1]) / 2.0);
+    // torch: the first level at the smallest rounded distance |scaled - level|. Rounding is
+    // monotone and adjacent levels are at least 0.08 apart (far above a rounding step of
+    // distances below 2), so that level is the exactly nearest one or a neighbour tied with
+    // it after rounding: three candidates instead of sixteen.
+    let nearest = |v: f32, scale: f32| -> u8 {
+        let scaled = r(r(v) / scale);
+        let c = midpoints.iter().filter(|m| scaled > **m).count();
+        let mut best = 0u8;
+        let mut best_diff = f32::INFINITY;
+        for i in c.saturating_sub(1)..(c + 2).min(16) {
+            let diff = r((scaled - nf4[i]).abs());
+            if diff < best_diff {
+                best = i as u8;
+                best_diff = diff;
+            }
+        }
+        best
+    };
+    // Blocks in parallel (a 1B model has a billion values to place); a block's 64 values
+    // fill 32 bytes.
+    let mut codes = vec![0u8; weight.len() / 2];
+    codes
+        .par_chunks_mut(BLOCK_SIZE / 2)
+        .zip(weight.par_chunks(BLOCK_SIZE))
+        .zip(absmax.par_iter())
+        .for_each(|((out, block), &scale)| {
+            for (byte, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
+                *byte = (nearest(pair[0], scale) << 4) | nearest(pair[1], scale);
+            }
+        });
+    let scales = Scales {
+        scalers,
+        factors,
+        mean,
+    };
+    (scales, codes)
 }
 
 /// torch's mean of float values: the sum accumulated in f32 (here in f64 and rounded once,
