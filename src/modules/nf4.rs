@@ -229,8 +229,9 @@ fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8
         let c = midpoints.iter().filter(|m| scaled > **m).count();
         let mut best = 0u8;
         let mut best_diff = f32::INFINITY;
-        for i in c.saturating_sub(1)..(c + 2).min(16) {
-            let diff = r((scaled - nf4[i]).abs());
+        let first = c.saturating_sub(1);
+        for (i, level) in nf4.iter().enumerate().take(c + 2).skip(first) {
+            let diff = r((scaled - level).abs());
             if diff < best_diff {
                 best = i as u8;
                 best_diff = diff;
