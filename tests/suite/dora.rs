@@ -8,21 +8,11 @@ use crate::support;
 use support::*;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::model_io::peft::{
-    AdapterConfig, adapter_state_dict, load_adapter, magnitude_key, peft_key, save_adapter,
+    AdapterConfig, adapter_state_dict, load_adapter, magnitude_key, save_adapter,
 };
 use tune::modules::ForwardMode;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use tune::training::step;
-
-/// Internal module path of an adapter tensor -> its PEFT key.
-fn to_peft(name: &str) -> String {
-    let (module, which) = name.rsplit_once(".lora.").unwrap();
-    match which {
-        "a" => peft_key(module, 'A'),
-        "b" => peft_key(module, 'B'),
-        _ => magnitude_key(module),
-    }
-}
 
 fn dora_model() -> tune::models::CausalLm<CpuAutodiff> {
     let device = Default::default();

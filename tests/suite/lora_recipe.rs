@@ -88,17 +88,14 @@ fn clipping_logs_the_gradient_norm() {
 #[test]
 fn a_diverging_run_stops_with_a_clear_message() {
     let out = TempDir::new("nan");
-    let output_dir = format!("output_dir={}", out.path().display());
-    let res = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        &output_dir,
-        "optimizer.lr=1e30",
-        "~lr_scheduler",
-        "max_steps_per_epoch=10",
-    ]);
+    let res = tiny_lora(
+        &out,
+        &[
+            "optimizer.lr=1e30",
+            "~lr_scheduler",
+            "max_steps_per_epoch=10",
+        ],
+    );
     assert_eq!(res.status.code(), Some(1));
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(err.contains("the loss became"), "{err}");

@@ -72,15 +72,7 @@ fn bf16_full_finetune_trains_and_saves_a_checkpoint() {
 #[test]
 fn fp16_training_is_refused_with_the_fix() {
     let out = TempDir::new("fp16");
-    let output_dir = format!("output_dir={}", out.path().display());
-    let run = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        &output_dir,
-        "dtype=fp16",
-    ]);
+    let run = tiny_lora(&out, &["dtype=fp16"]);
     assert_eq!(run.status.code(), Some(2), "a config error");
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(

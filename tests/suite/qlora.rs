@@ -9,7 +9,7 @@ use crate::support;
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model_with;
-use tune::model_io::peft::{load_adapter, magnitude_key, peft_key};
+use tune::model_io::peft::load_adapter;
 use tune::models::{BaseWeights, CausalLm};
 use tune::modules::ForwardMode;
 use tune::modules::frozen_nf4::{FrozenNf4, RowOrder};
@@ -35,16 +35,6 @@ fn qlora_model(adapter: &str) -> CausalLm<CpuAutodiff> {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Internal module path of an adapter tensor -> its PEFT key.
-fn to_peft(name: &str) -> String {
-    let (module, which) = name.rsplit_once(".lora.").unwrap();
-    match which {
-        "a" => peft_key(module, 'A'),
-        "b" => peft_key(module, 'B'),
-        _ => magnitude_key(module),
-    }
 }
 
 #[test]

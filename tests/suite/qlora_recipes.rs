@@ -209,15 +209,10 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
 #[test]
 fn qlora_on_a_model_torchao_cannot_quantize_names_the_weight_and_the_rule() {
     let out = TempDir::new("qlora-refused");
-    let output_dir = format!("output_dir={}", out.path().display());
-    let run = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        output_dir.as_str(),
-        "model._component_=tune.models.llama3.qlora_llama3_tiny",
-    ]);
+    let run = tiny_lora(
+        &out,
+        &["model._component_=tune.models.llama3.qlora_llama3_tiny"],
+    );
     assert!(!run.status.success());
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(

@@ -101,6 +101,21 @@ impl Drop for TempDir {
 }
 
 /// `tune <args>` run from the repository root (so `assets/` resolves); returns the output.
+/// `tune run lora_finetune_single_device --config tiny/lora_single_device output_dir=<out>
+/// <extra...>`, success or not (for the tests of what a failing run says).
+pub fn tiny_lora(out: &TempDir, extra: &[&str]) -> std::process::Output {
+    let output_dir = format!("output_dir={}", out.path().display());
+    let mut args = vec![
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        "tiny/lora_single_device",
+        output_dir.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    tune(&args)
+}
+
 pub fn tune(args: &[&str]) -> std::process::Output {
     tune_command(args).output().expect("running tune")
 }
@@ -261,4 +276,15 @@ pub fn lora_model() -> tune::models::CausalLm<CpuAutodiff> {
             .model;
     tune::model_io::peft::load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
     model.set_trainable(tune::models::Trainable::AdaptersOnly)
+}
+
+/// Internal module path of an adapter tensor -> its PEFT key.
+pub fn to_peft(name: &str) -> String {
+    use tune::model_io::peft::{magnitude_key, peft_key};
+    let (module, which) = name.rsplit_once(".lora.").unwrap();
+    match which {
+        "a" => peft_key(module, 'A'),
+        "b" => peft_key(module, 'B'),
+        _ => magnitude_key(module),
+    }
 }

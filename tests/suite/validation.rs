@@ -91,30 +91,14 @@ fn lora_validation_runs_at_the_configured_steps_without_dropout_and_equals_a_rec
 #[test]
 fn validation_needs_a_validation_set_and_enough_rows_for_a_batch() {
     let out = TempDir::new("val-errors");
-    let output_dir = format!("output_dir={}", out.path().display());
-    let err = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        &output_dir,
-        "run_val_every_n_steps=2",
-    ]);
+    let err = tiny_lora(&out, &["run_val_every_n_steps=2"]);
     let stderr = String::from_utf8_lossy(&err.stderr);
     assert!(!err.status.success());
     assert!(
         stderr.contains("run_val_every_n_steps") && stderr.contains("dataset_val"),
         "{stderr}"
     );
-    let err = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        &output_dir,
-        ALPACA_VAL,
-        "batch_size_val=9",
-    ]);
+    let err = tiny_lora(&out, &[ALPACA_VAL, "batch_size_val=9"]);
     let stderr = String::from_utf8_lossy(&err.stderr);
     assert!(!err.status.success());
     assert!(
