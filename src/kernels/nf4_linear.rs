@@ -22,10 +22,17 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorMetadata};
-use burn_flex::Flex;
+use burn_flex::{Flex, FlexTensor};
 
-use super::dispatch::{as_autodiff, from_autodiff};
+use super::dispatch::{as_autodiff, as_flex, from_autodiff, from_flex};
 use crate::modules::frozen_nf4::FrozenNf4;
+use crate::modules::nf4::BLOCK_SIZE;
+
+/// Up to this many rows (decoding's one token per sequence), an un-differentiated product on
+/// the CPU decodes the weight block by block into the product instead of dequantizing it:
+/// measured on Llama-3.2-1B decoding (BENCHMARKS.md). Prefill and training use the
+/// dequantize-then-matmul path, where the matmul dominates.
+const FUSED_MAX_ROWS: usize = 4;
 
 /// `x` `[rows, in]` times the dequantized weight `[out, in]` transposed: `[rows, out]`.
 pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tensor<B, 2> {
@@ -49,8 +56,23 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
             Err(x) => x,
         }
     };
-    // No autodiff (generation, a frozen teacher or reference): the weight is dropped as soon
-    // as the product exists.
+    // No autodiff (generation, a frozen teacher or reference). A decode step's few rows on the
+    // CPU: the fused product, which never materialises the weight.
+    let [rows, inp] = x.dims();
+    let x = if rows <= FUSED_MAX_ROWS && inp.is_multiple_of(BLOCK_SIZE) {
+        match as_flex(x) {
+            Ok(flex) => {
+                let flex = flex.to_contiguous();
+                let y = weight.matmul_rows(flex.storage::<f32>(), rows);
+                let out = weight.shape()[0];
+                return from_flex(FlexTensor::from_data(TensorData::new(y, [rows, out])));
+            }
+            Err(x) => x,
+        }
+    } else {
+        x
+    };
+    // Elsewhere the weight is dequantized and dropped as soon as the product exists.
     let w = to_dtype(weight.to_tensor::<B>(&x.device()), x.dtype());
     x.matmul(w.transpose())
 }

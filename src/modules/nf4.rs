@@ -46,7 +46,8 @@ pub enum Nf4Dtype {
 impl Nf4Dtype {
     /// One torch op's result in this dtype: an f32 result rounded to bf16 or f16 (nearest,
     /// ties to even), or the f32 result itself.
-    fn round(self, x: f32) -> f32 {
+    #[inline(always)]
+    pub fn round(self, x: f32) -> f32 {
         match self {
             Self::Bf16 => bf16::from_f32(x).to_f32(),
             Self::F16 => half::f16::from_f32(x).to_f32(),
@@ -118,15 +119,13 @@ impl Nf4Weight {
     /// `int8 / factor + mean`, each op rounded to `compute`.
     pub fn block_scales_in(&self, compute: Nf4Dtype) -> Vec<f32> {
         let r = |x: f32| compute.round(x);
-        self.scalers
-            .chunks(SCALER_BLOCK_SIZE)
-            .zip(&self.factors)
-            .flat_map(|(block, factor)| {
-                block
-                    .iter()
-                    .map(move |q| r(r(f32::from(*q) / factor) + self.mean))
-            })
-            .collect()
+        let mut scales = Vec::with_capacity(self.scalers.len());
+        for (block, factor) in self.scalers.chunks(SCALER_BLOCK_SIZE).zip(&self.factors) {
+            for q in block {
+                scales.push(r(r(f32::from(*q) / factor) + self.mean));
+            }
+        }
+        scales
     }
 
     /// torchao's `get_original_weight()` in the weight's own dtype, row-major.
@@ -152,7 +151,10 @@ impl Nf4Weight {
         while !out.is_empty() {
             // The 16 values this block can hold: one product per level instead of per value.
             let block = k / BLOCK_SIZE;
-            let table = nf4.map(|level| compute.round(level * scales[block]));
+            let mut table = [0.0f32; 16];
+            for (t, level) in table.iter_mut().zip(&nf4) {
+                *t = compute.round(level * scales[block]);
+            }
             let n = ((block + 1) * BLOCK_SIZE - k).min(out.len());
             let (head, rest) = out.split_at_mut(n);
             let mut i = 0;
@@ -173,6 +175,11 @@ impl Nf4Weight {
             k += n;
             out = rest;
         }
+    }
+
+    /// The 16 levels as values of the quantization dtype.
+    pub fn levels(&self) -> [f32; 16] {
+        NF4_LEVELS.map(|l| self.dtype.round(l))
     }
 
     /// Bytes held: codes, int8 scalers, the factors and the mean in `dtype`.

@@ -213,3 +213,38 @@ fn the_nf4_layer_backward_equals_the_float_layer_with_the_dequantized_weight() {
     assert_close("y", &results[0].0, &results[1].0, 1e-5);
     assert_close("grad x", &results[0].1, &results[1].1, 1e-5);
 }
+
+/// Decoding's few-row products on the CPU skip the dequantization (a fused block-by-block
+/// product): greedy decoding with the NF4 model equals decoding with a float model holding the
+/// dequantized weights.
+#[test]
+fn greedy_decoding_on_an_nf4_base_equals_the_dequantized_float_model() {
+    let mut nf4 = qlora_base::<Cpu>(Nf4Dtype::F32);
+    load_adapter(&mut nf4, &fixture("tiny-llama-nf4-lora")).unwrap();
+    let mut float = qlora_base::<Cpu>(Nf4Dtype::F32);
+    load_adapter(&mut float, &fixture("tiny-llama-nf4-lora")).unwrap();
+    for (_, linear) in float.linears_mut() {
+        if linear.nf4().is_some() {
+            let w = linear.base_weight();
+            linear.set_weight(w);
+        }
+    }
+    assert!(float.linears_mut().iter().all(|(_, l)| l.nf4().is_none()));
+    let opts = tune::generation::GenerateOptions {
+        max_new_tokens: 12,
+        sampling: tune::generation::SamplingParams::GREEDY,
+        seed: 0,
+        stop_ids: vec![],
+        stop_at_eos: false,
+        use_kv_cache: true,
+    };
+    let prompt = [2000u32, 17, 42, 311, 5, 99];
+    let a = tune::generation::generate(&nf4, &prompt, &opts, |_| {}).unwrap();
+    let b = tune::generation::generate(&float, &prompt, &opts, |_| {}).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+    // And one decoding step's logits agree closely (only the summation order differs).
+    let one = |m: &CausalLm<Cpu>| {
+        HostTensor::from_tensor(&forward_rows(m, &prompt[..1], 1, ForwardMode::default()))
+    };
+    assert_close("one-token logits", &one(&nf4), &one(&float), 1e-5);
+}
