@@ -84,6 +84,28 @@ impl SafetensorsFile {
         Ok(HostTensor::new(info.shape.clone(), data))
     }
 
+    /// Drops tensor `name`'s pages from this process's memory once it has been read: the
+    /// mapping stays valid (pages come back from the file if touched again), but a load no
+    /// longer counts the whole checkpoint file as resident by the time the last tensor is read.
+    /// Best effort: an unknown name or an OS refusal leaves the pages where they are.
+    pub fn release(&self, name: &str) {
+        #[cfg(unix)]
+        if let Some(info) = self.meta.info(name) {
+            let (start, end) = info.data_offsets;
+            // SAFETY: a read-only shared file mapping; no borrow of it is alive while `self`
+            // is only borrowed here, and touched pages are re-read from the file afterwards.
+            let _ = unsafe {
+                self.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    8 + self.header_len + start,
+                    end - start,
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = name;
+    }
+
     /// Reads an integer tensor (token ids, labels) as i64.
     pub fn read_i64(&self, name: &str) -> Result<Vec<i64>, CheckpointError> {
         let info = self

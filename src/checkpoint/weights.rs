@@ -165,6 +165,7 @@ impl Weights {
             });
         }
         let tensor = file.read(name)?;
+        file.release(name);
         self.tensors.remove(name);
         self.taken.insert(name.to_string());
         Ok(tensor)
