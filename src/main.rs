@@ -255,7 +255,9 @@ fn run(
     }
     let outcome = match device.unwrap_or(default_device()) {
         Device::Cpu => {
-            if job.dtype() == tune::config::schema::Dtype::Bf16 {
+            // Training only: generation computes in fp32 on the CPU and says so itself.
+            let training = matches!(job.typed, RecipeConfig::Train(..));
+            if training && job.dtype() == tune::config::schema::Dtype::Bf16 {
                 // Measured (BENCHMARKS.md): 2x the step time of fp32 on the CPU backend.
                 eprintln!(
                     "note: bf16 on the CPU backend converts every matmul through fp32: about twice the step time of fp32, with memory saved only on weights, gradients and optimizer state; use it to check a GPU config, fp32 for CPU runs"
