@@ -1,38 +1,72 @@
 //! Key/value cache for generation: each layer keeps the keys and values of every position
 //! seen so far, so each new token costs one position of attention, not the whole prefix.
+//!
+//! The cache is a buffer with room to spare, written in place: a decoding step writes its one
+//! position and hands attention a view of the filled prefix, instead of concatenating (copying)
+//! the whole cache per token. It grows by doubling, so a generation copies it O(log n) times.
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+/// Positions the first buffer holds (it doubles as needed).
+const INITIAL_CAPACITY: usize = 256;
+
 #[derive(Debug, Default)]
 pub struct LayerCache<B: Backend> {
+    /// `[batch, kv_heads, capacity, head_dim]`; positions `len..` are unused.
     keys: Option<Tensor<B, 4>>,
     values: Option<Tensor<B, 4>>,
+    len: usize,
 }
 
 impl<B: Backend> LayerCache<B> {
-    /// Appends `[batch, kv_heads, new, head_dim]` and returns the whole cache.
+    /// Appends `[batch, kv_heads, new, head_dim]` and returns views of the whole cache.
     pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let k = match self.keys.take() {
-            Some(prev) => Tensor::cat(vec![prev, k], 2),
-            None => k,
-        };
-        let v = match self.values.take() {
-            Some(prev) => Tensor::cat(vec![prev, v], 2),
-            None => v,
-        };
-        self.keys = Some(k.clone());
-        self.values = Some(v.clone());
-        (k, v)
+        let [batch, heads, new, dim] = k.dims();
+        let end = self.len + new;
+        let keys = write(self.keys.take(), self.len, k);
+        let values = write(self.values.take(), self.len, v);
+        self.len = end;
+        let prefix = |t: &Tensor<B, 4>| t.clone().slice([0..batch, 0..heads, 0..end, 0..dim]);
+        let out = (prefix(&keys), prefix(&values));
+        self.keys = Some(keys);
+        self.values = Some(values);
+        out
     }
 
     pub fn len(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.dims()[2])
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
+}
+
+/// `buffer` with `new` written at positions `len..len + new` (in place when the buffer is not
+/// shared, which it is not between steps), grown by doubling when it is too small.
+fn write<B: Backend>(buffer: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [batch, heads, count, dim] = new.dims();
+    let end = len + count;
+    let capacity = buffer.as_ref().map_or(0, |b| b.dims()[2]);
+    let buffer = match buffer {
+        Some(b) if capacity >= end => b,
+        old => {
+            let grown = end.max(2 * capacity).max(INITIAL_CAPACITY);
+            let fresh = crate::precision::to_dtype(
+                Tensor::<B, 4>::zeros([batch, heads, grown, dim], &new.device()),
+                new.dtype(),
+            );
+            match old {
+                Some(old) if len > 0 => {
+                    let filled = old.slice([0..batch, 0..heads, 0..len, 0..dim]);
+                    fresh.slice_assign([0..batch, 0..heads, 0..len, 0..dim], filled)
+                }
+                _ => fresh,
+            }
+        }
+    };
+    buffer.slice_assign([0..batch, 0..heads, len..end, 0..dim], new)
 }
 
 #[derive(Debug)]
@@ -43,12 +77,7 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     pub fn new(num_layers: usize) -> Self {
         Self {
-            layers: (0..num_layers)
-                .map(|_| LayerCache {
-                    keys: None,
-                    values: None,
-                })
-                .collect(),
+            layers: (0..num_layers).map(|_| LayerCache::default()).collect(),
         }
     }
 
@@ -59,5 +88,47 @@ impl<B: Backend> KvCache<B> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+
+    fn block(start: usize, len: usize) -> Tensor<Flex, 4> {
+        let (b, h, d) = (2, 3, 4);
+        let values: Vec<f32> = (0..b * h * len * d)
+            .map(|i| (start * 1000 + i) as f32)
+            .collect();
+        Tensor::from_data(TensorData::new(values, [b, h, len, d]), &Default::default())
+    }
+
+    /// Appends across the first buffer's capacity (a prefill longer than it, then single
+    /// positions past the next doubling) return what concatenation would.
+    #[test]
+    fn appends_equal_concatenation_across_growth() {
+        let mut cache = LayerCache::<Flex>::default();
+        let mut expected: Option<Tensor<Flex, 4>> = None;
+        let mut pos = 0;
+        for len in std::iter::once(INITIAL_CAPACITY + 3).chain(std::iter::repeat_n(1, 300)) {
+            let new = block(pos, len);
+            let (k, v) = cache.append(new.clone(), new.clone() * 2.0);
+            let want = match expected.take() {
+                Some(prev) => Tensor::cat(vec![prev, new], 2),
+                None => new,
+            };
+            pos += len;
+            assert_eq!(cache.len(), pos);
+            assert_eq!(k.dims(), want.dims());
+            assert_eq!(k.to_data(), want.to_data(), "keys after {pos}");
+            assert_eq!(
+                v.to_data(),
+                (want.clone() * 2.0).to_data(),
+                "values after {pos}"
+            );
+            expected = Some(want);
+        }
     }
 }
