@@ -219,10 +219,12 @@ impl<B: Backend> Linear<B> {
     pub fn merged_weight(&self) -> Tensor<B, 2> {
         match &self.lora {
             Some(lora) => {
-                let adapted = self.export_base_weight() + lora.delta_weight();
+                // Constants: an export records nothing for a backward pass (what autodiff
+                // recorded here would be kept until the next step's backward).
+                let adapted = constant(self.export_base_weight()) + constant(lora.delta_weight());
                 match &lora.magnitude {
                     Some(m) => {
-                        let scale = m.val() / lora::row_norms(adapted.clone());
+                        let scale = constant(m.val()) / lora::row_norms(adapted.clone());
                         adapted * scale.unsqueeze_dim(1)
                     }
                     None => adapted,
