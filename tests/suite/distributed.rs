@@ -72,7 +72,14 @@ fn output(dir: &TempDir) -> String {
 
 /// `tune run <recipe> --config <config> output_dir=<out> batch_size=<batch> <extra...>`, on
 /// `workers` workers of this process when more than one.
-fn train(workers: usize, recipe: &str, config: &str, out: &TempDir, batch: usize, extra: &[&str]) {
+pub(crate) fn train(
+    workers: usize,
+    recipe: &str,
+    config: &str,
+    out: &TempDir,
+    batch: usize,
+    extra: &[&str],
+) {
     let (workers_arg, out, batch) = (
         workers.to_string(),
         output(out),

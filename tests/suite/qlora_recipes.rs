@@ -185,20 +185,16 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
     let mut single = common.to_vec();
     single.push("batch_size=4");
     run("lora_finetune_single_device", "tiny/lora", &one, &single);
-    let output_dir = format!("output_dir={}", two.path().display());
     let overrides = qlora(&common);
-    let mut args = vec![
-        "run",
-        "--nproc_per_node",
-        "2",
+    let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
+    crate::distributed::train(
+        2,
         "lora_finetune_distributed",
-        "--config",
         "tiny/lora",
-        output_dir.as_str(),
-        "batch_size=2",
-    ];
-    args.extend(overrides.iter().map(String::as_str));
-    tune_ok(&args);
+        &two,
+        2,
+        &overrides,
+    );
     let (a, b) = (losses(one.path()), losses(two.path()));
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {
