@@ -76,17 +76,11 @@ fn on_autodiff<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize
     x: Tensor<B, D>,
     op: &Op,
 ) -> Result<Tensor<B, E>, Tensor<B, D>> {
-    let x = cast::<Tensor<B, D>, Tensor<Autodiff<Flex, C>, D>>(x)?;
-    let primitive = x.into_primitive().tensor();
+    let primitive = as_autodiff::<B, Flex, C, D>(x)?;
     if !flex::is_f32(&primitive.primitive) {
-        return Err(cast_back(Tensor::<Autodiff<Flex, C>, D>::from_primitive(
-            TensorPrimitive::Float(primitive),
-        )));
+        return Err(from_autodiff::<B, Flex, C, D>(primitive));
     }
-    let y = Tensor::<Autodiff<Flex, C>, E>::from_primitive(TensorPrimitive::Float(
-        op.autodiff::<C>(primitive),
-    ));
-    Ok(cast_back(y))
+    Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(primitive)))
 }
 
 /// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `x` is f32.

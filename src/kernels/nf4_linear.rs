@@ -73,12 +73,8 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
         x
     };
     // Elsewhere the weight is dequantized and dropped as soon as the product exists.
-    let w = to_dtype(weight.to_tensor::<B>(&x.device()), x.dtype());
+    let w = crate::precision::to_dtype(weight.to_tensor::<B>(&x.device()), x.dtype());
     x.matmul(w.transpose())
-}
-
-fn to_dtype<B: Backend>(w: Tensor<B, 2>, dtype: DType) -> Tensor<B, 2> {
-    crate::precision::to_dtype(w, dtype)
 }
 
 fn on_autodiff<B: Backend, I: Backend, C: CheckpointStrategy>(

@@ -133,23 +133,12 @@ impl<B: Backend> Builder<'_, B> {
         let bias = bias.map(|b| b.to_tensor(self.device));
         match self.base {
             BaseWeights::Nf4(compute) if prefix.starts_with("model.layers.") => {
-                let shape = [weight.shape[0], weight.shape[1]];
-                let order = self.row_order(prefix);
                 let dtype = stored.map(nf4_dtype).unwrap_or(compute);
-                let q = FrozenNf4::quantize(&weight.data, shape, dtype, compute, order);
-                let q = q.map_err(|source| CheckpointError::Nf4 {
-                    name: format!("{prefix}.weight"),
-                    shape: shape.to_vec(),
-                    source,
-                })?;
+                let q = quantize_linear(self.args, prefix, &weight, dtype, compute)?;
                 Ok(Linear::new_nf4(q, bias))
             }
             _ => Ok(Linear::new(weight.to_tensor(self.device), bias)),
         }
-    }
-
-    fn row_order(&self, prefix: &str) -> RowOrder {
-        nf4_row_order(self.args, prefix)
     }
 
     fn norm(&mut self, name: &str, dim: usize) -> Result<RmsNorm<B>, CheckpointError> {
@@ -327,7 +316,7 @@ pub fn build_with<B: Backend>(
 }
 
 /// The NF4 quantization dtype of a weight stored in `dtype`.
-pub fn nf4_dtype(dtype: StorageDtype) -> Nf4Dtype {
+fn nf4_dtype(dtype: StorageDtype) -> Nf4Dtype {
     match dtype {
         StorageDtype::BF16 => Nf4Dtype::Bf16,
         StorageDtype::F16 => Nf4Dtype::F16,
@@ -338,7 +327,7 @@ pub fn nf4_dtype(dtype: StorageDtype) -> Nf4Dtype {
 /// The row order torchtune quantizes the linear layer `prefix` in: it converts q_proj/k_proj
 /// rows to its interleaved RoPE order for every family but Qwen2/Qwen3 (whose torchtune RoPE
 /// rotates halves, as Hugging Face's does), and quantizes that layout.
-pub fn nf4_row_order(args: &ModelArgs, prefix: &str) -> RowOrder {
+fn nf4_row_order(args: &ModelArgs, prefix: &str) -> RowOrder {
     let rope_projection = prefix.ends_with(".q_proj") || prefix.ends_with(".k_proj");
     let permuted = !matches!(args.family, Family::Qwen2 | Family::Qwen3);
     if rope_projection && permuted {
@@ -350,23 +339,38 @@ pub fn nf4_row_order(args: &ModelArgs, prefix: &str) -> RowOrder {
     }
 }
 
+/// torchtune's NF4 of the decoder linear `prefix`'s weight (`[out, in]`, Hugging Face order):
+/// quantized in `dtype`, in torchtune's row order, dequantized in `compute`; torchao's shape
+/// rule broken is an error naming the weight.
+fn quantize_linear(
+    args: &ModelArgs,
+    prefix: &str,
+    weight: &HostTensor,
+    dtype: Nf4Dtype,
+    compute: Nf4Dtype,
+) -> Result<FrozenNf4, CheckpointError> {
+    let shape = [weight.shape[0], weight.shape[1]];
+    let order = nf4_row_order(args, prefix);
+    FrozenNf4::quantize(&weight.data, shape, dtype, compute, order).map_err(|source| {
+        CheckpointError::Nf4 {
+            name: format!("{prefix}.weight"),
+            shape: shape.to_vec(),
+            source,
+        }
+    })
+}
+
 impl<B: Backend> CausalLm<B> {
     /// Stores every decoder linear's base weight in NF4 (a model already built in float,
     /// e.g. a QAT int4 export), quantized and dequantized in `dtype`.
     pub fn quantize_base_nf4(&mut self, dtype: Nf4Dtype) -> Result<(), CheckpointError> {
         let args = self.args.clone();
         for (prefix, linear) in self.linears_mut() {
-            if !prefix.starts_with("model.layers.") {
+            if !prefix.starts_with("model.layers.") || linear.nf4().is_some() {
                 continue;
             }
-            let shape = [linear.out_features(), linear.in_features()];
-            linear
-                .quantize_nf4(dtype, dtype, nf4_row_order(&args, &prefix))
-                .map_err(|source| CheckpointError::Nf4 {
-                    name: format!("{prefix}.weight"),
-                    shape: shape.to_vec(),
-                    source,
-                })?;
+            let weight = HostTensor::from_tensor(&linear.base_weight());
+            linear.set_nf4(quantize_linear(&args, &prefix, &weight, dtype, dtype)?);
         }
         Ok(())
     }

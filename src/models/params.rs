@@ -102,7 +102,7 @@ impl<B: Backend> CausalLm<B> {
 
     /// Base-model tensors with Hugging Face names (adapters excluded), as saved to
     /// `model.safetensors`: Phi-3's projections fused back into `qkv_proj`/`gate_up_proj`.
-    /// NF4 base weights are saved dequantized, in the model's dtype, as torchtune saves them.
+    /// NF4 base weights are saved dequantized to bf16, as torchtune's state-dict hook saves them.
     pub fn hf_state_dict(&self) -> Vec<(String, HostTensor)> {
         let mut params: Vec<(String, HostTensor)> = self
             .named_params()

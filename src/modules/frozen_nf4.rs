@@ -1,5 +1,6 @@
 //! A linear layer's frozen base weight stored in NF4 (QLoRA), as torchtune stores it: torchao's
-//! `to_nf4` of the weight in the model's dtype, in torchtune's own row order.
+//! `to_nf4` of the weight in the dtype the checkpoint stores it in, in torchtune's own row
+//! order, dequantized in the model's dtype.
 //!
 //! torchtune permutes the rows of q_proj and k_proj when it converts a Hugging Face checkpoint
 //! (its RoPE rotates interleaved pairs, Hugging Face's rotates halves), and quantizes the
@@ -12,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::nf4::{BLOCK_SIZE, Nf4Dtype, Nf4Error, Nf4Weight};
+use super::nf4::{BLOCK_SIZE, Nf4Dtype, Nf4Error, Nf4Weight, block_table};
 use crate::kernels::simd::{self, multiversion};
 
 /// The row order a weight is quantized in.
@@ -95,12 +96,6 @@ impl FrozenNf4 {
         [self.nf4.shape[0], self.nf4.shape[1]]
     }
 
-    /// The dequantized weight in the compute dtype, Hugging Face's row order, `[out, in]`
-    /// row-major.
-    pub fn dequantize(&self) -> Vec<f32> {
-        self.dequantize_in(self.compute)
-    }
-
     /// The weight as torchtune saves it: its QLoRA state-dict hook casts the NF4 tensor to
     /// bf16 whatever the model dtype, i.e. the compute-dtype dequantization rounded to bf16.
     pub fn dequantize_for_export(&self) -> Vec<f32> {
@@ -113,10 +108,12 @@ impl FrozenNf4 {
         values
     }
 
-    /// The dequantized weight in `compute`. Rows are decoded in parallel: this runs for every
-    /// NF4 layer in every forward and backward pass.
-    pub fn dequantize_in(&self, compute: Nf4Dtype) -> Vec<f32> {
+    /// The dequantized weight in the compute dtype, Hugging Face's row order, `[out, in]`
+    /// row-major. Rows are decoded in parallel: this runs for every NF4 layer in every forward
+    /// and backward pass.
+    pub fn dequantize(&self) -> Vec<f32> {
         let [out, inp] = self.shape();
+        let compute = self.compute;
         let scales = self.nf4.block_scales_in(compute);
         let mut values = vec![0.0; out * inp];
         values
@@ -180,20 +177,8 @@ multiversion! {
         acc: &mut [f32],
     ) {
         let mut w = [0.0f32; BLOCK_SIZE];
-        let mut table = [0.0f32; 16];
         for (b, (block, &scale)) in codes.chunks_exact(BLOCK_SIZE / 2).zip(scales).enumerate() {
-            match compute {
-                Nf4Dtype::F32 => {
-                    for (t, level) in table.iter_mut().zip(levels) {
-                        *t = level * scale;
-                    }
-                }
-                _ => {
-                    for (t, level) in table.iter_mut().zip(levels) {
-                        *t = compute.round(level * scale);
-                    }
-                }
-            }
+            let table = block_table(levels, scale, compute);
             for (pair, byte) in w.chunks_exact_mut(2).zip(block) {
                 pair[0] = table[usize::from(byte >> 4)];
                 pair[1] = table[usize::from(byte & 0x0f)];

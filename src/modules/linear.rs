@@ -10,10 +10,8 @@ use burn::tensor::backend::Backend;
 
 use super::constant;
 use super::fake_quant::{self, QuantScheme};
-use super::frozen_nf4::{FrozenNf4, RowOrder};
+use super::frozen_nf4::FrozenNf4;
 use super::lora::{self, Lora};
-use super::nf4::{Nf4Dtype, Nf4Error};
-use crate::checkpoint::HostTensor;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -70,24 +68,10 @@ impl<B: Backend> Linear<B> {
         }
     }
 
-    /// Stores the base weight in NF4 as torchao's `to_nf4` does in `dtype`, rows in `order`,
-    /// dequantized in `compute` (no-op when it already is). The float weight is released.
-    pub fn quantize_nf4(
-        &mut self,
-        dtype: Nf4Dtype,
-        compute: Nf4Dtype,
-        order: RowOrder,
-    ) -> Result<(), Nf4Error> {
-        let Some(weight) = &self.weight else {
-            return Ok(());
-        };
-        let host = HostTensor::from_tensor(&weight.val());
-        let shape = [host.shape[0], host.shape[1]];
-        self.nf4 = Some(Arc::new(FrozenNf4::quantize(
-            &host.data, shape, dtype, compute, order,
-        )?));
+    /// Replaces the base weight with a frozen NF4 one (the float weight is released).
+    pub fn set_nf4(&mut self, weight: FrozenNf4) {
+        self.nf4 = Some(Arc::new(weight));
         self.weight = None;
-        Ok(())
     }
 
     /// The NF4 base weight, when the layer has one.

@@ -145,16 +145,12 @@ impl Nf4Weight {
         start: usize,
         out: &mut [f32],
     ) {
-        let nf4 = NF4_LEVELS.map(|l| self.dtype.round(l));
+        let levels = self.levels();
         let mut k = start;
         let mut out = out;
         while !out.is_empty() {
-            // The 16 values this block can hold: one product per level instead of per value.
             let block = k / BLOCK_SIZE;
-            let mut table = [0.0f32; 16];
-            for (t, level) in table.iter_mut().zip(&nf4) {
-                *t = compute.round(level * scales[block]);
-            }
+            let table = block_table(&levels, scales[block], compute);
             let n = ((block + 1) * BLOCK_SIZE - k).min(out.len());
             let (head, rest) = out.split_at_mut(n);
             let mut i = 0;
@@ -195,6 +191,28 @@ impl Nf4Weight {
     pub fn indices(&self) -> Vec<u8> {
         self.codes.iter().flat_map(|b| [b >> 4, b & 0x0f]).collect()
     }
+}
+
+/// The 16 values a block with `scale` holds, dequantized in `compute`: each level (a value of
+/// the quantization dtype) times the scale. Decoding looks values up here: one product per
+/// level instead of one per value.
+#[inline(always)]
+pub fn block_table(levels: &[f32; 16], scale: f32, compute: Nf4Dtype) -> [f32; 16] {
+    let mut table = [0.0f32; 16];
+    // fp32 spelled out, so the loop decoding calls per block carries no rounding branch.
+    match compute {
+        Nf4Dtype::F32 => {
+            for (t, level) in table.iter_mut().zip(levels) {
+                *t = level * scale;
+            }
+        }
+        _ => {
+            for (t, level) in table.iter_mut().zip(levels) {
+                *t = compute.round(level * scale);
+            }
+        }
+    }
+    table
 }
 
 /// The double-quantized block scales of a weight.

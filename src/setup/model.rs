@@ -57,7 +57,8 @@ pub fn load<B: Backend>(
 }
 
 /// How a `model` section stores the base weights: NF4 for torchtune's `qlora_*` builders and
-/// `quantize_base: True`, in the run's dtype (torchao quantizes in the weight's dtype).
+/// `quantize_base: True`, dequantized in the run's dtype (quantized in the checkpoint's, see
+/// `BaseWeights::Nf4`).
 pub fn base_weights<B: Backend>(
     model: &ModelConfig,
     device: &B::Device,
