@@ -316,14 +316,12 @@ fn teacher_with_a_peft_adapter_loads_it() {
     let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
     let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
     let device = Default::default();
-    let teacher = tune::setup::teacher::load::<Cpu>(
-        &cfg,
-        tune::models::BaseWeights::Float,
-        &student_args,
-        &student_tokenizer(),
-        &device,
-    )
-    .unwrap();
+    let load = |cfg: &tune::config::schema::CheckpointerConfig| {
+        let base = tune::models::BaseWeights::Float;
+        tune::setup::teacher::load::<Cpu>(cfg, base, &student_args, &student_tokenizer(), &device)
+            .map_err(|e| e.to_string())
+    };
+    let teacher = load(&cfg).unwrap();
     let step = KdLoss::<CpuAutodiff> {
         teacher,
         objective: KdObjective::ForwardKl,
@@ -343,14 +341,7 @@ fn teacher_with_a_peft_adapter_loads_it() {
     // A missing adapter names the teacher's key.
     let bad: tune::config::schema::CheckpointerConfig =
         serde_yaml::from_str(&yaml.replace("tiny-llama-lora", "no-such-adapter")).unwrap();
-    let err = tune::setup::teacher::load::<Cpu>(
-        &bad,
-        tune::models::BaseWeights::Float,
-        &student_args,
-        &student_tokenizer(),
-        &device,
-    )
-    .unwrap_err();
+    let err = load(&bad).unwrap_err();
     assert!(
         err.to_string()
             .starts_with("teacher_checkpointer.adapter_checkpoint"),

@@ -287,18 +287,16 @@ fn push_dry_run_lists_what_a_hub_user_loads() {
 fn a_generic_builders_architecture_must_match_the_checkpoint() {
     let out = TempDir::new("arch");
     let output_dir = format!("output_dir={}", out.path().display());
-    let run = tune(&[
-        "run",
-        "lora_finetune_single_device",
-        "--config",
-        "tiny/lora_single_device",
-        &output_dir,
-        "model=torchtune.models.llama3.lora_llama3",
-        "model.lora_rank=8",
-        "model.lora_alpha=16",
-        "model.lora_attn_modules=[q_proj,v_proj]",
-        "model.num_layers=3",
-    ]);
+    let run = tiny_lora(
+        &out,
+        &[
+            "model=torchtune.models.llama3.lora_llama3",
+            "model.lora_rank=8",
+            "model.lora_alpha=16",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.num_layers=3",
+        ],
+    );
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
     assert!(
