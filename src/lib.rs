@@ -7,6 +7,7 @@ pub mod checkpoint_client;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod distributed;
 pub mod generation;
 pub mod hub;

@@ -268,6 +268,7 @@ fn run(
             })
         }
         Device::Cuda => run_cuda(job, worlds)?,
+        Device::Wgpu => run_wgpu(job, worlds)?,
     };
     let stopped = match &outcome {
         Err(LaunchError::Worker { error, .. }) => tune::distributed::launch::stop_signal(error),
@@ -349,6 +350,31 @@ fn run_cuda(_: std::sync::Arc<Job>, _: Vec<World>) -> Result<Result<(), LaunchEr
     )))
 }
 
+#[cfg(feature = "wgpu")]
+fn run_wgpu(
+    job: std::sync::Arc<Job>,
+    worlds: Vec<World>,
+) -> Result<Result<(), LaunchError>, CliError> {
+    type B = burn::backend::Autodiff<burn::backend::Wgpu>;
+    if worlds.len() > 1 {
+        // cubecl's default device is one adapter: several workers would share it, which is
+        // slower than one, never faster.
+        return Err(CliError::bad(anyhow!(
+            "device: wgpu runs one worker per node (it uses the platform's default adapter); drop --nproc_per_node, or use device=cuda for several GPUs"
+        )));
+    }
+    let adapter = tune::device::wgpu_adapter().map_err(CliError::bad)?;
+    eprintln!("device: wgpu on {adapter}");
+    Ok(run_workers(worlds, move |world| {
+        job.run::<B>(burn::backend::wgpu::WgpuDevice::DefaultDevice, world)
+    }))
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn run_wgpu(_: std::sync::Arc<Job>, _: Vec<World>) -> Result<Result<(), LaunchError>, CliError> {
+    Err(CliError::bad(tune::device::DeviceError::WgpuNotBuilt))
+}
+
 fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Result<(), CliError> {
     let scratch = std::env::temp_dir();
     let report = match device {
@@ -363,9 +389,25 @@ fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Res
             &Default::default(),
             &scratch,
         ),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => {
+            let adapter = tune::device::wgpu_adapter().map_err(CliError::bad)?;
+            eprintln!("device: wgpu on {adapter}");
+            if adapter.software {
+                eprintln!(
+                    "note: {} renders in software on the CPU: these figures check that the GPU code path runs, they are not GPU performance",
+                    adapter.name
+                );
+            }
+            tune::bench::run::<burn::backend::Autodiff<burn::backend::Wgpu>>(
+                settings,
+                &Default::default(),
+                &scratch,
+            )
+        }
         other => {
             return Err(CliError::bad(anyhow!(
-                "--device {other}: use cpu (or cuda in a build with --features cuda)"
+                "--device {other}: use cpu (or cuda / wgpu in a build with --features cuda / wgpu)"
             )));
         }
     }

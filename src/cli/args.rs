@@ -162,7 +162,7 @@ pub enum Command {
         /// Row chunks of the output projection and loss, as `loss.num_output_chunks` (1: none).
         #[arg(long, default_value_t = 8)]
         output_chunks: usize,
-        /// cpu, or cuda in a build with the cuda feature.
+        /// cpu, or cuda / wgpu in a build with the cuda / wgpu feature.
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Print one JSON object (the keys benches/pytorch_reference.py prints) instead of markdown.

@@ -16,6 +16,8 @@ use crate::config::recipes::Recipe;
 pub enum Device {
     Cpu,
     Cuda,
+    /// burn's cubecl backend on wgpu: Vulkan, Metal or DX12 (a `wgpu` build).
+    Wgpu,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

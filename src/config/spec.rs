@@ -108,7 +108,7 @@ const NUINT: Ty = Ty::Nullable(&Ty::UInt);
 const NFLOAT: Ty = Ty::Nullable(&Ty::Float);
 
 pub const LORA_MODULES: &[&str] = &["q_proj", "k_proj", "v_proj", "output_proj"];
-pub const DEVICES: &[&str] = &["cpu", "cuda"];
+pub const DEVICES: &[&str] = &["cpu", "cuda", "wgpu"];
 pub const DTYPES: &[&str] = &["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"];
 /// Training refuses fp16, as torchtune's recipes do (no loss scaling): `tune validate` says so
 /// before a run starts.

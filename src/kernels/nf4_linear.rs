@@ -8,7 +8,7 @@
 //! the backward pass dequantizes it again for `grad_x = grad_y @ W` (the weight is frozen, so
 //! it has no gradient), as torchao's `LinearNF4.backward` does.
 //!
-//! The op is written once against burn's backend API, so it serves Flex and CUDA alike.
+//! The op is written once against burn's backend API, so it serves Flex, CUDA and wgpu alike.
 
 use std::sync::Arc;
 
@@ -36,25 +36,21 @@ const FUSED_MAX_ROWS: usize = 4;
 
 /// `x` `[rows, in]` times the dequantized weight `[out, in]` transposed: `[rows, out]`.
 pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tensor<B, 2> {
-    let x = match on_autodiff::<B, Flex, NoCheckpointing>(x, weight) {
-        Ok(y) => return y,
-        Err(x) => x,
-    };
-    let x = match on_autodiff::<B, Flex, BalancedCheckpointing>(x, weight) {
+    // Autodiff over each inner backend this build has (Rust has no specialisation: the
+    // backend is matched by type, see `dispatch`).
+    let x = match on_autodiff::<B, Flex>(x, weight) {
         Ok(y) => return y,
         Err(x) => x,
     };
     #[cfg(feature = "cuda")]
-    let x = {
-        type Cuda = burn::backend::Cuda;
-        let x = match on_autodiff::<B, Cuda, NoCheckpointing>(x, weight) {
-            Ok(y) => return y,
-            Err(x) => x,
-        };
-        match on_autodiff::<B, Cuda, BalancedCheckpointing>(x, weight) {
-            Ok(y) => return y,
-            Err(x) => x,
-        }
+    let x = match on_autodiff::<B, burn::backend::Cuda>(x, weight) {
+        Ok(y) => return y,
+        Err(x) => x,
+    };
+    #[cfg(feature = "wgpu")]
+    let x = match on_autodiff::<B, burn::backend::Wgpu>(x, weight) {
+        Ok(y) => return y,
+        Err(x) => x,
     };
     // No autodiff (generation, a frozen teacher or reference). A decode step's few rows on the
     // CPU: the fused product, which never materialises the weight.
@@ -77,7 +73,19 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
     x.matmul(w.transpose())
 }
 
-fn on_autodiff<B: Backend, I: Backend, C: CheckpointStrategy>(
+/// `y` when `B` is `Autodiff<I>` with either checkpoint strategy, else `x` back.
+fn on_autodiff<B: Backend, I: Backend>(
+    x: Tensor<B, 2>,
+    weight: &Arc<FrozenNf4>,
+) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+    let x = match with_strategy::<B, I, NoCheckpointing>(x, weight) {
+        Ok(y) => return Ok(y),
+        Err(x) => x,
+    };
+    with_strategy::<B, I, BalancedCheckpointing>(x, weight)
+}
+
+fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
     x: Tensor<B, 2>,
     weight: &Arc<FrozenNf4>,
 ) -> Result<Tensor<B, 2>, Tensor<B, 2>> {

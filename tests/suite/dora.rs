@@ -5,6 +5,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::AutodiffBackend;
 use support::*;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::model_io::peft::{
@@ -15,11 +16,13 @@ use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use tune::training::step;
 
 fn dora_model() -> tune::models::CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model =
-        tune::model_io::hf::load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-            .unwrap()
-            .model;
+    dora_model_on(&Default::default())
+}
+
+fn dora_model_on<B: AutodiffBackend>(device: &B::Device) -> tune::models::CausalLm<B> {
+    let mut model = tune::model_io::hf::load_model::<B>(&fixture("tiny-llama"), None, device)
+        .unwrap()
+        .model;
     let config = load_adapter(&mut model, &fixture("tiny-llama-dora")).unwrap();
     assert!(config.use_dora);
     model.set_trainable(tune::models::Trainable::AdaptersOnly)
@@ -27,10 +30,16 @@ fn dora_model() -> tune::models::CausalLm<CpuAutodiff> {
 
 #[test]
 fn dora_logits_loss_grads_adamw_step_and_merge_match_peft() {
+    check_dora::<CpuAutodiff>(&Default::default());
+}
+
+/// Logits, loss, gradients of A, B and the magnitudes, one AdamW step and the merged weights
+/// against peft, on `B`.
+pub fn check_dora<B: AutodiffBackend>(device: &B::Device) {
     let r = Reference::open("tiny-llama-dora.safetensors");
     let base = Reference::open("tiny-llama.safetensors");
     let (tokens, labels, batch) = base.tokens();
-    let model = dora_model();
+    let model = dora_model_on::<B>(device);
     let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
     let loss = assert_logits_and_loss(&r, logits, &labels);
 
@@ -62,7 +71,7 @@ fn dora_logits_loss_grads_adamw_step_and_merge_match_peft() {
     }
 
     // The merged export of the fixture adapter (before the step) equals peft's merge_and_unload.
-    let mut fresh = dora_model();
+    let mut fresh = dora_model_on::<B>(device);
     let merged = fresh.merged_hf_state_dict();
     let mut checked = 0;
     for (name, value) in &merged {

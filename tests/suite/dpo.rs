@@ -7,6 +7,7 @@ use crate::support;
 
 use std::path::Path;
 
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
@@ -41,17 +42,22 @@ fn fixture_batch(r: &Reference) -> Batch {
     }
 }
 
-fn scalar(t: &Tensor<CpuAutodiff, 1>) -> HostTensor {
+fn scalar<B: Backend>(t: &Tensor<B, 1>) -> HostTensor {
     HostTensor::from_tensor(t)
 }
 
 #[test]
 fn lora_dpo_matches_torch() {
+    check_lora_dpo::<CpuAutodiff>(&Default::default());
+}
+
+/// Log-probabilities, rewards, loss, metrics and LoRA gradients of the fixture pair, on `B`.
+pub fn check_lora_dpo<B: AutodiffBackend>(device: &B::Device) {
     let r = Reference::open("dpo.safetensors");
     assert_eq!(r.f32("beta").data, vec![0.1]);
     let batch = fixture_batch(&r);
-    let model = lora_model();
-    let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
+    let model = lora_model_on::<B>(device);
+    let dpo = DpoLoss::<B>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
 
     let out = dpo.forward(&model, &batch).unwrap();
     assert_close(

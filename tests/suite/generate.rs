@@ -3,6 +3,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::Backend;
 use support::*;
 use tune::generation::{
     Decoder, GenerateError, GenerateOptions, SamplingParams, StopReason, generate, sampling::argmax,
@@ -53,9 +54,16 @@ fn greedy(max_new_tokens: usize, use_kv_cache: bool) -> GenerateOptions {
 
 #[test]
 fn greedy_decoding_matches_transformers() {
+    check_greedy_decoding::<Cpu>(&Default::default());
+}
+
+/// transformers' greedy tokens, with and without the KV cache, on `B`.
+pub fn check_greedy_decoding<B: Backend>(device: &B::Device) {
     let r = reference();
     assert_eq!(r.max_new_tokens, 12);
-    let lm = model("tiny-llama");
+    let lm = load_model::<B>(&fixture("tiny-llama"), None, device)
+        .unwrap()
+        .model;
     for use_kv_cache in [true, false] {
         let out = generate(
             &lm,

@@ -5,6 +5,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use support::*;
 use tune::checkpoint::HostTensor;
@@ -18,8 +19,11 @@ use tune::training::kd::{KdLoss, KdObjective, forward_kl, reverse_kl, symmetric_
 use tune::training::{LossStep, StepInfo};
 
 fn teacher() -> CausalLm<Cpu> {
-    let device = Default::default();
-    load_model::<Cpu>(&fixture("tiny-llama-teacher"), None, &device)
+    teacher_on::<Cpu>(&Default::default())
+}
+
+fn teacher_on<B: Backend>(device: &B::Device) -> CausalLm<B> {
+    load_model::<B>(&fixture("tiny-llama-teacher"), None, device)
         .unwrap()
         .model
         .set_trainable(Trainable::Nothing)
@@ -49,18 +53,24 @@ fn to_peft(name: &str) -> String {
     peft_key(module, if which == "a" { 'A' } else { 'B' })
 }
 
-fn scalar(t: &Tensor<CpuAutodiff, 1>) -> HostTensor {
+fn scalar<B: Backend>(t: &Tensor<B, 1>) -> HostTensor {
     HostTensor::from_tensor(t)
 }
 
 #[test]
 fn kd_step_matches_torchtune_logits_losses_and_lora_grads() {
+    check_kd_step::<CpuAutodiff>(&Default::default());
+}
+
+/// Teacher and student logits, the KD and total losses, metrics and the student's LoRA
+/// gradients against torchtune, on `B`.
+pub fn check_kd_step<B: AutodiffBackend>(device: &B::Device) {
     let r = Reference::open("kd.safetensors");
     let batch = reference_batch(&r);
-    let model = lora_model();
+    let model = lora_model_on::<B>(device);
     let kd_ratio = r.f32("kd_ratio").data[0] as f64;
-    let mut step = KdLoss::<CpuAutodiff> {
-        teacher: teacher(),
+    let mut step = KdLoss::<B> {
+        teacher: teacher_on::<B::InnerBackend>(device),
         objective: KdObjective::ForwardKl,
         kd_ratio,
         activation_checkpointing: false,

@@ -3,6 +3,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::AutodiffBackend;
 use support::*;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::model_io::peft::{AdapterConfig, adapter_state_dict, peft_key, save_adapter};
@@ -18,10 +19,15 @@ fn to_peft(name: &str) -> String {
 
 #[test]
 fn lora_logits_loss_grads_and_adamw_step_match_peft() {
+    check_lora_and_adamw_step::<CpuAutodiff>(&Default::default());
+}
+
+/// The adapter's logits, loss and gradients, then one AdamW step, against peft + torch, on `B`.
+pub fn check_lora_and_adamw_step<B: AutodiffBackend>(device: &B::Device) {
     let r = Reference::open("tiny-llama-lora.safetensors");
     let base = Reference::open("tiny-llama.safetensors");
     let (tokens, labels, batch) = base.tokens();
-    let model = lora_model();
+    let model = lora_model_on::<B>(device);
     let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
     let loss = assert_logits_and_loss(&r, logits, &labels);
 

@@ -18,6 +18,8 @@ mod dpo_recipes;
 mod fuzz;
 mod generate;
 mod generate_cli;
+#[cfg(feature = "wgpu")]
+mod gpu;
 mod hub_roundtrip;
 mod kd;
 mod kd_recipe;

@@ -2,6 +2,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::AutodiffBackend;
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model;
@@ -10,12 +11,14 @@ use tune::modules::ForwardMode;
 use tune::training::grads::named_grads;
 
 fn check_model(dir: &str, reference: &str) {
+    check_model_on::<CpuAutodiff>(dir, reference, &Default::default());
+}
+
+/// Logits, loss and every gradient of the checkpoint in `dir` against `reference`, on `B`.
+pub fn check_model_on<B: AutodiffBackend>(dir: &str, reference: &str, device: &B::Device) {
     let r = Reference::open(reference);
     let (tokens, labels, batch) = r.tokens();
-    let device = Default::default();
-    let model = load_model::<CpuAutodiff>(&fixture(dir), None, &device)
-        .unwrap()
-        .model;
+    let model = load_model::<B>(&fixture(dir), None, device).unwrap().model;
     let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
     let loss = assert_logits_and_loss(&r, logits, &labels);
     let grads = loss.backward();

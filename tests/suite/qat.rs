@@ -4,6 +4,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model;
@@ -16,13 +17,15 @@ const SCHEME: QuantScheme = QuantScheme::Int8DynActInt4Weight { group_size: 32 }
 
 #[test]
 fn int4_weight_fake_quant_is_bit_exact() {
+    check_int4_weight_fake_quant::<Cpu>(&Default::default());
+}
+
+/// torchao's int4 per-group weight fake quantization, bit for bit, on `B`.
+pub fn check_int4_weight_fake_quant<B: Backend>(device: &B::Device) {
     let r = Reference::open("qat.safetensors");
     let input = r.f32("fake_quant_weight.input");
     let want = r.f32("fake_quant_weight.output");
-    let got = HostTensor::from_tensor(&fake_quantize_weight(
-        input.to_tensor::<Cpu, 2>(&Default::default()),
-        32,
-    ));
+    let got = HostTensor::from_tensor(&fake_quantize_weight(input.to_tensor::<B, 2>(device), 32));
     assert_eq!(got.shape, want.shape);
     let differing = got
         .data
@@ -40,12 +43,15 @@ fn int4_weight_fake_quant_is_bit_exact() {
 
 #[test]
 fn int8_activation_fake_quant_matches_torchao() {
+    check_int8_activation_fake_quant::<Cpu>(&Default::default());
+}
+
+/// torchao's int8 per-token dynamic activation fake quantization, bit for bit, on `B`.
+pub fn check_int8_activation_fake_quant<B: Backend>(device: &B::Device) {
     let r = Reference::open("qat.safetensors");
     let input = r.f32("fake_quant_activation.input");
     let want = r.f32("fake_quant_activation.output");
-    let got = HostTensor::from_tensor(&fake_quantize_activation(
-        input.to_tensor::<Cpu, 3>(&Default::default()),
-    ));
+    let got = HostTensor::from_tensor(&fake_quantize_activation(input.to_tensor::<B, 3>(device)));
     assert_eq!(got.shape, want.shape);
     let differing: Vec<(usize, f32, f32)> = got
         .data
@@ -69,11 +75,15 @@ fn int8_activation_fake_quant_matches_torchao() {
 
 #[test]
 fn qat_logits_loss_and_grads_match_torchao() {
+    check_qat_model::<CpuAutodiff>(&Default::default());
+}
+
+/// The fake-quantized tiny llama's logits, loss and base-weight gradients, on `B`.
+pub fn check_qat_model<B: AutodiffBackend>(device: &B::Device) {
     let r = Reference::open("qat.safetensors");
     assert_eq!(r.i64("group_size"), vec![32]);
     let (tokens, labels, batch) = r.tokens();
-    let device = Default::default();
-    let mut model = load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
+    let mut model = load_model::<B>(&fixture("tiny-llama"), None, device)
         .unwrap()
         .model;
     let swapped = prepare(&mut model, SCHEME).unwrap();

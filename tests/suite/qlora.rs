@@ -6,6 +6,7 @@
 
 use crate::support;
 
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model_with;
@@ -15,20 +16,19 @@ use tune::modules::ForwardMode;
 use tune::modules::frozen_nf4::{FrozenNf4, RowOrder};
 use tune::modules::nf4::Nf4Dtype;
 
-fn qlora_base<B: burn::tensor::backend::Backend>(compute: Nf4Dtype) -> CausalLm<B> {
-    let device = Default::default();
+fn qlora_base<B: Backend>(compute: Nf4Dtype, device: &B::Device) -> CausalLm<B> {
     load_model_with::<B>(
         &fixture("tiny-llama-nf4"),
         None,
-        &device,
+        device,
         BaseWeights::Nf4(compute),
     )
     .unwrap()
     .model
 }
 
-fn qlora_model(adapter: &str) -> CausalLm<CpuAutodiff> {
-    let mut model = qlora_base::<CpuAutodiff>(Nf4Dtype::F32);
+fn qlora_model<B: AutodiffBackend>(adapter: &str, device: &B::Device) -> CausalLm<B> {
+    let mut model = qlora_base::<B>(Nf4Dtype::F32, device);
     load_adapter(&mut model, &fixture(adapter)).unwrap();
     model.set_trainable(tune::models::Trainable::AdaptersOnly)
 }
@@ -41,7 +41,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn nf4_base_weights_equal_torchtunes_bit_for_bit_in_both_model_dtypes() {
     let r = Reference::open("qlora.safetensors");
     for (prefix, compute) in [("nf4_f32", Nf4Dtype::F32), ("nf4_bf16", Nf4Dtype::Bf16)] {
-        let mut model = qlora_base::<Cpu>(compute);
+        let mut model = qlora_base::<Cpu>(compute, &Default::default());
         let mut checked = 0;
         for (module, linear) in model.linears_mut() {
             let key = format!("{prefix}.dequant.{module}.weight");
@@ -59,7 +59,7 @@ fn nf4_base_weights_equal_torchtunes_bit_for_bit_in_both_model_dtypes() {
     }
 
     // torchtune's NF4Tensor for layer 0's q_proj: quantized from the permuted bf16 weight.
-    let mut model = qlora_base::<Cpu>(Nf4Dtype::F32);
+    let mut model = qlora_base::<Cpu>(Nf4Dtype::F32, &Default::default());
     let q0 = "model.layers.0.self_attn.q_proj";
     let (_, linear) = model
         .linears_mut()
@@ -106,10 +106,15 @@ fn q_and_k_are_quantized_in_torchtunes_row_order() {
 
 /// Logits, loss and every adapter gradient of torchtune's float32 QLoRA (`prefix` `lora`) or
 /// QDoRA (`dora`) model, then its merged export.
-fn check_against_torchtune(prefix: &str, adapter: &str, grad_count: usize) {
+pub fn check_against_torchtune<B: AutodiffBackend>(
+    prefix: &str,
+    adapter: &str,
+    grad_count: usize,
+    device: &B::Device,
+) {
     let r = Reference::open("qlora.safetensors");
     let (tokens, labels, batch) = r.tokens();
-    let model = qlora_model(adapter);
+    let model = qlora_model::<B>(adapter, device);
     let logits = forward_rows(&model, &tokens, batch, ForwardMode::default());
     let want = r.f32(&format!("{prefix}.logits"));
     assert_close("logits", &HostTensor::from_tensor(&logits), &want, 1e-4);
@@ -127,7 +132,7 @@ fn check_against_torchtune(prefix: &str, adapter: &str, grad_count: usize) {
 
     // The merged export: NF4 bases dequantized to bf16 as torchtune's state-dict hook does,
     // the adapter folded in; torchtune's LoRA merge adds in place into that bf16 tensor.
-    let mut model = qlora_model(adapter);
+    let mut model = qlora_model::<B>(adapter, device);
     let mut checked = 0;
     for (name, value) in model.merged_hf_state_dict() {
         let Ok(want) = r.0.read(&format!("{prefix}.merged.{name}")) else {
@@ -162,12 +167,12 @@ fn check_against_torchtune(prefix: &str, adapter: &str, grad_count: usize) {
 
 #[test]
 fn qlora_logits_loss_grads_and_merged_export_match_torchtune() {
-    check_against_torchtune("lora", "tiny-llama-nf4-lora", 24);
+    check_against_torchtune::<CpuAutodiff>("lora", "tiny-llama-nf4-lora", 24, &Default::default());
 }
 
 #[test]
 fn qdora_logits_loss_grads_and_merged_export_match_torchtune() {
-    check_against_torchtune("dora", "tiny-llama-nf4-dora", 36);
+    check_against_torchtune::<CpuAutodiff>("dora", "tiny-llama-nf4-dora", 36, &Default::default());
 }
 
 /// The NF4 layer's own backward (it dequantizes the weight again rather than keeping it from
@@ -219,9 +224,9 @@ fn the_nf4_layer_backward_equals_the_float_layer_with_the_dequantized_weight() {
 /// dequantized weights.
 #[test]
 fn greedy_decoding_on_an_nf4_base_equals_the_dequantized_float_model() {
-    let mut nf4 = qlora_base::<Cpu>(Nf4Dtype::F32);
+    let mut nf4 = qlora_base::<Cpu>(Nf4Dtype::F32, &Default::default());
     load_adapter(&mut nf4, &fixture("tiny-llama-nf4-lora")).unwrap();
-    let mut float = qlora_base::<Cpu>(Nf4Dtype::F32);
+    let mut float = qlora_base::<Cpu>(Nf4Dtype::F32, &Default::default());
     load_adapter(&mut float, &fixture("tiny-llama-nf4-lora")).unwrap();
     for (_, linear) in float.linears_mut() {
         if linear.nf4().is_some() {

@@ -269,11 +269,16 @@ pub fn assert_logits_and_loss<B: burn::tensor::backend::Backend>(
 
 /// tiny-llama with the fixture's PEFT adapter, only the adapters trainable.
 pub fn lora_model() -> tune::models::CausalLm<CpuAutodiff> {
-    let device = Default::default();
-    let mut model =
-        tune::model_io::hf::load_model::<CpuAutodiff>(&fixture("tiny-llama"), None, &device)
-            .unwrap()
-            .model;
+    lora_model_on(&Default::default())
+}
+
+/// [`lora_model`] on any autodiff backend (the golden checks that `gpu` runs again).
+pub fn lora_model_on<B: burn::tensor::backend::AutodiffBackend>(
+    device: &B::Device,
+) -> tune::models::CausalLm<B> {
+    let mut model = tune::model_io::hf::load_model::<B>(&fixture("tiny-llama"), None, device)
+        .unwrap()
+        .model;
     tune::model_io::peft::load_adapter(&mut model, &fixture("tiny-llama-lora")).unwrap();
     model.set_trainable(tune::models::Trainable::AdaptersOnly)
 }

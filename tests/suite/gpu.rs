@@ -1,0 +1,116 @@
+//! The golden checks again on burn's cubecl backend (`device: wgpu`), the code path every GPU
+//! run takes: its JIT kernels, fusion and autotune, device transfers, and tune's own ops where
+//! they are written against burn's backend API (the NF4 linear). CI runs them on Mesa's
+//! software Vulkan (lavapipe); on a machine with a GPU they run on the GPU.
+//!
+//! Each check is the CPU test's own function with the same fixture tolerances, so a kernel or
+//! op that computes something else on the cubecl backend fails here by name. src/kernels' fused
+//! CPU kernels are Flex-only; on this backend the same functions run burn's composed ops (which
+//! burn's fusion compiles into cubecl kernels), and these checks hold those to the fixtures.
+//!
+//! Built only with `--features wgpu` (.ci/run: `cargo test --features wgpu --test suite gpu`).
+
+use crate::support;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, Wgpu};
+use support::*;
+
+type Gpu = Autodiff<Wgpu>;
+
+fn device() -> WgpuDevice {
+    WgpuDevice::DefaultDevice
+}
+
+#[test]
+fn adapter_is_found_and_named() {
+    let adapter = tune::device::wgpu_adapter().expect("a wgpu adapter (.ci/run installs lavapipe)");
+    eprintln!("wgpu adapter: {adapter}");
+    assert!(!adapter.name.is_empty());
+}
+
+#[test]
+fn llama_logits_loss_and_every_gradient() {
+    crate::models::check_model_on::<Gpu>("tiny-llama", "tiny-llama.safetensors", &device());
+}
+
+#[test]
+fn qwen2_logits_loss_and_every_gradient() {
+    crate::models::check_model_on::<Gpu>("tiny-qwen2", "tiny-qwen2.safetensors", &device());
+}
+
+#[test]
+fn gemma2_logits_loss_and_every_gradient() {
+    // Soft-capping, sandwich norms and sliding windows: the family with the most ops of its own.
+    crate::models::check_model_on::<Gpu>("families/gemma2", "family-gemma2.safetensors", &device());
+}
+
+#[test]
+fn lora_logits_loss_gradients_and_adamw_step() {
+    crate::lora::check_lora_and_adamw_step::<Gpu>(&device());
+}
+
+#[test]
+fn dora_logits_loss_gradients_adamw_step_and_merge() {
+    crate::dora::check_dora::<Gpu>(&device());
+}
+
+#[test]
+fn qlora_logits_loss_gradients_and_merged_export() {
+    crate::qlora::check_against_torchtune::<Gpu>("lora", "tiny-llama-nf4-lora", 24, &device());
+}
+
+#[test]
+fn dpo_log_probs_rewards_loss_and_gradients() {
+    crate::dpo::check_lora_dpo::<Gpu>(&device());
+}
+
+#[test]
+fn kd_logits_losses_and_gradients() {
+    crate::kd::check_kd_step::<Gpu>(&device());
+}
+
+#[test]
+fn qat_fake_quantizers_bit_for_bit() {
+    crate::qat::check_int4_weight_fake_quant::<Wgpu>(&device());
+    crate::qat::check_int8_activation_fake_quant::<Wgpu>(&device());
+}
+
+#[test]
+fn qat_logits_loss_and_gradients() {
+    crate::qat::check_qat_model::<Gpu>(&device());
+}
+
+#[test]
+fn greedy_decoding_with_and_without_the_kv_cache() {
+    crate::generate::check_greedy_decoding::<Wgpu>(&device());
+}
+
+/// The whole LoRA recipe through the binary on `device: wgpu`: it trains (the loss falls), and
+/// its first loss (LoRA's B starts at zero, so the base model's) is the CPU run's.
+#[test]
+fn lora_recipe_trains_on_wgpu() {
+    let losses = |device: &str| {
+        let out = TempDir::new(&format!("gpu-lora-{device}"));
+        let run = tiny_lora(&out, &[&format!("device={device}"), "epochs=2"]);
+        let stderr = String::from_utf8_lossy(&run.stderr).to_string();
+        assert!(run.status.success(), "tune on {device} failed:\n{stderr}");
+        let metrics = read_metrics(&out.path().join("logs/metrics.jsonl"));
+        (column(&metrics, "loss"), stderr)
+    };
+    let (gpu, stderr) = losses("wgpu");
+    assert!(
+        stderr.contains("device: wgpu on"),
+        "names its adapter:\n{stderr}"
+    );
+    let (first, last) = (gpu[0], *gpu.last().unwrap());
+    assert!(last < first, "the loss falls on wgpu: {gpu:?}");
+    let (cpu, _) = losses("cpu");
+    assert_eq!(cpu.len(), gpu.len(), "as many logged steps");
+    assert!(
+        (cpu[0] - gpu[0]).abs() <= 1e-4,
+        "first loss: cpu {} vs wgpu {}",
+        cpu[0],
+        gpu[0]
+    );
+}
