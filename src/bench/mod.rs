@@ -281,6 +281,9 @@ pub fn run<B: AutodiffBackend>(
             for grads in parts {
                 acc.add(&model, grads);
             }
+            // A GPU backend queues the backward kernels: wait for them, so the split is true.
+            // The error, if any, surfaces at the next read.
+            let _ = B::sync(device);
             let t2 = Instant::now();
             model = step::apply(model, acc.take(), &mut optimizer, (1e-5, 1.0), None);
             let _: f32 = model

@@ -93,7 +93,7 @@ fn wrong_type_names_expected_and_found() {
     );
     let e = errors("tiny/lora_single_device", "lora_finetune", &["device=gpu"]);
     assert!(
-        e.has("device", "expected one of cpu, cuda, found `gpu`"),
+        e.has("device", "expected one of cpu, cuda, wgpu, found `gpu`"),
         "{e}"
     );
 }

@@ -114,3 +114,55 @@ fn lora_recipe_trains_on_wgpu() {
         gpu[0]
     );
 }
+
+/// What wgpu cannot do is refused by name before anything loads: bf16 (WGSL has no bf16), no
+/// adapter at all (here: a Vulkan loader pointed at no driver), several workers on one adapter.
+#[test]
+fn unsupported_wgpu_runs_are_refused_by_name() {
+    let out = TempDir::new("gpu-refusals");
+    let res = tiny_lora(&out, &["device=wgpu", "dtype=bf16"]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("dtype: bf16 is not supported on this device") && err.contains("use fp32"),
+        "{err}"
+    );
+
+    let output_dir = format!("output_dir={}", out.path().display());
+    let res = tune_command(&[
+        "run",
+        "lora_finetune_single_device",
+        "--config",
+        "tiny/lora_single_device",
+        &output_dir,
+        "device=wgpu",
+    ])
+    .env("VK_ICD_FILENAMES", "/nonexistent/icd.json")
+    .env("VK_DRIVER_FILES", "/nonexistent/icd.json")
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("no Vulkan adapter was found") && err.contains("mesa-vulkan-drivers"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let res = tune(&[
+        "run",
+        "--nproc_per_node",
+        "2",
+        "lora_finetune_distributed",
+        "--config",
+        "tiny/lora",
+        &output_dir,
+        "device=wgpu",
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("device: wgpu runs one worker per node"),
+        "{err}"
+    );
+}

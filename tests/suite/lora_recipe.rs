@@ -404,3 +404,15 @@ fn dora_trains_and_saves_a_peft_dora_adapter() {
         String::from_utf8_lossy(&run.stderr)
     );
 }
+
+/// `device: wgpu` in a build without the feature says how to get it (tests/suite/gpu.rs runs
+/// the recipes on wgpu in a build with it).
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn device_wgpu_without_the_feature_says_how_to_build_it() {
+    let out = TempDir::new("no-wgpu");
+    let res = tiny_lora(&out, &["device=wgpu"]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{err}");
+    assert!(err.contains("--features wgpu"), "{err}");
+}
