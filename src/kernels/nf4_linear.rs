@@ -95,7 +95,8 @@ fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
 
 /// The dequantized weight `[out, in]` on `device`, in `dtype`.
 fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType) -> FloatTensor<I> {
-    let w = I::float_from_data(TensorData::new(weight.dequantize(), weight.shape()), device);
+    // On the host for the CPU, on the device elsewhere (`FrozenNf4::to_tensor`).
+    let w = weight.to_tensor::<I>(device).into_primitive().tensor();
     if w.dtype() == dtype {
         w
     } else {

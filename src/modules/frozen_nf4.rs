@@ -9,12 +9,17 @@
 //! different weight once a head spans several scaler blocks (any real model). So the rows are
 //! permuted as torchtune permutes them before quantizing, and back on every dequantization.
 
+use std::any::{Any, TypeId};
+use std::sync::{Arc, Mutex};
+
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData, get_device_settings};
+use burn_flex::Flex;
 use rayon::prelude::*;
 
 use super::nf4::{BLOCK_SIZE, Nf4Dtype, Nf4Error, Nf4Weight, block_table};
 use crate::kernels::simd::{self, multiversion};
+use crate::precision::f32_tensor;
 
 /// The row order a weight is quantized in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +64,40 @@ pub struct FrozenNf4 {
     pub order: RowOrder,
     /// The dtype it is dequantized in for the forward and backward passes: the model's.
     pub compute: Nf4Dtype,
+    /// The codes and block scales uploaded to a GPU backend's device, once.
+    on_device: DeviceCopies,
+}
+
+/// Per backend type and device, the weight as [`OnDevice`] holds it. Cloning a [`FrozenNf4`]
+/// starts with none: a clone may go to another device.
+#[derive(Default)]
+struct DeviceCopies(Mutex<Vec<(TypeId, String, Arc<dyn Any + Send + Sync>)>>);
+
+impl Clone for DeviceCopies {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for DeviceCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |c| c.len());
+        write!(f, "DeviceCopies({n})")
+    }
+}
+
+/// An NF4 weight on a device that dequantizes it there: 0.56 bytes per value (the packed codes
+/// and one fp32 scale per block of 64) instead of the 4 or 2 of a float weight.
+struct OnDevice<B: Backend> {
+    /// Eight 4-bit level indices per int, the first in the top bits, in quantized row order.
+    words: Tensor<B, 1, Int>,
+    /// The 16 levels (values of the quantization dtype), fp32.
+    levels: Tensor<B, 1>,
+    /// `[blocks, 1]`: each block's scale (a value of the compute dtype, exactly as the host
+    /// has it), fp32.
+    scales: Tensor<B, 2>,
+    /// For q/k's torchtune row order: the quantized row holding each Hugging Face row.
+    rows: Option<Tensor<B, 1, Int>>,
 }
 
 impl FrozenNf4 {
@@ -89,6 +128,7 @@ impl FrozenNf4 {
             nf4: Nf4Weight::quantize(values, &shape, dtype)?,
             order,
             compute,
+            on_device: DeviceCopies::default(),
         })
     }
 
@@ -126,9 +166,93 @@ impl FrozenNf4 {
         values
     }
 
-    /// The dequantized weight as a tensor of the device's float dtype.
+    /// The dequantized weight as a tensor of the device's float dtype. On the CPU it is decoded
+    /// on the host ([`Self::dequantize`]); any other backend decodes it on its device from codes
+    /// and scales uploaded once ([`Self::dequantize_on_device`]), so a GPU step neither waits for
+    /// the host to decode nor uploads float weights.
     pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
-        Tensor::from_data(TensorData::new(self.dequantize(), self.shape()), device)
+        if TypeId::of::<B>() == TypeId::of::<Flex>() {
+            Tensor::from_data(TensorData::new(self.dequantize(), self.shape()), device)
+        } else {
+            self.dequantize_on_device(device)
+        }
+    }
+
+    /// The dequantized weight computed by tensor ops on `device`, in its float dtype: each
+    /// level index picks its level, times its block's scale in fp32, rounded to the device's
+    /// dtype (the host's [`block_table`] rounds the same fp32 product to the compute dtype),
+    /// rows back in Hugging Face's order. Bit for bit [`Self::dequantize`] where the device
+    /// multiplies fp32 as IEEE 754 does and the compute dtype is the device's.
+    pub fn dequantize_on_device<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
+        let copy = self.uploaded::<B>(device);
+        let [out, inp] = self.shape();
+        let words = copy.words.dims()[0];
+        let shifts = Tensor::<B, 1, Int>::from_data(
+            TensorData::new((0..8).map(|j| 28 - 4 * j).collect::<Vec<i32>>(), [8]),
+            device,
+        );
+        let codes = copy
+            .words
+            .clone()
+            .reshape([words, 1])
+            .expand([words, 8])
+            .bitwise_right_shift(shifts.reshape([1, 8]).expand([words, 8]))
+            .bitwise_and_scalar(15.elem());
+        let values = copy.levels.clone().select(0, codes.reshape([words * 8]));
+        let blocks = copy.scales.dims()[0];
+        let w = (values.reshape([blocks, BLOCK_SIZE]) * copy.scales.clone()).reshape([out, inp]);
+        let w = match &copy.rows {
+            Some(rows) => w.select(0, rows.clone()),
+            None => w,
+        };
+        crate::precision::to_dtype(w, get_device_settings::<B>(device).float_dtype.into())
+    }
+
+    /// The codes and scales on `device` for backend `B`, uploaded on first use.
+    fn uploaded<B: Backend>(&self, device: &B::Device) -> Arc<OnDevice<B>> {
+        let key = (TypeId::of::<B>(), format!("{device:?}"));
+        let mut copies = self
+            .on_device
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let found = copies
+            .iter()
+            .find(|(ty, dev, _)| (*ty, dev) == (key.0, &key.1))
+            .and_then(|(_, _, copy)| Arc::clone(copy).downcast::<OnDevice<B>>().ok());
+        if let Some(copy) = found {
+            return copy;
+        }
+        let copy = Arc::new(self.upload::<B>(device));
+        copies.push((key.0, key.1, copy.clone()));
+        copy
+    }
+
+    fn upload<B: Backend>(&self, device: &B::Device) -> OnDevice<B> {
+        let [out, _] = self.shape();
+        // Four bytes (eight codes, the first in the high nibble of the first byte) per int.
+        let words: Vec<i32> = self
+            .nf4
+            .codes
+            .chunks_exact(4)
+            .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let n = words.len();
+        let scales = self.nf4.block_scales_in(self.compute);
+        let blocks = scales.len();
+        let rows = match self.order {
+            RowOrder::Stored => None,
+            order => {
+                let rows: Vec<i32> = (0..out).map(|r| order.quantized_row(r) as i32).collect();
+                Some(Tensor::from_data(TensorData::new(rows, [out]), device))
+            }
+        };
+        OnDevice {
+            words: Tensor::from_data(TensorData::new(words, [n]), device),
+            levels: f32_tensor(self.nf4.levels().to_vec(), [16], device),
+            scales: f32_tensor(scales, [blocks, 1], device),
+            rows,
+        }
     }
 
     /// `x @ W^T` for a few rows of `x` (`[rows, in]` row-major; decoding's one token), without
@@ -223,6 +347,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The device path's values for `B` on `device`, against the host's for both row orders:
+    /// bit for bit in fp32, and its fp32 products rounded to bf16 give the host's bf16 ones.
+    pub fn check_device_dequantization<B: Backend>(device: &B::Device) {
+        let (out, inp) = (256, 128);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1)
+            .collect();
+        for order in [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }] {
+            for compute in [Nf4Dtype::F32, Nf4Dtype::Bf16] {
+                let q =
+                    FrozenNf4::quantize(&w, [out, inp], Nf4Dtype::Bf16, compute, order).unwrap();
+                let got = q.dequantize_on_device::<B>(device);
+                assert_eq!(got.dims(), [out, inp]);
+                // Twice: the second use takes the uploaded copy.
+                let again = q.dequantize_on_device::<B>(device);
+                let bits = |t: Tensor<B, 2>, round: bool| -> Vec<u32> {
+                    let v = t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                    v.iter()
+                        .map(|x| if round { compute.round(*x) } else { *x }.to_bits())
+                        .collect()
+                };
+                let want: Vec<u32> = q.dequantize().iter().map(|x| x.to_bits()).collect();
+                assert_eq!(bits(got, true), want, "{order:?} {compute:?}");
+                assert_eq!(bits(again, true), want, "{order:?} {compute:?}, cached");
+            }
+        }
+    }
+
+    #[test]
+    fn device_dequantization_equals_the_hosts() {
+        check_device_dequantization::<Flex>(&Default::default());
+        // The CPU takes the host path.
+        let q = FrozenNf4::quantize(
+            &vec![0.5; 64 * 256],
+            [64, 256],
+            Nf4Dtype::F32,
+            Nf4Dtype::F32,
+            RowOrder::Stored,
+        )
+        .unwrap();
+        let _ = q.to_tensor::<Flex>(&Default::default());
+        assert_eq!(format!("{:?}", q.on_device), "DeviceCopies(0)");
     }
 
     #[test]

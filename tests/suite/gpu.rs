@@ -15,6 +15,7 @@ use crate::support;
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
 use support::*;
+use tune::checkpoint::HostTensor;
 
 type Gpu = Autodiff<Wgpu>;
 
@@ -165,4 +166,24 @@ fn unsupported_wgpu_runs_are_refused_by_name() {
         err.contains("device: wgpu runs one worker per node"),
         "{err}"
     );
+}
+
+/// NF4 weights dequantize on the device (codes and block scales uploaded once), bit for bit
+/// as the host decodes them, in both row orders.
+#[test]
+fn nf4_dequantizes_on_the_device_as_on_the_host() {
+    use tune::modules::frozen_nf4::{FrozenNf4, RowOrder};
+    use tune::modules::nf4::Nf4Dtype;
+    let (out, inp) = (256, 128);
+    let w: Vec<f32> = (0..out * inp)
+        .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1)
+        .collect();
+    for order in [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }] {
+        let q = FrozenNf4::quantize(&w, [out, inp], Nf4Dtype::Bf16, Nf4Dtype::F32, order).unwrap();
+        for pass in ["upload", "cached"] {
+            let got = HostTensor::from_tensor(&q.to_tensor::<Wgpu>(&device()));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.data), bits(&q.dequantize()), "{order:?}, {pass}");
+        }
+    }
 }
