@@ -71,7 +71,10 @@ pub struct FrozenNf4 {
 /// Per backend type and device, the weight as [`OnDevice`] holds it. Cloning a [`FrozenNf4`]
 /// starts with none: a clone may go to another device.
 #[derive(Default)]
-struct DeviceCopies(Mutex<Vec<(TypeId, String, Arc<dyn Any + Send + Sync>)>>);
+struct DeviceCopies(Mutex<Vec<DeviceCopy>>);
+
+/// The backend's type, the device (as it prints), and an `Arc<OnDevice<that backend>>`.
+type DeviceCopy = (TypeId, String, Arc<dyn Any + Send + Sync>);
 
 impl Clone for DeviceCopies {
     fn clone(&self) -> Self {
