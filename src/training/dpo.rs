@@ -7,9 +7,9 @@
 //! reference is the same model with its adapters switched off (no second copy of the weights);
 //! for full DPO it is a frozen model on the non-autodiff backend.
 
+use burn::tensor::Tensor;
 use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing;
 use super::loss::sequence_log_probs;
@@ -136,8 +136,8 @@ pub struct DpoForward<B: AutodiffBackend> {
     pub reference: PairLogProbs<B>,
     pub terms: DpoTerms<B>,
     /// Means of the policy's logits over the chosen and the rejected rows (torchtune's
-    /// `logits/chosen`, `logits/rejected`).
-    pub logits_mean: (f64, f64),
+    /// `logits/chosen`, `logits/rejected`), detached, `[1]` each.
+    pub logits_mean: (Tensor<B, 1>, Tensor<B, 1>),
 }
 
 /// The DPO loss step shared by the LoRA and full DPO recipes.
@@ -219,14 +219,9 @@ impl<B: AutodiffBackend> DpoLoss<B> {
     }
 }
 
-/// Means of the logits over the chosen rows and over the rejected rows.
-fn logits_means<B: Backend>(logits: Tensor<B, 3>, pairs: usize) -> (f64, f64) {
-    let mean = |t: Tensor<B, 3>| -> f64 {
-        crate::precision::to_f32(t.detach())
-            .mean()
-            .into_scalar()
-            .elem()
-    };
+/// Means of the logits over the chosen rows and over the rejected rows, in fp32, detached.
+fn logits_means<B: Backend>(logits: Tensor<B, 3>, pairs: usize) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let mean = |t: Tensor<B, 3>| crate::precision::to_f32(t.detach()).mean();
     (
         mean(logits.clone().narrow(0, 0, pairs)),
         mean(logits.narrow(0, pairs, pairs)),
@@ -240,46 +235,35 @@ const POLICY_MODE: ForwardMode = ForwardMode {
     train: true,
 };
 
-fn host<B: Backend>(t: &Tensor<B, 1>) -> Vec<f64> {
-    t.to_data().iter::<f64>().collect()
+/// torchtune's DPO metrics, each a mean over the pairs of the batch, left on the device (the
+/// trainer reads them with the loss, once per step).
+pub fn metrics<B: AutodiffBackend>(
+    out: &DpoForward<B>,
+) -> Vec<(&'static str, Tensor<B::InnerBackend, 1>)> {
+    pair_metrics(&out.terms, &out.policy, out.logits_mean.clone())
+        .into_iter()
+        .map(|(k, v)| (k, v.inner()))
+        .collect()
 }
 
-fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len().max(1) as f64
-}
-
-/// torchtune's DPO metrics, each a mean over the pairs of the batch.
-pub fn metrics<B: AutodiffBackend>(out: &DpoForward<B>) -> Vec<(&'static str, f64)> {
-    pair_metrics(&out.terms, &out.policy, out.logits_mean)
-}
-
-/// The DPO metrics from the loss terms, the policy's scores and its logits' means.
+/// The DPO metrics from the loss terms, the policy's scores and its logits' means: `[1]`
+/// tensors in fp32, detached.
 fn pair_metrics<B: Backend>(
     terms: &DpoTerms<B>,
     policy: &PairLogProbs<B>,
-    logits_mean: (f64, f64),
-) -> Vec<(&'static str, f64)> {
-    let chosen = host(&terms.chosen_rewards);
-    let rejected = host(&terms.rejected_rewards);
-    let wins: Vec<f64> = chosen
-        .iter()
-        .zip(&rejected)
-        .map(|(c, r)| if c > r { 1.0 } else { 0.0 })
-        .collect();
-    let margins: Vec<f64> = chosen.iter().zip(&rejected).map(|(c, r)| c - r).collect();
+    logits_mean: (Tensor<B, 1>, Tensor<B, 1>),
+) -> Vec<(&'static str, Tensor<B, 1>)> {
+    let f32 = |t: &Tensor<B, 1>| crate::precision::to_f32(t.clone().detach());
+    let (chosen, rejected) = (f32(&terms.chosen_rewards), f32(&terms.rejected_rewards));
+    let wins = chosen.clone().greater(rejected.clone()).float();
+    let margins = chosen.clone() - rejected.clone();
     vec![
-        ("rewards/chosen", mean(&chosen)),
-        ("rewards/rejected", mean(&rejected)),
-        ("rewards/accuracies", mean(&wins)),
-        ("rewards/margins", mean(&margins)),
-        (
-            "log_probs/chosen",
-            mean(&host(&policy.chosen.clone().detach())),
-        ),
-        (
-            "log_probs/rejected",
-            mean(&host(&policy.rejected.clone().detach())),
-        ),
+        ("rewards/chosen", chosen.mean()),
+        ("rewards/rejected", rejected.mean()),
+        ("rewards/accuracies", crate::precision::to_f32(wins).mean()),
+        ("rewards/margins", margins.mean()),
+        ("log_probs/chosen", f32(&policy.chosen).mean()),
+        ("log_probs/rejected", f32(&policy.rejected).mean()),
         ("logits/chosen", logits_mean.0),
         ("logits/rejected", logits_mean.1),
     ]
@@ -353,11 +337,19 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
             reference.chosen,
             reference.rejected,
         );
-        let loss: f64 = terms.losses.clone().mean().into_scalar().elem();
+        // One read for the loss and the metrics.
+        let metrics = pair_metrics(&terms, &policy, logits_means(logits, pairs));
+        let mut values = vec![crate::precision::to_f32(terms.losses.mean())];
+        values.extend(metrics.iter().map(|(_, v)| v.clone()));
+        let values: Vec<f64> = Tensor::cat(values, 0).into_data().iter::<f64>().collect();
         Ok(EvalOutput {
-            loss,
+            loss: values[0],
             weight: pairs,
-            metrics: pair_metrics(&terms, &policy, logits_means(logits, pairs)),
+            metrics: metrics
+                .iter()
+                .map(|(k, _)| *k)
+                .zip(values[1..].iter().copied())
+                .collect(),
         })
     }
 }

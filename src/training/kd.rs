@@ -184,8 +184,9 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         let loss_of_logits = |logits: Tensor<B, 3>| {
             let class_loss = loss::cross_entropy(logits.clone(), &batch.labels);
             let kd_loss = self.objective.loss(logits, teacher_logits, &batch.labels);
-            metrics.push(("class_loss", scalar(&class_loss)));
-            metrics.push(("kd_loss", scalar(&kd_loss)));
+            // Left on the device: the trainer reads them with the loss, once per step.
+            metrics.push(("class_loss", class_loss.clone().inner()));
+            metrics.push(("kd_loss", kd_loss.clone().inner()));
             total_loss(class_loss, kd_loss, self.kd_ratio)
         };
         let (loss, grads) = activation_checkpointing::loss_and_grads(

@@ -3,8 +3,8 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
 
 use super::optimizer::Optimizer;
 use crate::distributed::sync::OptimizerShard;
@@ -53,17 +53,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
     }
 }
 
-/// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it,
-/// after scaling every gradient by `scale`. Non-finite when any gradient is.
-pub fn grad_norm<B: AutodiffBackend>(
+/// The squared L2 norm of all gradients together (`torch.nn.utils.clip_grad_norm_` takes its
+/// root), in fp32 on the device; `None` without gradients. Non-finite when any gradient is.
+pub fn squared_grad_norm<B: AutodiffBackend>(
     model: &CausalLm<B>,
     grads: &GradientsParams,
-    scale: f64,
-) -> f64 {
+) -> Option<Tensor<B::InnerBackend, 1>> {
     let mut v = SquaredNorm::<B> { grads, total: None };
     model.visit(&mut v);
-    let total = v.total.map_or(0.0, |t| t.into_scalar().elem::<f64>());
-    total.sqrt() * scale.abs()
+    v.total
 }
 
 struct ApplyUpdate<'a, B: AutodiffBackend> {

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
 use super::loss;
@@ -62,8 +62,10 @@ pub struct StepOutput<B: AutodiffBackend> {
     pub weight: usize,
     /// Tokens processed (for throughput).
     pub tokens: usize,
-    /// Extra per-micro-batch metrics, averaged over the step by weight.
-    pub metrics: Vec<(&'static str, f64)>,
+    /// Extra per-micro-batch metrics (`[1]` tensors), averaged over the step by weight. They
+    /// stay on the device: the trainer reads them with the loss, once per step, so a GPU is
+    /// not made to wait for the host between micro-batches.
+    pub metrics: Vec<(&'static str, Tensor<B::InnerBackend, 1>)>,
     /// Gradients the step already computed (activation checkpointing runs its own backward
     /// passes, for `loss * weight`); `None` lets the trainer back-propagate `loss * weight`.
     pub grads: Option<Vec<B::Gradients>>,
@@ -77,6 +79,12 @@ impl<B: AutodiffBackend> StepOutput<B> {
             Some(parts) => parts,
             None => vec![(self.loss.clone() * self.weight as f64).backward()],
         }
+    }
+
+    /// The value of metric `name` (a read from the device; for tests and inspection).
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, value) = self.metrics.iter().find(|(k, _)| *k == name)?;
+        Some(value.clone().into_scalar().elem())
     }
 }
 
@@ -281,6 +289,62 @@ pub(crate) fn check_vocabulary(
     }
 }
 
+/// A step's loss and metrics summed over its micro-batches, each weighted by its size, as
+/// device tensors: read once per step.
+struct StepSums<B: Backend> {
+    loss: Option<Tensor<B, 1>>,
+    metrics: Vec<(&'static str, Tensor<B, 1>)>,
+}
+
+impl<B: Backend> Default for StepSums<B> {
+    fn default() -> Self {
+        Self {
+            loss: None,
+            metrics: Vec::new(),
+        }
+    }
+}
+
+impl<B: Backend> StepSums<B> {
+    fn add(&mut self, loss: Tensor<B, 1>, metrics: Vec<(&'static str, Tensor<B, 1>)>, weight: f64) {
+        let weighted = |t: Tensor<B, 1>| crate::precision::to_f32(t) * weight;
+        self.loss = Some(match self.loss.take() {
+            Some(sum) => sum + weighted(loss),
+            None => weighted(loss),
+        });
+        for (k, v) in metrics {
+            match self.metrics.iter_mut().find(|(name, _)| *name == k) {
+                Some(entry) => entry.1 = entry.1.clone() + weighted(v),
+                None => self.metrics.push((k, weighted(v))),
+            }
+        }
+    }
+
+    /// The loss sum, the metric sums (by name, in first-seen order) and `extra`'s value (0
+    /// without it), in one read from the device.
+    fn read(self, extra: Option<Tensor<B, 1>>) -> (f64, Vec<(&'static str, f64)>, f64) {
+        let names: Vec<&'static str> = self.metrics.iter().map(|(k, _)| *k).collect();
+        let has_extra = extra.is_some();
+        let parts: Vec<Tensor<B, 1>> = self
+            .loss
+            .into_iter()
+            .chain(self.metrics.into_iter().map(|(_, v)| v))
+            .chain(extra.map(crate::precision::to_f32))
+            .collect();
+        if parts.is_empty() {
+            return (0.0, Vec::new(), 0.0);
+        }
+        let values: Vec<f64> = Tensor::cat(parts, 0).into_data().iter::<f64>().collect();
+        let extra = if has_extra {
+            values[values.len() - 1]
+        } else {
+            0.0
+        };
+        let metrics = names.into_iter().zip(values[1..].iter().copied()).collect();
+        (values[0], metrics, extra)
+    }
+}
+
 /// Adds a micro-batch's metrics, weighted, into the running sums (by name, in first-seen order).
 pub(crate) fn add_weighted(
     sums: &mut Vec<(&'static str, f64)>,
@@ -430,48 +494,41 @@ impl<B: AutodiffBackend> Trainer<B> {
                 };
                 B::seed(&device, step_seed);
                 let mut weight_total = 0usize;
-                let mut loss_sum = 0.0;
                 let mut step_tokens = 0usize;
-                let mut non_finite: Option<f64> = None;
-                let mut extra: Vec<(&'static str, f64)> = Vec::new();
+                // The step's weighted loss and metric sums stay on the device until the step's
+                // one read below: a read per micro-batch would make a GPU wait for the host.
+                let mut sums = StepSums::<B::InnerBackend>::default();
                 for micro in 0..accum {
                     let indices = &batches[self.state.step_in_epoch * accum + micro];
                     let batch = data.collate(indices)?;
                     check_vocabulary(&batch, self.model.args.vocab_size, self.state.global_step)?;
                     let mut out = loss_step.step(&self.model, &batch, info)?;
-                    let value: f64 = out.loss.clone().into_scalar().elem();
-                    if !value.is_finite() {
-                        if !world.is_distributed() {
-                            return Err(TrainError::Diverged {
-                                cause: Divergence::NonFiniteLoss(value),
-                                step: self.state.global_step + 1,
-                                epoch,
-                            });
-                        }
-                        // Every rank must reach the step's collective calls, with the same
-                        // metric names (their values are moot: all ranks stop after).
-                        non_finite.get_or_insert(value);
-                        for (k, _) in out.metrics {
-                            if !extra.iter().any(|(name, _)| *name == k) {
-                                extra.push((k, 0.0));
-                            }
-                        }
-                        continue;
-                    }
                     // Weighting each micro-batch by its size makes the accumulated gradient the
                     // mean over all tokens of the step, as torchtune normalises it.
                     for grads in out.take_gradients() {
                         accumulator.add(&self.model, grads);
                     }
+                    sums.add(out.loss.inner(), out.metrics, out.weight as f64);
                     weight_total += out.weight;
-                    loss_sum += value * out.weight as f64;
                     step_tokens += out.tokens;
-                    add_weighted(&mut extra, out.metrics, out.weight as f64);
                 }
                 let mut grads = accumulator.take();
+                // On one device the gradient norm joins the same read.
+                let squared_norm =
+                    (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
+                let (mut loss_sum, mut extra, squared_norm) = sums.read(squared_norm.flatten());
+                let non_finite = (!loss_sum.is_finite()).then_some(loss_sum);
+                if let (Some(value), false) = (non_finite, world.is_distributed()) {
+                    return Err(TrainError::Diverged {
+                        cause: Divergence::NonFiniteLoss(value),
+                        step: self.state.global_step + 1,
+                        epoch,
+                    });
+                }
                 // A stop signal is acted on at the end of this step; every rank agrees on it
                 // through the step's collective call.
                 let mut stop = super::interrupt::requested();
+                let mut squared_norm = squared_norm;
                 if world.is_distributed() {
                     // One step over the global batch: sum what the ranks hold.
                     let mut local = vec![
@@ -506,13 +563,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                         entry.1 = *v;
                     }
                     grads = sync::all_reduce_grads(&world, &self.model, grads)?;
+                    squared_norm = step::squared_grad_norm(&self.model, &grads)
+                        .map_or(0.0, |t| t.into_scalar().elem());
                 }
                 // The divergence guard, before the update: every rank sees the same global
                 // loss and gradients, so every rank stops at the same step.
                 let loss = loss_sum / weight_total.max(1) as f64;
                 let first = *first_loss.get_or_insert(loss);
                 let mut scale = 1.0 / weight_total.max(1) as f64;
-                let norm = step::grad_norm(&self.model, &grads, scale);
+                // `torch.nn.utils.clip_grad_norm_`'s norm of the mean gradient.
+                let norm = squared_norm.sqrt() * scale;
                 let diverged = if loss > EXPLODING_LOSS_FACTOR * first.max(1.0) {
                     Some(Divergence::ExplodingLoss { loss, first })
                 } else if !norm.is_finite() || norm > MAX_GRAD_NORM {
