@@ -187,3 +187,25 @@ fn nf4_dequantizes_on_the_device_as_on_the_host() {
         }
     }
 }
+
+/// `tune run generate` on `device: wgpu`: the model runs on the cubecl backend and greedy
+/// decoding (top_k 1) writes the CPU run's text.
+#[test]
+fn generate_on_wgpu_writes_the_cpus_text() {
+    let text = |device: &str| {
+        let device = format!("device={device}");
+        let out = tune_ok(&[
+            "run",
+            "generate",
+            "--config",
+            "tiny/generation",
+            &device,
+            "top_k=1",
+            "max_new_tokens=12",
+        ]);
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let gpu = text("wgpu");
+    assert!(!gpu.trim().is_empty(), "generated nothing");
+    assert_eq!(gpu, text("cpu"));
+}
