@@ -58,12 +58,31 @@ fn owned_f32(t: FlexTensor) -> FlexTensor {
     }
 }
 
-/// One update of `param` with `grad` and the moments `(exp_avg, exp_avg_sq)`, all `[n]`:
-/// `Ok((param, exp_avg, exp_avg_sq))` on Flex, or the inputs back for the composed path.
+/// Rows of a transposed gradient gathered per task: 16 floats of each column are one cache
+/// line, and the gathered tile stays in cache for the update.
+const TILE_ROWS: usize = 16;
+
+/// `[rows, cols]` when `g` is the transposed view of a contiguous `[cols, rows]` buffer: what
+/// burn's matmul backward leaves as a linear layer's weight gradient.
+fn transposed_dims(g: &FlexTensor) -> Option<[usize; 2]> {
+    let layout = g.layout();
+    let (shape, strides) = (layout.shape(), layout.strides());
+    match (shape.num_dims(), strides) {
+        (2, &[1, s]) if s == shape[0] as isize && layout.start_offset() == 0 => {
+            Some([shape[0], shape[1]])
+        }
+        _ => None,
+    }
+}
+
+/// One update of `param` with `grad` and the moments `(exp_avg, exp_avg_sq)`, all of
+/// `param`'s `n` elements (`grad` may be `[rows, cols]`, even a transposed view, which is read
+/// in tiles rather than copied first): `Ok((param, exp_avg, exp_avg_sq))` on Flex, or the
+/// inputs back, `grad` flattened, for the composed path.
 #[allow(clippy::type_complexity)]
-pub fn adam<B: Backend>(
+pub fn adam<B: Backend, const D: usize>(
     param: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
+    grad: Tensor<B, D>,
     exp_avg: Tensor<B, 1>,
     exp_avg_sq: Tensor<B, 1>,
     step: AdamStep,
@@ -71,29 +90,57 @@ pub fn adam<B: Backend>(
     (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>),
     (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>),
 > {
+    let n = param.dims()[0];
+    let flat = |g: Tensor<B, D>| g.reshape([n]);
     let p = match as_flex(param) {
         Ok(p) => p,
-        Err(param) => return Err((param, grad, exp_avg, exp_avg_sq)),
+        Err(param) => return Err((param, flat(grad), exp_avg, exp_avg_sq)),
     };
     // Same backend from here on: the casts cannot fail unless a tensor is not f32.
     let (g, m, v) = match (as_flex(grad), as_flex(exp_avg), as_flex(exp_avg_sq)) {
         (Ok(g), Ok(m), Ok(v)) => (g, m, v),
         (g, m, v) => {
+            let g = g.map_or_else(flat, |g| flat(from_flex(g)));
             let back = |t: Result<FlexTensor, Tensor<B, 1>>| t.map_or_else(|t| t, from_flex);
-            return Err((from_flex(p), back(g), back(m), back(v)));
+            return Err((from_flex(p), g, back(m), back(v)));
         }
     };
-    let (mut p, g, mut m, mut v) = (owned_f32(p), g.to_contiguous(), owned_f32(m), owned_f32(v));
+    let (mut p, mut m, mut v) = (owned_f32(p), owned_f32(m), owned_f32(v));
     {
         let ps: &mut [f32] = p.storage_mut();
-        let gs: &[f32] = g.storage();
         let ms: &mut [f32] = m.storage_mut();
         let vs: &mut [f32] = v.storage_mut();
-        ps.par_chunks_mut(CHUNK)
-            .zip(gs.par_chunks(CHUNK))
-            .zip(ms.par_chunks_mut(CHUNK))
-            .zip(vs.par_chunks_mut(CHUNK))
-            .for_each(|(((p, g), m), v)| adam_chunk(p, g, m, v, step));
+        match transposed_dims(&g) {
+            // Tiles of whole rows: each gathers its rows' gradient (a cache line per column)
+            // into a small buffer, then updates them as the contiguous path does.
+            Some([rows, cols]) => {
+                let gs: &[f32] = g.storage();
+                let tile = TILE_ROWS * cols;
+                ps.par_chunks_mut(tile)
+                    .zip(ms.par_chunks_mut(tile))
+                    .zip(vs.par_chunks_mut(tile))
+                    .enumerate()
+                    .for_each(|(t, ((p, m), v))| {
+                        let first = t * TILE_ROWS;
+                        let mut buf = vec![0.0f32; p.len()];
+                        for (r, row) in buf.chunks_exact_mut(cols).enumerate() {
+                            for (c, x) in row.iter_mut().enumerate() {
+                                *x = gs[c * rows + first + r];
+                            }
+                        }
+                        adam_chunk(p, &buf, m, v, step);
+                    });
+            }
+            None => {
+                let g = g.to_contiguous();
+                let gs: &[f32] = g.storage();
+                ps.par_chunks_mut(CHUNK)
+                    .zip(gs.par_chunks(CHUNK))
+                    .zip(ms.par_chunks_mut(CHUNK))
+                    .zip(vs.par_chunks_mut(CHUNK))
+                    .for_each(|(((p, g), m), v)| adam_chunk(p, g, m, v, step));
+            }
+        }
     }
     Ok((from_flex(p), from_flex(m), from_flex(v)))
 }

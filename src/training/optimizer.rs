@@ -57,16 +57,18 @@ impl<B: Backend> Optimizer<B> {
         self.step += 1;
     }
 
-    /// Updates one parameter (`[n]`, flattened) with its gradient times `grad_scale` (token
-    /// normalisation and clipping folded together) and returns the new value.
-    pub fn update(
+    /// Updates one parameter (`[n]`, flattened) with its gradient (any shape of `n` elements:
+    /// the fused CPU update reads a transposed weight gradient without copying it first) times
+    /// `grad_scale` (token normalisation and clipping folded together) and returns the new value.
+    pub fn update<const D: usize>(
         &mut self,
         name: &str,
         param: Tensor<B, 1>,
-        grad: Tensor<B, 1>,
+        grad: Tensor<B, D>,
         grad_scale: f64,
         lr: f64,
     ) -> Tensor<B, 1> {
+        let n = param.dims()[0];
         let s = &self.settings;
         let t = self.step.max(1) as i32;
         match s.kind {
@@ -79,7 +81,7 @@ impl<B: Backend> Optimizer<B> {
                         exp_avg,
                         exp_avg_sq: Some(sq),
                     }) => (exp_avg, sq),
-                    _ => (grad.zeros_like(), grad.zeros_like()),
+                    _ => (param.zeros_like(), param.zeros_like()),
                 };
                 let adamw = s.kind == OptimizerKind::AdamW;
                 let bias1 = 1.0 - beta1.powi(t);
@@ -133,7 +135,7 @@ impl<B: Backend> Optimizer<B> {
                 new
             }
             OptimizerKind::Sgd { momentum } => {
-                let grad = scaled(grad, grad_scale);
+                let grad = scaled(grad.reshape([n]), grad_scale);
                 let grad = if s.weight_decay != 0.0 {
                     grad + param.clone() * s.weight_decay
                 } else {

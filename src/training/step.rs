@@ -97,7 +97,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for ApplyUpdate<'_, B> {
         let inner = tensor.inner().reshape([n]);
         let updated = self
             .optimizer
-            .update(&name, inner, grad.reshape([n]), self.scale, self.lr);
+            .update(&name, inner, grad, self.scale, self.lr);
         let value = Tensor::from_inner(updated.reshape(shape)).require_grad();
         Param::from_mapped_value(id, value, mapper)
     }

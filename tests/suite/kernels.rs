@@ -234,3 +234,45 @@ fn fused_adam_matches_the_composed_update() {
         close("param", p2, p_want, 1e-6);
     }
 }
+
+/// A weight gradient left as a transposed view (burn's matmul backward) is read in tiles by
+/// the fused update, not copied first: bit for bit the update with the same gradient
+/// contiguous, for row counts that do and do not fill the last tile.
+#[test]
+fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
+    use tune::kernels::optim::{AdamStep, adam};
+    let step = AdamStep {
+        grad_scale: 0.5,
+        decay: 1.0 - 1e-5,
+        l2: 0.0,
+        beta1: 0.9,
+        one_minus_beta1: 0.1,
+        beta2: 0.999,
+        one_minus_beta2: 1e-3,
+        bias2_sqrt: 0.05,
+        eps: 1e-8,
+        step_size: 1e-3,
+    };
+    for (rows, cols) in [(64, 48), (37, 129)] {
+        let n = rows * cols;
+        let p = random::<Flex, 1>([n], 1.0);
+        let m = random::<Flex, 1>([n], 0.01);
+        let v = random::<Flex, 1>([n], 0.001).abs();
+        // `[rows, cols]` as a view of a contiguous `[cols, rows]` buffer.
+        let transposed = random::<Flex, 2>([cols, rows], 0.1).transpose();
+        let contiguous = Tensor::<Flex, 2>::from_data(transposed.to_data(), &Default::default());
+        let bits = |t: Tensor<Flex, 1>| -> Vec<u32> {
+            t.into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        let (p1, m1, v1) = adam(p.clone(), transposed, m.clone(), v.clone(), step).unwrap();
+        let (p2, m2, v2) = adam(p, contiguous, m, v, step).unwrap();
+        assert_eq!(bits(p1), bits(p2), "param {rows}x{cols}");
+        assert_eq!(bits(m1), bits(m2), "exp_avg {rows}x{cols}");
+        assert_eq!(bits(v1), bits(v2), "exp_avg_sq {rows}x{cols}");
+    }
+}
