@@ -58,8 +58,9 @@ fn owned_f32(t: FlexTensor) -> FlexTensor {
     }
 }
 
-/// Rows of a transposed gradient gathered per task: 16 floats of each column are one cache
-/// line, and the gathered tile stays in cache for the update.
+/// The fewest rows of a transposed gradient gathered per task: 16 floats of each column are
+/// one cache line. Narrow gradients (a LoRA B has rank columns) take more rows per tile, up
+/// to about [`CHUNK`] values, so a task is never only a few hundred values.
 const TILE_ROWS: usize = 16;
 
 /// `[rows, cols]` when `g` is the transposed view of a contiguous `[cols, rows]` buffer: what
@@ -115,13 +116,14 @@ pub fn adam<B: Backend, const D: usize>(
             // into a small buffer, then updates them as the contiguous path does.
             Some([rows, cols]) => {
                 let gs: &[f32] = g.storage();
-                let tile = TILE_ROWS * cols;
+                let tile_rows = (CHUNK / cols.max(1)).next_multiple_of(TILE_ROWS);
+                let tile = tile_rows * cols;
                 ps.par_chunks_mut(tile)
                     .zip(ms.par_chunks_mut(tile))
                     .zip(vs.par_chunks_mut(tile))
                     .enumerate()
                     .for_each(|(t, ((p, m), v))| {
-                        let first = t * TILE_ROWS;
+                        let first = t * tile_rows;
                         let mut buf = vec![0.0f32; p.len()];
                         for (r, row) in buf.chunks_exact_mut(cols).enumerate() {
                             for (c, x) in row.iter_mut().enumerate() {

@@ -253,7 +253,8 @@ fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
         eps: 1e-8,
         step_size: 1e-3,
     };
-    for (rows, cols) in [(64, 48), (37, 129)] {
+    // Whole tiles, a partial last one, a LoRA A (rank rows) and a LoRA B (rank columns).
+    for (rows, cols) in [(1024, 64), (1000, 129), (8, 96), (5000, 8)] {
         let n = rows * cols;
         let p = random::<Flex, 1>([n], 1.0);
         let m = random::<Flex, 1>([n], 0.01);
