@@ -329,28 +329,35 @@ mod tests {
             .collect()
     }
 
+    /// A `[256, 128]` weight quantized in bf16, for both row orders and compute dtypes.
+    fn cases() -> impl Iterator<Item = (RowOrder, Nf4Dtype, FrozenNf4)> {
+        let w = test_weight(256 * 128);
+        let orders = [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }];
+        orders.into_iter().flat_map(move |order| {
+            let w = w.clone();
+            [Nf4Dtype::F32, Nf4Dtype::Bf16].map(move |compute| {
+                let q = FrozenNf4::quantize(&w, [256, 128], Nf4Dtype::Bf16, compute, order);
+                (order, compute, q.unwrap())
+            })
+        })
+    }
+
     #[test]
     fn the_fused_row_product_equals_the_dequantized_matmul() {
         let (out, inp) = (256, 128);
-        let w = test_weight(out * inp);
-        for order in [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }] {
-            for compute in [Nf4Dtype::F32, Nf4Dtype::Bf16] {
-                let q =
-                    FrozenNf4::quantize(&w, [out, inp], Nf4Dtype::Bf16, compute, order).unwrap();
-                let dq = q.dequantize();
-                for rows in 1..=3 {
-                    let x: Vec<f32> = (0..rows * inp).map(|i| (i % 13) as f32 - 6.0).collect();
-                    let y = q.matmul_rows(&x, rows);
-                    for r in 0..rows {
-                        for o in 0..out {
-                            let want: f32 =
-                                (0..inp).map(|k| x[r * inp + k] * dq[o * inp + k]).sum();
-                            let got = y[r * out + o];
-                            assert!(
-                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                "{order:?} {compute:?} rows {rows}: [{r}, {o}] {got} vs {want}"
-                            );
-                        }
+        for (order, compute, q) in cases() {
+            let dq = q.dequantize();
+            for rows in 1..=3 {
+                let x: Vec<f32> = (0..rows * inp).map(|i| (i % 13) as f32 - 6.0).collect();
+                let y = q.matmul_rows(&x, rows);
+                for r in 0..rows {
+                    for o in 0..out {
+                        let want: f32 = (0..inp).map(|k| x[r * inp + k] * dq[o * inp + k]).sum();
+                        let got = y[r * out + o];
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{order:?} {compute:?} rows {rows}: [{r}, {o}] {got} vs {want}"
+                        );
                     }
                 }
             }
@@ -361,24 +368,19 @@ mod tests {
     /// bit for bit in fp32, and its fp32 products rounded to bf16 give the host's bf16 ones.
     fn check_device_dequantization<B: Backend>(device: &B::Device) {
         let (out, inp) = (256, 128);
-        let w = test_weight(out * inp);
-        for order in [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }] {
-            for compute in [Nf4Dtype::F32, Nf4Dtype::Bf16] {
-                let q =
-                    FrozenNf4::quantize(&w, [out, inp], Nf4Dtype::Bf16, compute, order).unwrap();
-                let got = q.dequantize_on_device::<B>(device);
-                assert_eq!(got.dims(), [out, inp]);
-                // Twice: the second use takes the uploaded copy.
-                let again = q.dequantize_on_device::<B>(device);
-                // Rounded to the compute dtype, as a device of that dtype stores the product.
-                let bits = |t: Tensor<B, 2>| -> Vec<u32> {
-                    let v = t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
-                    v.iter().map(|x| compute.round(*x).to_bits()).collect()
-                };
-                let want: Vec<u32> = q.dequantize().iter().map(|x| x.to_bits()).collect();
-                assert_eq!(bits(got), want, "{order:?} {compute:?}");
-                assert_eq!(bits(again), want, "{order:?} {compute:?}, cached");
-            }
+        for (order, compute, q) in cases() {
+            let got = q.dequantize_on_device::<B>(device);
+            assert_eq!(got.dims(), [out, inp]);
+            // Twice: the second use takes the uploaded copy.
+            let again = q.dequantize_on_device::<B>(device);
+            // Rounded to the compute dtype, as a device of that dtype stores the product.
+            let bits = |t: Tensor<B, 2>| -> Vec<u32> {
+                let v = t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                v.iter().map(|x| compute.round(*x).to_bits()).collect()
+            };
+            let want: Vec<u32> = q.dequantize().iter().map(|x| x.to_bits()).collect();
+            assert_eq!(bits(got), want, "{order:?} {compute:?}");
+            assert_eq!(bits(again), want, "{order:?} {compute:?}, cached");
         }
     }
 
