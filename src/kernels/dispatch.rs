@@ -2,7 +2,7 @@
 //! no specialisation, so [`on_flex`] compares `B` with the Flex backends by `TypeId` and, on a
 //! match, moves the tensor across to the concrete type (a move, never a copy).
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::{
@@ -22,6 +22,14 @@ pub type AutodiffFlexTensor<C> = FloatTensor<Autodiff<Flex, C>>;
 pub trait FlexOp {
     fn forward(&self, x: &FlexTensor) -> FlexTensor;
     fn autodiff<C: CheckpointStrategy>(&self, x: AutodiffFlexTensor<C>) -> AutodiffFlexTensor<C>;
+}
+
+/// Whether `B` is the CPU backend, Flex, with or without autodiff (either checkpoint strategy).
+pub fn is_flex<B: Backend>() -> bool {
+    let b = TypeId::of::<B>();
+    b == TypeId::of::<Flex>()
+        || b == TypeId::of::<Autodiff<Flex, NoCheckpointing>>()
+        || b == TypeId::of::<Autodiff<Flex, BalancedCheckpointing>>()
 }
 
 /// `Ok(x)` as a `To` when `From` and `To` are the same type, else `Err(x)` unchanged.

@@ -25,6 +25,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_flex::FlexTensor;
 
+pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
 pub use nf4_linear::nf4_linear;
 

@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, get_device_settings};
-use burn_flex::Flex;
 use rayon::prelude::*;
 
 use super::nf4::{BLOCK_SIZE, Nf4Dtype, Nf4Error, Nf4Weight, block_table};
@@ -94,6 +93,8 @@ impl std::fmt::Debug for DeviceCopies {
 struct OnDevice<B: Backend> {
     /// Eight 4-bit level indices per int, the first in the top bits, in quantized row order.
     words: Tensor<B, 1, Int>,
+    /// `[1, 8]`: how far each of a word's eight indices is shifted.
+    shifts: Tensor<B, 2, Int>,
     /// The 16 levels (values of the quantization dtype), fp32.
     levels: Tensor<B, 1>,
     /// `[blocks, 1]`: each block's scale (a value of the compute dtype, exactly as the host
@@ -169,12 +170,13 @@ impl FrozenNf4 {
         values
     }
 
-    /// The dequantized weight as a tensor of the device's float dtype. On the CPU it is decoded
-    /// on the host ([`Self::dequantize`]); any other backend decodes it on its device from codes
+    /// The dequantized weight as a tensor of the device's float dtype. On the CPU (with or
+    /// without autodiff: DoRA takes its base weight on the autodiff backend) it is decoded on the
+    /// host ([`Self::dequantize`]); any other backend decodes it on its device from codes
     /// and scales uploaded once ([`Self::dequantize_on_device`]), so a GPU step neither waits for
     /// the host to decode nor uploads float weights.
     pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
-        if TypeId::of::<B>() == TypeId::of::<Flex>() {
+        if crate::kernels::is_flex::<B>() {
             Tensor::from_data(TensorData::new(self.dequantize(), self.shape()), device)
         } else {
             self.dequantize_on_device(device)
@@ -190,16 +192,12 @@ impl FrozenNf4 {
         let copy = self.uploaded::<B>(device);
         let [out, inp] = self.shape();
         let words = copy.words.dims()[0];
-        let shifts = Tensor::<B, 1, Int>::from_data(
-            TensorData::new((0..8).map(|j| 28 - 4 * j).collect::<Vec<i32>>(), [8]),
-            device,
-        );
         let codes = copy
             .words
             .clone()
             .reshape([words, 1])
             .expand([words, 8])
-            .bitwise_right_shift(shifts.reshape([1, 8]).expand([words, 8]))
+            .bitwise_right_shift(copy.shifts.clone().expand([words, 8]))
             .bitwise_and_scalar(15.elem());
         let values = copy.levels.clone().select(0, codes.reshape([words * 8]));
         let blocks = copy.scales.dims()[0];
@@ -252,6 +250,10 @@ impl FrozenNf4 {
         };
         OnDevice {
             words: Tensor::from_data(TensorData::new(words, [n]), device),
+            shifts: Tensor::from_data(
+                TensorData::new((0..8).map(|j| 28 - 4 * j).collect::<Vec<i32>>(), [1, 8]),
+                device,
+            ),
             levels: f32_tensor(self.nf4.levels().to_vec(), [16], device),
             scales: f32_tensor(scales, [blocks, 1], device),
             rows,
@@ -321,6 +323,7 @@ multiversion! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn_flex::Flex;
 
     /// Values in [-0.05, 0.05) without a pattern a block's scale would hide.
     fn test_weight(n: usize) -> Vec<f32> {
@@ -397,6 +400,7 @@ mod tests {
         )
         .unwrap();
         let _ = q.to_tensor::<Flex>(&Default::default());
+        let _ = q.to_tensor::<burn::backend::Autodiff<Flex>>(&Default::default());
         assert_eq!(format!("{:?}", q.on_device), "DeviceCopies(0)");
     }
 

@@ -516,7 +516,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 // On one device the gradient norm joins the same read.
                 let squared_norm =
                     (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
-                let (mut loss_sum, mut extra, squared_norm) = sums.read(squared_norm.flatten());
+                let (mut loss_sum, mut extra, mut squared_norm) = sums.read(squared_norm.flatten());
                 let non_finite = (!loss_sum.is_finite()).then_some(loss_sum);
                 if let (Some(value), false) = (non_finite, world.is_distributed()) {
                     return Err(TrainError::Diverged {
@@ -528,7 +528,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                 // A stop signal is acted on at the end of this step; every rank agrees on it
                 // through the step's collective call.
                 let mut stop = super::interrupt::requested();
-                let mut squared_norm = squared_norm;
                 if world.is_distributed() {
                     // One step over the global batch: sum what the ranks hold.
                     let mut local = vec![
