@@ -102,6 +102,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             activation_checkpointing,
             dtype,
             output_chunks,
+            attention,
             device,
             json,
         } => {
@@ -126,6 +127,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                     tune::config::schema::Dtype::Fp32
                 },
                 output_chunks,
+                fused_attention: attention == tune::cli::args::BenchAttentionArg::Fused,
             };
             bench(&settings, &device, json)
         }

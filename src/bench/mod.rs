@@ -67,6 +67,8 @@ pub struct BenchSettings {
     pub dtype: Dtype,
     /// `loss.num_output_chunks` (chunked output projection and loss when it is frozen).
     pub output_chunks: usize,
+    /// The CPU's fused attention (fp32 on Flex), or burn's composed ops to compare against.
+    pub fused_attention: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -141,6 +143,7 @@ pub fn run<B: AutodiffBackend>(
     precision::set_device_dtype::<B>(device, s.dtype, precision::Use::Training)
         .map_err(|e| BenchError::Failed(e.to_string()))?;
     let args = ModelArgs::from_json(config).map_err(BenchError::Failed)?;
+    crate::kernels::set_fused_attention(s.fused_attention);
     let fail = |e: &dyn std::fmt::Display| BenchError::Failed(e.to_string());
     let mut report = BenchReport {
         params: args.num_params(),
@@ -367,6 +370,7 @@ impl BenchReport {
             "mode": format!("{:?}", s.mode).to_lowercase(),
             "dtype": precision::name(s.dtype),
             "output_chunks": s.output_chunks,
+            "attention": if s.fused_attention { "fused" } else { "composed" },
             "batch_size": s.batch_size,
             "seq_len": s.seq_len,
             "params": self.params,
@@ -388,10 +392,15 @@ impl BenchReport {
         let mut out = format!(
             "| shape | mode | batch x seq | params | tokens/s | step s (fwd / bwd / opt) | peak RSS GB | load s | MFU vs matmul peak |\n\
              |---|---|---|---|---|---|---|---|---|\n\
-             | {} | {:?} {} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
+             | {} | {:?} {}{} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
             s.shape,
             s.mode,
             precision::name(s.dtype),
+            if s.fused_attention {
+                ""
+            } else {
+                ", composed attention"
+            },
             s.batch_size,
             s.seq_len,
             self.params as f64 / 1e6,

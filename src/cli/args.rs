@@ -162,6 +162,10 @@ pub enum Command {
         /// Row chunks of the output projection and loss, as `loss.num_output_chunks` (1: none).
         #[arg(long, default_value_t = 8)]
         output_chunks: usize,
+        /// The CPU's fused attention (the default), or burn's composed ops, which keep every
+        /// layer's `seq x seq` probabilities for the backward: to measure the difference.
+        #[arg(long, value_enum, default_value = "fused")]
+        attention: BenchAttentionArg,
         /// cpu, or cuda / wgpu in a build with the cuda / wgpu feature.
         #[arg(long, default_value = "cpu")]
         device: String,
@@ -224,6 +228,12 @@ pub enum Command {
 pub enum RepoTypeArg {
     Model,
     Dataset,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchAttentionArg {
+    Fused,
+    Composed,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]

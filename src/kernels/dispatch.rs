@@ -24,6 +24,15 @@ pub trait FlexOp {
     fn autodiff<C: CheckpointStrategy>(&self, x: AutodiffFlexTensor<C>) -> AutodiffFlexTensor<C>;
 }
 
+/// A fused operation of three inputs (attention's queries, keys and values).
+pub trait FlexOp3 {
+    fn forward(&self, x: [&FlexTensor; 3]) -> FlexTensor;
+    fn autodiff<C: CheckpointStrategy>(
+        &self,
+        x: [AutodiffFlexTensor<C>; 3],
+    ) -> AutodiffFlexTensor<C>;
+}
+
 /// Whether `B` is the CPU backend, Flex, with or without autodiff (either checkpoint strategy).
 pub fn is_flex<B: Backend>() -> bool {
     let b = TypeId::of::<B>();
@@ -78,6 +87,58 @@ pub fn on_flex<B: Backend, const D: usize, const E: usize, Op: FlexOp>(
     }
     let y = Tensor::<Flex, E>::from_primitive(TensorPrimitive::Float(op.forward(&primitive)));
     Ok(cast_back(y))
+}
+
+/// [`on_flex`] for a three-input op: runs it when `B` is Flex or `Autodiff<Flex>` and every
+/// input is f32, else hands the inputs back.
+pub fn on_flex3<B: Backend, const D: usize, const E: usize, Op: FlexOp3>(
+    x: [Tensor<B, D>; 3],
+    op: Op,
+) -> Result<Tensor<B, E>, [Tensor<B, D>; 3]> {
+    let x = match on_autodiff3::<B, NoCheckpointing, D, E, Op>(x, &op) {
+        Ok(y) => return Ok(y),
+        Err(x) => x,
+    };
+    let x = match on_autodiff3::<B, BalancedCheckpointing, D, E, Op>(x, &op) {
+        Ok(y) => return Ok(y),
+        Err(x) => x,
+    };
+    if TypeId::of::<B>() != TypeId::of::<Flex>() {
+        return Err(x);
+    }
+    let p = x.map(|t| {
+        cast_back::<Tensor<B, D>, Tensor<Flex, D>>(t)
+            .into_primitive()
+            .tensor()
+    });
+    if !p.iter().all(flex::is_f32) {
+        return Err(
+            p.map(|t| cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t))))
+        );
+    }
+    let [q, k, v] = &p;
+    let y = op.forward([q, k, v]);
+    Ok(cast_back(Tensor::<Flex, E>::from_primitive(
+        TensorPrimitive::Float(y),
+    )))
+}
+
+fn on_autodiff3<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize, Op: FlexOp3>(
+    x: [Tensor<B, D>; 3],
+    op: &Op,
+) -> Result<Tensor<B, E>, [Tensor<B, D>; 3]> {
+    if TypeId::of::<B>() != TypeId::of::<Autodiff<Flex, C>>() {
+        return Err(x);
+    }
+    let p = x.map(|t| {
+        cast_back::<Tensor<B, D>, Tensor<Autodiff<Flex, C>, D>>(t)
+            .into_primitive()
+            .tensor()
+    });
+    if !p.iter().all(|t| flex::is_f32(&t.primitive)) {
+        return Err(p.map(from_autodiff::<B, Flex, C, D>));
+    }
+    Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(p)))
 }
 
 fn on_autodiff<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize, Op: FlexOp>(

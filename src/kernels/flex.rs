@@ -14,7 +14,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use burn_flex::{Flex, FlexTensor};
 
-use super::rows;
+use super::{attention, rows};
 
 /// A contiguous f32 copy-free view of `t` (copies only when `t` is a strided view).
 fn contiguous(t: &FlexTensor) -> FlexTensor {
@@ -312,5 +312,150 @@ pub fn permute_autodiff<C: CheckpointStrategy>(
             prep.finish(inverse, y)
         }
         OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused attention (see `attention`): queries `[batch, kv_heads, rows, dim]`, keys and values
+// `[batch, kv_heads, k_len, dim]`.
+
+/// The mask (shared by every layer of a pass) and soft cap of one attention call.
+#[derive(Debug, Clone)]
+pub struct AttentionMasking {
+    pub mask: Arc<Vec<f32>>,
+    pub spans: Arc<Vec<attention::RowSpan>>,
+    pub mask_batch: usize,
+    pub q_len: usize,
+    pub softcap: Option<f32>,
+}
+
+/// `t` when its rows are `dim` apart (contiguous, or a prefix view of the generation cache's
+/// buffer), else a contiguous copy.
+fn with_rows_adjacent(t: &FlexTensor) -> FlexTensor {
+    let layout = t.layout();
+    let strides = layout.strides();
+    let dim = layout.shape()[3] as isize;
+    let adjacent = strides[3] == 1 && strides[2] == dim && strides[0] >= 0 && strides[1] >= 0;
+    if adjacent { t.clone() } else { contiguous(t) }
+}
+
+fn head_rows(t: &FlexTensor) -> attention::HeadRows<'_> {
+    let layout = t.layout();
+    let strides = layout.strides();
+    attention::HeadRows {
+        data: t.storage(),
+        offset: layout.start_offset(),
+        batch_stride: strides[0] as usize,
+        head_stride: strides[1] as usize,
+    }
+}
+
+/// The call's inputs; `q` contiguous, `k` and `v` from [`with_rows_adjacent`].
+fn attention_inputs<'a>(
+    q: &'a FlexTensor,
+    k: &'a FlexTensor,
+    v: &'a FlexTensor,
+    masking: &'a AttentionMasking,
+) -> attention::Inputs<'a> {
+    let [batch, kv_heads, rows, dim] = q.shape().dims();
+    let k_len = k.shape()[2];
+    attention::Inputs {
+        dims: attention::Dims {
+            batch,
+            kv_heads,
+            rows,
+            q_len: masking.q_len,
+            k_len,
+            dim,
+        },
+        q: q.storage(),
+        k: head_rows(k),
+        v: head_rows(v),
+        masking: attention::Masking {
+            mask: &masking.mask,
+            spans: &masking.spans,
+            mask_batch: masking.mask_batch,
+            softcap: masking.softcap,
+        },
+    }
+}
+
+/// Output and row statistics, with the inputs as the kernel reads them.
+fn attention_run(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    masking: &AttentionMasking,
+) -> (FlexTensor, Vec<attention::RowStats>, [FlexTensor; 3]) {
+    let (q, k, v) = (contiguous(q), with_rows_adjacent(k), with_rows_adjacent(v));
+    let (out, stats) = attention::forward(&attention_inputs(&q, &k, &v, masking));
+    (new_tensor(out, q.shape()), stats, [q, k, v])
+}
+
+pub fn attention_inference(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    masking: &AttentionMasking,
+) -> FlexTensor {
+    attention_run(q, k, v, masking).0
+}
+
+#[derive(Debug, Clone)]
+struct AttentionState {
+    inputs: [FlexTensor; 3],
+    out: FlexTensor,
+    stats: Arc<Vec<attention::RowStats>>,
+    masking: AttentionMasking,
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl Backward<Flex, 3> for AttentionBackward {
+    type State = AttentionState;
+
+    fn backward(self, ops: Ops<AttentionState, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let state = ops.state;
+        let grad = contiguous(&grads.consume::<Flex>(&ops.node));
+        let [q, k, v] = &state.inputs;
+        let x = attention_inputs(q, k, v, &state.masking);
+        let g = attention::backward(
+            &x,
+            &attention::Saved {
+                out: state.out.storage(),
+                stats: &state.stats,
+                grad_out: grad.storage(),
+            },
+        );
+        let [dq, dk, dv] = [(g.dq, q), (g.dk, k), (g.dv, v)].map(|(g, t)| new_tensor(g, t.shape()));
+        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(node) = parent {
+                grads.register::<Flex>(node.id, grad);
+            }
+        }
+    }
+}
+
+pub fn attention_autodiff<C: CheckpointStrategy>(
+    [q, k, v]: [FloatTensor<Autodiff<Flex, C>>; 3],
+    masking: &AttentionMasking,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let (out, stats, inputs) = attention_run(&q.primitive, &k.primitive, &v.primitive, masking);
+    match AttentionBackward
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            AttentionState {
+                inputs,
+                out: out.clone(),
+                stats: Arc::new(stats),
+                masking: masking.clone(),
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }

@@ -11,6 +11,7 @@
 //! keeps every intermediate and recomputes `exp` in the backward, and Flex's `exp` is scalar
 //! libm. Together that was about a third of a tiny-model LoRA step.
 
+pub mod attention;
 mod dispatch;
 mod flex;
 mod nf4_linear;
@@ -19,6 +20,7 @@ pub mod rows;
 pub mod simd;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::tensor::backend::Backend;
@@ -26,7 +28,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_flex::FlexTensor;
 
 pub use dispatch::is_flex;
-use dispatch::{AutodiffFlexTensor, FlexOp, on_flex};
+use dispatch::{AutodiffFlexTensor, FlexOp, FlexOp3, on_flex, on_flex3};
 pub use nf4_linear::nf4_linear;
 
 use crate::precision;
@@ -41,9 +43,94 @@ use crate::precision;
 #[derive(Debug, Clone)]
 pub struct AttentionMask<B: Backend> {
     pub host: Arc<Vec<f32>>,
+    /// Which keys each mask row shows, for the fused attention's block skipping.
+    pub spans: Arc<Vec<attention::RowSpan>>,
     /// `[mask_batch, q_len, k_len]`.
     pub dims: [usize; 3],
     pub tensor: Tensor<B, 3>,
+}
+
+impl<B: Backend> AttentionMask<B> {
+    /// The mask `host` `[mask_batch, q_len, k_len]` on the host and on `device` (in fp32
+    /// whatever the run's dtype: it is added to scores the softmax upcasts).
+    pub fn new(host: Vec<f32>, dims: [usize; 3], device: &B::Device) -> Self {
+        let spans = attention::row_spans(&host, dims[2]);
+        let tensor = precision::f32_tensor(host.clone(), dims, device);
+        Self {
+            host: Arc::new(host),
+            spans: Arc::new(spans),
+            dims,
+            tensor,
+        }
+    }
+}
+
+/// Whether [`attention`] may take the fused kernel (on by default; `tune bench --attention
+/// composed` turns it off to measure the composed path).
+static FUSED_ATTENTION: AtomicBool = AtomicBool::new(true);
+
+pub fn set_fused_attention(enabled: bool) {
+    FUSED_ATTENTION.store(enabled, Ordering::Relaxed);
+}
+
+/// `softmax(q @ k^T (soft-capped) + mask) @ v` for queries `[batch, kv_heads, n_rep * q_len,
+/// dim]` (already scaled) and keys and values `[batch, kv_heads, k_len, dim]`: grouped-query
+/// attention as one batched product per kv head.
+///
+/// On Flex in fp32 it is the fused kernel ([`attention`](mod@attention)): blocks, online
+/// softmax, and a backward that recomputes the probabilities, so a layer keeps no
+/// `q_len * k_len` scores for the backward. Elsewhere (bf16, CUDA, wgpu) it is the composed
+/// [`composed_attention`].
+pub fn attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &AttentionMask<B>,
+    softcap: Option<f64>,
+) -> Tensor<B, 4> {
+    struct Fused(flex::AttentionMasking);
+    impl FlexOp3 for Fused {
+        fn forward(&self, [q, k, v]: [&FlexTensor; 3]) -> FlexTensor {
+            flex::attention_inference(q, k, v, &self.0)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: [AutodiffFlexTensor<C>; 3],
+        ) -> AutodiffFlexTensor<C> {
+            flex::attention_autodiff::<C>(x, &self.0)
+        }
+    }
+    if !FUSED_ATTENTION.load(Ordering::Relaxed) {
+        return composed_attention(q, k, v, mask, softcap);
+    }
+    let [mask_batch, q_len, _] = mask.dims;
+    let op = Fused(flex::AttentionMasking {
+        mask: mask.host.clone(),
+        spans: mask.spans.clone(),
+        mask_batch,
+        q_len,
+        softcap: softcap.map(|c| c as f32),
+    });
+    match on_flex3([q, k, v], op) {
+        Ok(out) => out,
+        Err([q, k, v]) => composed_attention(q, k, v, mask, softcap),
+    }
+}
+
+/// [`attention`] from burn's ops: the scores and probabilities are tensors, and autodiff
+/// keeps the probabilities for the backward.
+pub fn composed_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &AttentionMask<B>,
+    softcap: Option<f64>,
+) -> Tensor<B, 4> {
+    let mut scores = q.matmul(k.swap_dims(2, 3));
+    if let Some(cap) = softcap {
+        scores = (scores / cap).tanh() * cap;
+    }
+    masked_softmax(scores, mask).matmul(v)
 }
 
 /// Softmax over the last dimension.

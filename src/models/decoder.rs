@@ -10,7 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
-use crate::kernels::{masked_softmax, permute, silu};
+use crate::kernels::{attention, permute, silu};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -98,17 +98,12 @@ impl<B: Backend> Attention<B> {
             n_rep * seq,
             d,
         ]);
-        let mut scores = q.matmul(k.swap_dims(2, 3));
-        if let Some(cap) = self.softcap {
-            scores = softcap(scores, cap);
-        }
         let mask = match (&ctx.mask_sliding, self.sliding) {
             (Some(m), true) => m,
             _ => &ctx.mask,
         };
-        let probs = masked_softmax(scores, mask);
         let out = permute(
-            probs.matmul(v).reshape([batch, kvh, n_rep, seq, d]),
+            attention(q, k, v, mask, self.softcap).reshape([batch, kvh, n_rep, seq, d]),
             [0, 3, 1, 2, 4],
         )
         .reshape([batch * seq, h * d]);

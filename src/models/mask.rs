@@ -1,8 +1,6 @@
 //! Additive attention masks built on the host: causal, with an offset for cached keys, and
 //! block-diagonal for packed sequences so packed samples never attend to each other.
 
-use std::sync::Arc;
-
 use burn::tensor::backend::Backend;
 
 pub use crate::kernels::AttentionMask;
@@ -48,12 +46,5 @@ pub fn causal_window<B: Backend>(
             }
         }
     }
-    let dims = [rows, q_len, k_len];
-    // fp32 whatever the run's dtype: it is added to scores that the softmax upcasts.
-    let tensor = crate::precision::f32_tensor(mask.clone(), dims, device);
-    AttentionMask {
-        host: Arc::new(mask),
-        dims,
-        tensor,
-    }
+    AttentionMask::new(mask, [rows, q_len, k_len], device)
 }

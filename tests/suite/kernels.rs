@@ -277,3 +277,103 @@ fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
         assert_eq!(bits(v1), bits(v2), "exp_avg_sq {rows}x{cols}");
     }
 }
+
+/// One fused-attention case: `[batch, kv_heads, n_rep * q_len, dim]` queries against `k_len`
+/// keys through `mask`, fused against composed, values and the gradients of q, k and v.
+fn check_attention(
+    what: &str,
+    [batch, kv_heads, n_rep, dim]: [usize; 4],
+    mask: &kernels::AttentionMask<Flex>,
+    softcap: Option<f64>,
+) {
+    let [_, q_len, k_len] = mask.dims;
+    let rows = n_rep * q_len;
+    let q = random::<Flex, 4>([batch, kv_heads, rows, dim], 1.0) * (dim as f64).powf(-0.5);
+    let k = random::<Flex, 4>([batch, kv_heads, k_len, dim], 1.0);
+    let v = random::<Flex, 4>([batch, kv_heads, k_len, dim], 1.0);
+    let w = random::<Flex, 4>([batch, kv_heads, rows, dim], 1.0);
+    let tol = 1e-5;
+    close(
+        &format!("{what}: output (Flex)"),
+        kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
+        kernels::composed_attention(q.clone(), k.clone(), v.clone(), mask, softcap),
+        tol,
+    );
+    let ad_mask = kernels::AttentionMask::<Ad> {
+        host: mask.host.clone(),
+        spans: mask.spans.clone(),
+        dims: mask.dims,
+        tensor: Tensor::from_inner(mask.tensor.clone()),
+    };
+    let run = |fused: bool| {
+        let [q, k, v] = [&q, &k, &v].map(|t| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad());
+        let out = if fused {
+            kernels::attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
+        } else {
+            kernels::composed_attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
+        };
+        let grads = (out.clone() * Tensor::from_inner(w.clone()))
+            .sum()
+            .backward();
+        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
+        (out.inner(), dq, dk, dv)
+    };
+    let (fused, composed) = (run(true), run(false));
+    close(&format!("{what}: output"), fused.0, composed.0, tol);
+    close(&format!("{what}: dq"), fused.1, composed.1, tol);
+    close(&format!("{what}: dk"), fused.2, composed.2, tol);
+    close(&format!("{what}: dv"), fused.3, composed.3, tol);
+}
+
+#[test]
+fn fused_attention_matches_the_composed_path_with_gradients() {
+    use tune::models::mask;
+    let device = Default::default();
+    // Causal, several query and key blocks with partial last ones, grouped queries.
+    let causal = mask::causal::<Flex>(2, 130, 0, None, &device);
+    check_attention("causal", [2, 2, 3, 16], &causal, None);
+    // Packed documents: a mask per batch row, blocks on document edges.
+    let docs: Vec<u32> = (0..2 * 90)
+        .map(|i| ((i % 90) / 37 + i / 90) as u32)
+        .collect();
+    let packed = mask::causal::<Flex>(2, 90, 0, Some(&docs), &device);
+    assert_eq!(packed.dims[0], 2);
+    check_attention("packed", [2, 1, 2, 8], &packed, None);
+    // Gemma 2: a sliding window and soft-capped scores.
+    let window = mask::causal_window::<Flex>(1, 150, 0, None, Some(40), &device);
+    check_attention("sliding + softcap", [1, 2, 2, 16], &window, Some(5.0));
+    // Cached keys: a chunk of queries after 100 positions, and one decoding step.
+    let chunk = mask::causal::<Flex>(1, 5, 100, None, &device);
+    check_attention("offset", [1, 3, 3, 16], &chunk, None);
+    let step = mask::causal::<Flex>(2, 1, 77, None, &device);
+    check_attention("decode", [2, 2, 4, 8], &step, None);
+    // A row that hides every key: uniform weights, as the composed softmax gives.
+    let mut host = vec![0.0f32; 3 * 70];
+    host[70..140].fill(-1.0e30);
+    host[140 + 65..].fill(-1.0e30);
+    let odd = kernels::AttentionMask::<Flex>::new(host, [1, 3, 70], &device);
+    check_attention("fully masked row", [1, 1, 1, 8], &odd, None);
+}
+
+#[test]
+fn fused_attention_reads_cached_keys_in_place() {
+    use tune::models::mask;
+    let device = Default::default();
+    // Keys and values as the generation cache hands them over: the filled prefix of a larger
+    // buffer (rows `dim` apart, heads `capacity * dim` apart).
+    let (batch, kv_heads, n_rep, dim, len, capacity) = (2, 2, 2, 8, 70, 128);
+    let buffer = |_| random::<Flex, 4>([batch, kv_heads, capacity, dim], 1.0);
+    let (kb, vb) = (buffer(0), buffer(1));
+    let view = |b: &Tensor<Flex, 4>| b.clone().slice([0..batch, 0..kv_heads, 0..len, 0..dim]);
+    let (k, v) = (view(&kb), view(&vb));
+    assert!(!k.clone().into_primitive().tensor().is_contiguous());
+    let m = mask::causal::<Flex>(batch, 3, len - 3, None, &device);
+    let q = random::<Flex, 4>([batch, kv_heads, n_rep * 3, dim], 0.3);
+    let contiguous = |t: Tensor<Flex, 4>| Tensor::<Flex, 4>::from_data(t.into_data(), &device);
+    close(
+        "cache view",
+        kernels::attention(q.clone(), k.clone(), v.clone(), &m, None),
+        kernels::attention(q, contiguous(k), contiguous(v), &m, None),
+        0.0,
+    );
+}

@@ -1,0 +1,609 @@
+//! Fused causal attention on the CPU, flash-attention style: queries and keys in blocks, an
+//! online softmax, and a backward that recomputes each block's probabilities from the saved
+//! softmax statistics instead of keeping them. What it keeps for the backward is the output and one
+//! max and sum per query row, so memory is linear in the sequence length; the composed path
+//! keeps `batch * heads * q_len * k_len` probabilities per layer.
+//!
+//! The layout is the decoder's grouped-query one: per (batch, kv head) group, queries
+//! `[n_rep * q_len, dim]` (query position fastest, already scaled), keys and values
+//! `[k_len, dim]`. Blocks whose keys the mask hides from every query row of the block are
+//! skipped (the upper triangle of a causal mask: half the work), blocks it shows in full skip
+//! the mask add, and only the blocks on its edge read it.
+//!
+//! The structure is the one GPU flash-attention kernels use (FlashAttention-2; Triton's
+//! fused-attention tutorial): the forward's unit of work is a query block sweeping key blocks;
+//! the backward runs two sweeps, key blocks over query blocks for `dK`/`dV` and query blocks
+//! over key blocks for `dQ`, so no two tasks write the same output and nothing is atomic. Each
+//! unit maps to one thread block of a cubecl kernel; here to one rayon task, with the block
+//! matmuls on the `gemm` crate (burn-flex's matmul).
+
+use rayon::prelude::*;
+
+use super::simd::{self, multiversion};
+
+/// Query rows per block.
+pub const BLOCK_Q: usize = 64;
+/// Keys per block.
+pub const BLOCK_K: usize = 64;
+
+/// A mask value at or below this hides the key: the masks tune builds use -1e30, whose `exp`
+/// relative to any visible score is exactly 0.
+const HIDDEN: f32 = -1.0e29;
+
+/// Which keys one mask row shows: all of `lo..hi` when `dense`, none outside it. A row that
+/// hides every key is `0..k_len`, not dense, so it is computed in full like the composed path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowSpan {
+    pub lo: u32,
+    pub hi: u32,
+    pub dense: bool,
+}
+
+/// The span of every row of a `[rows, k_len]` additive mask.
+pub fn row_spans(mask: &[f32], k_len: usize) -> Vec<RowSpan> {
+    mask.chunks_exact(k_len.max(1))
+        .map(|row| {
+            let shown = |v: &f32| *v > HIDDEN;
+            match (row.iter().position(shown), row.iter().rposition(shown)) {
+                (Some(lo), Some(last)) => RowSpan {
+                    lo: lo as u32,
+                    hi: last as u32 + 1,
+                    dense: row[lo..=last].iter().all(|&v| v == 0.0),
+                },
+                _ => RowSpan {
+                    lo: 0,
+                    hi: k_len as u32,
+                    dense: false,
+                },
+            }
+        })
+        .collect()
+}
+
+/// Query rows `r0..r0 + nq` of group `g` against keys `k0..k0 + nk`, where the mask shows
+/// some key to some row (tiles it hides entirely are skipped).
+#[derive(Debug, Clone, Copy)]
+struct Tile {
+    g: usize,
+    r0: usize,
+    nq: usize,
+    k0: usize,
+    nk: usize,
+    /// On the mask's edge: the mask rows are added. Otherwise it shows every key to every row.
+    edge: bool,
+}
+
+/// The sizes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub batch: usize,
+    pub kv_heads: usize,
+    /// Query rows per group: `n_rep * q_len`.
+    pub rows: usize,
+    pub q_len: usize,
+    pub k_len: usize,
+    pub dim: usize,
+}
+
+impl Dims {
+    fn groups(&self) -> usize {
+        self.batch * self.kv_heads
+    }
+}
+
+/// Keys or values `[batch, kv_heads, k_len, dim]` with rows `dim` apart: contiguous, or a
+/// view of the generation cache's larger buffer (no copy).
+#[derive(Debug, Clone, Copy)]
+pub struct HeadRows<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub head_stride: usize,
+}
+
+impl<'a> HeadRows<'a> {
+    pub fn contiguous(data: &'a [f32], d: &Dims) -> Self {
+        Self {
+            data,
+            offset: 0,
+            batch_stride: d.kv_heads * d.k_len * d.dim,
+            head_stride: d.k_len * d.dim,
+        }
+    }
+
+    /// Rows `start..start + n` of group `g`.
+    fn rows(&self, d: &Dims, g: usize, start: usize, n: usize) -> &'a [f32] {
+        let (b, h) = (g / d.kv_heads, g % d.kv_heads);
+        let base = self.offset + b * self.batch_stride + h * self.head_stride + start * d.dim;
+        &self.data[base..base + n * d.dim]
+    }
+}
+
+/// The mask `[mask_batch, q_len, k_len]` with its row spans, and the scores' soft cap.
+#[derive(Debug, Clone, Copy)]
+pub struct Masking<'a> {
+    pub mask: &'a [f32],
+    pub spans: &'a [RowSpan],
+    pub mask_batch: usize,
+    /// Gemma 2: scores become `tanh(s / cap) * cap` before the mask.
+    pub softcap: Option<f32>,
+}
+
+impl Masking<'_> {
+    fn mask_row(&self, d: &Dims, g: usize, row: usize) -> usize {
+        (g / d.kv_heads % self.mask_batch) * d.q_len + row % d.q_len
+    }
+
+    /// Query rows `r0..r0 + nq` of group `g` against keys `k0..k0 + nk`, or `None` when the
+    /// mask hides those keys from all those rows.
+    fn tile(
+        &self,
+        d: &Dims,
+        g: usize,
+        (r0, nq): (usize, usize),
+        (k0, nk): (usize, usize),
+    ) -> Option<Tile> {
+        let (lo, hi) = (k0 as u32, (k0 + nk) as u32);
+        let mut all_shown = true;
+        let mut any_shown = false;
+        for row in r0..r0 + nq {
+            let span = self.spans[self.mask_row(d, g, row)];
+            any_shown |= span.lo < hi && lo < span.hi;
+            all_shown &= span.dense && span.lo <= lo && hi <= span.hi;
+        }
+        any_shown.then_some(Tile {
+            g,
+            r0,
+            nq,
+            k0,
+            nk,
+            edge: !all_shown,
+        })
+    }
+
+    /// Soft cap and mask on the tile's raw scores `s`; with a cap, `tanh` of each capped
+    /// score goes to `tanh_out` for the backward.
+    fn apply(&self, d: &Dims, t: &Tile, s: &mut [f32], tanh_out: Option<&mut [f32]>) {
+        if let Some(cap) = self.softcap {
+            match tanh_out {
+                Some(t) => {
+                    for (v, t) in s.iter_mut().zip(t.iter_mut()) {
+                        *t = (*v / cap).tanh();
+                        *v = *t * cap;
+                    }
+                }
+                None => {
+                    for v in s.iter_mut() {
+                        *v = (*v / cap).tanh() * cap;
+                    }
+                }
+            }
+        }
+        if t.edge {
+            for (row, s_row) in (t.r0..t.r0 + t.nq).zip(s.chunks_exact_mut(t.nk)) {
+                let m = &self.mask[self.mask_row(d, t.g, row) * d.k_len + t.k0..][..t.nk];
+                for (v, &m) in s_row.iter_mut().zip(m) {
+                    *v += m;
+                }
+            }
+        }
+    }
+}
+
+/// A row-major matrix operand: element `(i, j)` at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn rows(data: &'a [f32], row_len: usize) -> Self {
+        Self {
+            data,
+            rs: row_len,
+            cs: 1,
+        }
+    }
+    /// The transpose of a row-major `[_, row_len]` matrix.
+    fn transposed(data: &'a [f32], row_len: usize) -> Self {
+        Self {
+            data,
+            rs: 1,
+            cs: row_len,
+        }
+    }
+    fn covers(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst[m, n] (row-major) = lhs[m, k] @ rhs[k, n]`, or `+=` with `accumulate`.
+fn matmul(
+    dst: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: Operand,
+    rhs: Operand,
+    accumulate: bool,
+) {
+    assert!(
+        dst.len() >= m * n && lhs.covers(m, k) && rhs.covers(k, n),
+        "attention block matmul operands out of bounds"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: the assert above keeps every element gemm reads or writes inside the slices:
+    // dst is m x n with row stride n, lhs and rhs are covered by their strides.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+multiversion! {
+    /// One online-softmax step for a block: `s` holds the block's scores and becomes their
+    /// `exp(s - m_new)`; the running max `m`, sum `l` and output rows `o` are rescaled.
+    fn online_softmax(s: &mut [f32], m: &mut [f32], l: &mut [f32], o: &mut [f32], nk: usize, dim: usize) {
+        for (((s_row, m), l), o_row) in s
+            .chunks_exact_mut(nk)
+            .zip(m.iter_mut())
+            .zip(l.iter_mut())
+            .zip(o.chunks_exact_mut(dim))
+        {
+            let block_max = simd::max(s_row);
+            let m_new = if block_max > *m { block_max } else { *m };
+            // exp(-inf) is 0: the first block rescales nothing.
+            let correction = simd::exp(*m - m_new);
+            let sum = simd::exp_shifted_in_place(s_row, m_new);
+            *l = *l * correction + sum;
+            *m = m_new;
+            if correction != 1.0 {
+                for v in o_row.iter_mut() {
+                    *v *= correction;
+                }
+            }
+        }
+    }
+}
+
+/// Each query row's softmax statistics: the scores' max and the inverse of the sum of
+/// `exp(s - max)`. Kept apart rather than as one log-sum-exp, which loses the sum in fp32
+/// when the max is a -1e30 mask value (a row that hides every key).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowStats {
+    pub max: f32,
+    pub inv_sum: f32,
+}
+
+multiversion! {
+    /// `s = exp(s - max) / sum` per row: the probabilities from the forward's statistics.
+    fn probabilities(s: &mut [f32], stats: &[RowStats], nk: usize) {
+        for (s_row, st) in s.chunks_exact_mut(nk).zip(stats) {
+            simd::exp_shifted_in_place(s_row, st.max);
+            for v in s_row.iter_mut() {
+                *v *= st.inv_sum;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `dp = p * (dp - delta)` per row, times `1 - tanh^2` under a soft cap: the scores'
+    /// gradient from the probabilities' (`dp`), `delta = rowsum(dO * O)`.
+    fn score_grad(p: &[f32], dp: &mut [f32], delta: &[f32], tanh: Option<&[f32]>, nk: usize) {
+        for ((p_row, dp_row), &delta) in p.chunks_exact(nk).zip(dp.chunks_exact_mut(nk)).zip(delta) {
+            for (g, &p) in dp_row.iter_mut().zip(p_row) {
+                *g = p * (*g - delta);
+            }
+        }
+        if let Some(t) = tanh {
+            for (g, &t) in dp.iter_mut().zip(t) {
+                *g *= 1.0 - t * t;
+            }
+        }
+    }
+}
+
+/// Scratch for one block pair.
+struct Scratch {
+    s: Vec<f32>,
+    dp: Vec<f32>,
+    tanh: Option<Vec<f32>>,
+}
+
+impl Scratch {
+    fn new(softcap: bool) -> Self {
+        Self {
+            s: vec![0.0; BLOCK_Q * BLOCK_K],
+            dp: vec![0.0; BLOCK_Q * BLOCK_K],
+            tanh: softcap.then(|| vec![0.0; BLOCK_Q * BLOCK_K]),
+        }
+    }
+}
+
+/// The attention inputs of one call.
+#[derive(Clone, Copy)]
+pub struct Inputs<'a> {
+    pub dims: Dims,
+    /// `[batch, kv_heads, rows, dim]`, contiguous, already scaled.
+    pub q: &'a [f32],
+    pub k: HeadRows<'a>,
+    pub v: HeadRows<'a>,
+    pub masking: Masking<'a>,
+}
+
+impl Inputs<'_> {
+    fn q_rows(&self, g: usize, r0: usize, n: usize) -> &[f32] {
+        let d = &self.dims;
+        &self.q[(g * d.rows + r0) * d.dim..][..n * d.dim]
+    }
+
+    /// The tile's probabilities (or, in the forward, its masked scores) into `scratch.s`;
+    /// `stats` turn scores into probabilities.
+    fn tile_scores(&self, t: &Tile, scratch: &mut Scratch, stats: Option<&[RowStats]>) {
+        let d = &self.dims;
+        let Tile {
+            g, r0, nq, k0, nk, ..
+        } = *t;
+        let s = &mut scratch.s[..nq * nk];
+        matmul(
+            s,
+            nq,
+            nk,
+            d.dim,
+            Operand::rows(self.q_rows(g, r0, nq), d.dim),
+            Operand::transposed(self.k.rows(d, g, k0, nk), d.dim),
+            false,
+        );
+        let tanh = scratch.tanh.as_mut().map(|t| &mut t[..nq * nk]);
+        self.masking.apply(d, t, s, tanh);
+        if let Some(stats) = stats {
+            probabilities(s, stats, nk);
+        }
+    }
+}
+
+/// The forward: the output `[batch, kv_heads, rows, dim]` and each query row's softmax
+/// statistics `[batch, kv_heads, rows]` (what the backward needs).
+pub fn forward(x: &Inputs) -> (Vec<f32>, Vec<RowStats>) {
+    let d = x.dims;
+    let mut out = vec![0.0f32; d.groups() * d.rows * d.dim];
+    let mut stats = vec![RowStats::default(); d.groups() * d.rows];
+    if d.rows == 0 || d.dim == 0 {
+        return (out, stats);
+    }
+    out.par_chunks_mut(d.rows * d.dim)
+        .zip(stats.par_chunks_mut(d.rows))
+        .enumerate()
+        .for_each(|(g, (out_g, stats_g))| {
+            out_g
+                .par_chunks_mut(BLOCK_Q * d.dim)
+                .zip(stats_g.par_chunks_mut(BLOCK_Q))
+                .enumerate()
+                .for_each(|(qb, (o, st))| forward_block(x, g, qb * BLOCK_Q, o, st));
+        });
+    (out, stats)
+}
+
+fn forward_block(x: &Inputs, g: usize, r0: usize, o: &mut [f32], stats: &mut [RowStats]) {
+    let d = &x.dims;
+    let nq = stats.len();
+    let mut scratch = Scratch::new(false);
+    let mut m = vec![f32::NEG_INFINITY; nq];
+    let mut l = vec![0.0f32; nq];
+    for k0 in (0..d.k_len).step_by(BLOCK_K) {
+        let nk = BLOCK_K.min(d.k_len - k0);
+        let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
+            continue;
+        };
+        x.tile_scores(&tile, &mut scratch, None);
+        let p = &mut scratch.s[..nq * nk];
+        online_softmax(p, &mut m, &mut l, o, nk, d.dim);
+        matmul(
+            o,
+            nq,
+            d.dim,
+            nk,
+            Operand::rows(p, nk),
+            Operand::rows(x.v.rows(d, g, k0, nk), d.dim),
+            true,
+        );
+    }
+    for ((o_row, st), (&m, &l)) in o
+        .chunks_exact_mut(d.dim)
+        .zip(stats.iter_mut())
+        .zip(m.iter().zip(&l))
+    {
+        let inv = 1.0 / l;
+        for v in o_row.iter_mut() {
+            *v *= inv;
+        }
+        *st = RowStats {
+            max: m,
+            inv_sum: inv,
+        };
+    }
+}
+
+/// What the backward reads besides the inputs: the forward's output and row statistics, and
+/// the output's gradient, all `[batch, kv_heads, rows, ..]` contiguous.
+#[derive(Clone, Copy)]
+pub struct Saved<'a> {
+    pub out: &'a [f32],
+    pub stats: &'a [RowStats],
+    pub grad_out: &'a [f32],
+}
+
+/// The gradients of the queries, keys and values: `dq` like `q`, `dk` and `dv`
+/// `[batch, kv_heads, k_len, dim]` contiguous.
+pub struct Grads {
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
+pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
+    let d = x.dims;
+    let mut dq = vec![0.0f32; d.groups() * d.rows * d.dim];
+    let mut dk = vec![0.0f32; d.groups() * d.k_len * d.dim];
+    let mut dv = vec![0.0f32; d.groups() * d.k_len * d.dim];
+    if d.rows == 0 || d.dim == 0 || d.k_len == 0 {
+        return Grads { dq, dk, dv };
+    }
+    // delta = rowsum(dO * O): the softmax backward's per-row term.
+    let delta: Vec<f32> = saved
+        .out
+        .par_chunks(d.dim)
+        .zip(saved.grad_out.par_chunks(d.dim))
+        .map(|(o, g)| simd::dot(o, g))
+        .collect();
+    let blocks = KeyBlockGrads {
+        x,
+        saved,
+        delta: &delta,
+    };
+    // Keys and values: each key block sweeps every query block of its group.
+    dk.par_chunks_mut(d.k_len * d.dim)
+        .zip(dv.par_chunks_mut(d.k_len * d.dim))
+        .enumerate()
+        .for_each(|(g, (dk_g, dv_g))| {
+            dk_g.par_chunks_mut(BLOCK_K * d.dim)
+                .zip(dv_g.par_chunks_mut(BLOCK_K * d.dim))
+                .enumerate()
+                .for_each(|(kb, (dk, dv))| blocks.key_block(g, kb * BLOCK_K, dk, dv));
+        });
+    // Queries: each query block sweeps every key block.
+    dq.par_chunks_mut(d.rows * d.dim)
+        .enumerate()
+        .for_each(|(g, dq_g)| {
+            dq_g.par_chunks_mut(BLOCK_Q * d.dim)
+                .enumerate()
+                .for_each(|(qb, dq)| blocks.query_block(g, qb * BLOCK_Q, dq));
+        });
+    Grads { dq, dk, dv }
+}
+
+struct KeyBlockGrads<'a> {
+    x: &'a Inputs<'a>,
+    saved: &'a Saved<'a>,
+    delta: &'a [f32],
+}
+
+impl KeyBlockGrads<'_> {
+    /// The tile's probabilities into `scratch.s` and its scores' gradient into `scratch.dp`.
+    fn tile(&self, t: &Tile, scratch: &mut Scratch) {
+        let x = self.x;
+        let d = &x.dims;
+        let Tile {
+            g, r0, nq, k0, nk, ..
+        } = *t;
+        let row0 = g * d.rows + r0;
+        x.tile_scores(t, scratch, Some(&self.saved.stats[row0..row0 + nq]));
+        // dP = dO @ V^T
+        let dp = &mut scratch.dp[..nq * nk];
+        matmul(
+            dp,
+            nq,
+            nk,
+            d.dim,
+            Operand::rows(&self.saved.grad_out[row0 * d.dim..][..nq * d.dim], d.dim),
+            Operand::transposed(x.v.rows(d, g, k0, nk), d.dim),
+            false,
+        );
+        score_grad(
+            &scratch.s[..nq * nk],
+            dp,
+            &self.delta[row0..row0 + nq],
+            scratch.tanh.as_deref().map(|t| &t[..nq * nk]),
+            nk,
+        );
+    }
+
+    fn key_block(&self, g: usize, k0: usize, dk: &mut [f32], dv: &mut [f32]) {
+        let x = self.x;
+        let d = &x.dims;
+        let nk = dk.len() / d.dim;
+        let mut scratch = Scratch::new(x.masking.softcap.is_some());
+        for r0 in (0..d.rows).step_by(BLOCK_Q) {
+            let nq = BLOCK_Q.min(d.rows - r0);
+            let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
+                continue;
+            };
+            self.tile(&tile, &mut scratch);
+            let row0 = g * d.rows + r0;
+            // dV += P^T @ dO
+            matmul(
+                dv,
+                nk,
+                d.dim,
+                nq,
+                Operand::transposed(&scratch.s[..nq * nk], nk),
+                Operand::rows(&self.saved.grad_out[row0 * d.dim..][..nq * d.dim], d.dim),
+                true,
+            );
+            // dK += dS^T @ Q
+            matmul(
+                dk,
+                nk,
+                d.dim,
+                nq,
+                Operand::transposed(&scratch.dp[..nq * nk], nk),
+                Operand::rows(x.q_rows(g, r0, nq), d.dim),
+                true,
+            );
+        }
+    }
+
+    fn query_block(&self, g: usize, r0: usize, dq: &mut [f32]) {
+        let x = self.x;
+        let d = &x.dims;
+        let nq = dq.len() / d.dim;
+        let mut scratch = Scratch::new(x.masking.softcap.is_some());
+        for k0 in (0..d.k_len).step_by(BLOCK_K) {
+            let nk = BLOCK_K.min(d.k_len - k0);
+            let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
+                continue;
+            };
+            self.tile(&tile, &mut scratch);
+            // dQ += dS @ K
+            matmul(
+                dq,
+                nq,
+                d.dim,
+                nk,
+                Operand::rows(&scratch.dp[..nq * nk], nk),
+                Operand::rows(x.k.rows(d, g, k0, nk), d.dim),
+                true,
+            );
+        }
+    }
+}
