@@ -10,6 +10,8 @@
 #   RUNS="smollm2-135m:lora:1:128:3" benches/compare.sh
 #   RUNS="smollm2-135m:dora:4:256:2" benches/compare.sh   # DoRA against torchtune's DoRALinear
 #   RUNS="llama3.2-1b:qlora:1:256:2" benches/compare.sh   # QLoRA (qdora: QDoRA) against torchtune's
+#   COMPOSED=1 RUNS="smollm2-135m:lora:1:2048:1" benches/compare.sh   # tune also with burn's
+#                                      # composed attention (--attention composed), as a row of its own
 #   TUNE=path/to/tune PYTHON=python3 benches/compare.sh   # a prebuilt tune and a Python that has
 #                                      # torch (a GPU machine without cargo or network)
 set -euo pipefail
@@ -43,8 +45,10 @@ for run in $RUNS; do
   args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE" --dtype "$DTYPE")
   echo "== $run" >&2
   "$TUNE" bench "${args[@]}" --json >> "$OUT"
+  if [ "${COMPOSED:-0}" = 1 ]; then "$TUNE" bench "${args[@]}" --attention composed --json >> "$OUT" || true; fi
   # DoRA and NF4 bases have no plain-PyTorch model here: torchtune's modules are the reference.
-  case "$mode" in dora|qlora|qdora) ;; *) "$PYTHON" benches/pytorch_reference.py "${args[@]}" >> "$OUT" ;; esac
+  # A reference that runs out of memory (killed) is reported, and the other rows still run.
+  case "$mode" in dora|qlora|qdora) ;; *) "$PYTHON" benches/pytorch_reference.py "${args[@]}" >> "$OUT" || echo "== $run: PyTorch failed (exit $?)" >&2 ;; esac
   if "$PYTHON" -c "import torchtune.models.llama3" 2>/dev/null; then
     "$PYTHON" benches/pytorch_reference.py "${args[@]}" --impl torchtune >> "$OUT" || true
   fi

@@ -2,6 +2,9 @@
 //! temperature, top-k and top-p (nucleus) filtering and a draw from a seeded host RNG. The
 //! draw happens on the host so a seed gives the same text on every backend.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -87,21 +90,31 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// Probabilities after temperature, top-k and top-p, as `(token, probability)` in order of
 /// decreasing probability (ties by token id), renormalised to sum to one.
+///
+/// With top-k (the generation configs' 300), only the k candidates (and tokens tied with the
+/// k-th, as torchtune, which drops only `probs < pivot`) are ever copied out of the logits: the
+/// k-th largest is found with a k-sized heap in one pass over the vocabulary.
 pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)> {
     let t = params.temperature.max(f64::MIN_POSITIVE);
-    let mut order: Vec<(u32, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l as f64 / t))
-        .collect();
+    let scaled = |l: f32| l as f64 / t;
+    let mut order: Vec<(u32, f64)> = match params.top_k.filter(|&k| k > 0 && k < logits.len()) {
+        Some(k) => {
+            // Dividing by t > 0 keeps the order and the ties, so the k-th largest logit is the
+            // k-th largest scaled one.
+            let pivot = scaled(kth_largest(logits, k));
+            logits
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &l)| (scaled(l) >= pivot).then_some((i as u32, scaled(l))))
+                .collect()
+        }
+        None => logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, scaled(l)))
+            .collect(),
+    };
     let by_logit = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    if let Some(k) = params.top_k.filter(|&k| k > 0 && k < order.len()) {
-        // Only the top k need sorting: select the k-th in O(vocab), then keep it, everything
-        // above it, and (as torchtune, which drops only `probs < pivot`) every token tied with it.
-        order.select_nth_unstable_by(k - 1, by_logit);
-        let pivot = order[k - 1].1;
-        order.retain(|(_, l)| *l >= pivot);
-    }
     order.sort_by(by_logit);
     let max = order.first().map_or(0.0, |(_, l)| *l);
     let mut probs: Vec<(u32, f64)> = order
@@ -125,6 +138,36 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)
         normalise(&mut probs);
     }
     probs
+}
+
+/// The `k`-th largest of `values` (`0 < k <= values.len()`) in the total order, from a min-heap
+/// of the `k` largest seen so far.
+fn kth_largest(values: &[f32], k: usize) -> f32 {
+    #[derive(PartialEq)]
+    struct Total(f32);
+    impl Eq for Total {}
+    impl PartialOrd for Total {
+        fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Total {
+        fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+            self.0.total_cmp(&other.0)
+        }
+    }
+    let mut heap = BinaryHeap::with_capacity(k);
+    for &v in values {
+        if heap.len() < k {
+            heap.push(Reverse(Total(v)));
+        } else if let Some(mut smallest) = heap.peek_mut()
+            && v.total_cmp(&smallest.0.0).is_gt()
+        {
+            *smallest = Reverse(Total(v));
+        }
+    }
+    heap.peek()
+        .map_or(f32::NEG_INFINITY, |smallest| smallest.0.0)
 }
 
 fn normalise(probs: &mut [(u32, f64)]) {

@@ -10,12 +10,13 @@
 //! skipped (the upper triangle of a causal mask: half the work), blocks it shows in full skip
 //! the mask add, and only the blocks on its edge read it.
 //!
-//! The structure is the one GPU flash-attention kernels use (FlashAttention-2; Triton's
-//! fused-attention tutorial): the forward's unit of work is a query block sweeping key blocks;
-//! the backward runs two sweeps, key blocks over query blocks for `dK`/`dV` and query blocks
-//! over key blocks for `dQ`, so no two tasks write the same output and nothing is atomic. Each
-//! unit maps to one thread block of a cubecl kernel; here to one rayon task, with the block
-//! matmuls on the `gemm` crate (burn-flex's matmul).
+//! The structure is the one GPU flash-attention kernels use (FlashAttention-2): the unit of
+//! work is a query block sweeping the key blocks it sees, in the forward and in the backward.
+//! The backward's tile recomputes the probabilities and takes five block products (scores,
+//! `dP`, `dV`, `dK`, `dQ`); a task owns its query blocks' `dQ` and sums `dK`/`dV` for its group
+//! in a buffer of its own, added up at the end (on a GPU: atomic adds, or a split reduction).
+//! Each unit maps to one thread block of a cubecl kernel; here to one rayon task, with the
+//! block products on the `gemm` crate (burn-flex's matmul).
 
 use rayon::prelude::*;
 
@@ -486,39 +487,52 @@ pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
         .zip(saved.grad_out.par_chunks(d.dim))
         .map(|(o, g)| simd::dot(o, g))
         .collect();
-    let blocks = KeyBlockGrads {
+    let sweep = BackwardSweep {
         x,
         saved,
         delta: &delta,
     };
-    // Keys and values: each key block sweeps every query block of its group.
-    dk.par_chunks_mut(d.k_len * d.dim)
-        .zip(dv.par_chunks_mut(d.k_len * d.dim))
-        .enumerate()
-        .for_each(|(g, (dk_g, dv_g))| {
-            dk_g.par_chunks_mut(BLOCK_K * d.dim)
-                .zip(dv_g.par_chunks_mut(BLOCK_K * d.dim))
-                .enumerate()
-                .for_each(|(kb, (dk, dv))| blocks.key_block(g, kb * BLOCK_K, dk, dv));
-        });
-    // Queries: each query block sweeps every key block.
-    dq.par_chunks_mut(d.rows * d.dim)
-        .enumerate()
-        .for_each(|(g, dq_g)| {
-            dq_g.par_chunks_mut(BLOCK_Q * d.dim)
-                .enumerate()
-                .for_each(|(qb, dq)| blocks.query_block(g, qb * BLOCK_Q, dq));
-        });
+    // Every group's query blocks dealt round-robin to `parts` tasks (so each gets early and
+    // late causal blocks alike), enough tasks for every thread.
+    let q_blocks = d.rows.div_ceil(BLOCK_Q);
+    let parts = (2 * rayon::current_num_threads())
+        .div_ceil(d.groups())
+        .clamp(1, q_blocks);
+    let results: Vec<PartGrads> = (0..d.groups() * parts)
+        .into_par_iter()
+        .map(|task| sweep.part(task / parts, task % parts, parts))
+        .collect();
+    let group_len = d.k_len * d.dim;
+    for part in results {
+        for (r0, block) in part.dq {
+            let start = (part.g * d.rows + r0) * d.dim;
+            dq[start..start + block.len()].copy_from_slice(&block);
+        }
+        let range = part.g * group_len..(part.g + 1) * group_len;
+        for (sum, add) in [(&mut dk[range.clone()], part.dk), (&mut dv[range], part.dv)] {
+            for (s, a) in sum.iter_mut().zip(add) {
+                *s += a;
+            }
+        }
+    }
     Grads { dq, dk, dv }
 }
 
-struct KeyBlockGrads<'a> {
+/// One backward task's share: whole `dQ` blocks, and partial `dK`/`dV` sums for its group.
+struct PartGrads {
+    g: usize,
+    dq: Vec<(usize, Vec<f32>)>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+struct BackwardSweep<'a> {
     x: &'a Inputs<'a>,
     saved: &'a Saved<'a>,
     delta: &'a [f32],
 }
 
-impl KeyBlockGrads<'_> {
+impl BackwardSweep<'_> {
     /// The tile's probabilities into `scratch.s` and its scores' gradient into `scratch.dp`.
     fn tile(&self, t: &Tile, scratch: &mut Scratch) {
         let x = self.x;
@@ -535,7 +549,7 @@ impl KeyBlockGrads<'_> {
             nq,
             nk,
             d.dim,
-            Operand::rows(&self.saved.grad_out[row0 * d.dim..][..nq * d.dim], d.dim),
+            Operand::rows(self.grad_out(row0, nq), d.dim),
             Operand::transposed(x.v.rows(d, g, k0, nk), d.dim),
             false,
         );
@@ -548,62 +562,130 @@ impl KeyBlockGrads<'_> {
         );
     }
 
-    fn key_block(&self, g: usize, k0: usize, dk: &mut [f32], dv: &mut [f32]) {
-        let x = self.x;
-        let d = &x.dims;
-        let nk = dk.len() / d.dim;
-        let mut scratch = Scratch::new(x.masking.softcap.is_some());
-        for r0 in (0..d.rows).step_by(BLOCK_Q) {
-            let nq = BLOCK_Q.min(d.rows - r0);
-            let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
-                continue;
-            };
-            self.tile(&tile, &mut scratch);
-            let row0 = g * d.rows + r0;
-            // dV += P^T @ dO
-            matmul(
-                dv,
-                nk,
-                d.dim,
-                nq,
-                Operand::transposed(&scratch.s[..nq * nk], nk),
-                Operand::rows(&self.saved.grad_out[row0 * d.dim..][..nq * d.dim], d.dim),
-                true,
-            );
-            // dK += dS^T @ Q
-            matmul(
-                dk,
-                nk,
-                d.dim,
-                nq,
-                Operand::transposed(&scratch.dp[..nq * nk], nk),
-                Operand::rows(x.q_rows(g, r0, nq), d.dim),
-                true,
-            );
-        }
+    fn grad_out(&self, row0: usize, nq: usize) -> &[f32] {
+        let dim = self.x.dims.dim;
+        &self.saved.grad_out[row0 * dim..][..nq * dim]
     }
 
-    fn query_block(&self, g: usize, r0: usize, dq: &mut [f32]) {
+    /// Query blocks `part, part + parts, ...` of group `g`, each sweeping the key blocks its
+    /// rows see: 5 block products per tile (scores, dP, dV, dK, dQ).
+    fn part(&self, g: usize, part: usize, parts: usize) -> PartGrads {
         let x = self.x;
         let d = &x.dims;
-        let nq = dq.len() / d.dim;
+        let mut out = PartGrads {
+            g,
+            dq: Vec::new(),
+            dk: vec![0.0; d.k_len * d.dim],
+            dv: vec![0.0; d.k_len * d.dim],
+        };
         let mut scratch = Scratch::new(x.masking.softcap.is_some());
-        for k0 in (0..d.k_len).step_by(BLOCK_K) {
-            let nk = BLOCK_K.min(d.k_len - k0);
-            let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
-                continue;
-            };
-            self.tile(&tile, &mut scratch);
-            // dQ += dS @ K
-            matmul(
-                dq,
-                nq,
-                d.dim,
-                nk,
-                Operand::rows(&scratch.dp[..nq * nk], nk),
-                Operand::rows(x.k.rows(d, g, k0, nk), d.dim),
-                true,
-            );
+        for r0 in (part * BLOCK_Q..d.rows).step_by(parts * BLOCK_Q) {
+            let nq = BLOCK_Q.min(d.rows - r0);
+            let row0 = g * d.rows + r0;
+            let mut dq = vec![0.0f32; nq * d.dim];
+            for k0 in (0..d.k_len).step_by(BLOCK_K) {
+                let nk = BLOCK_K.min(d.k_len - k0);
+                let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
+                    continue;
+                };
+                self.tile(&tile, &mut scratch);
+                let keys = k0 * d.dim..(k0 + nk) * d.dim;
+                // dV += P^T @ dO
+                matmul(
+                    &mut out.dv[keys.clone()],
+                    nk,
+                    d.dim,
+                    nq,
+                    Operand::transposed(&scratch.s[..nq * nk], nk),
+                    Operand::rows(self.grad_out(row0, nq), d.dim),
+                    true,
+                );
+                // dK += dS^T @ Q
+                matmul(
+                    &mut out.dk[keys],
+                    nk,
+                    d.dim,
+                    nq,
+                    Operand::transposed(&scratch.dp[..nq * nk], nk),
+                    Operand::rows(x.q_rows(g, r0, nq), d.dim),
+                    true,
+                );
+                // dQ += dS @ K
+                matmul(
+                    &mut dq,
+                    nq,
+                    d.dim,
+                    nk,
+                    Operand::rows(&scratch.dp[..nq * nk], nk),
+                    Operand::rows(x.k.rows(d, g, k0, nk), d.dim),
+                    true,
+                );
+            }
+            out.dq.push((r0, dq));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: f32 = -1.0e30;
+
+    fn causal(q_len: usize) -> Vec<f32> {
+        (0..q_len * q_len)
+            .map(|i| if i % q_len > i / q_len { H } else { 0.0 })
+            .collect()
+    }
+
+    #[test]
+    fn spans_cover_the_shown_keys() {
+        let mask = [
+            [0.0, H, H, H],   // causal row 0
+            [H, 0.0, 0.0, H], // a window
+            [H, H, H, H],     // hides every key: computed in full
+            [0.0, H, 0.0, H], // a hole: shown keys with a hidden one between
+        ]
+        .concat();
+        let span = |lo, hi, dense| RowSpan { lo, hi, dense };
+        assert_eq!(
+            row_spans(&mask, 4),
+            vec![
+                span(0, 1, true),
+                span(1, 3, true),
+                span(0, 4, false),
+                span(0, 3, false)
+            ]
+        );
+    }
+
+    #[test]
+    fn causal_tiles_above_the_diagonal_are_skipped_and_below_it_unmasked() {
+        let q_len = 2 * BLOCK_Q;
+        let mask = causal(q_len);
+        let spans = row_spans(&mask, q_len);
+        let masking = Masking {
+            mask: &mask,
+            spans: &spans,
+            mask_batch: 1,
+            softcap: None,
+        };
+        // Two query groups (n_rep 2): the second starts at position 0 again.
+        let d = Dims {
+            batch: 1,
+            kv_heads: 1,
+            rows: 2 * q_len,
+            q_len,
+            k_len: q_len,
+            dim: 4,
+        };
+        let tile = |r0, k0| masking.tile(&d, 0, (r0, BLOCK_Q), (k0, BLOCK_K));
+        for rep in [0, q_len] {
+            assert!(tile(rep, BLOCK_K).is_none(), "above the diagonal");
+            assert!(!tile(rep + BLOCK_Q, 0).unwrap().edge, "below the diagonal");
+            assert!(tile(rep, 0).unwrap().edge, "on the diagonal");
+            assert!(tile(rep + BLOCK_Q, BLOCK_K).unwrap().edge);
         }
     }
 }
