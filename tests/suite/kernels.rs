@@ -345,8 +345,10 @@ fn fused_attention_matches_the_composed_path_with_gradients() {
     // Cached keys: a chunk of queries after 100 positions, and one decoding step.
     let chunk = mask::causal::<Flex>(1, 5, 100, None, &device);
     check_attention("offset", [1, 3, 3, 16], &chunk, None);
+    // One query position: through autodiff it is the fused kernel (a decoding step without
+    // autodiff takes the composed path).
     let step = mask::causal::<Flex>(2, 1, 77, None, &device);
-    check_attention("decode", [2, 2, 4, 8], &step, None);
+    check_attention("one position", [2, 2, 4, 8], &step, None);
     // A row that hides every key: uniform weights, as the composed softmax gives.
     let mut host = vec![0.0f32; 3 * 70];
     host[70..140].fill(-1.0e30);
