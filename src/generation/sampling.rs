@@ -99,13 +99,14 @@ pub fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<(u32, f64)
     let scaled = |l: f32| l as f64 / t;
     let mut order: Vec<(u32, f64)> = match params.top_k.filter(|&k| k > 0 && k < logits.len()) {
         Some(k) => {
-            // Dividing by t > 0 keeps the order and the ties, so the k-th largest logit is the
-            // k-th largest scaled one.
-            let pivot = scaled(kth_largest(logits, k));
+            // Dividing by t > 0 keeps the order and the ties, so the candidates are found on
+            // the raw logits and only they are scaled.
+            let pivot = kth_largest(logits, k);
             logits
                 .iter()
                 .enumerate()
-                .filter_map(|(i, &l)| (scaled(l) >= pivot).then_some((i as u32, scaled(l))))
+                .filter(|&(_, &l)| l >= pivot)
+                .map(|(i, &l)| (i as u32, scaled(l)))
                 .collect()
         }
         None => logits
@@ -156,18 +157,19 @@ fn kth_largest(values: &[f32], k: usize) -> f32 {
             self.0.total_cmp(&other.0)
         }
     }
-    let mut heap = BinaryHeap::with_capacity(k);
-    for &v in values {
-        if heap.len() < k {
-            heap.push(Reverse(Total(v)));
-        } else if let Some(mut smallest) = heap.peek_mut()
-            && v.total_cmp(&smallest.0.0).is_gt()
-        {
-            *smallest = Reverse(Total(v));
+    let (first, rest) = values.split_at(k.min(values.len()));
+    let mut heap: BinaryHeap<Reverse<Total>> = first.iter().map(|&v| Reverse(Total(v))).collect();
+    // The heap's smallest, cached: most values are below it and cost one comparison.
+    let mut smallest = heap.peek().map_or(f32::NEG_INFINITY, |s| s.0.0);
+    for &v in rest {
+        if v.total_cmp(&smallest).is_gt() {
+            if let Some(mut top) = heap.peek_mut() {
+                *top = Reverse(Total(v));
+            }
+            smallest = heap.peek().map_or(f32::NEG_INFINITY, |s| s.0.0);
         }
     }
-    heap.peek()
-        .map_or(f32::NEG_INFINITY, |smallest| smallest.0.0)
+    smallest
 }
 
 fn normalise(probs: &mut [(u32, f64)]) {
