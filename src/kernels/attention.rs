@@ -1,8 +1,8 @@
 //! Fused causal attention on the CPU, flash-attention style: queries and keys in blocks, an
 //! online softmax, and a backward that recomputes each block's probabilities from the saved
-//! softmax statistics instead of keeping them. What it keeps for the backward is the output and one
-//! max and sum per query row, so memory is linear in the sequence length; the composed path
-//! keeps `batch * heads * q_len * k_len` probabilities per layer.
+//! softmax statistics instead of keeping them. What it keeps for the backward is the output
+//! and one max and sum per query row, so memory is linear in the sequence length; the composed
+//! path keeps `batch * heads * q_len * k_len` probabilities per layer.
 //!
 //! The layout is the decoder's grouped-query one: per (batch, kv head) group, queries
 //! `[n_rep * q_len, dim]` (query position fastest, already scaled), keys and values
@@ -103,15 +103,6 @@ pub struct HeadRows<'a> {
 }
 
 impl<'a> HeadRows<'a> {
-    pub fn contiguous(data: &'a [f32], d: &Dims) -> Self {
-        Self {
-            data,
-            offset: 0,
-            batch_stride: d.kv_heads * d.k_len * d.dim,
-            head_stride: d.k_len * d.dim,
-        }
-    }
-
     /// Rows `start..start + n` of group `g`.
     fn rows(&self, d: &Dims, g: usize, start: usize, n: usize) -> &'a [f32] {
         let (b, h) = (g / d.kv_heads, g % d.kv_heads);

@@ -121,6 +121,11 @@ pub fn attention<B: Backend>(
     }
 }
 
+/// Gemma 2's soft-capping of attention scores and final logits: `tanh(x / cap) * cap`.
+pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f64) -> Tensor<B, D> {
+    (x / cap).tanh() * cap
+}
+
 /// [`attention`] from burn's ops: the scores and probabilities are tensors, and autodiff
 /// keeps the probabilities for the backward.
 pub fn composed_attention<B: Backend>(
@@ -132,7 +137,7 @@ pub fn composed_attention<B: Backend>(
 ) -> Tensor<B, 4> {
     let mut scores = q.matmul(k.swap_dims(2, 3));
     if let Some(cap) = softcap {
-        scores = (scores / cap).tanh() * cap;
+        scores = self::softcap(scores, cap);
     }
     masked_softmax(scores, mask).matmul(v)
 }

@@ -10,7 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
-use crate::kernels::{attention, permute, silu};
+use crate::kernels::{attention, permute, silu, softcap};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -133,11 +133,6 @@ impl<B: Backend> Mlp<B> {
             .forward(gate * up, mode)
             .reshape([batch, seq, hidden])
     }
-}
-
-/// Gemma 2's soft-capping: `tanh(x / cap) * cap`, in fp32 like the scores around it.
-pub fn softcap<B: Backend, const D: usize>(x: Tensor<B, D>, cap: f64) -> Tensor<B, D> {
-    (x / cap).tanh() * cap
 }
 
 /// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
