@@ -24,12 +24,12 @@ pub trait FlexOp {
     fn autodiff<C: CheckpointStrategy>(&self, x: AutodiffFlexTensor<C>) -> AutodiffFlexTensor<C>;
 }
 
-/// A fused operation of three inputs (attention's queries, keys and values).
-pub trait FlexOp3 {
-    fn forward(&self, x: [&FlexTensor; 3]) -> FlexTensor;
+/// A fused operation of `N` inputs (attention's queries, keys and values).
+pub trait FlexOpN<const N: usize> {
+    fn forward(&self, x: [&FlexTensor; N]) -> FlexTensor;
     fn autodiff<C: CheckpointStrategy>(
         &self,
-        x: [AutodiffFlexTensor<C>; 3],
+        x: [AutodiffFlexTensor<C>; N],
     ) -> AutodiffFlexTensor<C>;
 }
 
@@ -70,36 +70,32 @@ pub fn on_flex<B: Backend, const D: usize, const E: usize, Op: FlexOp>(
     x: Tensor<B, D>,
     op: Op,
 ) -> Result<Tensor<B, E>, Tensor<B, D>> {
-    let x = match on_autodiff::<B, NoCheckpointing, D, E, Op>(x, &op) {
-        Ok(y) => return Ok(y),
-        Err(x) => x,
-    };
-    let x = match on_autodiff::<B, BalancedCheckpointing, D, E, Op>(x, &op) {
-        Ok(y) => return Ok(y),
-        Err(x) => x,
-    };
-    let x = cast::<Tensor<B, D>, Tensor<Flex, D>>(x)?;
-    let primitive = x.into_primitive().tensor();
-    if !flex::is_f32(&primitive) {
-        return Err(cast_back(Tensor::<Flex, D>::from_primitive(
-            TensorPrimitive::Float(primitive),
-        )));
+    struct One<Op>(Op);
+    impl<Op: FlexOp> FlexOpN<1> for One<Op> {
+        fn forward(&self, [x]: [&FlexTensor; 1]) -> FlexTensor {
+            self.0.forward(x)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            [x]: [AutodiffFlexTensor<C>; 1],
+        ) -> AutodiffFlexTensor<C> {
+            self.0.autodiff::<C>(x)
+        }
     }
-    let y = Tensor::<Flex, E>::from_primitive(TensorPrimitive::Float(op.forward(&primitive)));
-    Ok(cast_back(y))
+    on_flex_n([x], One(op)).map_err(|[x]| x)
 }
 
-/// [`on_flex`] for a three-input op: runs it when `B` is Flex or `Autodiff<Flex>` and every
+/// [`on_flex`] for an op of `N` inputs: runs it when `B` is Flex or `Autodiff<Flex>` and every
 /// input is f32, else hands the inputs back.
-pub fn on_flex3<B: Backend, const D: usize, const E: usize, Op: FlexOp3>(
-    x: [Tensor<B, D>; 3],
+pub fn on_flex_n<B: Backend, const N: usize, const D: usize, const E: usize, Op: FlexOpN<N>>(
+    x: [Tensor<B, D>; N],
     op: Op,
-) -> Result<Tensor<B, E>, [Tensor<B, D>; 3]> {
-    let x = match on_autodiff3::<B, NoCheckpointing, D, E, Op>(x, &op) {
+) -> Result<Tensor<B, E>, [Tensor<B, D>; N]> {
+    let x = match on_autodiff::<B, NoCheckpointing, N, D, E, Op>(x, &op) {
         Ok(y) => return Ok(y),
         Err(x) => x,
     };
-    let x = match on_autodiff3::<B, BalancedCheckpointing, D, E, Op>(x, &op) {
+    let x = match on_autodiff::<B, BalancedCheckpointing, N, D, E, Op>(x, &op) {
         Ok(y) => return Ok(y),
         Err(x) => x,
     };
@@ -116,17 +112,23 @@ pub fn on_flex3<B: Backend, const D: usize, const E: usize, Op: FlexOp3>(
             p.map(|t| cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t))))
         );
     }
-    let [q, k, v] = &p;
-    let y = op.forward([q, k, v]);
+    let y = op.forward(p.each_ref());
     Ok(cast_back(Tensor::<Flex, E>::from_primitive(
         TensorPrimitive::Float(y),
     )))
 }
 
-fn on_autodiff3<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize, Op: FlexOp3>(
-    x: [Tensor<B, D>; 3],
+fn on_autodiff<
+    B: Backend,
+    C: CheckpointStrategy,
+    const N: usize,
+    const D: usize,
+    const E: usize,
+    Op: FlexOpN<N>,
+>(
+    x: [Tensor<B, D>; N],
     op: &Op,
-) -> Result<Tensor<B, E>, [Tensor<B, D>; 3]> {
+) -> Result<Tensor<B, E>, [Tensor<B, D>; N]> {
     if TypeId::of::<B>() != TypeId::of::<Autodiff<Flex, C>>() {
         return Err(x);
     }
@@ -139,17 +141,6 @@ fn on_autodiff3<B: Backend, C: CheckpointStrategy, const D: usize, const E: usiz
         return Err(p.map(from_autodiff::<B, Flex, C, D>));
     }
     Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(p)))
-}
-
-fn on_autodiff<B: Backend, C: CheckpointStrategy, const D: usize, const E: usize, Op: FlexOp>(
-    x: Tensor<B, D>,
-    op: &Op,
-) -> Result<Tensor<B, E>, Tensor<B, D>> {
-    let primitive = as_autodiff::<B, Flex, C, D>(x)?;
-    if !flex::is_f32(&primitive.primitive) {
-        return Err(from_autodiff::<B, Flex, C, D>(primitive));
-    }
-    Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(primitive)))
 }
 
 /// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `x` is f32.

@@ -28,7 +28,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_flex::FlexTensor;
 
 pub use dispatch::is_flex;
-use dispatch::{AutodiffFlexTensor, FlexOp, FlexOp3, on_flex, on_flex3};
+use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 pub use nf4_linear::nf4_linear;
 
 use crate::precision;
@@ -89,7 +89,7 @@ pub fn attention<B: Backend>(
     softcap: Option<f64>,
 ) -> Tensor<B, 4> {
     struct Fused(flex::AttentionMasking);
-    impl FlexOp3 for Fused {
+    impl FlexOpN<3> for Fused {
         fn forward(&self, [q, k, v]: [&FlexTensor; 3]) -> FlexTensor {
             flex::attention_inference(q, k, v, &self.0)
         }
@@ -115,7 +115,7 @@ pub fn attention<B: Backend>(
         q_len,
         softcap: softcap.map(|c| c as f32),
     });
-    match on_flex3([q, k, v], op) {
+    match on_flex_n([q, k, v], op) {
         Ok(out) => out,
         Err([q, k, v]) => composed_attention(q, k, v, mask, softcap),
     }

@@ -1,13 +1,13 @@
 //! `tune bench --json`: the object `benches/compare.py` reads beside the PyTorch reference's,
-//! with the same keys and measured (non-zero) figures; an unknown shape is bad input.
+//! with the same keys and measured (non-zero) figures; an unknown shape or attention is bad input.
 
 use crate::support;
 
 use support::*;
 
-#[test]
-fn bench_json_has_the_reference_keys_and_real_figures() {
-    let run = tune_ok(&[
+/// `tune bench` of one tiny LoRA step of 16 tokens with `extra` arguments.
+fn tiny_bench(extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
         "bench",
         "--shape",
         "tiny",
@@ -20,14 +20,30 @@ fn bench_json_has_the_reference_keys_and_real_figures() {
         "--steps",
         "1",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    tune(&args)
+}
+
+fn report(run: &std::process::Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&run.stdout);
-    let report: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    serde_json::from_str(stdout.trim()).expect("one JSON object")
+}
+
+#[test]
+fn bench_json_has_the_reference_keys_and_real_figures() {
+    let report = report(&tiny_bench(&[]));
     assert_eq!(report["impl"], "tune");
     assert_eq!(report["shape"], "tiny");
     assert_eq!(report["mode"], "lora");
     assert_eq!(report["batch_size"], 1);
     assert_eq!(report["seq_len"], 16);
+    assert_eq!(report["attention"], "fused");
     for key in [
         "tokens_per_second",
         "step_seconds",
@@ -45,6 +61,19 @@ fn bench_json_has_the_reference_keys_and_real_figures() {
         (tps * step - 16.0).abs() < 1e-6,
         "tokens/s is tokens per step over step time"
     );
+}
+
+/// `--attention composed` measures burn's composed attention and says so; another value is
+/// refused with the choices.
+#[test]
+fn bench_attention_switch_is_reported_and_checked() {
+    let report = report(&tiny_bench(&["--attention", "composed"]));
+    assert_eq!(report["attention"], "composed");
+    assert!(report["tokens_per_second"].as_f64().unwrap_or(0.0) > 0.0);
+    let run = tiny_bench(&["--attention", "flash"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("fused, composed"), "{stderr}");
 }
 
 #[test]
