@@ -109,12 +109,12 @@ pub fn is_half<B: Backend, const D: usize>(t: &Tensor<B, D>) -> bool {
 
 /// `t` in fp32 (no operation when it already is).
 pub fn to_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    if is_half(&t) { t.cast(DType::F32) } else { t }
+    to_dtype(t, DType::F32)
 }
 
-/// `t` cast to `dtype` (no operation when it already is).
+/// `t` cast to `dtype` (no operation when it already is; a parallel pass on the CPU).
 pub fn to_dtype<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
-    if t.dtype() == dtype { t } else { t.cast(dtype) }
+    crate::kernels::cast(t, dtype)
 }
 
 /// An fp32 tensor from host values, whatever the device's default float dtype (loss masks,

@@ -10,7 +10,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
 use super::flex;
@@ -20,12 +20,20 @@ pub type AutodiffFlexTensor<C> = FloatTensor<Autodiff<Flex, C>>;
 
 /// A fused operation with a Flex forward and an autodiff version with its own backward.
 pub trait FlexOp {
+    /// Whether the op runs on an input of this dtype; f32 unless said.
+    fn accepts(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
     fn forward(&self, x: &FlexTensor) -> FlexTensor;
     fn autodiff<C: CheckpointStrategy>(&self, x: AutodiffFlexTensor<C>) -> AutodiffFlexTensor<C>;
 }
 
 /// A fused operation of `N` inputs (attention's queries, keys and values).
 pub trait FlexOpN<const N: usize> {
+    /// Whether the op runs on inputs of this dtype (all inputs share it); f32 unless said.
+    fn accepts(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
     fn forward(&self, x: [&FlexTensor; N]) -> FlexTensor;
     fn autodiff<C: CheckpointStrategy>(
         &self,
@@ -65,13 +73,17 @@ fn cast_back<From: 'static, To: 'static>(x: From) -> To {
 }
 
 /// Runs `op` on `x` when `B` is Flex or `Autodiff<Flex>` (either checkpoint strategy) and `x`
-/// is f32; otherwise hands `x` back for the caller's generic path.
+/// has a dtype the op accepts (f32 unless it says otherwise); otherwise hands `x` back for the
+/// caller's generic path.
 pub fn on_flex<B: Backend, const D: usize, const E: usize, Op: FlexOp>(
     x: Tensor<B, D>,
     op: Op,
 ) -> Result<Tensor<B, E>, Tensor<B, D>> {
     struct One<Op>(Op);
     impl<Op: FlexOp> FlexOpN<1> for One<Op> {
+        fn accepts(&self, dtype: DType) -> bool {
+            self.0.accepts(dtype)
+        }
         fn forward(&self, [x]: [&FlexTensor; 1]) -> FlexTensor {
             self.0.forward(x)
         }
@@ -86,7 +98,7 @@ pub fn on_flex<B: Backend, const D: usize, const E: usize, Op: FlexOp>(
 }
 
 /// [`on_flex`] for an op of `N` inputs: runs it when `B` is Flex or `Autodiff<Flex>` and every
-/// input is f32, else hands the inputs back.
+/// input has a dtype the op accepts (f32 unless it says otherwise), else hands the inputs back.
 pub fn on_flex_n<B: Backend, const N: usize, const D: usize, const E: usize, Op: FlexOpN<N>>(
     x: [Tensor<B, D>; N],
     op: Op,
@@ -107,7 +119,7 @@ pub fn on_flex_n<B: Backend, const N: usize, const D: usize, const E: usize, Op:
             .into_primitive()
             .tensor()
     });
-    if !p.iter().all(flex::is_f32) {
+    if !p.iter().all(|t| op.accepts(t.dtype())) {
         return Err(
             p.map(|t| cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t))))
         );
@@ -137,7 +149,7 @@ fn on_autodiff<
             .into_primitive()
             .tensor()
     });
-    if !p.iter().all(|t| flex::is_f32(&t.primitive)) {
+    if !p.iter().all(|t| op.accepts(t.primitive.dtype())) {
         return Err(p.map(from_autodiff::<B, Flex, C, D>));
     }
     Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(p)))

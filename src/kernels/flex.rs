@@ -11,10 +11,10 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
+use burn::tensor::{DType, Element, Shape, TensorData, TensorMetadata, bf16};
 use burn_flex::{Flex, FlexTensor};
 
-use super::{attention, rows};
+use super::{attention, bf16 as convert, rows};
 
 /// A contiguous f32 copy-free view of `t` (copies only when `t` is a strided view).
 fn contiguous(t: &FlexTensor) -> FlexTensor {
@@ -239,6 +239,14 @@ pub fn target_log_probs_autodiff<C: CheckpointStrategy>(
 /// innermost runs with `memcpy`; Flex's own copy walks such 4-D and 5-D layouts one element
 /// at a time.
 pub fn contiguous_copy(x: &FlexTensor) -> FlexTensor {
+    match x.dtype() {
+        DType::F32 => copy_runs::<f32>(x),
+        DType::BF16 => copy_runs::<bf16>(x),
+        _ => x.to_contiguous(),
+    }
+}
+
+fn copy_runs<E: Element + bytemuck::Pod>(x: &FlexTensor) -> FlexTensor {
     let layout = x.layout();
     let shape = layout.shape().clone();
     let strides = layout.strides().to_vec();
@@ -246,12 +254,12 @@ pub fn contiguous_copy(x: &FlexTensor) -> FlexTensor {
     let total = shape.num_elements();
     let runs_are_contiguous =
         rank >= 2 && strides[rank - 1] == 1 && strides.iter().all(|&s| s >= 0);
-    if x.is_contiguous() || !is_f32(x) || !runs_are_contiguous || total == 0 {
+    if x.is_contiguous() || !runs_are_contiguous || total == 0 {
         return x.to_contiguous();
     }
     let run = shape[rank - 1];
-    let src: &[f32] = x.storage();
-    let mut out: Vec<f32> = Vec::with_capacity(total);
+    let src: &[E] = x.storage();
+    let mut out: Vec<E> = Vec::with_capacity(total);
     let mut index = vec![0usize; rank - 1];
     let mut offset = layout.start_offset() as isize;
     loop {
@@ -261,7 +269,7 @@ pub fn contiguous_copy(x: &FlexTensor) -> FlexTensor {
         let mut dim = rank - 1;
         loop {
             if dim == 0 {
-                return new_tensor(out, shape);
+                return FlexTensor::from_data(TensorData::new(out, shape));
             }
             dim -= 1;
             index[dim] += 1;
@@ -457,5 +465,50 @@ pub fn attention_autodiff<C: CheckpointStrategy>(
             out,
         ),
         OpsKind::UnTracked(prep) => prep.finish(out),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 <-> f32 casts.
+
+/// `x` (f32 or bf16) in the other of the two dtypes, contiguous.
+pub fn cast_forward(x: &FlexTensor, dtype: DType) -> FlexTensor {
+    match dtype {
+        DType::F32 => convert::to_f32(&contiguous_copy(x)),
+        _ => convert::to_bf16(x),
+    }
+}
+
+#[derive(Debug)]
+struct CastBackward;
+
+impl Backward<Flex, 1> for CastBackward {
+    /// The input's dtype, which the gradient goes back to.
+    type State = DType;
+
+    fn backward(self, ops: Ops<DType, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dtype = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            if grad.dtype() == dtype {
+                grad
+            } else {
+                cast_forward(&grad, dtype)
+            }
+        });
+    }
+}
+
+pub fn cast_autodiff<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+    dtype: DType,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let y = cast_forward(&x.primitive, dtype);
+    match CastBackward
+        .prepare::<C>([x.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(x.primitive.dtype(), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
     }
 }

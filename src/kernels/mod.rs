@@ -12,8 +12,10 @@
 //! libm. Together that was about a third of a tiny-model LoRA step.
 
 pub mod attention;
+pub mod bf16;
 mod dispatch;
 mod flex;
+mod matmul;
 mod nf4_linear;
 pub mod optim;
 pub mod rows;
@@ -24,14 +26,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_flex::FlexTensor;
 
 pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
+pub use matmul::matmul;
 pub use nf4_linear::nf4_linear;
-
-use crate::precision;
 
 /// An additive attention mask `[mask_batch, q_len, k_len]` (0 where a query may see a key,
 /// a large negative value elsewhere), shared by every head: `mask_batch` is 1 when all rows
@@ -55,7 +56,10 @@ impl<B: Backend> AttentionMask<B> {
     /// whatever the run's dtype: it is added to scores the softmax upcasts).
     pub fn new(host: Vec<f32>, dims: [usize; 3], device: &B::Device) -> Self {
         let spans = attention::row_spans(&host, dims[2]);
-        let tensor = precision::f32_tensor(host.clone(), dims, device);
+        let tensor = Tensor::from_data(
+            TensorData::new(host.clone(), dims),
+            TensorCreationOptions::new(device.clone()).with_dtype(DType::F32),
+        );
         Self {
             host: Arc::new(host),
             spans: Arc::new(spans),
@@ -77,10 +81,12 @@ pub fn set_fused_attention(enabled: bool) {
 /// dim]` (already scaled) and keys and values `[batch, kv_heads, k_len, dim]`: grouped-query
 /// attention as one batched product per kv head.
 ///
-/// On Flex in fp32 it is the fused kernel ([`attention`](mod@attention)): blocks, online
-/// softmax, and a backward that recomputes the probabilities, so a layer keeps no
-/// `q_len * k_len` scores for the backward. Elsewhere (bf16, CUDA, wgpu), and for a decoding
-/// step (one query position without autodiff), it is the composed [`composed_attention`].
+/// On Flex it is the fused kernel ([`attention`](mod@attention)): blocks, online softmax, and
+/// a backward that recomputes the probabilities, so a layer keeps no `q_len * k_len` scores
+/// for the backward; bf16 queries, keys and values are widened to fp32 for it and the output
+/// rounded back (PyTorch's CPU attention accumulates bf16 in fp32 too). Elsewhere (CUDA,
+/// wgpu), and for a decoding step (one query position without autodiff), it is the composed
+/// [`composed_attention`].
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -108,6 +114,11 @@ pub fn attention<B: Backend>(
     if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
         return composed_attention(q, k, v, mask, softcap);
     }
+    let dtype = q.dtype();
+    if dtype == DType::BF16 && is_flex::<B>() {
+        let [q, k, v] = [q, k, v].map(|t| cast(t, DType::F32));
+        return cast(attention(q, k, v, mask, softcap), dtype);
+    }
     let op = Fused(flex::AttentionMasking {
         mask: mask.host.clone(),
         spans: mask.spans.clone(),
@@ -118,6 +129,51 @@ pub fn attention<B: Backend>(
     match on_flex_n([q, k, v], op) {
         Ok(out) => out,
         Err([q, k, v]) => composed_attention(q, k, v, mask, softcap),
+    }
+}
+
+/// `x` in `dtype` (no operation when it already is). On Flex, bf16 <-> f32 is a parallel,
+/// vectorised pass forward and backward ([`bf16`](mod@bf16)); burn-flex 0.21 casts one element
+/// at a time on one core.
+pub fn cast<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    struct Cast(DType);
+    impl FlexOp for Cast {
+        fn accepts(&self, dtype: DType) -> bool {
+            matches!(
+                (dtype, self.0),
+                (DType::F32, DType::BF16) | (DType::BF16, DType::F32)
+            )
+        }
+        fn forward(&self, x: &FlexTensor) -> FlexTensor {
+            flex::cast_forward(x, self.0)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: AutodiffFlexTensor<C>,
+        ) -> AutodiffFlexTensor<C> {
+            flex::cast_autodiff::<C>(x, self.0)
+        }
+    }
+    if x.dtype() == dtype {
+        return x;
+    }
+    match on_flex(x, Cast(dtype)) {
+        Ok(y) => y,
+        Err(x) => x.cast(dtype),
+    }
+}
+
+/// `f` (an fp32 kernel) on a bf16 `x` on Flex: widened, run and rounded back once, as
+/// PyTorch's CPU kernels compute bf16 softmax and SiLU in fp32. Elsewhere `f(x)` as it is.
+fn in_f32_on_flex<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    f: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+) -> Tensor<B, D> {
+    let dtype = x.dtype();
+    if dtype == DType::BF16 && is_flex::<B>() {
+        cast(f(cast(x, DType::F32)), dtype)
+    } else {
+        f(x)
     }
 }
 
@@ -135,11 +191,11 @@ pub fn composed_attention<B: Backend>(
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
 ) -> Tensor<B, 4> {
-    let mut scores = q.matmul(k.swap_dims(2, 3));
+    let mut scores = matmul(q, k.swap_dims(2, 3));
     if let Some(cap) = softcap {
         scores = self::softcap(scores, cap);
     }
-    masked_softmax(scores, mask).matmul(v)
+    matmul(masked_softmax(scores, mask), v)
 }
 
 /// Softmax over the last dimension.
@@ -156,10 +212,10 @@ pub fn softmax<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
             flex::softmax_autodiff::<C>(x, flex::softmax_forward)
         }
     }
-    match on_flex(x, Softmax) {
+    in_f32_on_flex(x, |x| match on_flex(x, Softmax) {
         Ok(y) => y,
         Err(x) => burn::tensor::activation::softmax(x, D - 1),
-    }
+    })
 }
 
 /// Attention probabilities `softmax(scores + mask)` over the last dimension, for scores
@@ -187,7 +243,7 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
     // In fp32 whatever the scores' dtype, as PyTorch's attention accumulates half-precision
     // scores; the probabilities go back to that dtype for the values matmul.
     let dtype = scores.dtype();
-    let scores = precision::to_f32(scores);
+    let scores = cast(scores, DType::F32);
     let [batch, kv_heads, rows, k_len] = scores.dims();
     let [mask_batch, q_len, _] = mask.dims;
     let op = MaskedSoftmax {
@@ -207,7 +263,7 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
             burn::tensor::activation::softmax(scores, 3).reshape([batch, kv_heads, rows, k_len])
         }
     };
-    precision::to_dtype(probs, dtype)
+    cast(probs, dtype)
 }
 
 /// `x.permute(axes)` materialised contiguously, with a backward that does the same for the
@@ -216,6 +272,9 @@ pub fn masked_softmax<B: Backend>(scores: Tensor<B, 4>, mask: &AttentionMask<B>)
 pub fn permute<B: Backend, const D: usize>(x: Tensor<B, D>, axes: [usize; D]) -> Tensor<B, D> {
     struct Permute<const D: usize>([usize; D]);
     impl<const D: usize> FlexOp for Permute<D> {
+        fn accepts(&self, dtype: DType) -> bool {
+            matches!(dtype, DType::F32 | DType::BF16)
+        }
         fn forward(&self, x: &FlexTensor) -> FlexTensor {
             flex::permute_forward(x, &self.0)
         }
@@ -246,10 +305,10 @@ pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
             flex::silu_autodiff::<C>(x)
         }
     }
-    match on_flex(x, Silu) {
+    in_f32_on_flex(x, |x| match on_flex(x, Silu) {
         Ok(y) => y,
         Err(x) => burn::tensor::activation::silu(x),
-    }
+    })
 }
 
 /// `log_softmax(logits)[row, targets[row]]` for `logits` `[rows, vocab]`: `[rows]`.

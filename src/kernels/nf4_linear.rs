@@ -69,7 +69,7 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
         x
     };
     // Elsewhere the weight is dequantized and dropped as soon as the product exists.
-    let w = crate::precision::to_dtype(weight.to_tensor::<B>(&x.device()), x.dtype());
+    let w = super::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
     x.matmul(w.transpose())
 }
 

@@ -311,7 +311,9 @@ impl<B: Backend> CausalLm<B> {
     pub fn project(&self, hidden: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
         let logits = match &self.lm_head {
             Some(head) => head.forward(hidden, mode),
-            None => hidden.matmul(self.model.embed_tokens.weight.val().transpose()),
+            None => {
+                crate::kernels::matmul(hidden, self.model.embed_tokens.weight.val().transpose())
+            }
         };
         match self.args.final_logit_softcap {
             Some(cap) => softcap(logits, cap),

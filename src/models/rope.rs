@@ -124,11 +124,9 @@ fn rotate_half_matrix<B: Backend>(dim: usize, device: &B::Device) -> Tensor<B, 2
 /// `x * cos + rotate_half(x) * sin` with `x` `[batch, seq, heads, head_dim]` contiguous.
 pub fn apply<B: Backend>(x: Tensor<B, 4>, tables: &RopeTables<B>) -> Tensor<B, 4> {
     let [batch, seq, heads, dim] = x.dims();
-    let rotated = x
-        .clone()
-        .reshape([batch * seq * heads, dim])
-        .matmul(tables.rotate_half.clone())
-        .reshape([batch, seq, heads, dim]);
+    let rows = x.clone().reshape([batch * seq * heads, dim]);
+    let rotated =
+        crate::kernels::matmul(rows, tables.rotate_half.clone()).reshape([batch, seq, heads, dim]);
     x * tables.cos.clone() + rotated * tables.sin.clone()
 }
 

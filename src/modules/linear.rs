@@ -12,6 +12,7 @@ use super::constant;
 use super::fake_quant::{self, QuantScheme};
 use super::frozen_nf4::FrozenNf4;
 use super::lora::{self, Lora};
+use crate::kernels::matmul;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -161,7 +162,7 @@ impl<B: Backend> Linear<B> {
                     }
                     None => x.clone(),
                 };
-                base_in.matmul(weight.transpose())
+                matmul(base_in, weight.transpose())
             }
             (None, Some(q)) => crate::kernels::nf4_linear(x.clone(), q),
             (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
@@ -229,7 +230,7 @@ fn dora_scale<B: Backend>(
 ) -> Tensor<B, 1> {
     // From constant inputs, so autodiff records none of it (no weight-sized tensor is kept
     // for a backward pass that would not use it).
-    let delta = constant(lora.b.val()).matmul(constant(lora.a.val())) * lora.scale;
+    let delta = matmul(constant(lora.b.val()), constant(lora.a.val())) * lora.scale;
     let norm = lora::row_norms(constant(weight) + delta);
     magnitude / norm
 }

@@ -5,6 +5,8 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
+
+use crate::kernels::matmul;
 use burn::tensor::{Distribution, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -95,12 +97,15 @@ impl<B: Backend> Lora<B> {
         };
         // The scale applied to the rank-r intermediate rather than to the `[rows, out]` result:
         // the same product, one pass over `rows * r` values instead of `rows * out`.
-        (x.matmul(self.a.val().transpose()) * self.scale).matmul(self.b.val().transpose())
+        matmul(
+            matmul(x, self.a.val().transpose()) * self.scale,
+            self.b.val().transpose(),
+        )
     }
 
     /// `scale * B @ A`, the update merged into the base weight on export.
     pub fn delta_weight(&self) -> Tensor<B, 2> {
-        self.b.val().matmul(self.a.val()) * self.scale
+        matmul(self.b.val(), self.a.val()) * self.scale
     }
 }
 

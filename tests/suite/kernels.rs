@@ -5,7 +5,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_flex::Flex;
 use tune::kernels;
 
@@ -378,4 +378,80 @@ fn fused_attention_reads_cached_keys_in_place() {
         kernels::attention(q, contiguous(k), contiguous(v), &m, None),
         0.0,
     );
+}
+
+/// bf16 inputs, bf16 values exactly (random normals rounded to bf16).
+fn random_bf16<B: Backend, const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
+    random::<B, D>(shape, 1.0).cast(DType::BF16)
+}
+
+fn bits_equal<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want: Tensor<B, D>) {
+    assert_eq!(got.dtype(), DType::BF16, "{what}: dtype");
+    close(what, got.cast(DType::F32), want.cast(DType::F32), 0.0);
+}
+
+/// `kernels::matmul` on bf16 (its own Flex op) is the f32 product of the same values rounded
+/// once to bf16, forward and both gradients, for a transposed weight view, batched operands
+/// and a broadcast right operand (whose gradient sums over the batch in f32 before rounding).
+#[test]
+fn bf16_matmul_is_the_rounded_f32_product_with_gradients() {
+    let cases: Vec<(&str, Vec<usize>, Vec<usize>, bool)> = vec![
+        ("2d, transposed weight", vec![37, 70], vec![50, 70], true),
+        ("batched", vec![2, 3, 17, 9], vec![2, 3, 9, 11], false),
+        ("broadcast rhs", vec![2, 3, 17, 9], vec![1, 1, 9, 11], false),
+    ];
+    for (what, lhs_shape, rhs_shape, transpose_rhs) in cases {
+        let lhs = random_bf16::<Flex, 4>(pad4(&lhs_shape));
+        let rhs = random_bf16::<Flex, 4>(pad4(&rhs_shape));
+        let rhs_view = |r: Tensor<Flex, 4>| if transpose_rhs { r.swap_dims(2, 3) } else { r };
+        let out_shape = kernels::matmul(lhs.clone(), rhs_view(rhs.clone())).dims();
+        let w = random_bf16::<Flex, 4>(out_shape);
+        let f32_of = |t: &Tensor<Flex, 4>| t.clone().cast(DType::F32);
+
+        // Without autodiff.
+        bits_equal(
+            &format!("{what}: forward (Flex)"),
+            kernels::matmul(lhs.clone(), rhs_view(rhs.clone())),
+            f32_of(&lhs)
+                .matmul(rhs_view(f32_of(&rhs)))
+                .cast(DType::BF16),
+        );
+
+        // With autodiff, against f32 autodiff of the same values.
+        let run = |dtype: DType| {
+            let l = Tensor::<Ad, 4>::from_inner(lhs.clone().cast(dtype)).require_grad();
+            let r = Tensor::<Ad, 4>::from_inner(rhs.clone().cast(dtype)).require_grad();
+            let y = kernels::matmul(l.clone(), rhs_view_ad(r.clone(), transpose_rhs));
+            let grads = (y.clone() * Tensor::from_inner(w.clone().cast(dtype)))
+                .sum()
+                .backward();
+            let [dl, dr] = [&l, &r].map(|t| t.grad(&grads).unwrap());
+            (y.inner(), dl, dr)
+        };
+        let (got, want) = (run(DType::BF16), run(DType::F32));
+        bits_equal(&format!("{what}: forward"), got.0, want.0.cast(DType::BF16));
+        bits_equal(
+            &format!("{what}: lhs grad"),
+            got.1,
+            want.1.cast(DType::BF16),
+        );
+        bits_equal(
+            &format!("{what}: rhs grad"),
+            got.2,
+            want.2.cast(DType::BF16),
+        );
+    }
+}
+
+fn rhs_view_ad(r: Tensor<Ad, 4>, transpose: bool) -> Tensor<Ad, 4> {
+    if transpose { r.swap_dims(2, 3) } else { r }
+}
+
+/// A 2-d shape as `[1, 1, rows, cols]`, a 4-d one as it is.
+fn pad4(shape: &[usize]) -> [usize; 4] {
+    match *shape {
+        [r, c] => [1, 1, r, c],
+        [a, b, r, c] => [a, b, r, c],
+        _ => unreachable!("test shapes are 2-d or 4-d"),
+    }
 }

@@ -1,0 +1,114 @@
+//! bf16 matrix products on the CPU: operands widened to f32 in parallel, multiplied by
+//! burn-flex's f32 GEMM (strided, batched, broadcasting, multi-threaded) and the product
+//! rounded back to bf16 once, with a backward that does the same for both gradients.
+//!
+//! Why: burn-flex 0.21's own bf16 matmul is single-threaded around the GEMM (see [`super::bf16`])
+//! and burn's autodiff matmul calls it three times per product. The values are those of a
+//! bf16 GEMM with f32 accumulation (what PyTorch's CPU and cuBLAS bf16 GEMMs compute): each
+//! product is exact in f32, sums are f32, one rounding at the end.
+//!
+//! f32 products, and every other backend, stay on burn's matmul.
+
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary, broadcast_shape};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, Tensor, TensorMetadata};
+use burn_flex::{Flex, FlexTensor};
+
+use super::bf16::{to_bf16, to_f32};
+use super::dispatch::{AutodiffFlexTensor, FlexOpN, on_flex_n};
+
+/// `lhs @ rhs` over the last two dimensions, batch dimensions broadcast as burn's `matmul`.
+pub fn matmul<B: Backend, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) -> Tensor<B, D> {
+    match on_flex_n([lhs, rhs], Bf16Matmul) {
+        Ok(y) => y,
+        Err([lhs, rhs]) => lhs.matmul(rhs),
+    }
+}
+
+/// The product of two bf16 Flex tensors in f32, not yet rounded.
+fn product_f32(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
+    Flex::float_matmul(to_f32(lhs), to_f32(rhs))
+}
+
+/// The last two dimensions swapped (a view).
+fn transposed(x: &FlexTensor) -> FlexTensor {
+    let rank = x.shape().num_dims();
+    x.transpose(rank - 2, rank - 1)
+}
+
+struct Bf16Matmul;
+
+impl FlexOpN<2> for Bf16Matmul {
+    fn accepts(&self, dtype: DType) -> bool {
+        dtype == DType::BF16
+    }
+
+    fn forward(&self, [lhs, rhs]: [&FlexTensor; 2]) -> FlexTensor {
+        to_bf16(&product_f32(lhs, rhs))
+    }
+
+    fn autodiff<C: CheckpointStrategy>(
+        &self,
+        [lhs, rhs]: [AutodiffFlexTensor<C>; 2],
+    ) -> AutodiffFlexTensor<C> {
+        let lhs_tracked = lhs.is_tracked();
+        let rhs_tracked = rhs.is_tracked();
+        let shapes = (lhs.primitive.shape(), rhs.primitive.shape());
+        let y = self.forward([&lhs.primitive, &rhs.primitive]);
+        match MatmulBackward
+            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                // As burn's matmul: each operand is kept (or recomputed under activation
+                // checkpointing) only when the other one needs a gradient.
+                let lhs_state = rhs_tracked.then(|| prep.checkpoint(&lhs));
+                let rhs_state = lhs_tracked.then(|| prep.checkpoint(&rhs));
+                prep.finish((lhs_state, rhs_state, shapes.0, shapes.1), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct MatmulBackward;
+
+impl Backward<Flex, 2> for MatmulBackward {
+    /// The operands each gradient needs, and both input shapes (to sum broadcast batch
+    /// dimensions back).
+    type State = (Option<NodeId>, Option<NodeId>, Shape, Shape);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, cp: &mut Checkpointer) {
+        let (lhs, rhs, lhs_shape, rhs_shape) = ops.state;
+        let lhs: Option<FlexTensor> = lhs.map(|id| cp.retrieve_node_output(id));
+        let rhs: Option<FlexTensor> = rhs.map(|id| cp.retrieve_node_output(id));
+        binary::<Flex, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            |grad| {
+                let rhs = rhs.expect("the right operand is kept when the left needs a gradient");
+                // grad_lhs = grad @ rhs^T, summed over the batch dimensions lhs broadcast.
+                to_bf16(&broadcast_shape::<Flex>(
+                    product_f32(&grad, &transposed(&rhs)),
+                    &lhs_shape,
+                ))
+            },
+            |grad| {
+                let lhs = lhs.expect("the left operand is kept when the right needs a gradient");
+                // grad_rhs = lhs^T @ grad, summed over the batch dimensions rhs broadcast.
+                to_bf16(&broadcast_shape::<Flex>(
+                    product_f32(&transposed(&lhs), &grad),
+                    &rhs_shape,
+                ))
+            },
+        );
+    }
+}
