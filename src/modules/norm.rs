@@ -36,6 +36,15 @@ impl<B: Backend> RmsNorm<B> {
         }
         let mut shape = [1usize; D];
         shape[D - 1] = w.dims()[0];
-        normed * w.reshape(shape)
+        let w = w.reshape(shape);
+        if precision::is_half(&normed) && crate::kernels::is_flex::<B>() {
+            // The CPU backend multiplies a broadcast bf16 row one element at a time on one
+            // core (and sums the weight's gradient the same way). The product of two bf16
+            // values is exact in fp32, so multiplying there and rounding once gives the bf16
+            // product's bits; the weight gradient is summed in fp32 before its rounding.
+            let y = precision::to_f32(normed) * precision::to_f32(w);
+            return precision::to_dtype(y, dtype);
+        }
+        normed * w
     }
 }
