@@ -53,6 +53,32 @@ multiversion! {
     }
 }
 
+multiversion! {
+    fn round_chunk_into(src: &[f32], dst: &mut [bf16]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = bf16::from_bits(round_bits(s));
+        }
+    }
+}
+
+/// `src` widened into `dst` (cleared first) on this thread: for callers already inside a
+/// parallel task.
+pub fn widen_into(src: &[bf16], dst: &mut Vec<f32>) {
+    dst.clear();
+    dst.reserve(src.len());
+    widen_chunk(
+        src.reinterpret_cast(),
+        &mut dst.spare_capacity_mut()[..src.len()],
+    );
+    // SAFETY: every one of the `src.len()` elements was written above.
+    unsafe { dst.set_len(src.len()) };
+}
+
+/// `src` rounded into `dst` (same length) on this thread.
+pub fn round_into(src: &[f32], dst: &mut [bf16]) {
+    round_chunk_into(src, dst);
+}
+
 /// `src` widened to f32 across the rayon pool (the output is written once, never zeroed
 /// first: zeroing was a tenth of the conversion's time).
 pub fn widen(src: &[bf16]) -> Vec<f32> {

@@ -13,8 +13,6 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
-use super::flex;
-
 /// The autodiff tensor primitive over Flex with checkpoint strategy `C`.
 pub type AutodiffFlexTensor<C> = FloatTensor<Autodiff<Flex, C>>;
 
@@ -157,9 +155,17 @@ fn on_autodiff<
 
 /// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `x` is f32.
 pub fn as_flex<B: Backend, const D: usize>(x: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {
+    as_flex_of(x, |dtype| dtype == DType::F32)
+}
+
+/// [`as_flex`] for the dtypes `accepts` allows.
+pub fn as_flex_of<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    accepts: impl Fn(DType) -> bool,
+) -> Result<FlexTensor, Tensor<B, D>> {
     let x = cast::<Tensor<B, D>, Tensor<Flex, D>>(x)?;
     let primitive = x.into_primitive().tensor();
-    if flex::is_f32(&primitive) {
+    if accepts(primitive.dtype()) {
         Ok(primitive)
     } else {
         Err(cast_back(Tensor::<Flex, D>::from_primitive(

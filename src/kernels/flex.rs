@@ -29,10 +29,6 @@ fn last_dim(shape: &Shape) -> usize {
     shape.last().copied().unwrap_or(1).max(1)
 }
 
-pub fn is_f32(t: &FlexTensor) -> bool {
-    t.dtype() == DType::F32
-}
-
 // ---------------------------------------------------------------------------------------------
 // Softmax over the last dimension.
 

@@ -1,13 +1,19 @@
 //! Adam/AdamW as one fused, in-place, parallel pass over a parameter, its gradient and both
 //! moments, on Flex. burn-flex runs each element-wise op of the composed update on one core
 //! with a fresh buffer per term; PyTorch's `foreach` AdamW is one multi-threaded pass.
+//!
+//! bf16 parameters and moments are updated as PyTorch's fused Adam updates them: each chunk is
+//! widened to f32, updated in f32 with f32 constants and rounded back once. (burn-flex's
+//! composed bf16 ops round every intermediate and every constant to bf16: `beta2 = 0.999`
+//! becomes 1.0 there.)
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, bf16};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::dispatch::{as_flex, from_flex};
+use super::bf16::{round_into, widen_into};
+use super::dispatch::{as_flex_of, from_flex};
 use super::simd::multiversion;
 
 /// The step's constants, as `torch.optim.Adam(W)` computes them, already in f32.
@@ -48,7 +54,7 @@ multiversion! {
     }
 }
 
-fn owned_f32(t: FlexTensor) -> FlexTensor {
+fn owned(t: FlexTensor) -> FlexTensor {
     // Contiguous and uniquely owned, so `storage_mut` writes in place without a copy when the
     // caller held the only reference.
     if t.is_contiguous() && t.layout().start_offset() == 0 {
@@ -93,12 +99,19 @@ pub fn adam<B: Backend, const D: usize>(
 > {
     let n = param.dims()[0];
     let flat = |g: Tensor<B, D>| g.reshape([n]);
-    let p = match as_flex(param) {
+    let dtype = param.dtype();
+    let same = grad.dtype() == dtype && exp_avg.dtype() == dtype && exp_avg_sq.dtype() == dtype;
+    let accepts = |d: DType| same && matches!(d, DType::F32 | DType::BF16);
+    let p = match as_flex_of(param, accepts) {
         Ok(p) => p,
         Err(param) => return Err((param, flat(grad), exp_avg, exp_avg_sq)),
     };
-    // Same backend from here on: the casts cannot fail unless a tensor is not f32.
-    let (g, m, v) = match (as_flex(grad), as_flex(exp_avg), as_flex(exp_avg_sq)) {
+    // Same backend and dtype from here on: the casts cannot fail.
+    let (g, m, v) = match (
+        as_flex_of(grad, accepts),
+        as_flex_of(exp_avg, accepts),
+        as_flex_of(exp_avg_sq, accepts),
+    ) {
         (Ok(g), Ok(m), Ok(v)) => (g, m, v),
         (g, m, v) => {
             let g = g.map_or_else(flat, |g| flat(from_flex(g)));
@@ -106,43 +119,125 @@ pub fn adam<B: Backend, const D: usize>(
             return Err((from_flex(p), g, back(m), back(v)));
         }
     };
-    let (mut p, mut m, mut v) = (owned_f32(p), owned_f32(m), owned_f32(v));
-    {
-        let ps: &mut [f32] = p.storage_mut();
-        let ms: &mut [f32] = m.storage_mut();
-        let vs: &mut [f32] = v.storage_mut();
-        match transposed_dims(&g) {
-            // Tiles of whole rows: each gathers its rows' gradient (a cache line per column)
-            // into a small buffer, then updates them as the contiguous path does.
-            Some([rows, cols]) => {
-                let gs: &[f32] = g.storage();
-                let tile_rows = (CHUNK / cols.max(1)).next_multiple_of(TILE_ROWS);
-                let tile = tile_rows * cols;
-                ps.par_chunks_mut(tile)
-                    .zip(ms.par_chunks_mut(tile))
-                    .zip(vs.par_chunks_mut(tile))
-                    .enumerate()
-                    .for_each(|(t, ((p, m), v))| {
-                        let first = t * tile_rows;
-                        let mut buf = vec![0.0f32; p.len()];
-                        for (r, row) in buf.chunks_exact_mut(cols).enumerate() {
-                            for (c, x) in row.iter_mut().enumerate() {
-                                *x = gs[c * rows + first + r];
-                            }
-                        }
-                        adam_chunk(p, &buf, m, v, step);
-                    });
-            }
-            None => {
-                let g = g.to_contiguous();
-                let gs: &[f32] = g.storage();
-                ps.par_chunks_mut(CHUNK)
-                    .zip(gs.par_chunks(CHUNK))
-                    .zip(ms.par_chunks_mut(CHUNK))
-                    .zip(vs.par_chunks_mut(CHUNK))
-                    .for_each(|(((p, g), m), v)| adam_chunk(p, g, m, v, step));
-            }
-        }
+    let (mut p, mut m, mut v) = (owned(p), owned(m), owned(v));
+    match dtype {
+        DType::F32 => update::<f32>(&mut p, &g, &mut m, &mut v, step),
+        _ => update::<bf16>(&mut p, &g, &mut m, &mut v, step),
     }
     Ok((from_flex(p), from_flex(m), from_flex(v)))
+}
+
+/// A float the update reads and writes: f32 in place, or bf16 through f32 buffers.
+trait Stored: burn::tensor::Element + bytemuck::Pod + Send + Sync {
+    /// `src` as f32 into `dst` (same length).
+    fn widen(src: &[Self], dst: &mut Vec<f32>);
+    /// `src` stored into `dst` (same length).
+    fn store(src: &[f32], dst: &mut [Self]);
+    /// `x` itself when `Self` is f32 (read and updated in place, no buffers).
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+    fn as_f32_mut(x: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl Stored for f32 {
+    fn widen(src: &[f32], dst: &mut Vec<f32>) {
+        dst.clear();
+        dst.extend_from_slice(src);
+    }
+    fn store(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+    fn as_f32_mut(x: &mut [f32]) -> Option<&mut [f32]> {
+        Some(x)
+    }
+}
+
+impl Stored for bf16 {
+    fn widen(src: &[bf16], dst: &mut Vec<f32>) {
+        widen_into(src, dst);
+    }
+    fn store(src: &[f32], dst: &mut [bf16]) {
+        round_into(src, dst);
+    }
+    fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// One task's share: `p`, `m`, `v` updated with the gradient values `g` (f32).
+fn update_chunk<T: Stored>(p: &mut [T], g: &[f32], m: &mut [T], v: &mut [T], step: AdamStep) {
+    if let (Some(p), Some(m), Some(v)) = (
+        T::as_f32_mut(&mut *p),
+        T::as_f32_mut(&mut *m),
+        T::as_f32_mut(&mut *v),
+    ) {
+        return adam_chunk(p, g, m, v, step);
+    }
+    let (mut pf, mut mf, mut vf) = (Vec::new(), Vec::new(), Vec::new());
+    T::widen(p, &mut pf);
+    T::widen(m, &mut mf);
+    T::widen(v, &mut vf);
+    adam_chunk(&mut pf, g, &mut mf, &mut vf, step);
+    T::store(&pf, p);
+    T::store(&mf, m);
+    T::store(&vf, v);
+}
+
+fn update<T: Stored>(
+    p: &mut FlexTensor,
+    g: &FlexTensor,
+    m: &mut FlexTensor,
+    v: &mut FlexTensor,
+    step: AdamStep,
+) {
+    let ps: &mut [T] = p.storage_mut();
+    let ms: &mut [T] = m.storage_mut();
+    let vs: &mut [T] = v.storage_mut();
+    match transposed_dims(g) {
+        // Tiles of whole rows: each gathers its rows' gradient (a cache line per column)
+        // into a small buffer, then updates them as the contiguous path does.
+        Some([rows, cols]) => {
+            let gs: &[T] = g.storage();
+            let tile_rows = (CHUNK / cols.max(1)).next_multiple_of(TILE_ROWS);
+            let tile = tile_rows * cols;
+            ps.par_chunks_mut(tile)
+                .zip(ms.par_chunks_mut(tile))
+                .zip(vs.par_chunks_mut(tile))
+                .enumerate()
+                .for_each(|(t, ((p, m), v))| {
+                    let first = t * tile_rows;
+                    let mut gathered: Vec<T> = Vec::with_capacity(p.len());
+                    for r in 0..p.len() / cols {
+                        gathered.extend((0..cols).map(|c| gs[c * rows + first + r]));
+                    }
+                    let mut buf = Vec::new();
+                    T::widen(&gathered, &mut buf);
+                    update_chunk(p, &buf, m, v, step);
+                });
+        }
+        None => {
+            let g = g.to_contiguous();
+            let gs: &[T] = g.storage();
+            ps.par_chunks_mut(CHUNK)
+                .zip(gs.par_chunks(CHUNK))
+                .zip(ms.par_chunks_mut(CHUNK))
+                .zip(vs.par_chunks_mut(CHUNK))
+                .for_each(|(((p, g), m), v)| {
+                    let mut buf = Vec::new();
+                    let g: &[f32] = match T::as_f32(g) {
+                        Some(g) => g,
+                        None => {
+                            T::widen(g, &mut buf);
+                            &buf
+                        }
+                    };
+                    update_chunk(p, g, m, v, step)
+                });
+        }
+    }
 }

@@ -380,9 +380,22 @@ fn fused_attention_reads_cached_keys_in_place() {
     );
 }
 
+/// Rounding to bf16 as tune's kernels and PyTorch round (to nearest, ties to even, from the
+/// f32 value). burn-flex's own cast goes through `bf16::from_f64`, which rounds some values
+/// differently.
+trait RoundBf16 {
+    fn round_bf16(self) -> Self;
+}
+
+impl<B: Backend, const D: usize> RoundBf16 for Tensor<B, D> {
+    fn round_bf16(self) -> Self {
+        kernels::cast(self, DType::BF16)
+    }
+}
+
 /// bf16 inputs, bf16 values exactly (random normals rounded to bf16).
 fn random_bf16<B: Backend, const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
-    random::<B, D>(shape, 1.0).cast(DType::BF16)
+    random::<B, D>(shape, 1.0).round_bf16()
 }
 
 fn bits_equal<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want: Tensor<B, D>) {
@@ -412,9 +425,7 @@ fn bf16_matmul_is_the_rounded_f32_product_with_gradients() {
         bits_equal(
             &format!("{what}: forward (Flex)"),
             kernels::matmul(lhs.clone(), rhs_view(rhs.clone())),
-            f32_of(&lhs)
-                .matmul(rhs_view(f32_of(&rhs)))
-                .cast(DType::BF16),
+            f32_of(&lhs).matmul(rhs_view(f32_of(&rhs))).round_bf16(),
         );
 
         // With autodiff, against f32 autodiff of the same values.
@@ -429,17 +440,9 @@ fn bf16_matmul_is_the_rounded_f32_product_with_gradients() {
             (y.inner(), dl, dr)
         };
         let (got, want) = (run(DType::BF16), run(DType::F32));
-        bits_equal(&format!("{what}: forward"), got.0, want.0.cast(DType::BF16));
-        bits_equal(
-            &format!("{what}: lhs grad"),
-            got.1,
-            want.1.cast(DType::BF16),
-        );
-        bits_equal(
-            &format!("{what}: rhs grad"),
-            got.2,
-            want.2.cast(DType::BF16),
-        );
+        bits_equal(&format!("{what}: forward"), got.0, want.0.round_bf16());
+        bits_equal(&format!("{what}: lhs grad"), got.1, want.1.round_bf16());
+        bits_equal(&format!("{what}: rhs grad"), got.2, want.2.round_bf16());
     }
 }
 
@@ -453,5 +456,52 @@ fn pad4(shape: &[usize]) -> [usize; 4] {
         [r, c] => [1, 1, r, c],
         [a, b, r, c] => [a, b, r, c],
         _ => unreachable!("test shapes are 2-d or 4-d"),
+    }
+}
+
+/// bf16 parameters and moments (a full fine-tune with `dtype: bf16` on the CPU) take the fused
+/// update through f32: bit for bit the f32 update of the widened values rounded once to bf16
+/// (PyTorch's fused Adam), for a contiguous and a transposed gradient.
+#[test]
+fn fused_adam_updates_bf16_through_f32_rounding_once() {
+    use tune::kernels::optim::{AdamStep, adam};
+    let step = AdamStep {
+        grad_scale: 0.5,
+        decay: 1.0 - 1e-3,
+        l2: 0.0,
+        beta1: 0.9,
+        one_minus_beta1: 0.1,
+        beta2: 0.999,
+        one_minus_beta2: 1e-3,
+        bias2_sqrt: 0.05,
+        eps: 1e-8,
+        step_size: 1e-3,
+    };
+    let (rows, cols) = (1000, 129);
+    let n = rows * cols;
+    let p = random_bf16::<Flex, 1>([n]);
+    let m = (random::<Flex, 1>([n], 0.01)).round_bf16();
+    let v = (random::<Flex, 1>([n], 0.001).abs()).round_bf16();
+    let transposed = (random::<Flex, 2>([cols, rows], 0.1))
+        .round_bf16()
+        .transpose();
+    let contiguous = transposed.clone().reshape([n]);
+    let f32_of = |t: &Tensor<Flex, 1>| t.clone().cast(DType::F32);
+    let (pw, mw, vw) = adam(
+        f32_of(&p),
+        f32_of(&contiguous),
+        f32_of(&m),
+        f32_of(&v),
+        step,
+    )
+    .unwrap();
+    for (what, grad) in [
+        ("contiguous", contiguous.clone().reshape([rows, cols])),
+        ("transposed", transposed),
+    ] {
+        let (p2, m2, v2) = adam(p.clone(), grad, m.clone(), v.clone(), step).unwrap();
+        bits_equal(&format!("{what}: param"), p2, pw.clone().round_bf16());
+        bits_equal(&format!("{what}: exp_avg"), m2, mw.clone().round_bf16());
+        bits_equal(&format!("{what}: exp_avg_sq"), v2, vw.clone().round_bf16());
     }
 }
