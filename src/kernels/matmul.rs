@@ -9,6 +9,8 @@
 //!
 //! f32 products, and every other backend, stay on burn's matmul.
 
+use std::cell::OnceCell;
+
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -89,25 +91,25 @@ impl Backward<Flex, 2> for MatmulBackward {
         let (lhs, rhs, lhs_shape, rhs_shape) = ops.state;
         let lhs: Option<FlexTensor> = lhs.map(|id| cp.retrieve_node_output(id));
         let rhs: Option<FlexTensor> = rhs.map(|id| cp.retrieve_node_output(id));
+        // The output gradient is widened once for both products.
+        let grad_f32 = OnceCell::new();
         binary::<Flex, _, _>(
             ops.parents,
             ops.node,
             grads,
             |grad| {
                 let rhs = rhs.expect("the right operand is kept when the left needs a gradient");
+                let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
                 // grad_lhs = grad @ rhs^T, summed over the batch dimensions lhs broadcast.
-                to_bf16(&broadcast_shape::<Flex>(
-                    product_f32(&grad, &transposed(&rhs)),
-                    &lhs_shape,
-                ))
+                let product = Flex::float_matmul(grad, transposed(&to_f32(&rhs)));
+                to_bf16(&broadcast_shape::<Flex>(product, &lhs_shape))
             },
             |grad| {
                 let lhs = lhs.expect("the left operand is kept when the right needs a gradient");
+                let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
                 // grad_rhs = lhs^T @ grad, summed over the batch dimensions rhs broadcast.
-                to_bf16(&broadcast_shape::<Flex>(
-                    product_f32(&transposed(&lhs), &grad),
-                    &rhs_shape,
-                ))
+                let product = Flex::float_matmul(transposed(&to_f32(&lhs)), grad);
+                to_bf16(&broadcast_shape::<Flex>(product, &rhs_shape))
             },
         );
     }

@@ -21,7 +21,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorMetadata};
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
 use super::dispatch::{as_autodiff, as_flex, from_autodiff, from_flex};
@@ -96,12 +96,16 @@ fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
 /// The dequantized weight `[out, in]` on `device`, in `dtype`.
 fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType) -> FloatTensor<I> {
     // On the host for the CPU, on the device elsewhere (`FrozenNf4::to_tensor`).
-    let w = weight.to_tensor::<I>(device).into_primitive().tensor();
-    if w.dtype() == dtype {
-        w
-    } else {
-        I::float_cast(w, dtype.into())
-    }
+    super::cast(weight.to_tensor::<I>(device), dtype)
+        .into_primitive()
+        .tensor()
+}
+
+/// `lhs @ rhs` on the inner backend: [`super::matmul`] (bf16 on the CPU through f32 in
+/// parallel) rather than `I::float_matmul`.
+fn product<I: Backend>(lhs: FloatTensor<I>, rhs: FloatTensor<I>) -> FloatTensor<I> {
+    let [lhs, rhs] = [lhs, rhs].map(|t| Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(t)));
+    super::matmul(lhs, rhs).into_primitive().tensor()
 }
 
 #[derive(Debug)]
@@ -117,7 +121,7 @@ impl<I: Backend> Backward<I, 1> for Nf4LinearBackward {
         let (device, dtype) = ops.state;
         unary::<I, _>(ops.parents, ops.node, grads, |grad| {
             // grad_x [rows, in] = grad_y [rows, out] @ W [out, in]
-            I::float_matmul(grad, dequantized::<I>(&self.weight, &device, dtype))
+            product::<I>(grad, dequantized::<I>(&self.weight, &device, dtype))
         });
     }
 }
@@ -129,7 +133,7 @@ fn autodiff<I: Backend, C: CheckpointStrategy>(
     let device = I::float_device(&x.primitive);
     let dtype = x.primitive.dtype();
     let w = dequantized::<I>(weight, &device, dtype);
-    let y = I::float_matmul(x.primitive.clone(), I::float_transpose(w));
+    let y = product::<I>(x.primitive.clone(), I::float_transpose(w));
     let backward = Nf4LinearBackward {
         weight: Arc::clone(weight),
     };

@@ -177,7 +177,11 @@ impl FrozenNf4 {
     /// the host to decode nor uploads float weights.
     pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
         if crate::kernels::is_flex::<B>() {
-            Tensor::from_data(TensorData::new(self.dequantize(), self.shape()), device)
+            // Made in fp32 (what the host decodes to) and rounded to the device's dtype by the
+            // parallel cast: `from_data` would convert one element at a time.
+            let w = crate::precision::f32_tensor(self.dequantize(), self.shape(), device);
+            let dtype = burn::tensor::get_device_settings::<B>(device).float_dtype;
+            crate::kernels::cast(w, dtype.into())
         } else {
             self.dequantize_on_device(device)
         }
