@@ -18,10 +18,11 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary, broadcast_shape};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{DType, Shape, Tensor, TensorMetadata};
+use burn::tensor::{DType, Shape, Tensor, TensorData, TensorMetadata, bf16};
 use burn_flex::{Flex, FlexTensor};
 
 use super::bf16::{to_bf16, to_f32};
+use super::bf16_gemm::{self, Operand};
 use super::dispatch::{AutodiffFlexTensor, FlexOpN, on_flex_n};
 
 /// `lhs @ rhs` over the last two dimensions, batch dimensions broadcast as burn's `matmul`.
@@ -34,7 +35,47 @@ pub fn matmul<B: Backend, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) 
 
 /// The product of two bf16 Flex tensors in f32, not yet rounded.
 fn product_f32(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
-    Flex::float_matmul(to_f32(lhs), to_f32(rhs))
+    native_product(lhs, rhs).unwrap_or_else(|| Flex::float_matmul(to_f32(lhs), to_f32(rhs)))
+}
+
+/// Below this many output columns the native GEMM's 64-column panels would mostly multiply
+/// padding (a LoRA A product has `rank` columns): those take the widening path.
+const NATIVE_MIN_COLS: usize = 32;
+
+/// The product by the native bf16 GEMM ([`bf16_gemm`]) when the CPU has it and both operands
+/// are single matrices (leading dimensions of 1) with non-negative strides; else `None`.
+fn native_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
+    if !bf16_gemm::available() {
+        return None;
+    }
+    let (a, b) = (operand(lhs)?, operand(rhs)?);
+    if b.cols < NATIVE_MIN_COLS {
+        return None;
+    }
+    let mut shape = lhs.shape();
+    let rank = shape.num_dims();
+    shape[rank - 1] = b.cols;
+    let values = bf16_gemm::gemm(a, b);
+    Some(FlexTensor::from_data(TensorData::new(values, shape)))
+}
+
+/// `x` (bf16) as a GEMM operand, when it is one matrix.
+fn operand(x: &FlexTensor) -> Option<Operand<'_>> {
+    let layout = x.layout();
+    let shape = layout.shape();
+    let rank = shape.num_dims();
+    if rank < 2 || shape.iter().take(rank - 2).any(|&d| d != 1) {
+        return None;
+    }
+    let strides = layout.strides();
+    Some(Operand {
+        data: x.storage::<bf16>(),
+        offset: layout.start_offset(),
+        rows: shape[rank - 2],
+        cols: shape[rank - 1],
+        row_stride: usize::try_from(strides[rank - 2]).ok()?,
+        col_stride: usize::try_from(strides[rank - 1]).ok()?,
+    })
 }
 
 /// The last two dimensions swapped (a view).
@@ -91,7 +132,7 @@ impl Backward<Flex, 2> for MatmulBackward {
         let (lhs, rhs, lhs_shape, rhs_shape) = ops.state;
         let lhs: Option<FlexTensor> = lhs.map(|id| cp.retrieve_node_output(id));
         let rhs: Option<FlexTensor> = rhs.map(|id| cp.retrieve_node_output(id));
-        // The output gradient is widened once for both products.
+        // Where the widening path runs, the output gradient is widened once for both products.
         let grad_f32 = OnceCell::new();
         binary::<Flex, _, _>(
             ops.parents,
@@ -99,16 +140,22 @@ impl Backward<Flex, 2> for MatmulBackward {
             grads,
             |grad| {
                 let rhs = rhs.expect("the right operand is kept when the left needs a gradient");
-                let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
                 // grad_lhs = grad @ rhs^T, summed over the batch dimensions lhs broadcast.
-                let product = Flex::float_matmul(grad, transposed(&to_f32(&rhs)));
+                let rhs_t = transposed(&rhs);
+                let product = native_product(&grad, &rhs_t).unwrap_or_else(|| {
+                    let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
+                    Flex::float_matmul(grad, to_f32(&rhs_t))
+                });
                 to_bf16(&broadcast_shape::<Flex>(product, &lhs_shape))
             },
             |grad| {
                 let lhs = lhs.expect("the left operand is kept when the right needs a gradient");
-                let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
                 // grad_rhs = lhs^T @ grad, summed over the batch dimensions rhs broadcast.
-                let product = Flex::float_matmul(transposed(&to_f32(&lhs)), grad);
+                let lhs_t = transposed(&lhs);
+                let product = native_product(&lhs_t, &grad).unwrap_or_else(|| {
+                    let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
+                    Flex::float_matmul(to_f32(&lhs_t), grad)
+                });
                 to_bf16(&broadcast_shape::<Flex>(product, &rhs_shape))
             },
         );

@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod bf16;
+pub mod bf16_gemm;
 mod dispatch;
 mod flex;
 mod matmul;
