@@ -19,6 +19,7 @@
 //! from an f32 GEMM of the widened values only in summation order and subnormals.
 
 use burn::tensor::bf16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// Rows per A panel (and per micro-tile).
@@ -61,26 +62,91 @@ pub struct Operand<'a> {
 }
 
 impl Operand<'_> {
-    #[inline(always)]
+    #[cfg(test)]
     fn bits(&self, r: usize, c: usize) -> u32 {
         self.data[self.offset + r * self.row_stride + c * self.col_stride].to_bits() as u32
     }
 
-    /// The word `(x[r][k], x[r][k + 1])` for a K-pair along this operand's columns (`along_cols`)
-    /// or rows, zero past the end.
-    #[inline(always)]
-    fn pair(&self, r: usize, k: usize, along_cols: bool, k_len: usize) -> u32 {
-        let at = |k: usize| {
-            if k >= k_len {
-                0
-            } else if along_cols {
-                self.bits(r, k)
-            } else {
-                self.bits(k, r)
-            }
-        };
-        at(k) | (at(k + 1) << 16)
+    /// This operand as `count` lines (A's rows, B's columns) of K values.
+    fn lines(&self, line_stride: usize, k_stride: usize, count: usize) -> Lines<'_> {
+        Lines {
+            data: self.data.reinterpret_cast(),
+            offset: self.offset,
+            count,
+            line_stride,
+            k_stride,
+        }
     }
+}
+
+/// An operand seen as lines along K: value `(line, k)` at `offset + line * line_stride + k *
+/// k_stride`.
+struct Lines<'a> {
+    data: &'a [u16],
+    offset: usize,
+    count: usize,
+    line_stride: usize,
+    k_stride: usize,
+}
+
+/// Packs `x` into panels of `width` lines: panel `p`, pair `kp`, line `l` is the word
+/// `(x[l][2kp], x[l][2kp + 1])` at `((p * k_pairs) + kp) * width + l`, zero past the ends.
+/// The two layouts weights and activations come in have loops that read memory in order: K
+/// contiguous (a pair is one unaligned 32-bit read) or lines contiguous (two K rows
+/// interleaved).
+fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
+    let k_pairs = k.div_ceil(2);
+    let mut packed = vec![0u32; x.count.div_ceil(width) * k_pairs * width];
+    packed
+        .par_chunks_mut(k_pairs * width)
+        .enumerate()
+        .for_each(|(p, panel)| {
+            let first = p * width;
+            let lines = width.min(x.count - first);
+            if x.k_stride == 1 {
+                for l in 0..lines {
+                    let start = x.offset + (first + l) * x.line_stride;
+                    let line = &x.data[start..start + k];
+                    for (kp, pair) in line.chunks(2).enumerate() {
+                        let hi = pair.get(1).copied().unwrap_or(0) as u32;
+                        panel[kp * width + l] = pair[0] as u32 | (hi << 16);
+                    }
+                }
+            } else if x.line_stride == 1 {
+                for (kp, words) in panel.chunks_exact_mut(width).enumerate() {
+                    let row = |k_index: usize| {
+                        let start = x.offset + k_index * x.k_stride + first;
+                        &x.data[start..start + lines]
+                    };
+                    let lo = row(2 * kp);
+                    if 2 * kp + 1 < k {
+                        let hi = row(2 * kp + 1);
+                        for ((w, &lo), &hi) in words.iter_mut().zip(lo).zip(hi) {
+                            *w = lo as u32 | ((hi as u32) << 16);
+                        }
+                    } else {
+                        for (w, &lo) in words.iter_mut().zip(lo) {
+                            *w = lo as u32;
+                        }
+                    }
+                }
+            } else {
+                for l in 0..lines {
+                    let start = x.offset + (first + l) * x.line_stride;
+                    for kp in 0..k_pairs {
+                        let at = |k_index: usize| {
+                            if k_index < k {
+                                x.data[start + k_index * x.k_stride] as u32
+                            } else {
+                                0
+                            }
+                        };
+                        panel[kp * width + l] = at(2 * kp) | (at(2 * kp + 1) << 16);
+                    }
+                }
+            }
+        });
+    packed
 }
 
 /// `a @ b` as a row-major f32 `[a.rows, b.cols]`. Panics unless [`available`] and
@@ -90,40 +156,12 @@ pub fn gemm(a: Operand<'_>, b: Operand<'_>) -> Vec<f32> {
     assert_eq!(a.cols, b.rows, "bf16 GEMM: inner dimensions differ");
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let k_pairs = k.div_ceil(2);
-    let row_panels = m.div_ceil(MR);
     let col_panels = n.div_ceil(NR);
 
     // A: panel p, pair kp, row r -> word ((p * k_pairs) + kp) * MR + r.
-    let mut packed_a = vec![0u32; row_panels * k_pairs * MR];
-    packed_a
-        .par_chunks_mut(k_pairs * MR)
-        .enumerate()
-        .for_each(|(p, panel)| {
-            for (kp, words) in panel.chunks_exact_mut(MR).enumerate() {
-                for (r, w) in words.iter_mut().enumerate() {
-                    let row = p * MR + r;
-                    if row < m {
-                        *w = a.pair(row, 2 * kp, true, k);
-                    }
-                }
-            }
-        });
+    let packed_a = pack(&a.lines(a.row_stride, a.col_stride, m), k, MR);
     // B: panel q, pair kp, column c -> word ((q * k_pairs) + kp) * NR + c.
-    let mut packed_b = vec![0u32; col_panels * k_pairs * NR];
-    packed_b
-        .par_chunks_mut(k_pairs * NR)
-        .enumerate()
-        .for_each(|(q, panel)| {
-            for (kp, words) in panel.chunks_exact_mut(NR).enumerate() {
-                for (c, w) in words.iter_mut().enumerate() {
-                    let col = q * NR + c;
-                    if col < n {
-                        // B's pair runs along its rows (K) for column `col`.
-                        *w = b.pair(col, 2 * kp, false, k);
-                    }
-                }
-            }
-        });
+    let packed_b = pack(&b.lines(b.col_stride, b.row_stride, n), k, NR);
 
     let mut out = vec![0.0f32; m * n];
     if m == 0 || n == 0 {
@@ -257,7 +295,8 @@ mod tests {
         out
     }
 
-    /// Every edge: rows and columns past a panel, an odd K, K blocks, strided operands.
+    /// Every edge: rows and columns past a panel, an odd K, K blocks; each operand stored with
+    /// K contiguous, lines contiguous, or neither (every packing loop).
     #[test]
     fn products_match_an_f64_reference() {
         if !available() {
@@ -270,16 +309,37 @@ mod tests {
             s ^= s << 5;
             bf16::from_f32((s as f32 / u32::MAX as f32) * 2.0 - 1.0)
         };
+        // An `[rows, cols]` operand stored as `layout` says, in a buffer of twice its size.
+        #[derive(Clone, Copy, Debug)]
+        enum Layout {
+            RowMajor,
+            ColMajor,
+            /// Every other element of a row-major `[rows, 2 * cols]` buffer.
+            Strided,
+        }
+        fn make(data: &[bf16], rows: usize, cols: usize, layout: Layout) -> Operand<'_> {
+            let (row_stride, col_stride) = match layout {
+                Layout::RowMajor => (cols, 1),
+                Layout::ColMajor => (1, rows),
+                Layout::Strided => (2 * cols, 2),
+            };
+            Operand { data, offset: 1, rows, cols, row_stride, col_stride }
+        }
+        let layouts = [Layout::RowMajor, Layout::ColMajor, Layout::Strided];
         for (m, n, k) in [(1, 1, 1), (7, 65, 3), (13, 130, 401), (50, 200, 64)] {
-            let a_data: Vec<bf16> = (0..m * k).map(|_| next()).collect();
-            let b_data: Vec<bf16> = (0..k * n).map(|_| next()).collect();
-            let a = Operand { data: &a_data, offset: 0, rows: m, cols: k, row_stride: k, col_stride: 1 };
-            // B stored transposed (`[n, k]` row-major), as a linear layer's weight is.
-            let b = Operand { data: &b_data, offset: 0, rows: k, cols: n, row_stride: 1, col_stride: k };
-            let got = gemm(a, b);
-            let want = reference(&a, &b);
-            for (g, w) in got.iter().zip(&want) {
-                assert!(((*g as f64) - w).abs() <= 1e-6 * k as f64, "{m}x{n}x{k}: {g} vs {w}");
+            let a_data: Vec<bf16> = (0..2 * m * k + 1).map(|_| next()).collect();
+            let b_data: Vec<bf16> = (0..2 * k * n + 1).map(|_| next()).collect();
+            for la in layouts {
+                for lb in layouts {
+                    let a = make(&a_data, m, k, la);
+                    let b = make(&b_data, k, n, lb);
+                    let got = gemm(a, b);
+                    let want = reference(&a, &b);
+                    for (g, w) in got.iter().zip(&want) {
+                        let what = format!("{m}x{n}x{k} {la:?} {lb:?}");
+                        assert!(((*g as f64) - w).abs() <= 1e-6 * k as f64, "{what}: {g} vs {w}");
+                    }
+                }
             }
         }
     }
