@@ -29,6 +29,8 @@ const NR: usize = 64;
 const LANES: usize = 16;
 /// K-pairs per cache block of the inner loop.
 const KC_PAIRS: usize = 192;
+/// K-pairs per block of the K-contiguous packing loop: 64 bytes of each line.
+const PACK_PAIRS: usize = 16;
 /// Row and column panels per parallel task.
 const TASK_ROW_PANELS: usize = 8;
 const TASK_COL_PANELS: usize = 4;
@@ -104,12 +106,23 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
             let first = p * width;
             let lines = width.min(x.count - first);
             if x.k_stride == 1 {
-                for l in 0..lines {
-                    let start = x.offset + (first + l) * x.line_stride;
-                    let line = &x.data[start..start + k];
-                    for (kp, pair) in line.chunks(2).enumerate() {
-                        let hi = pair.get(1).copied().unwrap_or(0) as u32;
-                        panel[kp * width + l] = pair[0] as u32 | (hi << 16);
+                // A transpose, in blocks of pairs so the panel's written words stay in L1 and
+                // each line's read is one cache line per block.
+                for kp0 in (0..k_pairs).step_by(PACK_PAIRS) {
+                    let kp1 = (kp0 + PACK_PAIRS).min(k_pairs);
+                    for l in 0..lines {
+                        let start = x.offset + (first + l) * x.line_stride;
+                        let line = &x.data[start + 2 * kp0..start + (2 * kp1).min(k)];
+                        let out = &mut panel[kp0 * width + l..];
+                        let pairs = line.chunks_exact(2);
+                        let odd = pairs.remainder().first().map(|&lo| lo as u32);
+                        let full = pairs.len();
+                        for (w, pair) in out.iter_mut().step_by(width).zip(pairs) {
+                            *w = pair[0] as u32 | ((pair[1] as u32) << 16);
+                        }
+                        if let Some(lo) = odd {
+                            out[full * width] = lo;
+                        }
                     }
                 }
             } else if x.line_stride == 1 {
@@ -218,15 +231,9 @@ struct Tile {
 unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usize, tile: Tile) {
     use std::arch::x86_64::*;
     const V: usize = NR / LANES;
+    // No closures in here: a closure does not inherit the function's target features, so its
+    // intrinsics became out-of-line calls (15% of a bf16 step when the B loads were one).
     let mut acc = [[_mm512_setzero_ps(); V]; MR];
-    let mask = |v: usize| -> __mmask16 {
-        let valid = tile.cols.saturating_sub(v * LANES).min(LANES);
-        if valid == LANES {
-            0xffff
-        } else {
-            ((1u32 << valid) - 1) as __mmask16
-        }
-    };
     if tile.accumulate {
         for (r, row) in acc.iter_mut().enumerate().take(tile.rows) {
             let base = (tile.row0 + r) * ldc + tile.col0;
@@ -234,7 +241,10 @@ unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usiz
                 if v * LANES < tile.cols {
                     // SAFETY: the mask keeps the load inside row `r`'s `tile.cols` columns.
                     *x = unsafe {
-                        _mm512_maskz_loadu_ps(mask(v), c.as_ptr().add(base + v * LANES))
+                        _mm512_maskz_loadu_ps(
+                            lane_mask(tile.cols, v),
+                            c.as_ptr().add(base + v * LANES),
+                        )
                     };
                 }
             }
@@ -243,19 +253,19 @@ unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usiz
     let (a, b) = (a.as_ptr(), b.as_ptr());
     for kp in 0..kc {
         // SAFETY: the blocks hold `kc * NR` and `kc * MR` words.
-        let bv: [__m512bh; V] = std::array::from_fn(|v| unsafe {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                b.add(kp * NR + v * LANES) as *const __m512i,
-            ))
-        });
+        let mut bv = [_mm512_setzero_si512(); V];
+        for (v, x) in bv.iter_mut().enumerate() {
+            *x = unsafe { _mm512_loadu_si512(b.add(kp * NR + v * LANES) as *const __m512i) };
+        }
         for (r, row) in acc.iter_mut().enumerate() {
             // SAFETY: as above.
             let av: __m512bh = unsafe {
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                    *a.add(kp * MR + r) as i32,
+                    *a.add(kp * MR + r) as i32
                 ))
             };
             for (x, &bv) in row.iter_mut().zip(&bv) {
+                let bv = unsafe { std::mem::transmute::<__m512i, __m512bh>(bv) };
                 *x = _mm512_dpbf16_ps(*x, av, bv);
             }
         }
@@ -265,9 +275,26 @@ unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usiz
         for (v, &x) in row.iter().enumerate() {
             if v * LANES < tile.cols {
                 // SAFETY: the mask keeps the store inside row `r`'s `tile.cols` columns.
-                unsafe { _mm512_mask_storeu_ps(c.as_mut_ptr().add(base + v * LANES), mask(v), x) };
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        c.as_mut_ptr().add(base + v * LANES),
+                        lane_mask(tile.cols, v),
+                        x,
+                    )
+                };
             }
         }
+    }
+}
+
+/// The lanes of vector `v` that fall within a tile's `cols` columns.
+#[inline(always)]
+fn lane_mask(cols: usize, v: usize) -> u16 {
+    let valid = cols.saturating_sub(v * LANES).min(LANES);
+    if valid == LANES {
+        0xffff
+    } else {
+        ((1u32 << valid) - 1) as u16
     }
 }
 
@@ -323,7 +350,14 @@ mod tests {
                 Layout::ColMajor => (1, rows),
                 Layout::Strided => (2 * cols, 2),
             };
-            Operand { data, offset: 1, rows, cols, row_stride, col_stride }
+            Operand {
+                data,
+                offset: 1,
+                rows,
+                cols,
+                row_stride,
+                col_stride,
+            }
         }
         let layouts = [Layout::RowMajor, Layout::ColMajor, Layout::Strided];
         for (m, n, k) in [(1, 1, 1), (7, 65, 3), (13, 130, 401), (50, 200, 64)] {
@@ -337,7 +371,10 @@ mod tests {
                     let want = reference(&a, &b);
                     for (g, w) in got.iter().zip(&want) {
                         let what = format!("{m}x{n}x{k} {la:?} {lb:?}");
-                        assert!(((*g as f64) - w).abs() <= 1e-6 * k as f64, "{what}: {g} vs {w}");
+                        assert!(
+                            ((*g as f64) - w).abs() <= 1e-6 * k as f64,
+                            "{what}: {g} vs {w}"
+                        );
                     }
                 }
             }

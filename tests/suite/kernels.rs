@@ -414,7 +414,10 @@ fn rounded_from<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want:
         // One bf16 step at `w`'s magnitude: 2^-7 of its power of two.
         let ulp = 2f32.powi(w.abs().max(1e-30).log2().floor() as i32 - 7);
         // Plus the f32 sums' own reordering error, for values near 0 after cancellation.
-        assert!((g - w).abs() <= ulp * 1.01 + 1e-5, "{what}[{i}]: {g} is not {w} rounded to bf16");
+        assert!(
+            (g - w).abs() <= ulp * 1.01 + 1e-5,
+            "{what}[{i}]: {g} is not {w} rounded to bf16"
+        );
     }
 }
 
