@@ -256,19 +256,9 @@ fn run(
         );
     }
     let outcome = match device.unwrap_or(default_device()) {
-        Device::Cpu => {
-            // Training only: generation computes in fp32 on the CPU and says so itself.
-            let training = matches!(job.typed, RecipeConfig::Train(..));
-            if training && job.dtype() == tune::config::schema::Dtype::Bf16 {
-                // Measured (BENCHMARKS.md): 2x the step time of fp32 on the CPU backend.
-                eprintln!(
-                    "note: bf16 on the CPU backend converts every matmul through fp32: about twice the step time of fp32, with memory saved only on weights, gradients and optimizer state; use it to check a GPU config, fp32 for CPU runs"
-                );
-            }
-            run_workers(worlds, move |world| {
-                job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), world)
-            })
-        }
+        Device::Cpu => run_workers(worlds, move |world| {
+            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), world)
+        }),
         Device::Cuda => run_cuda(job, worlds)?,
         Device::Wgpu => run_wgpu(job, worlds)?,
     };
@@ -300,13 +290,6 @@ struct Job {
 }
 
 impl Job {
-    fn dtype(&self) -> tune::config::schema::Dtype {
-        match &self.typed {
-            RecipeConfig::Train(_, t) => t.dtype,
-            RecipeConfig::Generate(g) => g.dtype,
-        }
-    }
-
     fn run<B: burn::tensor::backend::AutodiffBackend>(
         &self,
         device: B::Device,

@@ -1,11 +1,14 @@
-//! bf16 matrix products on the CPU: operands widened to f32 in parallel, multiplied by
-//! burn-flex's f32 GEMM (strided, batched, broadcasting, multi-threaded) and the product
-//! rounded back to bf16 once, with a backward that does the same for both gradients.
+//! bf16 matrix products on the CPU, with a backward that computes both gradients the same way.
 //!
-//! Why: burn-flex 0.21's own bf16 matmul is single-threaded around the GEMM (see [`super::bf16`])
-//! and burn's autodiff matmul calls it three times per product. The values are those of a
-//! bf16 GEMM with f32 accumulation (what PyTorch's CPU and cuBLAS bf16 GEMMs compute): each
-//! product is exact in f32, sums are f32, one rounding at the end.
+//! Two paths, both with f32 sums and one rounding to bf16 per product (what PyTorch's CPU and
+//! cuBLAS bf16 GEMMs compute; each product of two bf16 values is exact in f32):
+//! - On CPUs with AVX512-BF16, a single matrix times one of at least [`NATIVE_MIN_COLS`] columns
+//!   runs on the native bf16 GEMM ([`bf16_gemm`]), twice the multiply-adds per instruction of f32.
+//! - Elsewhere the operands are widened to f32 in parallel (views keep their strides) and
+//!   multiplied by burn-flex's f32 GEMM (strided, batched, broadcasting, multi-threaded).
+//!
+//! Why: burn-flex 0.21's own bf16 matmul is single-threaded around its f32 GEMM (see
+//! [`super::bf16`]) and burn's autodiff matmul calls it three times per product.
 //!
 //! f32 products, and every other backend, stay on burn's matmul.
 

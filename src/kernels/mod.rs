@@ -7,6 +7,10 @@
 //! kernels in [`rows`] with a vectorised `exp` and a hand-written backward. On any other
 //! backend they are burn's own composed operations, so CUDA is untouched.
 //!
+//! bf16 on Flex: burn-flex 0.21 runs bf16 ops one element at a time on one core, so bf16
+//! tensors take these kernels too: products on a bf16 GEMM ([`matmul`]), the row kernels and
+//! attention in f32 between parallel casts ([`cast`]), one rounding per op.
+//!
 //! Why: burn 0.21 composes softmax from five ops (max, sub, exp, sum, div) whose autodiff
 //! keeps every intermediate and recomputes `exp` in the backward, and Flex's `exp` is scalar
 //! libm. Together that was about a third of a tiny-model LoRA step.
