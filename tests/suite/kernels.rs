@@ -235,15 +235,11 @@ fn fused_adam_matches_the_composed_update() {
     }
 }
 
-/// A weight gradient left as a transposed view (burn's matmul backward) is read in tiles by
-/// the fused update, not copied first: bit for bit the update with the same gradient
-/// contiguous, for row counts that do and do not fill the last tile.
-#[test]
-fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
-    use tune::kernels::optim::{AdamStep, adam};
-    let step = AdamStep {
+/// An AdamW step's constants (beta2 0.999, a gradient scale of 0.5) with weight decay `decay`.
+fn adamw_step(decay: f32) -> tune::kernels::optim::AdamStep {
+    tune::kernels::optim::AdamStep {
         grad_scale: 0.5,
-        decay: 1.0 - 1e-5,
+        decay,
         l2: 0.0,
         beta1: 0.9,
         one_minus_beta1: 0.1,
@@ -252,7 +248,16 @@ fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
         bias2_sqrt: 0.05,
         eps: 1e-8,
         step_size: 1e-3,
-    };
+    }
+}
+
+/// A weight gradient left as a transposed view (burn's matmul backward) is read in tiles by
+/// the fused update, not copied first: bit for bit the update with the same gradient
+/// contiguous, for row counts that do and do not fill the last tile.
+#[test]
+fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
+    use tune::kernels::optim::adam;
+    let step = adamw_step(1.0 - 1e-5);
     // Whole tiles, a partial last one, a LoRA A (rank rows) and a LoRA B (rank columns).
     for (rows, cols) in [(1024, 64), (1000, 129), (8, 96), (5000, 8)] {
         let n = rows * cols;
@@ -484,19 +489,8 @@ fn pad4(shape: &[usize]) -> [usize; 4] {
 /// (PyTorch's fused Adam), for a contiguous and a transposed gradient.
 #[test]
 fn fused_adam_updates_bf16_through_f32_rounding_once() {
-    use tune::kernels::optim::{AdamStep, adam};
-    let step = AdamStep {
-        grad_scale: 0.5,
-        decay: 1.0 - 1e-3,
-        l2: 0.0,
-        beta1: 0.9,
-        one_minus_beta1: 0.1,
-        beta2: 0.999,
-        one_minus_beta2: 1e-3,
-        bias2_sqrt: 0.05,
-        eps: 1e-8,
-        step_size: 1e-3,
-    };
+    use tune::kernels::optim::adam;
+    let step = adamw_step(1.0 - 1e-3);
     let (rows, cols) = (1000, 129);
     let n = rows * cols;
     let p = random_bf16::<Flex, 1>([n]);
