@@ -53,14 +53,6 @@ multiversion! {
     }
 }
 
-multiversion! {
-    fn round_chunk_into(src: &[f32], dst: &mut [bf16]) {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = bf16::from_bits(round_bits(s));
-        }
-    }
-}
-
 /// `src` widened into `dst` (cleared first) on this thread: for callers already inside a
 /// parallel task.
 pub fn widen_into(src: &[bf16], dst: &mut Vec<f32>) {
@@ -76,7 +68,10 @@ pub fn widen_into(src: &[bf16], dst: &mut Vec<f32>) {
 
 /// `src` rounded into `dst` (same length) on this thread.
 pub fn round_into(src: &[f32], dst: &mut [bf16]) {
-    round_chunk_into(src, dst);
+    // SAFETY: `MaybeUninit<bf16>` has `bf16`'s layout, and only initialised values are written
+    // through the view.
+    let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+    round_chunk(src, dst);
 }
 
 /// `src` widened to f32 across the rayon pool (the output is written once, never zeroed

@@ -70,7 +70,7 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
     };
     // Elsewhere the weight is dequantized and dropped as soon as the product exists.
     let w = super::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
-    x.matmul(w.transpose())
+    super::matmul(x, w.transpose())
 }
 
 /// `y` when `B` is `Autodiff<I>` with either checkpoint strategy, else `x` back.
@@ -101,8 +101,8 @@ fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType)
         .tensor()
 }
 
-/// `lhs @ rhs` on the inner backend: [`super::matmul`] (bf16 on the CPU through f32 in
-/// parallel) rather than `I::float_matmul`.
+/// `lhs @ rhs` on the inner backend through [`super::matmul`] (bf16 on the CPU takes tune's
+/// bf16 product) rather than `I::float_matmul`.
 fn product<I: Backend>(lhs: FloatTensor<I>, rhs: FloatTensor<I>) -> FloatTensor<I> {
     let [lhs, rhs] = [lhs, rhs].map(|t| Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(t)));
     super::matmul(lhs, rhs).into_primitive().tensor()

@@ -169,6 +169,17 @@ impl Stored for bf16 {
     }
 }
 
+/// `g` as f32 values: itself when `T` is f32, else widened into `buf`.
+fn as_f32<'a, T: Stored>(g: &'a [T], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    match T::as_f32(g) {
+        Some(g) => g,
+        None => {
+            T::widen(g, buf);
+            buf
+        }
+    }
+}
+
 /// One task's share: `p`, `m`, `v` updated with the gradient values `g` (f32).
 fn update_chunk<T: Stored>(p: &mut [T], g: &[f32], m: &mut [T], v: &mut [T], step: AdamStep) {
     if let (Some(p), Some(m), Some(v)) = (
@@ -216,8 +227,7 @@ fn update<T: Stored>(
                         gathered.extend((0..cols).map(|c| gs[c * rows + first + r]));
                     }
                     let mut buf = Vec::new();
-                    T::widen(&gathered, &mut buf);
-                    update_chunk(p, &buf, m, v, step);
+                    update_chunk(p, as_f32(&gathered, &mut buf), m, v, step);
                 });
         }
         None => {
@@ -229,14 +239,7 @@ fn update<T: Stored>(
                 .zip(vs.par_chunks_mut(CHUNK))
                 .for_each(|(((p, g), m), v)| {
                     let mut buf = Vec::new();
-                    let g: &[f32] = match T::as_f32(g) {
-                        Some(g) => g,
-                        None => {
-                            T::widen(g, &mut buf);
-                            &buf
-                        }
-                    };
-                    update_chunk(p, g, m, v, step)
+                    update_chunk(p, as_f32(g, &mut buf), m, v, step)
                 });
         }
     }

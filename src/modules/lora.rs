@@ -5,11 +5,11 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-
-use crate::kernels::matmul;
 use burn::tensor::{Distribution, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::kernels::matmul;
 
 /// What a LoRA adapter is made of; the rest of the program never needs more than this.
 #[derive(Debug, Clone, PartialEq)]

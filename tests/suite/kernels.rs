@@ -441,23 +441,22 @@ fn bf16_matmul_is_the_rounded_f32_product_with_gradients() {
     for (what, lhs_shape, rhs_shape, transpose_rhs) in cases {
         let lhs = random_bf16::<Flex, 4>(pad4(&lhs_shape));
         let rhs = random_bf16::<Flex, 4>(pad4(&rhs_shape));
-        let rhs_view = |r: Tensor<Flex, 4>| if transpose_rhs { r.swap_dims(2, 3) } else { r };
-        let out_shape = kernels::matmul(lhs.clone(), rhs_view(rhs.clone())).dims();
+        let out_shape = kernels::matmul(lhs.clone(), view(rhs.clone(), transpose_rhs)).dims();
         let w = random_bf16::<Flex, 4>(out_shape);
         let f32_of = |t: &Tensor<Flex, 4>| t.clone().cast(DType::F32);
 
         // Without autodiff.
         rounded_from(
             &format!("{what}: forward (Flex)"),
-            kernels::matmul(lhs.clone(), rhs_view(rhs.clone())),
-            f32_of(&lhs).matmul(rhs_view(f32_of(&rhs))),
+            kernels::matmul(lhs.clone(), view(rhs.clone(), transpose_rhs)),
+            f32_of(&lhs).matmul(view(f32_of(&rhs), transpose_rhs)),
         );
 
         // With autodiff, against f32 autodiff of the same values.
         let run = |dtype: DType| {
             let l = Tensor::<Ad, 4>::from_inner(lhs.clone().cast(dtype)).require_grad();
             let r = Tensor::<Ad, 4>::from_inner(rhs.clone().cast(dtype)).require_grad();
-            let y = kernels::matmul(l.clone(), rhs_view_ad(r.clone(), transpose_rhs));
+            let y = kernels::matmul(l.clone(), view(r.clone(), transpose_rhs));
             let grads = (y.clone() * Tensor::from_inner(w.clone().cast(dtype)))
                 .sum()
                 .backward();
@@ -471,7 +470,8 @@ fn bf16_matmul_is_the_rounded_f32_product_with_gradients() {
     }
 }
 
-fn rhs_view_ad(r: Tensor<Ad, 4>, transpose: bool) -> Tensor<Ad, 4> {
+/// `r` with its last two dimensions swapped (a view) when `transpose`.
+fn view<B: Backend>(r: Tensor<B, 4>, transpose: bool) -> Tensor<B, 4> {
     if transpose { r.swap_dims(2, 3) } else { r }
 }
 
