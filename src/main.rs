@@ -234,6 +234,7 @@ fn run(
     }
     let started = launch.start().map_err(CliError::bad)?;
     let worlds = started.worlds.clone();
+    let single_worker = worlds.len() == 1;
     let device = match &typed {
         RecipeConfig::Train(_, t) => t.device,
         RecipeConfig::Generate(g) => g.device,
@@ -256,9 +257,23 @@ fn run(
         );
     }
     let outcome = match device.unwrap_or(default_device()) {
-        Device::Cpu => run_workers(worlds, move |world| {
-            job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), world)
-        }),
+        Device::Cpu => {
+            let run = move || {
+                run_workers(worlds, move |world| {
+                    job.run::<burn::backend::Autodiff<burn::backend::Flex>>(
+                        Default::default(),
+                        world,
+                    )
+                })
+            };
+            // Workers in threads wait for each other in collectives: only a lone worker may
+            // take a pool thread (more workers than pool threads would never all start).
+            if single_worker {
+                tune::kernels::on_pool(run)
+            } else {
+                run()
+            }
+        }
         Device::Cuda => run_cuda(job, worlds)?,
         Device::Wgpu => run_wgpu(job, worlds)?,
     };
@@ -363,11 +378,13 @@ fn run_wgpu(_: std::sync::Arc<Job>, _: Vec<World>) -> Result<Result<(), LaunchEr
 fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Result<(), CliError> {
     let scratch = std::env::temp_dir();
     let report = match device {
-        "cpu" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(
-            settings,
-            &Default::default(),
-            &scratch,
-        ),
+        "cpu" => tune::kernels::on_pool(|| {
+            tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(
+                settings,
+                &Default::default(),
+                &scratch,
+            )
+        }),
         #[cfg(feature = "cuda")]
         "cuda" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Cuda>>(
             settings,

@@ -1,7 +1,9 @@
 //! bf16 matrix products on the CPU, with a backward that computes both gradients the same way.
 //!
-//! Two paths, both with f32 sums and one rounding to bf16 per product (what PyTorch's CPU and
+//! Three paths, all with f32 sums and one rounding to bf16 per product (what PyTorch's CPU and
 //! cuBLAS bf16 GEMMs compute; each product of two bf16 values is exact in f32):
+//! - A few rows times a K-contiguous matrix (decoding: `x @ w.T` for one token) reads the
+//!   weight in place, widening it in L1 ([`bf16_gemv`]), on any CPU.
 //! - On CPUs with AVX512-BF16, a single matrix times one of at least [`NATIVE_MIN_COLS`] columns
 //!   runs on the native bf16 GEMM ([`bf16_gemm`]), twice the multiply-adds per instruction of f32.
 //! - Elsewhere the operands are widened to f32 in parallel (views keep their strides) and
@@ -26,6 +28,7 @@ use burn_flex::{Flex, FlexTensor};
 
 use super::bf16::{to_bf16, to_f32};
 use super::bf16_gemm::{self, Operand};
+use super::bf16_gemv;
 use super::dispatch::{AutodiffFlexTensor, FlexOpN, on_flex_n};
 
 /// `lhs @ rhs` over the last two dimensions, batch dimensions broadcast as burn's `matmul`.
@@ -38,7 +41,24 @@ pub fn matmul<B: Backend, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) 
 
 /// The product of two bf16 Flex tensors in f32, not yet rounded.
 fn product_f32(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
-    native_product(lhs, rhs).unwrap_or_else(|| Flex::float_matmul(to_f32(lhs), to_f32(rhs)))
+    skinny_product(lhs, rhs)
+        .or_else(|| native_product(lhs, rhs))
+        .unwrap_or_else(|| Flex::float_matmul(to_f32(lhs), to_f32(rhs)))
+}
+
+/// The product by [`bf16_gemv::skinny`] (a few rows times a weight read in place: decoding)
+/// when both operands are single matrices and `rhs` is K-contiguous; else `None`.
+fn skinny_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
+    let values = bf16_gemv::skinny(operand(lhs)?, operand(rhs)?)?;
+    Some(output(lhs, rhs, values))
+}
+
+/// `values` (row-major) in the shape of `lhs @ rhs` for single matrices.
+fn output(lhs: &FlexTensor, rhs: &FlexTensor, values: Vec<f32>) -> FlexTensor {
+    let mut shape = lhs.shape();
+    let rank = shape.num_dims();
+    shape[rank - 1] = rhs.shape()[rank - 1];
+    FlexTensor::from_data(TensorData::new(values, shape))
 }
 
 /// Below this many output columns the native GEMM's 64-column panels would mostly multiply
@@ -55,11 +75,7 @@ fn native_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
     if b.cols < NATIVE_MIN_COLS {
         return None;
     }
-    let mut shape = lhs.shape();
-    let rank = shape.num_dims();
-    shape[rank - 1] = b.cols;
-    let values = bf16_gemm::gemm(a, b);
-    Some(FlexTensor::from_data(TensorData::new(values, shape)))
+    Some(output(lhs, rhs, bf16_gemm::gemm(a, b)))
 }
 
 /// `x` (bf16) as a GEMM operand, when it is one matrix.

@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod bf16;
 pub mod bf16_gemm;
+mod bf16_gemv;
 mod dispatch;
 mod flex;
 mod matmul;
@@ -38,6 +39,24 @@ pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 pub use matmul::matmul;
 pub use nf4_linear::nf4_linear;
+
+/// Runs `f` on a thread of rayon's pool (this thread waits) when the pool has more than one
+/// thread, else on this thread. For a whole CPU job on one worker.
+///
+/// Why: the kernels here run on rayon's pool, one thread per core. Called from a thread outside
+/// it, every parallel op wakes the pool and puts the caller to sleep until the op is done, and
+/// with one thread more than cores they fight for the cores: a decoding step (a few hundred
+/// small parallel products) spent its time switching threads (276 000 context switches for 200
+/// tokens of SmolLM2-135M on two cores, 14 000 from inside the pool). From inside, the caller
+/// does its share of each op. Not with a pool of one: `f` may wait for another thread (the
+/// checkpoint saver) that needs the pool, which its only thread would then never serve.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_num_threads() > 1 {
+        rayon::scope(|_| f())
+    } else {
+        f()
+    }
+}
 
 /// An additive attention mask `[mask_batch, q_len, k_len]` (0 where a query may see a key,
 /// a large negative value elsewhere), shared by every head: `mask_batch` is 1 when all rows
