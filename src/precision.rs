@@ -130,16 +130,17 @@ pub fn f32_tensor<B: Backend, const D: usize>(
     )
 }
 
-/// The dtype generation computes in on `B`. On the CPU backend (Flex) every bf16/fp16 op
-/// converts through fp32, which made bf16 decoding about 10x slower than fp32 (2.3 vs 26
-/// tokens/s on SmolLM2-135M); there generation computes in fp32, which represents bf16 and
-/// fp16 weights exactly, and says so. Other backends compute in the dtype asked for.
+/// The dtype generation computes in on `B`. On the CPU backend (Flex) bf16 has tune's own
+/// kernels (a bf16 product that reads the weight in place for decoding, fp32 row kernels
+/// between roundings) and decodes faster than fp32; fp16 has none, and every fp16 op there
+/// converts through fp32 one element at a time (about 10x slower than fp32), so fp16
+/// generation computes in fp32, which represents fp16 weights exactly, and says so. Other
+/// backends compute in the dtype asked for.
 pub fn generation_dtype<B: Backend + 'static>(requested: Dtype) -> Dtype {
     let on_flex = std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>();
-    if on_flex && requested != Dtype::Fp32 {
+    if on_flex && requested == Dtype::Fp16 {
         eprintln!(
-            "dtype: generation on the CPU computes in fp32, not {} (the CPU backend converts {0} through fp32 on every op, about 10x slower); the {0} weights are upcast exactly. Set dtype=fp32 to silence this",
-            name(requested)
+            "dtype: generation on the CPU computes in fp32, not fp16 (the CPU backend converts fp16 through fp32 on every op, about 10x slower); the fp16 weights are upcast exactly. Set dtype=bf16 or dtype=fp32 to silence this"
         );
         return Dtype::Fp32;
     }

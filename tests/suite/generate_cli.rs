@@ -226,20 +226,26 @@ fn generation_stays_within_the_models_positions() {
     );
 }
 
-/// On the CPU backend bf16 generation computes in fp32 (bf16 converts on every op there) and
-/// says so: the text is the fp32 text.
+/// On the CPU backend bf16 generation computes in bf16 (tune's bf16 kernels), without a note;
+/// fp16 has no kernels there and computes in fp32, which holds fp16 weights exactly, and says
+/// so: its text is the fp32 text.
 #[test]
-fn bf16_generation_on_the_cpu_computes_in_fp32_and_says_so() {
+fn cpu_generation_computes_bf16_as_asked_and_fp16_in_fp32() {
     let fp32 = tune_generate(&[&prompt_arg(), "temperature=0", "dtype=fp32"]);
+    let fp16 = tune_generate(&[&prompt_arg(), "temperature=0", "dtype=fp16"]);
     let bf16 = tune_generate(&[&prompt_arg(), "temperature=0", "dtype=bf16"]);
-    assert_eq!(bf16.stdout, fp32.stdout);
+    assert_eq!(fp16.stdout, fp32.stdout);
     assert!(
-        bf16.stderr
-            .contains("dtype: generation on the CPU computes in fp32, not bf16"),
+        fp16.stderr
+            .contains("dtype: generation on the CPU computes in fp32, not fp16"),
         "{}",
-        bf16.stderr
+        fp16.stderr
     );
-    assert!(!fp32.stderr.contains("computes in fp32"), "{}", fp32.stderr);
+    assert!(bf16.stderr.contains("parameters, bf16)"), "{}", bf16.stderr);
+    assert!(!bf16.stdout.is_empty());
+    for run in [&fp32, &bf16] {
+        assert!(!run.stderr.contains("computes in fp32"), "{}", run.stderr);
+    }
 }
 
 /// A torchtune tokenizer component formats the prompt as torchtune's generate recipe does: the
