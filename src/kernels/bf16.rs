@@ -28,6 +28,14 @@ fn widen_bits(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
+/// `x` rounded to the nearest bf16 and widened back: `half::bf16::from_f32(x).to_f32()` bit for
+/// bit, branch-free so a loop of them vectorises (NF4's per-block tables round 16 values per 64
+/// weights).
+#[inline(always)]
+pub fn round_to_bf16(x: f32) -> f32 {
+    f32::from_bits(u32::from(round_bits(x)) << 16)
+}
+
 /// `x` rounded to the nearest bf16, ties to even; NaN stays NaN (quiet), infinities stay.
 #[inline(always)]
 fn round_bits(x: f32) -> u16 {

@@ -153,12 +153,7 @@ fn on_autodiff<
     Ok(from_autodiff::<B, Flex, C, E>(op.autodiff::<C>(p)))
 }
 
-/// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `x` is f32.
-pub fn as_flex<B: Backend, const D: usize>(x: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {
-    as_flex_of(x, |dtype| dtype == DType::F32)
-}
-
-/// [`as_flex`] for the dtypes `accepts` allows.
+/// `x` as a Flex tensor primitive when `B` is Flex (no autodiff) and `accepts` its dtype.
 pub fn as_flex_of<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     accepts: impl Fn(DType) -> bool,

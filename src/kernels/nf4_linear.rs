@@ -24,7 +24,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
-use super::dispatch::{as_autodiff, as_flex, from_autodiff, from_flex};
+use super::bf16::{to_bf16, to_f32};
+use super::dispatch::{as_autodiff, as_flex_of, from_autodiff, from_flex};
 use crate::modules::frozen_nf4::FrozenNf4;
 use crate::modules::nf4::BLOCK_SIZE;
 
@@ -56,12 +57,16 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
     // CPU: the fused product, which never materialises the weight.
     let [rows, inp] = x.dims();
     let x = if rows <= FUSED_MAX_ROWS && inp.is_multiple_of(BLOCK_SIZE) {
-        match as_flex(x) {
+        match as_flex_of(x, |d| d == DType::F32 || d == DType::BF16) {
             Ok(flex) => {
-                let flex = flex.to_contiguous();
+                // bf16 rows are widened exactly and the f32 sums rounded once, as the bf16
+                // product does (the weight's values are exact in its compute dtype).
+                let half = flex.dtype() == DType::BF16;
+                let flex = if half { to_f32(&flex) } else { flex }.to_contiguous();
                 let y = weight.matmul_rows(flex.storage::<f32>(), rows);
                 let out = weight.shape()[0];
-                return from_flex(FlexTensor::from_data(TensorData::new(y, [rows, out])));
+                let y = FlexTensor::from_data(TensorData::new(y, [rows, out]));
+                return from_flex(if half { to_bf16(&y) } else { y });
             }
             Err(x) => x,
         }

@@ -49,7 +49,7 @@ impl Nf4Dtype {
     #[inline(always)]
     pub fn round(self, x: f32) -> f32 {
         match self {
-            Self::Bf16 => bf16::from_f32(x).to_f32(),
+            Self::Bf16 => crate::kernels::bf16::round_to_bf16(x),
             Self::F16 => half::f16::from_f32(x).to_f32(),
             Self::F32 => x,
         }
@@ -117,13 +117,24 @@ impl Nf4Weight {
 
     /// The block scales as torchao dequantizes them in `compute` (the NF4 tensor's dtype):
     /// `int8 / factor + mean`, each op rounded to `compute`.
+    /// Runs per NF4 layer per forward (and per decoding step): each dtype gets its own loop so
+    /// the rounding is inlined and the loop vectorises.
     pub fn block_scales_in(&self, compute: Nf4Dtype) -> Vec<f32> {
-        let r = |x: f32| compute.round(x);
+        match compute {
+            Nf4Dtype::F32 => self.scales_rounded(|x| x),
+            Nf4Dtype::Bf16 => self.scales_rounded(crate::kernels::bf16::round_to_bf16),
+            Nf4Dtype::F16 => self.scales_rounded(|x| Nf4Dtype::F16.round(x)),
+        }
+    }
+
+    fn scales_rounded(&self, r: impl Fn(f32) -> f32) -> Vec<f32> {
         let mut scales = Vec::with_capacity(self.scalers.len());
         for (block, factor) in self.scalers.chunks(SCALER_BLOCK_SIZE).zip(&self.factors) {
-            for q in block {
-                scales.push(r(r(f32::from(*q) / factor) + self.mean));
-            }
+            scales.extend(
+                block
+                    .iter()
+                    .map(|&q| r(r(f32::from(q) / factor) + self.mean)),
+            );
         }
         scales
     }
