@@ -54,8 +54,13 @@ fn product(a: Operand<'_>, b: Operand<'_>, native: bool) -> Option<Vec<f32>> {
         .par_chunks_mut(task_cols * m)
         .enumerate()
         .for_each(|(t, out)| {
-            let first = b.offset + t * task_cols * b.col_stride;
-            kernel.columns(m, k, weights, first, b.col_stride, out);
+            let columns = Columns {
+                data: weights,
+                first: b.offset + t * task_cols * b.col_stride,
+                stride: b.col_stride,
+                k,
+            };
+            kernel.columns(m, columns, out);
         });
     if m == 1 {
         return Some(by_column);
@@ -67,6 +72,22 @@ fn product(a: Operand<'_>, b: Operand<'_>, native: bool) -> Option<Vec<f32>> {
         }
     }
     Some(out)
+}
+
+/// Weight lines `data[first + c * stride..][..k]` for `c` from 0: B's columns, K contiguous.
+#[derive(Clone, Copy)]
+struct Columns<'a> {
+    data: &'a [u16],
+    first: usize,
+    stride: usize,
+    k: usize,
+}
+
+impl Columns<'_> {
+    /// Column `c`.
+    fn line(&self, c: usize) -> &[u16] {
+        &self.data[self.first + c * self.stride..][..self.k]
+    }
 }
 
 /// The dot products, with the activation rows in the form each kernel reads.
@@ -90,21 +111,12 @@ impl<'a> Kernel<'a> {
         }
     }
 
-    /// `out[c * m + r] = row r . column c` for the columns starting at `weights[first]`, one
-    /// every `stride`, `k` long.
-    fn columns(
-        &self,
-        m: usize,
-        k: usize,
-        weights: &[u16],
-        first: usize,
-        stride: usize,
-        out: &mut [f32],
-    ) {
+    /// `out[c * m + r] = row r . columns.line(c)` for the `out.len() / m` columns.
+    fn columns(&self, m: usize, columns: Columns<'_>, out: &mut [f32]) {
         let count = out.len() / m;
-        let end = first + count.saturating_sub(1) * stride + k;
+        let end = columns.first + count.saturating_sub(1) * columns.stride + columns.k;
         assert!(
-            end <= weights.len(),
+            end <= columns.data.len(),
             "bf16 product: the weight operand is out of bounds"
         );
         match self {
@@ -112,29 +124,22 @@ impl<'a> Kernel<'a> {
             Self::Native(rows) => {
                 // SAFETY: `available()` checked the CPU features; the assert above bounds every
                 // column and the rows hold `m * k` values.
-                unsafe { native::columns(rows, m, k, weights, first, stride, out) }
+                unsafe { native::columns(rows, m, columns, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             Self::Native(_) => unreachable!("the native kernel is chosen on x86_64 only"),
-            Self::Widening(rows) => widening_columns(rows, m, weights, first, stride, k, out),
+            Self::Widening(rows) => widening_columns(rows, m, columns, out),
         }
     }
 }
 
 multiversion! {
     /// [`Kernel::columns`], portable: each column widened [`CHUNK`] values at a time.
-    fn widening_columns(
-        rows: &[f32],
-        m: usize,
-        weights: &[u16],
-        first: usize,
-        stride: usize,
-        k: usize,
-        out: &mut [f32],
-    ) {
+    fn widening_columns(rows: &[f32], m: usize, columns: Columns<'_>, out: &mut [f32]) {
+        let k = columns.k;
         let mut widened = [0.0f32; CHUNK];
         for (c, sums) in out.chunks_exact_mut(m).enumerate() {
-            let column = &weights[first + c * stride..][..k];
+            let column = columns.line(c);
             for (i, chunk) in column.chunks(CHUNK).enumerate() {
                 let w = &mut widened[..chunk.len()];
                 for (d, &s) in w.iter_mut().zip(chunk) {
@@ -152,6 +157,8 @@ multiversion! {
 mod native {
     use std::arch::x86_64::*;
 
+    use super::Columns;
+
     /// Columns per group: four weight lines share each activation load.
     const GROUP: usize = 4;
 
@@ -159,19 +166,17 @@ mod native {
     ///
     /// # Safety
     /// The CPU has AVX512F, AVX512BW and AVX512-BF16; `rows` holds `m * k` values and every
-    /// column `first + c * stride .. + k` is inside `weights`.
+    /// column of `columns` up to `out.len() / m` is inside its data.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub unsafe fn columns(
-        rows: &[u16],
-        m: usize,
-        k: usize,
-        weights: &[u16],
-        first: usize,
-        stride: usize,
-        out: &mut [f32],
-    ) {
+    pub(super) unsafe fn columns(rows: &[u16], m: usize, columns: Columns<'_>, out: &mut [f32]) {
+        let Columns {
+            data,
+            first,
+            stride,
+            k,
+        } = columns;
         let count = out.len() / m;
-        let base = weights.as_ptr();
+        let base = data.as_ptr();
         let mut c = 0;
         while c < count {
             let group = GROUP.min(count - c);

@@ -154,6 +154,18 @@ fn the_dtype_is_fixed_once_per_process() {
     assert_eq!(precision::device_dtype::<CpuAutodiff>(&device), Dtype::Bf16);
 }
 
+/// Greedy decoding of `max_new_tokens`, past any EOS.
+fn greedy(max_new_tokens: usize, use_kv_cache: bool) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        sampling: SamplingParams::GREEDY,
+        seed: 0,
+        stop_ids: vec![],
+        stop_at_eos: false,
+        use_kv_cache,
+    }
+}
+
 /// Generation in bf16 on the CPU backend (bf16 weights and activations; decoding steps take the
 /// bf16 product that reads each weight in place): transformers' bf16 greedy tokens with and
 /// without the KV cache (every chosen token leads by at least 3.6 there), and its next-token
@@ -177,15 +189,7 @@ fn bf16_greedy_decoding_matches_transformers_bf16() {
     let (prompt, expected) = (ids("prompt_ids"), ids("greedy_output_ids"));
     let max_new_tokens = expected.len() - prompt.len();
     for use_kv_cache in [true, false] {
-        let options = GenerateOptions {
-            max_new_tokens,
-            sampling: SamplingParams::GREEDY,
-            seed: 0,
-            stop_ids: vec![],
-            stop_at_eos: false,
-            use_kv_cache,
-        };
-        let out = generate(&lm, &prompt, &options, |_| {}).unwrap();
+        let out = generate(&lm, &prompt, &greedy(max_new_tokens, use_kv_cache), |_| {}).unwrap();
         assert_eq!(
             out.tokens,
             expected[prompt.len()..],
@@ -244,14 +248,7 @@ fn bf16_decoding_on_an_nf4_base_equals_the_dequantized_bf16_model() {
     }
     assert!(float.linears_mut().iter().all(|(_, l)| l.nf4().is_none()));
     assert!(param_dtypes(&float).iter().all(|d| *d == DType::BF16));
-    let options = GenerateOptions {
-        max_new_tokens: 12,
-        sampling: SamplingParams::GREEDY,
-        seed: 0,
-        stop_ids: vec![],
-        stop_at_eos: false,
-        use_kv_cache: true,
-    };
+    let options = greedy(12, true);
     let prompt = [2000u32, 17, 42, 311, 5, 99];
     let a = generate(&nf4, &prompt, &options, |_| {}).unwrap();
     let b = generate(&float, &prompt, &options, |_| {}).unwrap();
