@@ -287,7 +287,7 @@ def main():
         pass
     g = torch.Generator().manual_seed(0)
     fwd = bwd = step = 0.0
-    warmup = 1
+    warmup = 2  # as `tune bench`: the steady state, not the allocators' first steps
     for i in range(a.steps + warmup):
         tokens = torch.randint(0, cfg["vocab_size"], (a.batch_size, a.seq_len), generator=g).to(dev)
         sync()
