@@ -154,6 +154,15 @@ fn the_dtype_is_fixed_once_per_process() {
     assert_eq!(precision::device_dtype::<CpuAutodiff>(&device), Dtype::Bf16);
 }
 
+/// The largest `|a - b|` over two equally long slices.
+fn max_abs_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
 /// Greedy decoding of `max_new_tokens`, past any EOS.
 fn greedy(max_new_tokens: usize, use_kv_cache: bool) -> GenerateOptions {
     GenerateOptions {
@@ -207,12 +216,7 @@ fn bf16_greedy_decoding_matches_transformers_bf16() {
             .iter()
             .map(|v| v.as_f64().unwrap() as f32)
             .collect();
-        assert_eq!(got.len(), want.len());
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_difference(&got, &want);
         assert!(
             worst <= 0.1875,
             "step {step}: logits differ by up to {worst}"
@@ -255,11 +259,7 @@ fn bf16_decoding_on_an_nf4_base_equals_the_dequantized_bf16_model() {
     assert_eq!(a.tokens, b.tokens);
     let step = |m: &CausalLm<Cpu>| Decoder::new(m, true).feed(&prompt[..1]).unwrap();
     let (x, y) = (step(&nf4), step(&float));
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_abs_difference(&x, &y);
     // One bf16 ulp at the logits' magnitude (up to 1.14); measured: identical.
     assert!(
         worst <= 0.0078125,
