@@ -22,6 +22,9 @@ use tune::distributed::launch::{LaunchError, LaunchPlan, run_workers};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Linux's default main-thread stack (`ulimit -s`: 8 MiB).
+const MAIN_STACK_BYTES: usize = 8 << 20;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Library logs (burn-collective's) go to stderr, warnings and errors unless TUNE_LOG asks
@@ -34,6 +37,11 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_max_level(level)
         .try_init();
+    // A CPU job runs on a pool thread (`kernels::on_pool`): give those threads the main
+    // thread's 8 MiB stack rather than the 2 MiB a spawned thread gets.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(MAIN_STACK_BYTES)
+        .build_global();
     match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
