@@ -24,7 +24,7 @@ const CHUNK: usize = 1 << 15;
 
 /// The f32 value of a bf16 bit pattern: its 16 bits are an f32's high half.
 #[inline(always)]
-fn widen_bits(b: u16) -> f32 {
+pub fn widen_bits(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
@@ -33,7 +33,7 @@ fn widen_bits(b: u16) -> f32 {
 /// weights).
 #[inline(always)]
 pub fn round_to_bf16(x: f32) -> f32 {
-    f32::from_bits(u32::from(round_bits(x)) << 16)
+    widen_bits(round_bits(x))
 }
 
 /// `x` rounded to the nearest bf16, ties to even; NaN stays NaN (quiet), infinities stay.

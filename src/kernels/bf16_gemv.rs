@@ -14,6 +14,7 @@
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use super::bf16::widen_bits;
 use super::bf16_gemm::Operand;
 use super::simd::{self, multiversion};
 
@@ -103,11 +104,7 @@ impl<'a> Kernel<'a> {
         if native {
             Self::Native(rows)
         } else {
-            Self::Widening(
-                rows.iter()
-                    .map(|&b| f32::from_bits(u32::from(b) << 16))
-                    .collect(),
-            )
+            Self::Widening(rows.iter().map(|&b| widen_bits(b)).collect())
         }
     }
 
@@ -143,7 +140,7 @@ multiversion! {
             for (i, chunk) in column.chunks(CHUNK).enumerate() {
                 let w = &mut widened[..chunk.len()];
                 for (d, &s) in w.iter_mut().zip(chunk) {
-                    *d = f32::from_bits(u32::from(s) << 16);
+                    *d = widen_bits(s);
                 }
                 for (r, sum) in sums.iter_mut().enumerate() {
                     *sum += simd::dot(w, &rows[r * k + i * CHUNK..][..chunk.len()]);
