@@ -140,6 +140,61 @@ pub fn silu_autodiff<C: CheckpointStrategy>(
 }
 
 // ---------------------------------------------------------------------------------------------
+// SwiGLU's hidden activation, `silu(gate) * up`, elementwise.
+
+pub fn swiglu_forward(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
+    let (gate, up) = (contiguous(gate), contiguous(up));
+    let mut out = vec![0.0; gate.shape().num_elements()];
+    rows::swiglu(gate.storage(), up.storage(), &mut out);
+    new_tensor(out, gate.shape())
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<Flex, 2> for SwigluBackward {
+    /// Both inputs (contiguous): the only activations the pair keeps, where the composed ops
+    /// kept `silu(gate)` as well.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (gate, up) = ops.state;
+        let grad = contiguous(&grads.consume::<Flex>(&ops.node));
+        let n = grad.shape().num_elements();
+        let (mut d_gate, mut d_up) = (vec![0.0; n], vec![0.0; n]);
+        rows::swiglu_backward(
+            gate.storage(),
+            up.storage(),
+            grad.storage(),
+            &mut d_gate,
+            &mut d_up,
+        );
+        let [gate_parent, up_parent] = ops.parents;
+        if let Some(node) = gate_parent {
+            grads.register::<Flex>(node.id, new_tensor(d_gate, gate.shape()));
+        }
+        if let Some(node) = up_parent {
+            grads.register::<Flex>(node.id, new_tensor(d_up, up.shape()));
+        }
+    }
+}
+
+pub fn swiglu_autodiff<C: CheckpointStrategy>(
+    [gate, up]: [FloatTensor<Autodiff<Flex, C>>; 2],
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let (gate_in, up_in) = (contiguous(&gate.primitive), contiguous(&up.primitive));
+    let y = swiglu_forward(&gate_in, &up_in);
+    match SwigluBackward
+        .prepare::<C>([gate.node.clone(), up.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((gate_in, up_in), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // log_softmax(logits)[target] per row: the cross-entropy's inner term.
 
 /// What the backward needs: the logits (shared, not copied), each row's log-sum-exp and the

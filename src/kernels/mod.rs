@@ -335,6 +335,29 @@ pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     })
 }
 
+/// `silu(gate) * up`, the SwiGLU MLP's hidden activation. On Flex in f32 one fused op with
+/// the same values and gradients as the two composed ops, which keeps only `gate` and `up` for
+/// its backward (the composed pair also kept `silu(gate)`: a third `[rows, intermediate]`
+/// tensor per layer). bf16 keeps the composed ops, whose two roundings PyTorch's has too.
+pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    struct Swiglu;
+    impl FlexOpN<2> for Swiglu {
+        fn forward(&self, [gate, up]: [&FlexTensor; 2]) -> FlexTensor {
+            flex::swiglu_forward(gate, up)
+        }
+        fn autodiff<C: CheckpointStrategy>(
+            &self,
+            x: [AutodiffFlexTensor<C>; 2],
+        ) -> AutodiffFlexTensor<C> {
+            flex::swiglu_autodiff::<C>(x)
+        }
+    }
+    match on_flex_n([gate, up], Swiglu) {
+        Ok(y) => y,
+        Err([gate, up]) => silu(gate) * up,
+    }
+}
+
 /// `log_softmax(logits)[row, targets[row]]` for `logits` `[rows, vocab]`: `[rows]`.
 ///
 /// Every target must be in `0..vocab`; the trainer checks label ids against the model's

@@ -234,6 +234,70 @@ pub fn silu_backward(x: &[f32], grad: &[f32], out: &mut [f32]) {
     });
 }
 
+multiversion! {
+    fn swiglu_chunk(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        for ((y, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *y = g * simd::sigmoid(g) * u;
+        }
+    }
+}
+
+/// `silu(gate) * up` elementwise (the SwiGLU MLP's hidden activation), rounded as the two
+/// separate ops round it: `(g * sigmoid(g)) * u`.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for_row_chunks(out, 1, |i, y| {
+        swiglu_chunk(&gate[i..][..y.len()], &up[i..][..y.len()], y)
+    });
+}
+
+multiversion! {
+    fn swiglu_backward_chunk(
+        gate: &[f32],
+        up: &[f32],
+        grad: &[f32],
+        d_gate: &mut [f32],
+        d_up: &mut [f32],
+    ) {
+        for ((((dg, du), &g), &u), &dy) in d_gate
+            .iter_mut()
+            .zip(d_up.iter_mut())
+            .zip(gate)
+            .zip(up)
+            .zip(grad)
+        {
+            let s = simd::sigmoid(g);
+            *du = dy * (g * s);
+            *dg = (dy * u) * s * (1.0 + g * (1.0 - s));
+        }
+    }
+}
+
+/// Both gradients of [`swiglu`] from its inputs, with the composed ops' expressions (the
+/// product's gradients, then SiLU's): `d_up = dy * silu(g)`,
+/// `d_gate = (dy * u) * s * (1 + g (1 - s))` with `s = sigmoid(g)`.
+pub fn swiglu_backward(
+    gate: &[f32],
+    up: &[f32],
+    grad: &[f32],
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+) {
+    let per_task = rows_per_task(1);
+    if d_gate.len() <= per_task {
+        swiglu_backward_chunk(gate, up, grad, d_gate, d_up);
+        return;
+    }
+    d_gate
+        .par_chunks_mut(per_task)
+        .zip(d_up.par_chunks_mut(per_task))
+        .enumerate()
+        .for_each(|(c, (dg, du))| {
+            let i = c * per_task;
+            let n = dg.len();
+            swiglu_backward_chunk(&gate[i..][..n], &up[i..][..n], &grad[i..][..n], dg, du)
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,6 +418,36 @@ mod tests {
                     "row {r} col {j}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn swiglu_is_silu_then_the_product_bit_for_bit() {
+        let gate = sample(2, 70_001);
+        let up: Vec<f32> = gate.iter().map(|v| (v * 1.7).cos()).collect();
+        let dy: Vec<f32> = gate.iter().map(|v| v.sin()).collect();
+        let mut fused = vec![0.0; gate.len()];
+        swiglu(&gate, &up, &mut fused);
+        let (mut d_gate, mut d_up) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
+        swiglu_backward(&gate, &up, &dy, &mut d_gate, &mut d_up);
+
+        let mut silu_out = vec![0.0; gate.len()];
+        silu(&gate, &mut silu_out);
+        let d_silu: Vec<f32> = dy.iter().zip(&up).map(|(d, u)| d * u).collect();
+        let mut want_d_gate = vec![0.0; gate.len()];
+        silu_backward(&gate, &d_silu, &mut want_d_gate);
+        for i in 0..gate.len() {
+            assert_eq!(
+                fused[i].to_bits(),
+                (silu_out[i] * up[i]).to_bits(),
+                "value {i}"
+            );
+            assert_eq!(
+                d_up[i].to_bits(),
+                (dy[i] * silu_out[i]).to_bits(),
+                "d_up {i}"
+            );
+            assert_eq!(d_gate[i].to_bits(), want_d_gate[i].to_bits(), "d_gate {i}");
         }
     }
 

@@ -10,7 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
-use crate::kernels::{attention, permute, silu, softcap};
+use crate::kernels::{attention, permute, softcap, swiglu};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -124,13 +124,13 @@ impl<B: Backend> Mlp<B> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
         let gate = self.gate_proj.forward(rows.clone(), mode);
-        let gate = match self.activation {
-            Activation::Silu => silu(gate),
-            Activation::GeluTanh => gelu_tanh(gate),
-        };
         let up = self.up_proj.forward(rows, mode);
+        let hidden_activation = match self.activation {
+            Activation::Silu => swiglu(gate, up),
+            Activation::GeluTanh => gelu_tanh(gate) * up,
+        };
         self.down_proj
-            .forward(gate * up, mode)
+            .forward(hidden_activation, mode)
             .reshape([batch, seq, hidden])
     }
 }

@@ -92,6 +92,52 @@ fn silu_matches_burn_with_gradients() {
     close("silu gradient", g_fused, g_burn, 1e-5);
 }
 
+/// The fused pair against the two ops the MLP composed before (the SiLU above, then burn's
+/// product): bit for bit, values and gradients.
+#[test]
+fn swiglu_matches_silu_then_product_with_both_gradients() {
+    let gate0 = random::<Flex, 2>([17, 129], 4.0);
+    let up0 = random::<Flex, 2>([17, 129], 2.0);
+    let w = random::<Flex, 2>([17, 129], 1.0);
+    close(
+        "swiglu forward (Flex)",
+        kernels::swiglu(gate0.clone(), up0.clone()),
+        kernels::silu(gate0.clone()) * up0.clone(),
+        0.0,
+    );
+    // Each input alone and both together requiring a gradient.
+    for (gate_tracked, up_tracked) in [(true, true), (true, false), (false, true)] {
+        let run = |fused: bool| {
+            let mut gate = Tensor::<Ad, 2>::from_inner(gate0.clone());
+            let mut up = Tensor::<Ad, 2>::from_inner(up0.clone());
+            if gate_tracked {
+                gate = gate.require_grad();
+            }
+            if up_tracked {
+                up = up.require_grad();
+            }
+            let y = if fused {
+                kernels::swiglu(gate.clone(), up.clone())
+            } else {
+                kernels::silu(gate.clone()) * up.clone()
+            };
+            let grads = (y.clone() * Tensor::from_inner(w.clone())).sum().backward();
+            (y.inner(), gate.grad(&grads), up.grad(&grads))
+        };
+        let (y_fused, dg_fused, du_fused) = run(true);
+        let (y_burn, dg_burn, du_burn) = run(false);
+        close("swiglu forward (autodiff)", y_fused, y_burn, 0.0);
+        assert_eq!(dg_fused.is_some(), gate_tracked, "gate gradient present");
+        assert_eq!(du_fused.is_some(), up_tracked, "up gradient present");
+        if let (Some(a), Some(b)) = (dg_fused, dg_burn) {
+            close("swiglu gate gradient", a, b, 0.0);
+        }
+        if let (Some(a), Some(b)) = (du_fused, du_burn) {
+            close("swiglu up gradient", a, b, 0.0);
+        }
+    }
+}
+
 #[test]
 fn target_log_probs_match_burn_with_gradients() {
     let device = Default::default();
