@@ -1,18 +1,26 @@
-//! bf16 matrix products on the CPU, with a backward that computes both gradients the same way.
+//! Matrix products on the CPU (f32 and bf16), with a backward that computes both gradients
+//! the same way.
 //!
-//! Three paths, all with f32 sums and one rounding to bf16 per product (what PyTorch's CPU and
-//! cuBLAS bf16 GEMMs compute; each product of two bf16 values is exact in f32):
+//! f32: single matrices (the linear layers, LoRA, the output projection) call the `gemm` crate
+//! directly, as burn-flex does, but write into a fresh buffer that is not zeroed first.
+//! burn-flex 0.21 allocates each product's output as a zeroed `Vec<u8>`, which
+//! `Bytes::from_bytes_vec` then copies into a 16-byte-aligned allocation: a memset and a
+//! memcpy of every output, 3-4% of a SmolLM2-135M LoRA step in `perf`. Batched products stay
+//! on burn-flex's matmul.
+//!
+//! bf16: three paths, all with f32 sums and one rounding to bf16 per product (what PyTorch's
+//! CPU and cuBLAS bf16 GEMMs compute; each product of two bf16 values is exact in f32):
 //! - A few rows times a K-contiguous matrix (decoding: `x @ w.T` for one token) reads the
 //!   weight in place, widening it in L1 ([`bf16_gemv`]), on any CPU.
 //! - On CPUs with AVX512-BF16, a single matrix times one of at least [`NATIVE_MIN_COLS`] columns
 //!   runs on the native bf16 GEMM ([`bf16_gemm`]), twice the multiply-adds per instruction of f32.
 //! - Elsewhere the operands are widened to f32 in parallel (views keep their strides) and
-//!   multiplied by burn-flex's f32 GEMM (strided, batched, broadcasting, multi-threaded).
+//!   multiplied by the f32 product above.
 //!
-//! Why: burn-flex 0.21's own bf16 matmul is single-threaded around its f32 GEMM (see
-//! [`super::bf16`]) and burn's autodiff matmul calls it three times per product.
+//! Why bf16 is here: burn-flex 0.21's own bf16 matmul is single-threaded around its f32 GEMM
+//! (see [`super::bf16`]) and burn's autodiff matmul calls it three times per product.
 //!
-//! f32 products, and every other backend, stay on burn's matmul.
+//! Every other backend stays on burn's matmul.
 
 use std::cell::OnceCell;
 
@@ -33,17 +41,104 @@ use super::dispatch::{AutodiffFlexTensor, FlexOpN, on_flex_n};
 
 /// `lhs @ rhs` over the last two dimensions, batch dimensions broadcast as burn's `matmul`.
 pub fn matmul<B: Backend, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) -> Tensor<B, D> {
-    match on_flex_n([lhs, rhs], Bf16Matmul) {
+    match on_flex_n([lhs, rhs], Matmul) {
         Ok(y) => y,
         Err([lhs, rhs]) => lhs.matmul(rhs),
     }
+}
+
+/// The product of two f32 Flex tensors: [`f32_matrix_product`] for single matrices, else
+/// burn-flex's (batched, broadcasting) matmul.
+fn f32_product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
+    f32_matrix_product(lhs, rhs).unwrap_or_else(|| Flex::float_matmul(lhs.clone(), rhs.clone()))
+}
+
+/// Products of at least this many multiply-adds run on all of rayon's threads (burn-flex's
+/// threshold, so the split, and with it every sum, is the same as there).
+const PARALLEL_MIN_MACS: usize = 192 * 192 * 192;
+
+/// `lhs @ rhs` for two f32 single matrices (leading dimensions of 1, any strides) by the `gemm`
+/// crate, into a buffer it writes without reading; `None` for batched operands.
+fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
+    let (a, b) = (matrix_view(lhs)?, matrix_view(rhs)?);
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    debug_assert_eq!(k, b.rows, "matmul: inner dimensions must match");
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_MACS {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let a_data: &[f32] = lhs.storage();
+    let b_data: &[f32] = rhs.storage();
+    let len = m
+        .checked_mul(n)
+        .expect("matmul: output size overflows usize");
+    let mut out: Vec<f32> = Vec::with_capacity(len);
+    // SAFETY: the operand pointers are the views' first elements and every element the
+    // strides reach lies in their storage (burn's layouts guarantee it). `out` has room for
+    // `m * n` values in row-major order. With `read_dst` false the gemm crate sets alpha to
+    // zero, and each of its paths (blocked kernels, gemv, gevv, k == 0) then stores into the
+    // destination without reading it, so every one of the `len` values is written before
+    // `set_len`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a_data.as_ptr().add(a.offset),
+            a.col_stride,
+            a.row_stride,
+            b_data.as_ptr().add(b.offset),
+            b.col_stride,
+            b.row_stride,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        out.set_len(len);
+    }
+    Some(output(lhs, rhs, out))
+}
+
+/// A single matrix's place in its storage: the last two dimensions of a tensor whose leading
+/// dimensions are all 1.
+struct MatrixView {
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+fn matrix_view(x: &FlexTensor) -> Option<MatrixView> {
+    let layout = x.layout();
+    let shape = layout.shape();
+    let rank = shape.num_dims();
+    if rank < 2 || shape.iter().take(rank - 2).any(|&d| d != 1) {
+        return None;
+    }
+    let strides = layout.strides();
+    Some(MatrixView {
+        offset: layout.start_offset(),
+        rows: shape[rank - 2],
+        cols: shape[rank - 1],
+        row_stride: strides[rank - 2],
+        col_stride: strides[rank - 1],
+    })
 }
 
 /// The product of two bf16 Flex tensors in f32, not yet rounded.
 fn product_f32(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
     skinny_product(lhs, rhs)
         .or_else(|| native_product(lhs, rhs))
-        .unwrap_or_else(|| Flex::float_matmul(to_f32(lhs), to_f32(rhs)))
+        .unwrap_or_else(|| f32_product(&to_f32(lhs), &to_f32(rhs)))
 }
 
 /// The product by [`bf16_gemv::skinny`] (a few rows times a weight read in place: decoding)
@@ -78,22 +173,16 @@ fn native_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
     Some(output(lhs, rhs, bf16_gemm::gemm(a, b)))
 }
 
-/// `x` (bf16) as a GEMM operand, when it is one matrix.
+/// `x` (bf16) as a GEMM operand, when it is one matrix with non-negative strides.
 fn operand(x: &FlexTensor) -> Option<Operand<'_>> {
-    let layout = x.layout();
-    let shape = layout.shape();
-    let rank = shape.num_dims();
-    if rank < 2 || shape.iter().take(rank - 2).any(|&d| d != 1) {
-        return None;
-    }
-    let strides = layout.strides();
+    let view = matrix_view(x)?;
     Some(Operand {
         data: x.storage::<bf16>(),
-        offset: layout.start_offset(),
-        rows: shape[rank - 2],
-        cols: shape[rank - 1],
-        row_stride: usize::try_from(strides[rank - 2]).ok()?,
-        col_stride: usize::try_from(strides[rank - 1]).ok()?,
+        offset: view.offset,
+        rows: view.rows,
+        cols: view.cols,
+        row_stride: usize::try_from(view.row_stride).ok()?,
+        col_stride: usize::try_from(view.col_stride).ok()?,
     })
 }
 
@@ -103,15 +192,18 @@ fn transposed(x: &FlexTensor) -> FlexTensor {
     x.transpose(rank - 2, rank - 1)
 }
 
-struct Bf16Matmul;
+struct Matmul;
 
-impl FlexOpN<2> for Bf16Matmul {
+impl FlexOpN<2> for Matmul {
     fn accepts(&self, dtype: DType) -> bool {
-        dtype == DType::BF16
+        matches!(dtype, DType::F32 | DType::BF16)
     }
 
     fn forward(&self, [lhs, rhs]: [&FlexTensor; 2]) -> FlexTensor {
-        to_bf16(&product_f32(lhs, rhs))
+        match lhs.dtype() {
+            DType::BF16 => to_bf16(&product_f32(lhs, rhs)),
+            _ => f32_product(lhs, rhs),
+        }
     }
 
     fn autodiff<C: CheckpointStrategy>(
@@ -151,8 +243,30 @@ impl Backward<Flex, 2> for MatmulBackward {
         let (lhs, rhs, lhs_shape, rhs_shape) = ops.state;
         let lhs: Option<FlexTensor> = lhs.map(|id| cp.retrieve_node_output(id));
         let rhs: Option<FlexTensor> = rhs.map(|id| cp.retrieve_node_output(id));
-        // Where the widening path runs, the output gradient is widened once for both products.
+        // bf16: where the widening path runs, the output gradient is widened once for both
+        // products.
         let grad_f32 = OnceCell::new();
+        let product = |a: &FlexTensor, b: &FlexTensor, grad: &FlexTensor, grad_is_lhs: bool| {
+            if grad.dtype() != DType::BF16 {
+                return f32_product(a, b);
+            }
+            native_product(a, b).unwrap_or_else(|| {
+                let grad: &FlexTensor = grad_f32.get_or_init(|| to_f32(grad));
+                if grad_is_lhs {
+                    f32_product(grad, &to_f32(b))
+                } else {
+                    f32_product(&to_f32(a), grad)
+                }
+            })
+        };
+        let finish = |product: FlexTensor, shape: &Shape, dtype: DType| {
+            let summed = broadcast_shape::<Flex>(product, shape);
+            if dtype == DType::BF16 {
+                to_bf16(&summed)
+            } else {
+                summed
+            }
+        };
         binary::<Flex, _, _>(
             ops.parents,
             ops.node,
@@ -161,21 +275,21 @@ impl Backward<Flex, 2> for MatmulBackward {
                 let rhs = rhs.expect("the right operand is kept when the left needs a gradient");
                 // grad_lhs = grad @ rhs^T, summed over the batch dimensions lhs broadcast.
                 let rhs_t = transposed(&rhs);
-                let product = native_product(&grad, &rhs_t).unwrap_or_else(|| {
-                    let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
-                    Flex::float_matmul(grad, to_f32(&rhs_t))
-                });
-                to_bf16(&broadcast_shape::<Flex>(product, &lhs_shape))
+                finish(
+                    product(&grad, &rhs_t, &grad, true),
+                    &lhs_shape,
+                    grad.dtype(),
+                )
             },
             |grad| {
                 let lhs = lhs.expect("the left operand is kept when the right needs a gradient");
                 // grad_rhs = lhs^T @ grad, summed over the batch dimensions rhs broadcast.
                 let lhs_t = transposed(&lhs);
-                let product = native_product(&lhs_t, &grad).unwrap_or_else(|| {
-                    let grad = grad_f32.get_or_init(|| to_f32(&grad)).clone();
-                    Flex::float_matmul(to_f32(&lhs_t), grad)
-                });
-                to_bf16(&broadcast_shape::<Flex>(product, &rhs_shape))
+                finish(
+                    product(&lhs_t, &grad, &grad, false),
+                    &rhs_shape,
+                    grad.dtype(),
+                )
             },
         );
     }

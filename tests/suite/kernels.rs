@@ -472,6 +472,81 @@ fn rounded_from<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want:
     }
 }
 
+/// `kernels::matmul` on f32 (its own Flex op, calling the gemm crate for single matrices)
+/// against burn's matmul: bit for bit on plain matrices, forward and both gradients, for a
+/// transposed weight view, a product big enough to run on every thread, one row, one column;
+/// batched and broadcast operands (burn-flex's batched path) within rounding.
+#[test]
+fn f32_matmul_matches_burn_with_gradients() {
+    let cases: Vec<(&str, [usize; 2], [usize; 2], bool)> = vec![
+        ("transposed weight", [37, 70], [50, 70], true),
+        ("parallel, transposed weight", [256, 96], [320, 96], true),
+        ("one row", [1, 70], [70, 33], false),
+        ("one column", [37, 70], [70, 1], false),
+    ];
+    let weight_view = |r: Tensor<Ad, 2>, transpose: bool| if transpose { r.transpose() } else { r };
+    for (what, lhs_shape, rhs_shape, transpose_rhs) in cases {
+        let lhs = random::<Flex, 2>(lhs_shape, 1.0);
+        let rhs = random::<Flex, 2>(rhs_shape, 1.0);
+        let flex_rhs = if transpose_rhs {
+            rhs.clone().transpose()
+        } else {
+            rhs.clone()
+        };
+        close(
+            &format!("{what}: forward (Flex)"),
+            kernels::matmul(lhs.clone(), flex_rhs.clone()),
+            lhs.clone().matmul(flex_rhs),
+            0.0,
+        );
+        let run = |fused: bool| {
+            let l = Tensor::<Ad, 2>::from_inner(lhs.clone()).require_grad();
+            let r = Tensor::<Ad, 2>::from_inner(rhs.clone()).require_grad();
+            let r_view = weight_view(r.clone(), transpose_rhs);
+            let y = if fused {
+                kernels::matmul(l.clone(), r_view)
+            } else {
+                l.clone().matmul(r_view)
+            };
+            let w = random::<Flex, 2>(y.dims(), 1.0);
+            let grads = (y.clone() * Tensor::from_inner(w)).sum().backward();
+            (y.inner(), l.grad(&grads).unwrap(), r.grad(&grads).unwrap())
+        };
+        // The same upstream weights for both runs.
+        let seed = 17 + lhs_shape[0] as u64;
+        Flex::seed(&Default::default(), seed);
+        let got = run(true);
+        Flex::seed(&Default::default(), seed);
+        let want = run(false);
+        close(&format!("{what}: forward"), got.0, want.0, 0.0);
+        close(&format!("{what}: lhs grad"), got.1, want.1, 0.0);
+        close(&format!("{what}: rhs grad"), got.2, want.2, 0.0);
+    }
+    for (what, lhs_shape, rhs_shape) in [
+        ("batched", [2, 3, 17, 9], [2, 3, 9, 11]),
+        ("broadcast rhs", [2, 3, 17, 9], [1, 1, 9, 11]),
+        ("leading ones", [1, 1, 17, 9], [1, 1, 9, 11]),
+    ] {
+        let lhs = random::<Flex, 4>(lhs_shape, 1.0);
+        let rhs = random::<Flex, 4>(rhs_shape, 1.0);
+        let run = |fused: bool| {
+            let l = Tensor::<Ad, 4>::from_inner(lhs.clone()).require_grad();
+            let r = Tensor::<Ad, 4>::from_inner(rhs.clone()).require_grad();
+            let y = if fused {
+                kernels::matmul(l.clone(), r.clone())
+            } else {
+                l.clone().matmul(r.clone())
+            };
+            let grads = y.clone().sum().backward();
+            (y.inner(), l.grad(&grads).unwrap(), r.grad(&grads).unwrap())
+        };
+        let (got, want) = (run(true), run(false));
+        close(&format!("{what}: forward"), got.0, want.0, 1e-5);
+        close(&format!("{what}: lhs grad"), got.1, want.1, 1e-5);
+        close(&format!("{what}: rhs grad"), got.2, want.2, 1e-4);
+    }
+}
+
 /// `kernels::matmul` on bf16 (its own Flex op) is the f32 product of the same values rounded
 /// once to bf16, forward and both gradients, for a transposed weight view, batched operands
 /// and a broadcast right operand (whose gradient sums over the batch in f32 before rounding).
