@@ -1,6 +1,7 @@
 //! Fused CPU kernels for the operations a training step spends its non-matmul time in:
-//! softmax (attention, distillation), SiLU (the MLP gate), the target log-probability under a
-//! softmax (cross-entropy over the vocabulary), attention-head permutes and the Adam update.
+//! softmax (attention, distillation), SiLU and SwiGLU (the MLP gate), the target
+//! log-probability under a softmax (cross-entropy over the vocabulary), attention-head permutes
+//! and the Adam update; and the matrix products themselves ([`matmul`]).
 //!
 //! The model and loss code stays generic over the backend and calls the functions here. When
 //! the backend is Flex (the CPU backend), with or without autodiff, they run the fused row
