@@ -106,25 +106,7 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
             let first = p * width;
             let lines = width.min(x.count - first);
             if x.k_stride == 1 {
-                // A transpose, in blocks of pairs so the panel's written words stay in L1 and
-                // each line's read is one cache line per block.
-                for kp0 in (0..k_pairs).step_by(PACK_PAIRS) {
-                    let kp1 = (kp0 + PACK_PAIRS).min(k_pairs);
-                    for l in 0..lines {
-                        let start = x.offset + (first + l) * x.line_stride;
-                        let line = &x.data[start + 2 * kp0..start + (2 * kp1).min(k)];
-                        let out = &mut panel[kp0 * width + l..];
-                        let pairs = line.chunks_exact(2);
-                        let odd = pairs.remainder().first().map(|&lo| lo as u32);
-                        let full = pairs.len();
-                        for (w, pair) in out.iter_mut().step_by(width).zip(pairs) {
-                            *w = pair[0] as u32 | ((pair[1] as u32) << 16);
-                        }
-                        if let Some(lo) = odd {
-                            out[full * width] = lo;
-                        }
-                    }
-                }
+                pack_k_contiguous(x, k, width, first, lines, panel);
             } else if x.line_stride == 1 {
                 for (kp, words) in panel.chunks_exact_mut(width).enumerate() {
                     let row = |k_index: usize| {
@@ -160,6 +142,148 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
             }
         });
     packed
+}
+
+/// One panel of K-contiguous lines (activations `x`, or a weight read as `w.T`): a transpose of
+/// 32-bit pairs, in blocks of [`PACK_PAIRS`] pairs so the panel's written words stay in L1 and
+/// each line's read is one cache line per block. 16 x 16 blocks in AVX-512 registers where the
+/// CPU has AVX512BW (every CPU with AVX512-BF16 does), else one word at a time.
+fn pack_k_contiguous(
+    x: &Lines<'_>,
+    k: usize,
+    width: usize,
+    first: usize,
+    lines: usize,
+    panel: &mut [u32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
+        // SAFETY: the CPU has the features the function is compiled for.
+        unsafe { pack_k_contiguous_avx512(x, k, width, first, lines, panel) };
+        return;
+    }
+    pack_k_contiguous_scalar(x, k, width, first, lines, panel);
+}
+
+fn pack_k_contiguous_scalar(
+    x: &Lines<'_>,
+    k: usize,
+    width: usize,
+    first: usize,
+    lines: usize,
+    panel: &mut [u32],
+) {
+    let k_pairs = k.div_ceil(2);
+    for kp0 in (0..k_pairs).step_by(PACK_PAIRS) {
+        let kp1 = (kp0 + PACK_PAIRS).min(k_pairs);
+        for l in 0..lines {
+            let start = x.offset + (first + l) * x.line_stride;
+            let line = &x.data[start + 2 * kp0..start + (2 * kp1).min(k)];
+            let out = &mut panel[kp0 * width + l..];
+            let pairs = line.chunks_exact(2);
+            let odd = pairs.remainder().first().map(|&lo| lo as u32);
+            let full = pairs.len();
+            for (w, pair) in out.iter_mut().step_by(width).zip(pairs) {
+                *w = pair[0] as u32 | ((pair[1] as u32) << 16);
+            }
+            if let Some(lo) = odd {
+                out[full * width] = lo;
+            }
+        }
+    }
+}
+
+/// [`pack_k_contiguous_scalar`] 16 lines x 16 pairs at a time: each line's block is one masked
+/// load (its 32 bf16 values are the 16 pair words in order; an odd K's missing half loads as
+/// zero), the 16 x 16 words are transposed in registers, and each pair's words for the group's
+/// lines are one masked store into the panel.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_k_contiguous_avx512(
+    x: &Lines<'_>,
+    k: usize,
+    width: usize,
+    first: usize,
+    lines: usize,
+    panel: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    const _: () = assert!(PACK_PAIRS == 16, "the register transpose is 16 x 16 words");
+    let k_pairs = k.div_ceil(2);
+    for kp0 in (0..k_pairs).step_by(PACK_PAIRS) {
+        let pairs = PACK_PAIRS.min(k_pairs - kp0);
+        let halves = (k - 2 * kp0).min(2 * PACK_PAIRS);
+        let load_mask: __mmask32 = if halves == 32 {
+            u32::MAX
+        } else {
+            (1u32 << halves) - 1
+        };
+        for l0 in (0..lines).step_by(16) {
+            let group = 16.min(lines - l0);
+            let mut rows = [_mm512_setzero_si512(); 16];
+            for (i, row) in rows.iter_mut().enumerate().take(group) {
+                let start = x.offset + (first + l0 + i) * x.line_stride + 2 * kp0;
+                let values = &x.data[start..start + halves];
+                // SAFETY: the mask covers exactly the `halves` values of `values`.
+                *row = unsafe { _mm512_maskz_loadu_epi16(load_mask, values.as_ptr().cast()) };
+            }
+            let columns = transpose_16x16(rows);
+            let store_mask: __mmask16 = if group == 16 {
+                u16::MAX
+            } else {
+                (1u16 << group) - 1
+            };
+            for (j, column) in columns.iter().enumerate().take(pairs) {
+                let words = &mut panel[(kp0 + j) * width + l0..][..group];
+                // SAFETY: the mask covers exactly the `group` words of `words`.
+                unsafe { _mm512_mask_storeu_epi32(words.as_mut_ptr().cast(), store_mask, *column) };
+            }
+        }
+    }
+}
+
+/// `out[j]` lane `i` = `rows[i]` lane `j` for 16 vectors of 16 32-bit words: pairs of rows
+/// interleaved by 32 then 64 bits (4 x 4 blocks inside each 128-bit lane), then the 128-bit
+/// lanes gathered across vectors in two rounds of `shuffle_i32x4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose_16x16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
+    use std::arch::x86_64::*;
+    // t[2i] lane L: (r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1]); t[2i+1] the next two.
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4g + c] lane L: rows 4g..4g+4 of column 4L + c.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, c) = (i / 4, i % 4);
+        let (a, b) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
+        if c % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    // For column c: lanes 0 and 2 (even) or 1 and 3 (odd) of rows 0-3 and 4-7, and of 8-11
+    // and 12-15.
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let low_even = _mm512_shuffle_i32x4::<0x88>(u[c], u[4 + c]);
+        let low_odd = _mm512_shuffle_i32x4::<0xdd>(u[c], u[4 + c]);
+        let high_even = _mm512_shuffle_i32x4::<0x88>(u[8 + c], u[12 + c]);
+        let high_odd = _mm512_shuffle_i32x4::<0xdd>(u[8 + c], u[12 + c]);
+        out[c] = _mm512_shuffle_i32x4::<0x88>(low_even, high_even);
+        out[8 + c] = _mm512_shuffle_i32x4::<0xdd>(low_even, high_even);
+        out[4 + c] = _mm512_shuffle_i32x4::<0x88>(low_odd, high_odd);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(low_odd, high_odd);
+    }
+    out
 }
 
 /// `a @ b` as a row-major f32 `[a.rows, b.cols]`. Panics unless [`available`] and
@@ -320,6 +444,36 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The register transpose packs the same words as the scalar loop: odd and even K, K
+    /// blocks, groups of lines past 16, both panel widths.
+    #[test]
+    fn k_contiguous_packing_matches_the_scalar_loop() {
+        let data: Vec<u16> = (0..40_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16)
+            .collect();
+        for (k, lines, width) in [
+            (1, 1, MR),
+            (3, 6, MR),
+            (33, 5, MR),
+            (64, 64, NR),
+            (95, 37, NR),
+            (401, 19, NR),
+        ] {
+            let x = Lines {
+                data: &data,
+                offset: 3,
+                count: lines,
+                line_stride: k + 5,
+                k_stride: 1,
+            };
+            let size = k.div_ceil(2) * width;
+            let (mut scalar, mut fast) = (vec![7u32; size], vec![7u32; size]);
+            pack_k_contiguous_scalar(&x, k, width, 0, lines.min(width), &mut scalar);
+            pack_k_contiguous(&x, k, width, 0, lines.min(width), &mut fast);
+            assert_eq!(scalar, fast, "k {k}, lines {lines}, width {width}");
+        }
     }
 
     /// Every edge: rows and columns past a panel, an odd K, K blocks; each operand stored with
