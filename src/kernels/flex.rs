@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -451,19 +453,117 @@ fn attention_run(
     (new_tensor(out, q.shape()), stats, [q, k, v])
 }
 
+/// Where the attention output's rows go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputLayout {
+    /// As the queries: `[batch, kv_heads, n_rep * q_len, dim]`.
+    Grouped,
+    /// `[batch, q_len, kv_heads * n_rep, dim]`: the output projection's input rows, so the
+    /// tensor the backward keeps is the one the projection keeps too (one copy, not two).
+    ByPosition,
+}
+
+/// The sizes that place one output row in either [`OutputLayout`].
+#[derive(Debug, Clone, Copy)]
+struct RowPlaces {
+    batch: usize,
+    kv_heads: usize,
+    n_rep: usize,
+    q_len: usize,
+    dim: usize,
+}
+
+impl RowPlaces {
+    fn of(q: &FlexTensor, q_len: usize) -> Self {
+        let [batch, kv_heads, rows, dim] = q.shape().dims();
+        Self {
+            batch,
+            kv_heads,
+            n_rep: rows / q_len.max(1),
+            q_len,
+            dim,
+        }
+    }
+
+    fn by_position_shape(&self) -> Shape {
+        Shape::from(vec![
+            self.batch,
+            self.q_len,
+            self.kv_heads * self.n_rep,
+            self.dim,
+        ])
+    }
+
+    /// Copies rows between the layouts: `to_by_position` reads `Grouped` rows from `from` and
+    /// writes `ByPosition` ones, else the reverse. Parallel over (batch, position) rows.
+    fn regroup(&self, from: &[f32], to_by_position: bool) -> Vec<f32> {
+        let Self {
+            kv_heads,
+            n_rep,
+            q_len,
+            dim,
+            ..
+        } = *self;
+        let heads = kv_heads * n_rep;
+        let grouped_row = |b: usize, pos: usize, head: usize| {
+            let (g, rep) = (head / n_rep, head % n_rep);
+            ((b * kv_heads + g) * n_rep * q_len + rep * q_len + pos) * dim
+        };
+        let mut out = vec![0.0f32; from.len()];
+        if to_by_position {
+            out.par_chunks_mut(heads * dim)
+                .enumerate()
+                .for_each(|(row, heads_out)| {
+                    let (b, pos) = (row / q_len, row % q_len);
+                    for (head, o) in heads_out.chunks_exact_mut(dim).enumerate() {
+                        o.copy_from_slice(&from[grouped_row(b, pos, head)..][..dim]);
+                    }
+                });
+        } else {
+            // Each (batch, kv head) group's rows are contiguous in the grouped layout.
+            out.par_chunks_mut(n_rep * q_len * dim)
+                .enumerate()
+                .for_each(|(group, rows_out)| {
+                    let (b, g) = (group / kv_heads, group % kv_heads);
+                    for (r, o) in rows_out.chunks_exact_mut(dim).enumerate() {
+                        let (rep, pos) = (r / q_len, r % q_len);
+                        let head = g * n_rep + rep;
+                        o.copy_from_slice(&from[((b * q_len + pos) * heads + head) * dim..][..dim]);
+                    }
+                });
+        }
+        out
+    }
+}
+
+/// The forward output in `layout`.
+fn laid_out(out: FlexTensor, places: RowPlaces, layout: OutputLayout) -> FlexTensor {
+    match layout {
+        OutputLayout::Grouped => out,
+        OutputLayout::ByPosition => new_tensor(
+            places.regroup(out.storage(), true),
+            places.by_position_shape(),
+        ),
+    }
+}
+
 pub fn attention_inference(
     q: &FlexTensor,
     k: &FlexTensor,
     v: &FlexTensor,
     masking: &AttentionMasking,
+    layout: OutputLayout,
 ) -> FlexTensor {
-    attention_run(q, k, v, masking).0
+    let places = RowPlaces::of(q, masking.q_len);
+    laid_out(attention_run(q, k, v, masking).0, places, layout)
 }
 
 #[derive(Debug, Clone)]
 struct AttentionState {
     inputs: [FlexTensor; 3],
+    /// The output as returned (in `layout`).
     out: FlexTensor,
+    layout: OutputLayout,
     stats: Arc<Vec<attention::RowStats>>,
     masking: AttentionMasking,
 }
@@ -478,13 +578,26 @@ impl Backward<Flex, 3> for AttentionBackward {
         let state = ops.state;
         let grad = contiguous(&grads.consume::<Flex>(&ops.node));
         let [q, k, v] = &state.inputs;
+        // The kernel reads the output and its gradient grouped, as the queries.
+        let regrouped: (Vec<f32>, Vec<f32>);
+        let (out, grad_out): (&[f32], &[f32]) = match state.layout {
+            OutputLayout::Grouped => (state.out.storage(), grad.storage()),
+            OutputLayout::ByPosition => {
+                let places = RowPlaces::of(q, state.masking.q_len);
+                regrouped = (
+                    places.regroup(state.out.storage(), false),
+                    places.regroup(grad.storage(), false),
+                );
+                (&regrouped.0, &regrouped.1)
+            }
+        };
         let x = attention_inputs(q, k, v, &state.masking);
         let g = attention::backward(
             &x,
             &attention::Saved {
-                out: state.out.storage(),
+                out,
                 stats: &state.stats,
-                grad_out: grad.storage(),
+                grad_out,
             },
         );
         let [dq, dk, dv] = [(g.dq, q), (g.dk, k), (g.dv, v)].map(|(g, t)| new_tensor(g, t.shape()));
@@ -499,8 +612,11 @@ impl Backward<Flex, 3> for AttentionBackward {
 pub fn attention_autodiff<C: CheckpointStrategy>(
     [q, k, v]: [FloatTensor<Autodiff<Flex, C>>; 3],
     masking: &AttentionMasking,
+    layout: OutputLayout,
 ) -> FloatTensor<Autodiff<Flex, C>> {
+    let places = RowPlaces::of(&q.primitive, masking.q_len);
     let (out, stats, inputs) = attention_run(&q.primitive, &k.primitive, &v.primitive, masking);
+    let out = laid_out(out, places, layout);
     match AttentionBackward
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
@@ -510,6 +626,7 @@ pub fn attention_autodiff<C: CheckpointStrategy>(
             AttentionState {
                 inputs,
                 out: out.clone(),
+                layout,
                 stats: Arc::new(stats),
                 masking: masking.clone(),
             },

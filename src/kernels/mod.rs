@@ -38,6 +38,7 @@ use burn_flex::FlexTensor;
 
 pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
+use flex::OutputLayout;
 pub use matmul::matmul;
 pub use nf4_linear::nf4_linear;
 
@@ -119,42 +120,88 @@ pub fn attention<B: Backend>(
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
 ) -> Tensor<B, 4> {
-    struct Fused(flex::AttentionMasking);
+    attention_in(q, k, v, mask, softcap, OutputLayout::Grouped)
+}
+
+/// [`attention`] with its output `[batch, q_len, kv_heads * n_rep, dim]`: each position's
+/// heads side by side, the output projection's input. On Flex the fused op writes this layout
+/// itself and keeps it for its backward, so the projection's adapter and the attention share
+/// one kept tensor (the grouped output and a permuted copy were two).
+pub fn attention_by_position<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &AttentionMask<B>,
+    softcap: Option<f64>,
+) -> Tensor<B, 4> {
+    attention_in(q, k, v, mask, softcap, OutputLayout::ByPosition)
+}
+
+fn attention_in<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: &AttentionMask<B>,
+    softcap: Option<f64>,
+    layout: OutputLayout,
+) -> Tensor<B, 4> {
+    struct Fused(flex::AttentionMasking, OutputLayout);
     impl FlexOpN<3> for Fused {
         fn forward(&self, [q, k, v]: [&FlexTensor; 3]) -> FlexTensor {
-            flex::attention_inference(q, k, v, &self.0)
+            flex::attention_inference(q, k, v, &self.0, self.1)
         }
         fn autodiff<C: CheckpointStrategy>(
             &self,
             x: [AutodiffFlexTensor<C>; 3],
         ) -> AutodiffFlexTensor<C> {
-            flex::attention_autodiff::<C>(x, &self.0)
+            flex::attention_autodiff::<C>(x, &self.0, self.1)
         }
     }
     let [mask_batch, q_len, _] = mask.dims;
+    let composed = |q, k, v| {
+        let grouped = composed_attention(q, k, v, mask, softcap);
+        match layout {
+            OutputLayout::Grouped => grouped,
+            OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
+        }
+    };
     // A decoding step (one query position, no autodiff) keeps nothing for a backward and its
     // scores are one row per query head: two batched products beat the fused kernel's
     // per-block overhead there (measured: decode rate 13% lower through it on SmolLM2-135M).
     let decoding = q_len == 1 && !B::ad_enabled(&q.device());
     if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
-        return composed_attention(q, k, v, mask, softcap);
+        return composed(q, k, v);
     }
     let dtype = q.dtype();
     if dtype == DType::BF16 && is_flex::<B>() {
         let [q, k, v] = [q, k, v].map(|t| cast(t, DType::F32));
-        return cast(attention(q, k, v, mask, softcap), dtype);
+        return cast(attention_in(q, k, v, mask, softcap, layout), dtype);
     }
-    let op = Fused(flex::AttentionMasking {
-        mask: mask.host.clone(),
-        spans: mask.spans.clone(),
-        mask_batch,
-        q_len,
-        softcap: softcap.map(|c| c as f32),
-    });
+    let op = Fused(
+        flex::AttentionMasking {
+            mask: mask.host.clone(),
+            spans: mask.spans.clone(),
+            mask_batch,
+            q_len,
+            softcap: softcap.map(|c| c as f32),
+        },
+        layout,
+    );
     match on_flex_n([q, k, v], op) {
         Ok(out) => out,
-        Err([q, k, v]) => composed_attention(q, k, v, mask, softcap),
+        Err([q, k, v]) => composed(q, k, v),
     }
+}
+
+/// `[batch, kv_heads, n_rep * q_len, dim]` rows as `[batch, q_len, kv_heads * n_rep, dim]`.
+fn grouped_to_by_position<B: Backend>(x: Tensor<B, 4>, q_len: usize) -> Tensor<B, 4> {
+    let [batch, kv_heads, rows, dim] = x.dims();
+    let n_rep = rows / q_len.max(1);
+    permute(
+        x.reshape([batch, kv_heads, n_rep, q_len, dim]),
+        [0, 3, 1, 2, 4],
+    )
+    .reshape([batch, q_len, kv_heads * n_rep, dim])
 }
 
 /// `x` in `dtype` (no operation when it already is). On Flex, bf16 <-> f32 is a parallel,

@@ -10,7 +10,7 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
-use crate::kernels::{attention, permute, softcap, swiglu};
+use crate::kernels::{attention_by_position, permute, softcap, swiglu};
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -102,11 +102,7 @@ impl<B: Backend> Attention<B> {
             (Some(m), true) => m,
             _ => &ctx.mask,
         };
-        let out = permute(
-            attention(q, k, v, mask, self.softcap).reshape([batch, kvh, n_rep, seq, d]),
-            [0, 3, 1, 2, 4],
-        )
-        .reshape([batch * seq, h * d]);
+        let out = attention_by_position(q, k, v, mask, self.softcap).reshape([batch * seq, h * d]);
         self.o_proj.forward(out, mode).reshape([batch, seq, hidden])
     }
 }

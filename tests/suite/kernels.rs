@@ -374,6 +374,54 @@ fn check_attention(
     close(&format!("{what}: dq"), fused.1, composed.1, tol);
     close(&format!("{what}: dk"), fused.2, composed.2, tol);
     close(&format!("{what}: dv"), fused.3, composed.3, tol);
+
+    // The output laid out by position (the decoder's): the grouped output's rows moved, bit
+    // for bit, with the same gradients.
+    fn by_position<B: Backend>(x: Tensor<B, 4>, [n_rep, q_len]: [usize; 2]) -> Tensor<B, 4> {
+        let [batch, kv_heads, _, dim] = x.dims();
+        kernels::permute(
+            x.reshape([batch, kv_heads, n_rep, q_len, dim]),
+            [0, 3, 1, 2, 4],
+        )
+        .reshape([batch, q_len, kv_heads * n_rep, dim])
+    }
+    let sizes = [n_rep, q_len];
+    close(
+        &format!("{what}: by-position output (Flex)"),
+        kernels::attention_by_position(q.clone(), k.clone(), v.clone(), mask, softcap),
+        by_position(
+            kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
+            sizes,
+        ),
+        0.0,
+    );
+    let w_by_position = by_position(w.clone(), sizes);
+    let run_by_position = |direct: bool| {
+        let [q, k, v] = [&q, &k, &v].map(|t| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad());
+        let out = if direct {
+            kernels::attention_by_position(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
+        } else {
+            by_position(
+                kernels::attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap),
+                sizes,
+            )
+        };
+        let grads = (out.clone() * Tensor::from_inner(w_by_position.clone()))
+            .sum()
+            .backward();
+        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
+        (out.inner(), dq, dk, dv)
+    };
+    let (direct, moved) = (run_by_position(true), run_by_position(false));
+    close(
+        &format!("{what}: by-position output"),
+        direct.0,
+        moved.0,
+        0.0,
+    );
+    close(&format!("{what}: by-position dq"), direct.1, moved.1, 0.0);
+    close(&format!("{what}: by-position dk"), direct.2, moved.2, 0.0);
+    close(&format!("{what}: by-position dv"), direct.3, moved.3, 0.0);
 }
 
 #[test]
