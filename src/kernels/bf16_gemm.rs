@@ -106,7 +106,16 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
             let first = p * width;
             let lines = width.min(x.count - first);
             if x.k_stride == 1 {
-                pack_k_contiguous(x, k, width, first, lines, panel);
+                pack_k_contiguous(
+                    x,
+                    PanelAt {
+                        k,
+                        width,
+                        first,
+                        lines,
+                    },
+                    panel,
+                );
             } else if x.line_stride == 1 {
                 for (kp, words) in panel.chunks_exact_mut(width).enumerate() {
                     let row = |k_index: usize| {
@@ -144,37 +153,39 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
     packed
 }
 
-/// One panel of K-contiguous lines (activations `x`, or a weight read as `w.T`): a transpose of
-/// 32-bit pairs, in blocks of [`PACK_PAIRS`] pairs so the panel's written words stay in L1 and
-/// each line's read is one cache line per block. 16 x 16 blocks in AVX-512 registers where the
-/// CPU has AVX512BW (every CPU with AVX512-BF16 does), else one word at a time.
-fn pack_k_contiguous(
-    x: &Lines<'_>,
+/// Which lines one panel packs and how: K values per line, the panel's width in lines, its
+/// first line, and how many of its lines exist (the last panel may be short).
+#[derive(Clone, Copy)]
+struct PanelAt {
     k: usize,
     width: usize,
     first: usize,
     lines: usize,
-    panel: &mut [u32],
-) {
+}
+
+/// One panel of K-contiguous lines (activations `x`, or a weight read as `w.T`): a transpose of
+/// 32-bit pairs, in blocks of [`PACK_PAIRS`] pairs so the panel's written words stay in L1 and
+/// each line's read is one cache line per block. 16 x 16 blocks in AVX-512 registers where the
+/// CPU has AVX512BW (every CPU with AVX512-BF16 does), else one word at a time.
+fn pack_k_contiguous(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
     {
         // SAFETY: the CPU has the features the function is compiled for.
-        unsafe { pack_k_contiguous_avx512(x, k, width, first, lines, panel) };
+        unsafe { pack_k_contiguous_avx512(x, at, panel) };
         return;
     }
-    pack_k_contiguous_scalar(x, k, width, first, lines, panel);
+    pack_k_contiguous_scalar(x, at, panel);
 }
 
-fn pack_k_contiguous_scalar(
-    x: &Lines<'_>,
-    k: usize,
-    width: usize,
-    first: usize,
-    lines: usize,
-    panel: &mut [u32],
-) {
+fn pack_k_contiguous_scalar(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
+    let PanelAt {
+        k,
+        width,
+        first,
+        lines,
+    } = at;
     let k_pairs = k.div_ceil(2);
     for kp0 in (0..k_pairs).step_by(PACK_PAIRS) {
         let kp1 = (kp0 + PACK_PAIRS).min(k_pairs);
@@ -201,14 +212,13 @@ fn pack_k_contiguous_scalar(
 /// lines are one masked store into the panel.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_k_contiguous_avx512(
-    x: &Lines<'_>,
-    k: usize,
-    width: usize,
-    first: usize,
-    lines: usize,
-    panel: &mut [u32],
-) {
+unsafe fn pack_k_contiguous_avx512(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
+    let PanelAt {
+        k,
+        width,
+        first,
+        lines,
+    } = at;
     use std::arch::x86_64::*;
     const _: () = assert!(PACK_PAIRS == 16, "the register transpose is 16 x 16 words");
     let k_pairs = k.div_ceil(2);
@@ -470,8 +480,14 @@ mod tests {
             };
             let size = k.div_ceil(2) * width;
             let (mut scalar, mut fast) = (vec![7u32; size], vec![7u32; size]);
-            pack_k_contiguous_scalar(&x, k, width, 0, lines.min(width), &mut scalar);
-            pack_k_contiguous(&x, k, width, 0, lines.min(width), &mut fast);
+            let at = PanelAt {
+                k,
+                width,
+                first: 0,
+                lines: lines.min(width),
+            };
+            pack_k_contiguous_scalar(&x, at, &mut scalar);
+            pack_k_contiguous(&x, at, &mut fast);
             assert_eq!(scalar, fast, "k {k}, lines {lines}, width {width}");
         }
     }

@@ -132,9 +132,12 @@ fn sigkill_during_a_checkpoint_write_loses_nothing() {
         let _ = child.wait();
         eprintln!("kill at step {kill_at}: mid-write = {killed_mid_write}");
 
-        let had_checkpoint = tune::checkpoint_client::latest_complete(dir.path())
+        // A complete checkpoint, published or not: a save killed after its last file but
+        // before the rename is restored into place on resume (clean_partial), so it counts.
+        let had_checkpoint = tune::checkpoint_client::list_checkpoints(dir.path())
             .unwrap()
-            .is_some();
+            .iter()
+            .any(|entry| entry.status.is_complete());
         let resumed = tune_ok(&args(
             &out,
             &[&extra[..], &["resume_from_checkpoint=True"]].concat(),
