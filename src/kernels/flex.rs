@@ -5,8 +5,6 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -463,87 +461,38 @@ pub enum OutputLayout {
     ByPosition,
 }
 
-/// The sizes that place one output row in either [`OutputLayout`].
-#[derive(Debug, Clone, Copy)]
-struct RowPlaces {
-    batch: usize,
-    kv_heads: usize,
-    n_rep: usize,
-    q_len: usize,
-    dim: usize,
+/// The decoder's head permute: `[batch, kv_heads, n_rep * q_len, dim]` to `[batch, q_len,
+/// kv_heads * n_rep, dim]`, as [`permute_forward`] copies it.
+fn grouped_to_by_position(out: &FlexTensor, q_len: usize) -> FlexTensor {
+    let [batch, kv_heads, rows, dim] = out.shape().dims();
+    let n_rep = rows / q_len.max(1);
+    let split = out.reshape(Shape::from(vec![batch, kv_heads, n_rep, q_len, dim]));
+    permute_forward(&split, &[0, 3, 1, 2, 4]).reshape(Shape::from(vec![
+        batch,
+        q_len,
+        kv_heads * n_rep,
+        dim,
+    ]))
 }
 
-impl RowPlaces {
-    fn of(q: &FlexTensor, q_len: usize) -> Self {
-        let [batch, kv_heads, rows, dim] = q.shape().dims();
-        Self {
-            batch,
-            kv_heads,
-            n_rep: rows / q_len.max(1),
-            q_len,
-            dim,
-        }
-    }
-
-    fn by_position_shape(&self) -> Shape {
-        Shape::from(vec![
-            self.batch,
-            self.q_len,
-            self.kv_heads * self.n_rep,
-            self.dim,
-        ])
-    }
-
-    /// Copies rows between the layouts: `to_by_position` reads `Grouped` rows from `from` and
-    /// writes `ByPosition` ones, else the reverse. Parallel over (batch, position) rows.
-    fn regroup(&self, from: &[f32], to_by_position: bool) -> Vec<f32> {
-        let Self {
-            kv_heads,
-            n_rep,
-            q_len,
-            dim,
-            ..
-        } = *self;
-        let heads = kv_heads * n_rep;
-        let grouped_row = |b: usize, pos: usize, head: usize| {
-            let (g, rep) = (head / n_rep, head % n_rep);
-            ((b * kv_heads + g) * n_rep * q_len + rep * q_len + pos) * dim
-        };
-        let mut out = vec![0.0f32; from.len()];
-        if to_by_position {
-            out.par_chunks_mut(heads * dim)
-                .enumerate()
-                .for_each(|(row, heads_out)| {
-                    let (b, pos) = (row / q_len, row % q_len);
-                    for (head, o) in heads_out.chunks_exact_mut(dim).enumerate() {
-                        o.copy_from_slice(&from[grouped_row(b, pos, head)..][..dim]);
-                    }
-                });
-        } else {
-            // Each (batch, kv head) group's rows are contiguous in the grouped layout.
-            out.par_chunks_mut(n_rep * q_len * dim)
-                .enumerate()
-                .for_each(|(group, rows_out)| {
-                    let (b, g) = (group / kv_heads, group % kv_heads);
-                    for (r, o) in rows_out.chunks_exact_mut(dim).enumerate() {
-                        let (rep, pos) = (r / q_len, r % q_len);
-                        let head = g * n_rep + rep;
-                        o.copy_from_slice(&from[((b * q_len + pos) * heads + head) * dim..][..dim]);
-                    }
-                });
-        }
-        out
-    }
+/// The inverse of [`grouped_to_by_position`].
+fn by_position_to_grouped(x: &FlexTensor, kv_heads: usize) -> FlexTensor {
+    let [batch, q_len, heads, dim] = x.shape().dims();
+    let n_rep = heads / kv_heads.max(1);
+    let split = x.reshape(Shape::from(vec![batch, q_len, kv_heads, n_rep, dim]));
+    permute_forward(&split, &[0, 2, 3, 1, 4]).reshape(Shape::from(vec![
+        batch,
+        kv_heads,
+        n_rep * q_len,
+        dim,
+    ]))
 }
 
 /// The forward output in `layout`.
-fn laid_out(out: FlexTensor, places: RowPlaces, layout: OutputLayout) -> FlexTensor {
+fn laid_out(out: FlexTensor, q_len: usize, layout: OutputLayout) -> FlexTensor {
     match layout {
         OutputLayout::Grouped => out,
-        OutputLayout::ByPosition => new_tensor(
-            places.regroup(out.storage(), true),
-            places.by_position_shape(),
-        ),
+        OutputLayout::ByPosition => grouped_to_by_position(&out, q_len),
     }
 }
 
@@ -554,8 +503,7 @@ pub fn attention_inference(
     masking: &AttentionMasking,
     layout: OutputLayout,
 ) -> FlexTensor {
-    let places = RowPlaces::of(q, masking.q_len);
-    laid_out(attention_run(q, k, v, masking).0, places, layout)
+    laid_out(attention_run(q, k, v, masking).0, masking.q_len, layout)
 }
 
 #[derive(Debug, Clone)]
@@ -579,25 +527,23 @@ impl Backward<Flex, 3> for AttentionBackward {
         let grad = contiguous(&grads.consume::<Flex>(&ops.node));
         let [q, k, v] = &state.inputs;
         // The kernel reads the output and its gradient grouped, as the queries.
-        let regrouped: (Vec<f32>, Vec<f32>);
-        let (out, grad_out): (&[f32], &[f32]) = match state.layout {
-            OutputLayout::Grouped => (state.out.storage(), grad.storage()),
+        let (out, grad) = match state.layout {
+            OutputLayout::Grouped => (state.out, grad),
             OutputLayout::ByPosition => {
-                let places = RowPlaces::of(q, state.masking.q_len);
-                regrouped = (
-                    places.regroup(state.out.storage(), false),
-                    places.regroup(grad.storage(), false),
-                );
-                (&regrouped.0, &regrouped.1)
+                let kv_heads = q.shape()[1];
+                (
+                    by_position_to_grouped(&state.out, kv_heads),
+                    by_position_to_grouped(&grad, kv_heads),
+                )
             }
         };
         let x = attention_inputs(q, k, v, &state.masking);
         let g = attention::backward(
             &x,
             &attention::Saved {
-                out,
+                out: out.storage(),
                 stats: &state.stats,
-                grad_out,
+                grad_out: grad.storage(),
             },
         );
         let [dq, dk, dv] = [(g.dq, q), (g.dk, k), (g.dv, v)].map(|(g, t)| new_tensor(g, t.shape()));
@@ -614,9 +560,8 @@ pub fn attention_autodiff<C: CheckpointStrategy>(
     masking: &AttentionMasking,
     layout: OutputLayout,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let places = RowPlaces::of(&q.primitive, masking.q_len);
     let (out, stats, inputs) = attention_run(&q.primitive, &k.primitive, &v.primitive, masking);
-    let out = laid_out(out, places, layout);
+    let out = laid_out(out, masking.q_len, layout);
     match AttentionBackward
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()

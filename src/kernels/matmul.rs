@@ -246,16 +246,16 @@ impl Backward<Flex, 2> for MatmulBackward {
         // bf16: where the widening path runs, the output gradient is widened once for both
         // products.
         let grad_f32 = OnceCell::new();
-        let product = |a: &FlexTensor, b: &FlexTensor, grad: &FlexTensor, grad_is_lhs: bool| {
-            if grad.dtype() != DType::BF16 {
+        // `a @ b`, where the output gradient is `a` (`grad_is_lhs`) or `b`.
+        let product = |a: &FlexTensor, b: &FlexTensor, grad_is_lhs: bool| {
+            if a.dtype() != DType::BF16 {
                 return f32_product(a, b);
             }
             native_product(a, b).unwrap_or_else(|| {
-                let grad: &FlexTensor = grad_f32.get_or_init(|| to_f32(grad));
                 if grad_is_lhs {
-                    f32_product(grad, &to_f32(b))
+                    f32_product(grad_f32.get_or_init(|| to_f32(a)), &to_f32(b))
                 } else {
-                    f32_product(&to_f32(a), grad)
+                    f32_product(&to_f32(a), grad_f32.get_or_init(|| to_f32(b)))
                 }
             })
         };
@@ -275,21 +275,13 @@ impl Backward<Flex, 2> for MatmulBackward {
                 let rhs = rhs.expect("the right operand is kept when the left needs a gradient");
                 // grad_lhs = grad @ rhs^T, summed over the batch dimensions lhs broadcast.
                 let rhs_t = transposed(&rhs);
-                finish(
-                    product(&grad, &rhs_t, &grad, true),
-                    &lhs_shape,
-                    grad.dtype(),
-                )
+                finish(product(&grad, &rhs_t, true), &lhs_shape, grad.dtype())
             },
             |grad| {
                 let lhs = lhs.expect("the left operand is kept when the right needs a gradient");
                 // grad_rhs = lhs^T @ grad, summed over the batch dimensions rhs broadcast.
                 let lhs_t = transposed(&lhs);
-                finish(
-                    product(&lhs_t, &grad, &grad, false),
-                    &rhs_shape,
-                    grad.dtype(),
-                )
+                finish(product(&lhs_t, &grad, false), &rhs_shape, grad.dtype())
             },
         );
     }
