@@ -9,6 +9,7 @@ mod source;
 mod spec;
 mod tokenize;
 mod transform;
+mod unpad;
 
 pub use collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 pub use dataset::{Dataset, Samples};
@@ -23,3 +24,4 @@ pub use tokenize::{
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
 };
+pub use unpad::unpad;

@@ -12,9 +12,9 @@ use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing;
 use super::loss::{self, flat_logits, next_token_targets};
-use super::sft::token_batch;
+use super::sft::{labelled_tokens, token_batch};
 use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
-use crate::data::Batch;
+use crate::data::{Batch, unpad};
 use crate::kernels;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
@@ -178,6 +178,10 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             fake_quant: false,
             train: true,
         };
+        let tokens = labelled_tokens(batch);
+        // Padding-free, as the SFT step: both models see the rows' real tokens in packs.
+        let unpadded = unpad(batch);
+        let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher_logits = self.teacher_logits(batch);
         let weight = batch.num_trained_tokens;
         let mut metrics = Vec::new();
@@ -201,7 +205,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         Ok(StepOutput {
             loss,
             weight,
-            tokens: batch.tokens.len(),
+            tokens,
             metrics,
             grads,
         })
@@ -219,6 +223,8 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             fake_quant: false,
             train: false,
         };
+        let unpadded = unpad(batch);
+        let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher = self.teacher.forward(token_batch(batch), mode);
         let student = model.forward(token_batch(batch), mode);
         let class_loss = loss::cross_entropy(student.clone(), &batch.labels);

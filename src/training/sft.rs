@@ -6,7 +6,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use super::{activation_checkpointing, chunked_loss, loss};
-use crate::data::Batch;
+use crate::data::{Batch, IGNORE_INDEX, unpad};
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
@@ -70,6 +70,13 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     (loss, Some(grads))
 }
 
+/// The tokens a step reports for throughput: labels that are not ignored, before the shift
+/// (torchtune's `num_tokens` behind `tokens_per_second_per_gpu`), so the figure does not
+/// depend on how much padding a batch had or whether it was computed.
+pub fn labelled_tokens(batch: &Batch) -> usize {
+    batch.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()
+}
+
 pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
     TokenBatch {
         tokens: &batch.tokens,
@@ -92,6 +99,10 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             train: true,
         };
         let weight = batch.num_trained_tokens;
+        let tokens = labelled_tokens(batch);
+        // Padding-free: the rows' real tokens in block-causal packs (same loss and gradients).
+        let unpadded = unpad(batch);
+        let batch = unpadded.as_ref().unwrap_or(batch);
         let (loss, grads) = loss_and_grads(
             model,
             token_batch(batch),
@@ -104,7 +115,7 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         Ok(StepOutput {
             loss,
             weight,
-            tokens: batch.tokens.len(),
+            tokens,
             metrics: vec![],
             grads,
         })
@@ -121,6 +132,8 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
             train: false,
         };
+        let unpadded = unpad(batch);
+        let batch = unpadded.as_ref().unwrap_or(batch);
         let hidden = model.hidden(token_batch(batch), mode, None);
         Ok(EvalOutput {
             loss: loss::chunked_cross_entropy(model, hidden, &batch.labels, mode),

@@ -22,7 +22,7 @@ fn teacher() -> CausalLm<Cpu> {
     teacher_on::<Cpu>(&Default::default())
 }
 
-fn teacher_on<B: Backend>(device: &B::Device) -> CausalLm<B> {
+pub fn teacher_on<B: Backend>(device: &B::Device) -> CausalLm<B> {
     load_model::<B>(&fixture("tiny-llama-teacher"), None, device)
         .unwrap()
         .model

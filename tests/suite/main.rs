@@ -38,4 +38,5 @@ mod resume;
 mod support;
 mod tokenizer;
 mod torchtune_tokens;
+mod unpad;
 mod validation;
