@@ -12,6 +12,9 @@
 #   RUNS="llama3.2-1b:qlora:1:256:2" benches/compare.sh   # QLoRA (qdora: QDoRA) against torchtune's
 #   COMPOSED=1 RUNS="smollm2-135m:lora:1:2048:1" benches/compare.sh   # tune also with burn's
 #                                      # composed attention (--attention composed), as a row of its own
+#   ROW_LENGTHS=benches/alpaca_lengths.json RUNS="smollm2-135m:lora:4:512:6" benches/compare.sh
+#                                      # real alpaca row lengths, padded per batch as torchtune
+#                                      # pads (seq is then the cut); tune runs them padding-free
 #   TUNE=path/to/tune PYTHON=python3 benches/compare.sh   # a prebuilt tune and a Python that has
 #                                      # torch (a GPU machine without cargo or network)
 set -euo pipefail
@@ -43,6 +46,7 @@ fi
 for run in $RUNS; do
   IFS=: read -r shape mode batch seq steps <<< "$run"
   args=(--shape "$shape" --mode "$mode" --batch-size "$batch" --seq-len "$seq" --steps "$steps" --device "$DEVICE" --dtype "$DTYPE")
+  [ -n "${ROW_LENGTHS:-}" ] && args+=(--row-lengths "$ROW_LENGTHS")
   echo "== $run" >&2
   "$TUNE" bench "${args[@]}" --json >> "$OUT"
   if [ "${COMPOSED:-0}" = 1 ]; then "$TUNE" bench "${args[@]}" --attention composed --json >> "$OUT" || true; fi

@@ -7,7 +7,8 @@ What it mirrors from `tune bench` (src/bench/mod.rs):
 - save the weights as safetensors, load them back (timed), then train;
 - LoRA: rank r, alpha 2r, dropout 0 on q/v/o/gate/up/down, base weights frozen (requires_grad
   False), AdamW (weight decay 0.01) over the adapters only; full: AdamW over every weight;
-- one warm-up step, then `--steps` timed steps on random tokens (labels = tokens, shifted),
+- two warm-up steps, then `--steps` timed steps on random tokens (labels = tokens, shifted),
+  full rows, or with `--row-lengths` real lengths padded as torchtune pads them,
   forward / backward / optimizer timed separately (CUDA synchronised before each reading);
 - peak resident memory of the training phase (VmHWM reset after loading), and on CUDA the
   peak allocated memory.
@@ -205,7 +206,13 @@ def main():
     p.add_argument("--impl", choices=["plain", "torchtune"], default="plain")
     # As `tune bench --dtype`: weights, activations and optimizer state in this dtype.
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    # As `tune bench --row-lengths`: rows of these lengths (cut to --seq-len), --batch-size at a
+    # time, right-padded to each batch's longest with labels -100 as torchtune's collate pads
+    # them and computed padded, as torchtune does; tokens/s counts labelled tokens
+    # (torchtune's num_tokens).
+    p.add_argument("--row-lengths")
     a = p.parse_args()
+    lengths = json.load(open(a.row_lengths))["lengths"] if a.row_lengths else None
 
     cfg = json.load(open(os.path.join(HERE, "shapes.json")))[a.shape]
     dev = torch.device(a.device)
@@ -288,14 +295,31 @@ def main():
     g = torch.Generator().manual_seed(0)
     fwd = bwd = step = 0.0
     warmup = 2  # as `tune bench`: the steady state, not the allocators' first steps
+    timed_tokens = 0
+    next_row = 0
     for i in range(a.steps + warmup):
-        tokens = torch.randint(0, cfg["vocab_size"], (a.batch_size, a.seq_len), generator=g).to(dev)
+        if lengths is None:
+            rows = [a.seq_len] * a.batch_size
+        else:
+            rows = [min(lengths[(next_row + r) % len(lengths)], a.seq_len) for r in range(a.batch_size)]
+            next_row += a.batch_size
+        longest = max(rows)
+        tokens = torch.randint(0, cfg["vocab_size"], (a.batch_size, longest), generator=g)
+        labels = tokens.clone()
+        for r, n in enumerate(rows):
+            tokens[r, n:] = 0
+            labels[r, n:] = -100
+        tokens, labels = tokens.to(dev), labels.to(dev)
+        if i >= warmup:
+            timed_tokens += sum(rows)
         sync()
         t0 = time.perf_counter()
         with torch.set_grad_enabled(a.mode != "forward"):
             logits = model(tokens)
             loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
             )
         sync()
         t1 = time.perf_counter()
@@ -325,7 +349,9 @@ def main():
         "batch_size": a.batch_size,
         "seq_len": a.seq_len,
         "params": params,
-        "tokens_per_second": a.batch_size * a.seq_len / total,
+        "row_lengths": lengths is not None,
+        "padding": "kept",
+        "tokens_per_second": timed_tokens / (fwd + bwd + step),
         "step_seconds": total,
         "forward_seconds": fwd / n,
         "backward_seconds": bwd / n,

@@ -111,9 +111,15 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             dtype,
             output_chunks,
             attention,
+            row_lengths,
+            keep_padding,
             device,
             json,
         } => {
+            let row_lengths = row_lengths
+                .map(|path| tune::bench::read_row_lengths(&path))
+                .transpose()
+                .map_err(CliError::bad)?;
             let settings = tune::bench::BenchSettings {
                 shape,
                 mode: match mode {
@@ -136,6 +142,8 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 },
                 output_chunks,
                 fused_attention: attention == tune::cli::args::BenchAttentionArg::Fused,
+                row_lengths,
+                keep_padding,
             };
             bench(&settings, &device, json)
         }

@@ -12,9 +12,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
 use crate::config::schema::Dtype;
+use crate::data::{SftSample, collate_sft};
 use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
 use crate::model_io::peft::attach_lora;
-use crate::models::{BaseWeights, ModelArgs, RandomInit, TokenBatch, Trainable, build};
+use crate::models::{BaseWeights, ModelArgs, RandomInit, Trainable, build};
 use crate::modules::nf4::Nf4Dtype;
 use crate::modules::{ForwardMode, LoraSettings};
 use crate::precision;
@@ -69,6 +70,34 @@ pub struct BenchSettings {
     pub output_chunks: usize,
     /// The CPU's fused attention (fp32 on Flex), or burn's composed ops to compare against.
     pub fused_attention: bool,
+    /// Real row lengths, taken `batch_size` at a time (cut to `seq_len`) and padded to each
+    /// step's longest; `None`: every row `seq_len` long.
+    pub row_lengths: Option<Vec<usize>>,
+    /// With `row_lengths`: compute the padded batch as it is instead of padding-free packs.
+    pub keep_padding: bool,
+}
+
+/// The `lengths` of a `--row-lengths` file (`{"lengths": [312, 140, ...]}`).
+pub fn read_row_lengths(path: &Path) -> Result<Vec<usize>, BenchError> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        lengths: Vec<usize>,
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| BenchError::Failed(format!("{}: {e}", path.display())))?;
+    let file: File = serde_json::from_str(&text).map_err(|e| {
+        BenchError::Failed(format!(
+            "{}: {e}; expected {{\"lengths\": [row lengths, ...]}}",
+            path.display()
+        ))
+    })?;
+    if file.lengths.is_empty() || file.lengths.contains(&0) {
+        return Err(BenchError::Failed(format!(
+            "{}: `lengths` needs at least one length, none of them 0",
+            path.display()
+        )));
+    }
+    Ok(file.lengths)
 }
 
 #[derive(Debug, Clone, Default)]
@@ -233,27 +262,44 @@ pub fn run<B: AutodiffBackend>(
     enter_training_steady_state();
     reset_peak_memory();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let tokens_per_step = s.batch_size * s.seq_len;
-    let positions: Vec<u32> = (0..s.batch_size)
-        .flat_map(|_| 0..s.seq_len as u32)
-        .collect();
     let (mut fwd, mut bwd, mut opt) = (0.0, 0.0, 0.0);
+    // The timed steps' labelled tokens (padding excluded) and their useful float operations.
+    let (mut timed_tokens, mut timed_flops) = (0usize, 0.0);
+    let mut next_row = 0usize;
     // Two unmeasured steps: the first creates the optimizer state and the second still
     // faults in fresh pages around it (the allocator reaches its steady state on the third:
     // SmolLM2-135M full fine-tuning read 70 tokens/s over steps 2-3 and 121 over steps 2-9).
     // benches/pytorch_reference.py warms up the same way.
     let warmup = 2;
     for i in 0..s.steps + warmup {
-        let tokens: Vec<u32> = (0..tokens_per_step)
-            .map(|_| rng.random_range(0..args.vocab_size as u32))
+        let rows: Vec<SftSample> = (0..s.batch_size)
+            .map(|_| {
+                let len = s.row_lengths.as_ref().map_or(s.seq_len, |lengths| {
+                    next_row += 1;
+                    lengths[(next_row - 1) % lengths.len()].min(s.seq_len)
+                });
+                let tokens: Vec<u32> = (0..len)
+                    .map(|_| rng.random_range(0..args.vocab_size as u32))
+                    .collect();
+                let labels = tokens.iter().map(|&t| t as i64).collect();
+                SftSample { tokens, labels }
+            })
             .collect();
-        let labels: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-        let input = TokenBatch {
-            tokens: &tokens,
-            positions: &positions,
-            document_ids: None,
-            batch: s.batch_size,
+        let padded = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);
+        // The recipes' SFT step runs the rows padding-free (a no-op on full rows).
+        let unpadded = if s.keep_padding {
+            None
+        } else {
+            sft::padding_free::<B>(&padded)
         };
+        let batch = unpadded.as_ref().unwrap_or(&padded);
+        let input = sft::token_batch(batch);
+        let labels = &batch.labels;
+        if i >= warmup {
+            let tokens = sft::labelled_tokens(&padded);
+            timed_tokens += tokens;
+            timed_flops += step_flops(&args, tokens, padded.seq_len, s.mode);
+        }
         let t0 = Instant::now();
         let mode = ForwardMode {
             adapters: true,
@@ -262,7 +308,7 @@ pub fn run<B: AutodiffBackend>(
         };
         let (loss_value, parts) = if s.mode == BenchMode::Forward {
             (
-                loss::cross_entropy(model.forward(input, mode), &labels),
+                loss::cross_entropy(model.forward(input, mode), labels),
                 None,
             )
         } else {
@@ -270,7 +316,7 @@ pub fn run<B: AutodiffBackend>(
             sft::loss_and_grads(
                 &model,
                 input,
-                &labels,
+                labels,
                 mode,
                 (s.activation_checkpointing, s.output_chunks),
                 i as u64,
@@ -316,10 +362,9 @@ pub fn run<B: AutodiffBackend>(
     report.backward_seconds = bwd / n;
     report.optimizer_seconds = opt / n;
     report.step_seconds = (fwd + bwd + opt) / n;
-    report.tokens_per_second = tokens_per_step as f64 / report.step_seconds;
+    report.tokens_per_second = timed_tokens as f64 / (fwd + bwd + opt);
     report.peak_memory_bytes = peak_memory_bytes();
-    report.achieved_flops =
-        step_flops(&args, tokens_per_step, s.seq_len, s.mode) / report.step_seconds;
+    report.achieved_flops = timed_flops / (fwd + bwd + opt);
     report.matmul_peak_flops = matmul_peak::<B::InnerBackend>(&Default::default());
 
     // Checkpointing: what blocks training (the host snapshot) vs writing it all synchronously.
@@ -375,6 +420,8 @@ impl BenchReport {
             "dtype": precision::name(s.dtype),
             "output_chunks": s.output_chunks,
             "attention": if s.fused_attention { "fused" } else { "composed" },
+            "row_lengths": s.row_lengths.is_some(),
+            "padding": if s.keep_padding { "kept" } else { "free" },
             "batch_size": s.batch_size,
             "seq_len": s.seq_len,
             "params": self.params,
@@ -396,7 +443,7 @@ impl BenchReport {
         let mut out = format!(
             "| shape | mode | batch x seq | params | tokens/s | step s (fwd / bwd / opt) | peak RSS GB | load s | MFU vs matmul peak |\n\
              |---|---|---|---|---|---|---|---|---|\n\
-             | {} | {:?} {}{} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
+             | {} | {:?} {}{}{} | {}x{} | {:.1}M | {:.0} | {:.3} ({:.3} / {:.3} / {:.3}) | {:.2} | {:.2} | {:.1}% of {:.0} GFLOP/s |\n",
             s.shape,
             s.mode,
             precision::name(s.dtype),
@@ -404,6 +451,11 @@ impl BenchReport {
                 ""
             } else {
                 ", composed attention"
+            },
+            match (&s.row_lengths, s.keep_padding) {
+                (None, _) => "",
+                (Some(_), false) => ", real row lengths padding-free",
+                (Some(_), true) => ", real row lengths padded",
             },
             s.batch_size,
             s.seq_len,

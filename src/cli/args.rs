@@ -166,6 +166,16 @@ pub enum Command {
         /// layer's `seq x seq` probabilities for the backward: to measure the difference.
         #[arg(long, value_enum, default_value = "fused")]
         attention: BenchAttentionArg,
+        /// Rows of real lengths instead of full rows: a JSON file `{"lengths": [...]}`
+        /// (benches/alpaca_lengths.json). Each step takes the next `--batch-size` lengths (cut
+        /// to `--seq-len`) and pads the rows to the longest, as torchtune's collate does;
+        /// tokens/s counts the rows' tokens, not the padding.
+        #[arg(long)]
+        row_lengths: Option<PathBuf>,
+        /// With `--row-lengths`: compute the padded batch as it is, as torchtune does, instead of
+        /// the padding-free packs the recipes run (to measure the difference).
+        #[arg(long)]
+        keep_padding: bool,
         /// cpu, or cuda / wgpu in a build with the cuda / wgpu feature.
         #[arg(long, default_value = "cpu")]
         device: String,

@@ -24,4 +24,4 @@ pub use tokenize::{
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
 };
-pub use unpad::unpad;
+pub use unpad::{LONG_PACK, unpad};

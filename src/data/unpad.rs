@@ -19,17 +19,25 @@
 use super::collate::Batch;
 use super::tokenize::IGNORE_INDEX;
 
-/// Packs `batch`'s rows (first-fit, longest first) into rows no longer than its `seq_len`, or
-/// `None` when that would not compute fewer positions (no padding to drop), when the batch is
-/// packed already, or when no row has a counted label. The packs are as long as the longest
-/// one; their tails are one more document with ignored labels.
+/// How long a pack may grow when attention skips the tiles a mask hides: one row of documents
+/// then costs what they would cost as rows of their own, and fewer, longer packs leave less
+/// tail. Bounded because the block-causal mask is `pack_len^2` floats (16 MiB here).
+pub const LONG_PACK: usize = 2048;
+
+/// Packs `batch`'s rows (first-fit, longest first) into rows of at most `max_pack_len` (and
+/// at least its `seq_len`) positions, or `None` when that would not compute fewer positions
+/// (no padding to drop), when the batch is packed already, or when no row has a counted label.
+/// The packs are as long as the longest one; their tails are one more document with ignored
+/// labels.
 ///
-/// The packs never hold more positions than the padded batch, and never a longer row, so the
-/// attention of any backend does no more work than it would have.
-pub fn unpad(batch: &Batch) -> Option<Batch> {
+/// With `max_pack_len <= seq_len` the packs never hold a longer row than the padded batch, so
+/// attention that computes every score of a row (burn's composed attention) does no more work
+/// than it would have; [`LONG_PACK`] is for attention that skips hidden tiles.
+pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
     if batch.document_ids.is_some() || batch.seq_len == 0 {
         return None;
     }
+    let capacity = max_pack_len.max(batch.seq_len);
     let needed: Vec<usize> = (0..batch.batch_size)
         .map(|i| needed_len(batch.row_labels(i)))
         .collect();
@@ -40,7 +48,7 @@ pub fn unpad(batch: &Batch) -> Option<Batch> {
     for i in order {
         match packs
             .iter_mut()
-            .find(|(used, _)| used + needed[i] <= batch.seq_len)
+            .find(|(used, _)| used + needed[i] <= capacity)
         {
             Some((used, rows)) => {
                 *used += needed[i];
@@ -146,7 +154,7 @@ mod tests {
             sample(&[17, 18], &[17, -100]),
         ];
         let padded = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);
-        let packed = unpad(&padded).expect("padding to drop");
+        let packed = unpad(&padded, 0).expect("padding to drop");
         // Needed 8, 3 and 3: packs [8] and [3 + 3], both 8 long (the second with a 2-token tail).
         assert_eq!((packed.batch_size, packed.seq_len), (2, 8));
         assert_eq!(packed.num_trained_tokens, padded.num_trained_tokens);
@@ -164,6 +172,11 @@ mod tests {
         let docs = packed.document_ids.as_ref().unwrap();
         assert_eq!(docs[..8], [0; 8]);
         assert_eq!(docs[8..], [0, 0, 0, 1, 1, 1, 2, 2]);
+
+        // Allowed longer packs (attention that skips hidden tiles): one row, no tail.
+        let long = unpad(&padded, LONG_PACK).expect("padding to drop");
+        assert_eq!((long.batch_size, long.seq_len), (1, 14));
+        assert_eq!(targets(&long), targets(&padded));
     }
 
     #[test]
@@ -173,10 +186,11 @@ mod tests {
             sample(&[4, 5, 6], &[4, 5, 6]),
         ];
         let padded = collate_sft(&full.iter().collect::<Vec<_>>(), 0);
-        assert_eq!(unpad(&padded), None);
+        assert_eq!(unpad(&padded, 0), None);
+        assert_eq!(unpad(&padded, LONG_PACK), None);
         let none = [sample(&[1, 2, 3], &[-100; 3])];
         assert_eq!(
-            unpad(&collate_sft(&none.iter().collect::<Vec<_>>(), 0)),
+            unpad(&collate_sft(&none.iter().collect::<Vec<_>>(), 0), LONG_PACK),
             None
         );
         let mut packed = collate_sft(
@@ -186,6 +200,6 @@ mod tests {
             0,
         );
         packed.document_ids = Some(vec![0; 6]);
-        assert_eq!(unpad(&packed), None);
+        assert_eq!(unpad(&packed, LONG_PACK), None);
     }
 }

@@ -103,6 +103,13 @@ pub fn set_fused_attention(enabled: bool) {
     FUSED_ATTENTION.store(enabled, Ordering::Relaxed);
 }
 
+/// Whether attention on `B` is the fused kernel, whose cost follows the keys each query sees
+/// (tiles the mask hides are skipped), not the rows' length squared: then a long row of
+/// block-causal documents costs what the documents would alone (see `data::unpad`).
+pub fn attention_skips_hidden_tiles<B: Backend>() -> bool {
+    is_flex::<B>() && FUSED_ATTENTION.load(Ordering::Relaxed)
+}
+
 /// `softmax(q @ k^T (soft-capped) + mask) @ v` for queries `[batch, kv_heads, n_rep * q_len,
 /// dim]` (already scaled) and keys and values `[batch, kv_heads, k_len, dim]`: grouped-query
 /// attention as one batched product per kv head.

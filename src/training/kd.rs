@@ -12,9 +12,9 @@ use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing;
 use super::loss::{self, flat_logits, next_token_targets};
-use super::sft::{labelled_tokens, token_batch};
+use super::sft::{labelled_tokens, padding_free, token_batch};
 use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
-use crate::data::{Batch, unpad};
+use crate::data::Batch;
 use crate::kernels;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
@@ -180,7 +180,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         };
         let tokens = labelled_tokens(batch);
         // Padding-free, as the SFT step: both models see the rows' real tokens in packs.
-        let unpadded = unpad(batch);
+        let unpadded = padding_free::<B>(batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher_logits = self.teacher_logits(batch);
         let weight = batch.num_trained_tokens;
@@ -223,7 +223,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             fake_quant: false,
             train: false,
         };
-        let unpadded = unpad(batch);
+        let unpadded = padding_free::<B::InnerBackend>(batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher = self.teacher.forward(token_batch(batch), mode);
         let student = model.forward(token_batch(batch), mode);

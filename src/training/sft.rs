@@ -2,11 +2,12 @@
 //! cross-entropy over the labelled tokens.
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use super::{activation_checkpointing, chunked_loss, loss};
-use crate::data::{Batch, IGNORE_INDEX, unpad};
+use crate::data::{Batch, IGNORE_INDEX, LONG_PACK, unpad};
+use crate::kernels;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
@@ -77,6 +78,18 @@ pub fn labelled_tokens(batch: &Batch) -> usize {
     batch.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()
 }
 
+/// The batch a step computes: `batch`'s rows padding-free ([`unpad`]), in packs up to
+/// [`LONG_PACK`] positions where attention skips the tiles a mask hides (the fused CPU
+/// kernel), else no longer than the batch's rows; `None` when there is nothing to drop.
+pub fn padding_free<B: Backend>(batch: &Batch) -> Option<Batch> {
+    let max_pack_len = if kernels::attention_skips_hidden_tiles::<B>() {
+        LONG_PACK
+    } else {
+        0
+    };
+    unpad(batch, max_pack_len)
+}
+
 pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
     TokenBatch {
         tokens: &batch.tokens,
@@ -101,7 +114,7 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         let weight = batch.num_trained_tokens;
         let tokens = labelled_tokens(batch);
         // Padding-free: the rows' real tokens in block-causal packs (same loss and gradients).
-        let unpadded = unpad(batch);
+        let unpadded = padding_free::<B>(batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let (loss, grads) = loss_and_grads(
             model,
@@ -132,7 +145,7 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
             train: false,
         };
-        let unpadded = unpad(batch);
+        let unpadded = padding_free::<B::InnerBackend>(batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let hidden = model.hidden(token_batch(batch), mode, None);
         Ok(EvalOutput {

@@ -86,3 +86,53 @@ fn unknown_shape_is_bad_input() {
         "{stderr}"
     );
 }
+
+/// `--row-lengths`: rows of the file's lengths (cut to `--seq-len`), padded per batch; tokens/s
+/// counts the rows' tokens, not the padding, whether the rows run padding-free or padded. A
+/// missing or malformed file is refused by name.
+#[test]
+fn bench_row_lengths_count_real_tokens_and_bad_files_are_named() {
+    let dir = TempDir::new("bench-rows");
+    let lengths = dir.path().join("lengths.json");
+    // Steps take 2 rows each: 2 warm-up steps (5+40 -> 5+16, 9+3), then the timed 12 + 7.
+    std::fs::write(&lengths, r#"{"lengths": [5, 40, 9, 3, 12, 7]}"#).unwrap();
+    let path = lengths.to_str().unwrap();
+    for extra in [&[][..], &["--keep-padding"][..]] {
+        let mut args = vec![
+            "bench",
+            "--shape",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--steps",
+            "1",
+            "--json",
+            "--row-lengths",
+            path,
+        ];
+        args.extend_from_slice(extra);
+        let report = report(&tune(&args));
+        assert_eq!(report["row_lengths"], true);
+        let padding = if extra.is_empty() { "free" } else { "kept" };
+        assert_eq!(report["padding"], padding);
+        let tokens = report["tokens_per_second"].as_f64().unwrap()
+            * report["step_seconds"].as_f64().unwrap();
+        assert!(
+            (tokens - 19.0).abs() < 1e-6,
+            "{padding}: {tokens} tokens per step"
+        );
+    }
+
+    std::fs::write(&lengths, r#"{"lengths": []}"#).unwrap();
+    for (file, says) in [
+        (path, "at least one length"),
+        ("/no/such.json", "/no/such.json"),
+    ] {
+        let run = tiny_bench(&["--row-lengths", file]);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success());
+        assert!(stderr.contains(says) && stderr.contains(file), "{stderr}");
+    }
+}

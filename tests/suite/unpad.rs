@@ -8,7 +8,7 @@ use tune::data::{Batch, SftSample, collate_sft, unpad};
 use tune::models::{CausalLm, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::kd::{KdLoss, KdObjective, forward_kl, total_loss};
-use tune::training::sft::{SftLoss, loss_and_grads, token_batch};
+use tune::training::sft::{SftLoss, loss_and_grads, padding_free, token_batch};
 use tune::training::{LossStep, StepInfo, loss, step};
 
 use crate::kd::teacher_on;
@@ -61,14 +61,17 @@ fn full_model() -> CausalLm<CpuAutodiff> {
 #[test]
 fn the_packs_compute_fewer_positions() {
     let padded = padded_batch();
-    let packed = unpad(&padded).expect("padding to drop");
+    let packed = unpad(&padded, 0).expect("padding to drop");
     // Needed: 40, 21, 13 and 5 (the other 5-token row counts nothing): packs [40], [21 + 13 + 5].
     assert_eq!((padded.batch_size, padded.seq_len), (5, 40));
     assert_eq!((packed.batch_size, packed.seq_len), (2, 40));
     assert_eq!(packed.num_trained_tokens, padded.num_trained_tokens);
+    // The CPU's fused attention skips hidden tiles: one row of all four.
+    let long = padding_free::<CpuAutodiff>(&padded).expect("padding to drop");
+    assert_eq!((long.batch_size, long.seq_len), (1, 79));
 }
 
-/// The SFT step (padding-free inside) against the padded batch's own loss and gradients,
+/// The SFT step (padding-free inside: one long pack on the CPU) and two-row packs against the padded batch's own loss and gradients,
 /// for full fine-tuning and LoRA, with the chunked output and without, and with activation
 /// checkpointing.
 #[test]
@@ -94,6 +97,30 @@ fn sft_step_gives_the_padded_loss_and_gradients() {
                 acc.add(&model, g);
             }
             let want = grad_values(&model, acc.take());
+
+            // Packs no longer than the rows (what backends whose attention computes every
+            // score get): two rows of documents.
+            let packs = unpad(&batch, 0).unwrap();
+            let (loss, parts) = loss_and_grads(
+                &model,
+                token_batch(&packs),
+                &packs.labels,
+                TRAIN,
+                (checkpointing, chunks),
+                0,
+                weight,
+            );
+            let parts = parts.unwrap_or_else(|| vec![(loss.clone() * weight).backward()]);
+            let loss: f32 = loss.into_scalar();
+            assert!(
+                (loss - want_loss).abs() < 1e-5,
+                "{what}, packs: {loss} vs {want_loss}"
+            );
+            let mut acc = step::GradAccumulator::default();
+            for g in parts {
+                acc.add(&model, g);
+            }
+            assert_same_grads(&want, &grad_values(&model, acc.take()));
 
             let mut sft = SftLoss {
                 fake_quant_after: None,
