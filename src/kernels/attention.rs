@@ -90,6 +90,20 @@ impl Dims {
     fn groups(&self) -> usize {
         self.batch * self.kv_heads
     }
+
+    /// A group's query blocks `(first row, rows)`: `BLOCK_Q` rows at a time within each query
+    /// head's `q_len` rows. A block never holds the end of one head and the start of the next:
+    /// those rows see opposite ends of the keys, and a block visits every key tile any of its
+    /// rows sees (a third more tiles when `q_len` is not a multiple of `BLOCK_Q`, as a padding-
+    /// free pack's length rarely is).
+    fn query_blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let q_len = self.q_len.max(1);
+        (0..self.rows / q_len).flat_map(move |head| {
+            (0..q_len)
+                .step_by(BLOCK_Q)
+                .map(move |s| (head * q_len + s, BLOCK_Q.min(q_len - s)))
+        })
+    }
 }
 
 /// Keys or values `[batch, kv_heads, k_len, dim]` with rows `dim` apart: contiguous, or a
@@ -393,15 +407,21 @@ pub fn forward(x: &Inputs) -> (Vec<f32>, Vec<RowStats>) {
     if d.rows == 0 || d.dim == 0 {
         return (out, stats);
     }
-    out.par_chunks_mut(d.rows * d.dim)
-        .zip(stats.par_chunks_mut(d.rows))
+    // Each group's query heads, each in blocks of its own rows (see `Dims::query_blocks`).
+    let q_len = d.q_len.max(1);
+    out.par_chunks_mut(q_len * d.dim)
+        .zip(stats.par_chunks_mut(q_len))
         .enumerate()
-        .for_each(|(g, (out_g, stats_g))| {
-            out_g
+        .for_each(|(head_row, (out_h, stats_h))| {
+            let (g, first) = (
+                head_row / (d.rows / q_len),
+                head_row % (d.rows / q_len) * q_len,
+            );
+            out_h
                 .par_chunks_mut(BLOCK_Q * d.dim)
-                .zip(stats_g.par_chunks_mut(BLOCK_Q))
+                .zip(stats_h.par_chunks_mut(BLOCK_Q))
                 .enumerate()
-                .for_each(|(qb, (o, st))| forward_block(x, g, qb * BLOCK_Q, o, st));
+                .for_each(|(qb, (o, st))| forward_block(x, g, first + qb * BLOCK_Q, o, st));
         });
     (out, stats)
 }
@@ -485,7 +505,7 @@ pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
     };
     // Every group's query blocks dealt round-robin to `parts` tasks (so each gets early and
     // late causal blocks alike), enough tasks for every thread.
-    let q_blocks = d.rows.div_ceil(BLOCK_Q);
+    let q_blocks = d.query_blocks().count();
     let parts = (2 * rayon::current_num_threads())
         .div_ceil(d.groups())
         .clamp(1, q_blocks);
@@ -570,8 +590,7 @@ impl BackwardSweep<'_> {
             dv: vec![0.0; d.k_len * d.dim],
         };
         let mut scratch = Scratch::new(x.masking.softcap.is_some());
-        for r0 in (part * BLOCK_Q..d.rows).step_by(parts * BLOCK_Q) {
-            let nq = BLOCK_Q.min(d.rows - r0);
+        for (r0, nq) in d.query_blocks().skip(part).step_by(parts) {
             let row0 = g * d.rows + r0;
             let mut dq = vec![0.0f32; nq * d.dim];
             for k0 in (0..d.k_len).step_by(BLOCK_K) {
@@ -628,6 +647,24 @@ mod tests {
         (0..q_len * q_len)
             .map(|i| if i % q_len > i / q_len { H } else { 0.0 })
             .collect()
+    }
+
+    #[test]
+    fn query_blocks_stay_within_one_head() {
+        let d = Dims {
+            batch: 1,
+            kv_heads: 1,
+            rows: 3 * 130,
+            q_len: 130,
+            k_len: 130,
+            dim: 8,
+        };
+        let blocks: Vec<_> = d.query_blocks().collect();
+        let head = [(0, 64), (64, 64), (128, 2)];
+        let want: Vec<_> = (0..3)
+            .flat_map(|h| head.map(|(r0, n)| (h * 130 + r0, n)))
+            .collect();
+        assert_eq!(blocks, want);
     }
 
     #[test]
