@@ -71,6 +71,31 @@ fn the_packs_compute_fewer_positions() {
     assert_eq!((long.batch_size, long.seq_len), (1, 79));
 }
 
+/// `batch` through the SFT loss exactly as laid out (no packing), and the summed gradients of
+/// `loss * weight`.
+fn loss_and_grad_values(
+    model: &CausalLm<CpuAutodiff>,
+    batch: &Batch,
+    settings: (bool, usize),
+    weight: f64,
+) -> (f32, Vec<Vec<f32>>) {
+    let (loss, parts) = loss_and_grads(
+        model,
+        token_batch(batch),
+        &batch.labels,
+        TRAIN,
+        settings,
+        0,
+        weight,
+    );
+    let parts = parts.unwrap_or_else(|| vec![(loss.clone() * weight).backward()]);
+    let mut acc = step::GradAccumulator::default();
+    for g in parts {
+        acc.add(model, g);
+    }
+    (loss.into_scalar(), grad_values(model, acc.take()))
+}
+
 /// The SFT step (padding-free inside: one long pack on the CPU) and two-row packs against the padded batch's own loss and gradients,
 /// for full fine-tuning and LoRA, with the chunked output and without, and with activation
 /// checkpointing.
@@ -81,46 +106,17 @@ fn sft_step_gives_the_padded_loss_and_gradients() {
     for (name, model) in [("full", full_model()), ("lora", lora_model())] {
         for (checkpointing, chunks) in [(false, 8), (false, 1), (true, 8)] {
             let what = format!("{name}, checkpointing {checkpointing}, {chunks} chunks");
-            let (want_loss, parts) = loss_and_grads(
-                &model,
-                token_batch(&batch),
-                &batch.labels,
-                TRAIN,
-                (checkpointing, chunks),
-                0,
-                weight,
-            );
-            let parts = parts.unwrap_or_else(|| vec![(want_loss.clone() * weight).backward()]);
-            let want_loss: f32 = want_loss.into_scalar();
-            let mut acc = step::GradAccumulator::default();
-            for g in parts {
-                acc.add(&model, g);
-            }
-            let want = grad_values(&model, acc.take());
-
+            let settings = (checkpointing, chunks);
+            let (want_loss, want) = loss_and_grad_values(&model, &batch, settings, weight);
             // Packs no longer than the rows (what backends whose attention computes every
             // score get): two rows of documents.
             let packs = unpad(&batch, 0).unwrap();
-            let (loss, parts) = loss_and_grads(
-                &model,
-                token_batch(&packs),
-                &packs.labels,
-                TRAIN,
-                (checkpointing, chunks),
-                0,
-                weight,
-            );
-            let parts = parts.unwrap_or_else(|| vec![(loss.clone() * weight).backward()]);
-            let loss: f32 = loss.into_scalar();
+            let (loss, grads) = loss_and_grad_values(&model, &packs, settings, weight);
             assert!(
                 (loss - want_loss).abs() < 1e-5,
                 "{what}, packs: {loss} vs {want_loss}"
             );
-            let mut acc = step::GradAccumulator::default();
-            for g in parts {
-                acc.add(&model, g);
-            }
-            assert_same_grads(&want, &grad_values(&model, acc.take()));
+            assert_same_grads(&want, &grads);
 
             let mut sft = SftLoss {
                 fake_quant_after: None,
