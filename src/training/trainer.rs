@@ -60,7 +60,8 @@ pub struct StepOutput<B: AutodiffBackend> {
     /// The mean loss over this micro-batch's `weight` units (tokens for SFT, pairs for DPO).
     pub loss: Tensor<B, 1>,
     pub weight: usize,
-    /// Tokens processed (for throughput).
+    /// Tokens for throughput: SFT and KD count labels that are not ignored (torchtune's
+    /// `num_tokens`), DPO every position of its padded rows (as torchtune's DPO recipe).
     pub tokens: usize,
     /// Extra per-micro-batch metrics (`[1]` tensors), averaged over the step by weight. They
     /// stay on the device: the trainer reads them with the loss, once per step, so a GPU is

@@ -356,18 +356,25 @@ fn check_attention(
         dims: mask.dims,
         tensor: Tensor::from_inner(mask.tensor.clone()),
     };
-    let run = |fused: bool| {
+    // The output of `attend` and the q, k, v gradients of `sum(output * weights)`.
+    type Attend<'a> = &'a dyn Fn(Tensor<Ad, 4>, Tensor<Ad, 4>, Tensor<Ad, 4>) -> Tensor<Ad, 4>;
+    let with_grads = |weights: &Tensor<Flex, 4>, attend: Attend| {
         let [q, k, v] = [&q, &k, &v].map(|t| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad());
-        let out = if fused {
-            kernels::attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
-        } else {
-            kernels::composed_attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
-        };
-        let grads = (out.clone() * Tensor::from_inner(w.clone()))
+        let out = attend(q.clone(), k.clone(), v.clone());
+        let grads = (out.clone() * Tensor::from_inner(weights.clone()))
             .sum()
             .backward();
         let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
         (out.inner(), dq, dk, dv)
+    };
+    let run = |fused: bool| {
+        with_grads(&w, &|q, k, v| {
+            if fused {
+                kernels::attention(q, k, v, &ad_mask, softcap)
+            } else {
+                kernels::composed_attention(q, k, v, &ad_mask, softcap)
+            }
+        })
     };
     let (fused, composed) = (run(true), run(false));
     close(&format!("{what}: output"), fused.0, composed.0, tol);
@@ -397,20 +404,13 @@ fn check_attention(
     );
     let w_by_position = by_position(w.clone(), sizes);
     let run_by_position = |direct: bool| {
-        let [q, k, v] = [&q, &k, &v].map(|t| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad());
-        let out = if direct {
-            kernels::attention_by_position(q.clone(), k.clone(), v.clone(), &ad_mask, softcap)
-        } else {
-            by_position(
-                kernels::attention(q.clone(), k.clone(), v.clone(), &ad_mask, softcap),
-                sizes,
-            )
-        };
-        let grads = (out.clone() * Tensor::from_inner(w_by_position.clone()))
-            .sum()
-            .backward();
-        let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
-        (out.inner(), dq, dk, dv)
+        with_grads(&w_by_position, &|q, k, v| {
+            if direct {
+                kernels::attention_by_position(q, k, v, &ad_mask, softcap)
+            } else {
+                by_position(kernels::attention(q, k, v, &ad_mask, softcap), sizes)
+            }
+        })
     };
     let (direct, moved) = (run_by_position(true), run_by_position(false));
     close(
