@@ -3,10 +3,9 @@
 //! model loaded from `ref_checkpointer`. Each checkpoint is a complete Hugging Face model
 //! directory.
 
-use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
+use tune::config::schema::{FullDpoKeys, TrainConfig};
 use tune::models::Trainable;
 use tune::setup::{data, loss, model, session};
 use tune::training::checkpointing::SaveContent;
@@ -17,6 +16,7 @@ use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    dpo_keys: &FullDpoKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> anyhow::Result<()> {
@@ -25,19 +25,15 @@ pub fn run<B: AutodiffBackend>(
     let policy = loaded.model.set_trainable(Trainable::All);
 
     // Reference: frozen, on the backend without autodiff, so it never joins the graph.
-    let ref_cfg = cfg
-        .ref_checkpointer
-        .as_ref()
-        .context("full DPO needs `ref_checkpointer`: the frozen reference model (usually the same checkpoint as `checkpointer`)")?;
+    let ref_cfg = &dpo_keys.ref_checkpointer;
     let reference = model::load::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &ctx.device)?.model;
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
-    data::require_preference_data(&data)?;
 
     // Loss: DPO against the frozen reference.
     let mut dpo = DpoLoss::new(
-        loss::dpo(&cfg.loss)?,
+        loss::dpo(&cfg.loss),
         DpoReference::Frozen(Box::new(reference)),
     );
     dpo.activation_checkpointing = cfg.enable_activation_checkpointing;

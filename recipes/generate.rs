@@ -28,7 +28,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     precision::set_device_dtype::<B::InnerBackend>(&ctx.device, dtype, precision::Use::Generation)?;
     let started = Instant::now();
     let loaded = model::load_base::<B::InnerBackend>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
-    model::check_architecture("model", &cfg.model.architecture, &loaded.model.args)?;
+    model::check_architecture("model", &cfg.model, &loaded.model.args)?;
     let mut lm = loaded.model;
     if let Some(dir) = &cfg.adapter_dir {
         peft::load_adapter(&mut lm, dir).with_context(|| {

@@ -9,10 +9,9 @@
 //! component: saved as a Hugging Face model). The teacher runs without autodiff and is never
 //! saved; it must share the student's tokenizer, which setup checks before loading it.
 
-use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
+use tune::config::schema::{KdKeys, TrainConfig};
 use tune::models::Trainable;
 use tune::setup::{data, model, session, teacher};
 use tune::training::checkpointing::SaveContent;
@@ -23,25 +22,19 @@ use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    kd: &KdKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> anyhow::Result<()> {
-    let teacher_ckpt = cfg
-        .teacher_checkpointer
-        .as_ref()
-        .context("teacher_checkpointer: required for distillation")?;
-    let kd_loss_cfg = cfg
-        .kd_loss
-        .as_ref()
-        .context("kd_loss: required for distillation")?;
-    let objective = teacher::kd_objective(kd_loss_cfg)?;
-    let kd_ratio = teacher::kd_ratio(cfg.kd_ratio())?;
+    let teacher_ckpt = &kd.teacher_checkpointer;
+    let objective = teacher::kd_objective(&kd.kd_loss);
+    let kd_ratio = kd.kd_ratio;
     // Data first: the teacher is checked against its tokenizer before its weights load.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
 
     // Student: LoRA adapters on the frozen base, or the whole model (from the checkpoint
     // being resumed, which holds every weight).
-    let (student, storage_dtype, content, shape) = if model::is_lora(&cfg.model) {
+    let (student, storage_dtype, content, shape) = if cfg.model.is_lora() {
         let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
         let mut student = loaded.model;
         let (plan, content) = model::lora(&mut student, cfg, &run)?;
@@ -57,10 +50,7 @@ pub fn run<B: AutodiffBackend>(
     };
 
     // Teacher: frozen, on the inner backend (no autodiff graph, no optimizer state).
-    let teacher_base = match &cfg.teacher_model {
-        Some(m) => model::base_weights::<B::InnerBackend>(m, &ctx.device)?,
-        None => tune::models::BaseWeights::Float,
-    };
+    let teacher_base = model::base_weights::<B::InnerBackend>(&kd.teacher_model, &ctx.device)?;
     let teacher_model = teacher::load::<B::InnerBackend>(
         teacher_ckpt,
         teacher_base,
@@ -68,9 +58,7 @@ pub fn run<B: AutodiffBackend>(
         &data.tokenizer,
         &ctx.device,
     )?;
-    if let Some(m) = &cfg.teacher_model {
-        model::check_architecture("teacher_model", &m.architecture, &teacher_model.args)?;
-    }
+    model::check_architecture("teacher_model", &kd.teacher_model, &teacher_model.args)?;
 
     let seed = run.seed;
     let session = session::session(

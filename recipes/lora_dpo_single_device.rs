@@ -31,10 +31,9 @@ pub fn run<B: AutodiffBackend>(
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
-    data::require_preference_data(&data)?;
 
     // Loss: DPO against the adapter-free model.
-    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss)?, DpoReference::AdaptersDisabled);
+    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss), DpoReference::AdaptersDisabled);
     dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
 
     let seed = run.seed;

@@ -16,8 +16,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::recipes::Recipe;
-use tune::config::schema::RecipeConfig;
+use tune::config::schema::{RecipeConfig, RecipeKeys};
 use tune::distributed::World;
 use tune::precision;
 
@@ -37,16 +36,16 @@ pub struct RunContext<B: AutodiffBackend> {
 
 pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
     match config {
-        RecipeConfig::Train(recipe, cfg) => {
+        RecipeConfig::Train(own, cfg) => {
             // Before any tensor exists: bf16 becomes the device's float dtype.
             precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
-            // One run per output directory (rank 0 holds the lock for the whole run).
-            let _lock = if ctx.world.is_main() {
-                Some(tune::setup::run::lock_output_dir(&cfg.output_dir)?)
+            // One run per directory it writes (rank 0 holds the locks for the whole run).
+            let _locks = if ctx.world.is_main() {
+                Some(tune::setup::run::lock_run_dirs(cfg)?)
             } else {
                 None
             };
-            if ctx.world.is_main() && cfg.dtype != tune::config::schema::Dtype::Fp32 {
+            if ctx.world.is_main() && cfg.dtype != tune::precision::Dtype::Fp32 {
                 eprintln!(
                     "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
                     precision::name(cfg.dtype)
@@ -56,8 +55,12 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             // them run the same version and the same run, and that the output directory holds
             // no other run's checkpoints.
             ctx.world.join::<B::InnerBackend>(&ctx.device)?;
-            let run =
-                tune::setup::run::start::<B::InnerBackend>(cfg, ctx.world.clone(), &ctx.device)?;
+            let run = tune::setup::run::start::<B::InnerBackend>(
+                cfg,
+                own,
+                ctx.world.clone(),
+                &ctx.device,
+            )?;
             if ctx.world.is_main() {
                 // The resolved config beside the outputs, as torchtune saves it; only once the
                 // directory is known to be this run's.
@@ -65,20 +68,18 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 std::fs::write(&path, &ctx.resolved_yaml)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
-            let outcome = match recipe {
-                Recipe::LoraFinetune => lora_finetune_single_device::run(cfg, ctx, run),
-                Recipe::FullFinetune => full_finetune_single_device::run(cfg, ctx, run),
-                Recipe::LoraDpo => lora_dpo_single_device::run(cfg, ctx, run),
-                Recipe::FullDpo => full_dpo_single_device::run(cfg, ctx, run),
-                Recipe::KnowledgeDistillation => {
-                    knowledge_distillation_single_device::run(cfg, ctx, run)
+            let outcome = match own {
+                RecipeKeys::LoraFinetune => lora_finetune_single_device::run(cfg, ctx, run),
+                RecipeKeys::FullFinetune => full_finetune_single_device::run(cfg, ctx, run),
+                RecipeKeys::LoraDpo => lora_dpo_single_device::run(cfg, ctx, run),
+                RecipeKeys::FullDpo(keys) => full_dpo_single_device::run(cfg, keys, ctx, run),
+                RecipeKeys::KnowledgeDistillation(keys) => {
+                    knowledge_distillation_single_device::run(cfg, keys, ctx, run)
                 }
-                Recipe::Qat => qat_single_device::run(cfg, ctx, run),
-                Recipe::QatLora => qat_lora_finetune_single_device::run(cfg, ctx, run),
-                other => anyhow::bail!(
-                    "the {} recipe is not implemented yet in this version of tune; its configs validate, but `tune run` cannot train them",
-                    other.torchtune_name()
-                ),
+                RecipeKeys::Qat(keys) => qat_single_device::run(cfg, keys, ctx, run),
+                RecipeKeys::QatLora(keys) => {
+                    qat_lora_finetune_single_device::run(cfg, keys, ctx, run)
+                }
             };
             if outcome.is_ok() {
                 ctx.world.leave::<B::InnerBackend>();

@@ -7,7 +7,7 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
+use tune::config::schema::{QatKeys, TrainConfig};
 use tune::models::Trainable;
 use tune::setup::{data, model, quant, run as settings, session};
 use tune::training::checkpointing::SaveContent;
@@ -18,10 +18,11 @@ use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    qat: &QatKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> anyhow::Result<()> {
-    let scheme = quant::from_train_config(cfg)?;
+    let scheme = quant::scheme(&qat.quantizer);
 
     // Model: from the checkpointer, or from the checkpoint being resumed (it holds every
     // float weight); then the quantizer on the decoder's linear layers.
@@ -48,14 +49,14 @@ pub fn run<B: AutodiffBackend>(
             cfg.checkpointer.checkpoint_dir.display(),
             session.trainer.model.args.num_params(),
             quantized.len(),
-            quant::delay_note(cfg),
+            quant::delay_note(qat),
             data.dataset.len(),
             session.log_dir,
         )
     });
 
     let mut loss = SftLoss {
-        fake_quant_after: cfg.fake_quant_after_n_steps,
+        fake_quant_after: qat.fake_quant_after_n_steps,
         activation_checkpointing: cfg.enable_activation_checkpointing,
         output_chunks: settings::output_chunks(cfg),
     };

@@ -136,9 +136,9 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 lora_rank,
                 activation_checkpointing,
                 dtype: if dtype == "bf16" {
-                    tune::config::schema::Dtype::Bf16
+                    tune::precision::Dtype::Bf16
                 } else {
-                    tune::config::schema::Dtype::Fp32
+                    tune::precision::Dtype::Fp32
                 },
                 output_chunks,
                 fused_attention: attention == tune::cli::args::BenchAttentionArg::Fused,

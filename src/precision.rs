@@ -13,7 +13,17 @@ use burn::tensor::{
     DType, FloatDType, Tensor, TensorCreationOptions, TensorData, get_device_settings,
 };
 
-use crate::config::schema::Dtype;
+/// A run's float precision (the config's `dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum Dtype {
+    #[default]
+    #[serde(rename = "fp32", alias = "float32")]
+    Fp32,
+    #[serde(rename = "bf16", alias = "bfloat16")]
+    Bf16,
+    #[serde(rename = "fp16", alias = "float16")]
+    Fp16,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PrecisionError {

@@ -11,7 +11,6 @@ use burn::tensor::{Distribution, ElementConversion, Tensor};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
-use crate::config::schema::Dtype;
 use crate::data::{SftSample, collate_sft};
 use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
 use crate::model_io::peft::attach_lora;
@@ -19,6 +18,7 @@ use crate::models::{BaseWeights, ModelArgs, RandomInit, Trainable, build};
 use crate::modules::nf4::Nf4Dtype;
 use crate::modules::{ForwardMode, LoraSettings};
 use crate::precision;
+use crate::precision::Dtype;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
 use crate::training::metrics::peak_memory_bytes;
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
@@ -255,6 +255,7 @@ pub fn run<B: AutodiffBackend>(
         weight_decay: 0.01,
         betas: (0.9, 0.999),
         eps: 1e-8,
+        momentum: 0.0,
     });
 
     // Peak memory is the training phase's: the save/load above peaks differently per

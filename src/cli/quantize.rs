@@ -29,12 +29,14 @@ pub fn quantize(
         })?,
     };
     let (typed, _) = resolve(recipe.name(), config, overrides)?;
-    let RecipeConfig::Train(_, cfg) = typed else {
-        return Err(CliError::bad(anyhow!(
-            "{config}: `tune quantize` needs a QAT training config (with `quantizer`)"
-        )));
+    let (cfg, qat) = match &typed {
+        RecipeConfig::Train(own, cfg) => match own.qat() {
+            Some(qat) => (cfg, qat),
+            None => return Err(not_qat(config)),
+        },
+        RecipeConfig::Generate(_) => return Err(not_qat(config)),
     };
-    let scheme = quant::from_train_config(&cfg).map_err(CliError::bad)?;
+    let scheme = quant::scheme(&qat.quantizer);
     type B = burn::backend::Flex;
     let device = Default::default();
     let loaded =
@@ -51,4 +53,10 @@ pub fn quantize(
     )
     .map_err(CliError::failed)?;
     Ok(dir)
+}
+
+fn not_qat(config: &str) -> CliError {
+    CliError::bad(anyhow!(
+        "{config}: `tune quantize` needs a QAT training config (with `quantizer`)"
+    ))
 }

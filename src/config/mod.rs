@@ -3,22 +3,23 @@
 //! and a validator that reports every problem at once.
 //!
 //! Flow: [`load::load_config`] -> [`load::ResolvedConfig`] -> [`validate::validate`]
-//! -> [`schema::RecipeConfig`] + warnings.
+//! -> [`schema::RecipeConfig`] + warnings. Every key is declared once, in [`schema`], with
+//! the machinery of [`keys`]: its type, default, range, rule, fingerprint and doc line.
 
 pub mod builtin;
-pub mod checks;
 pub mod components;
 pub mod error;
 pub mod interpolate;
+pub mod keys;
 pub mod load;
 pub mod overrides;
 pub mod paths;
 pub mod recipes;
 pub mod schema;
 pub mod shipped;
-pub mod spec;
 pub mod suggest;
 pub mod validate;
+mod values;
 pub mod yaml;
 
 pub use error::{ConfigError, Problem, ProblemKind, ValidationErrors, Warning};

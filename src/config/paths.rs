@@ -3,6 +3,24 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::config::error::{Problem, ProblemKind};
+use crate::config::keys::Checker;
+
+/// Reports `path` (named by config `key`) as missing unless `exists`: "{what} `{path}` does
+/// not exist", and that `key` must name `expected`.
+pub fn require(exists: bool, cx: &mut Checker, key: &str, what: &str, path: &str, expected: &str) {
+    if !exists {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingPath,
+                key,
+                format!("{what} `{path}` does not exist"),
+            )
+            .with_fix(format!("`{key}` must name {expected}")),
+        );
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
     #[error("no tokenizer.json found for {}: looked at {}", path.display(), tried.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))]

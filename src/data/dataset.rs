@@ -3,7 +3,7 @@ use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference
 use super::error::{DataError, Result};
 use super::packing::{PackedSample, pack};
 use super::source::{Row, load_rows};
-use super::spec::{DatasetKind, DatasetSpec};
+use super::spec::DatasetSpec;
 use super::tokenize::{SftSample, tokenize_messages, tokenize_text};
 use super::transform::{RowContent, RowTransform};
 use crate::tokenizer::Tokenizer;
@@ -26,27 +26,25 @@ pub struct Dataset {
 
 impl Dataset {
     /// Loads the files `spec` names (relative paths from `base_dir`), converts every row with
-    /// `kind`'s transform, tokenizes it with `tokenizer` and packs when `packed: true`.
+    /// its kind's transform, tokenizes it with `tokenizer` and packs when `spec.packed`.
     pub fn build(
         spec: &DatasetSpec,
-        kind: DatasetKind,
         tokenizer: &Tokenizer,
         max_seq_len: Option<usize>,
         base_dir: &Path,
     ) -> Result<Self> {
         let rows = load_rows(spec, base_dir)?;
-        Self::from_rows(&rows, spec, kind, tokenizer, max_seq_len)
+        Self::from_rows(&rows, spec, tokenizer, max_seq_len)
     }
 
     /// As [`Dataset::build`], from rows already loaded.
     pub fn from_rows(
         rows: &[Row],
         spec: &DatasetSpec,
-        kind: DatasetKind,
         tokenizer: &Tokenizer,
         max_seq_len: Option<usize>,
     ) -> Result<Self> {
-        let packed = spec.packed.unwrap_or(false);
+        let (kind, packed) = (spec.kind, spec.packed);
         if packed && kind.is_preference() {
             return Err(DataError::Spec {
                 message:
@@ -64,8 +62,8 @@ impl Dataset {
             (true, Some(n)) => Some(n),
             (false, _) => None,
         };
-        let transform = RowTransform::new(spec, kind);
-        let add_eos = spec.add_eos.unwrap_or(true);
+        let transform = RowTransform::new(spec);
+        let add_eos = spec.add_eos;
         let tok_err = |row: &Row| {
             let path = (*row.file).clone();
             let index = row.index;
@@ -97,10 +95,7 @@ impl Dataset {
         let samples = if kind.is_preference() {
             Samples::Preference(pairs)
         } else if let Some(n) = pack_len {
-            // torchtune's text_completion_dataset splits across packs by default, the others not
-            let split = spec
-                .split_across_pack
-                .unwrap_or(kind == DatasetKind::TextCompletion);
+            let split = spec.split_across_pack;
             // torchtune's PackedDataset pads packs with id 0 whatever the tokenizer (its
             // `padding_idx` default); the padding is its own document and never trained.
             Samples::Packed(pack(&sft, n, 0, split)?)

@@ -17,7 +17,7 @@ pub use error::{DataError, Result, TokenizeError};
 pub use loader::{DataLoader, LoaderConfig};
 pub use packing::{PackedSample, pack};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
-pub use spec::{ConversationStyle, DatasetKind, DatasetSpec, OneOrMany};
+pub use spec::{ConversationStyle, DataFiles, DatasetKind, DatasetSpec};
 pub use tokenize::{
     IGNORE_INDEX, SftSample, tokenize_messages, tokenize_prompt, tokenize_text, truncate,
 };

@@ -62,11 +62,7 @@ pub fn resolve_files(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<(PathBuf
         });
     }
     if let Some(format) = FileFormat::from_builder(source) {
-        let files = spec
-            .data_files
-            .as_ref()
-            .map(|d| d.to_vec())
-            .unwrap_or_default();
+        let files = spec.data_files.clone();
         if files.is_empty() {
             return Err(DataError::Spec {
                 message: format!(
@@ -123,7 +119,7 @@ pub fn load_rows(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<Row>> {
             value,
         }));
     }
-    apply_split(rows, spec.split.as_deref())
+    apply_split(rows, Some(&spec.split))
 }
 
 /// Reads one file into JSON values (one per row).

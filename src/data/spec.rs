@@ -1,67 +1,90 @@
-//! The `dataset:` section of a recipe config, as torchtune spells it.
-use serde::Deserialize;
+//! What the data layer is asked to build: one dataset, every choice resolved (setup builds it
+//! once from the config's `dataset` entry, with torchtune's defaults applied).
+
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 /// A string or a list of strings (`data_files`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
-pub enum OneOrMany {
+pub enum DataFiles {
     One(String),
     Many(Vec<String>),
 }
 
-impl OneOrMany {
+impl DataFiles {
     pub fn to_vec(&self) -> Vec<String> {
         match self {
-            OneOrMany::One(s) => vec![s.clone()],
-            OneOrMany::Many(v) => v.clone(),
+            DataFiles::One(s) => vec![s.clone()],
+            DataFiles::Many(v) => v.clone(),
         }
     }
 }
 
 /// How chat rows store their messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ConversationStyle {
     /// `[{"from": "system"|"human"|"gpt", "value": ...}]`
+    #[default]
     Sharegpt,
     /// `[{"role": ..., "content": str | [{"type": "text", "text": ...}]}]`
     Openai,
 }
 
-/// The dataset section. Unknown keys (extra `load_dataset` arguments) are kept in `extra`.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// One dataset to build.
+#[derive(Debug, Clone, PartialEq)]
 pub struct DatasetSpec {
-    /// e.g. `torchtune.datasets.alpaca_dataset`; map it with [`DatasetKind::from_component`].
-    #[serde(rename = "_component_")]
-    pub component: Option<String>,
-    /// `json` / `csv` / `text` (+ `data_files`), a local file path, or a Hub repo id.
+    /// What the rows mean.
+    pub kind: DatasetKind,
+    /// `json` / `csv` / `parquet` / `text` (+ `data_files`), a local file path, or a Hub repo id.
     pub source: Option<String>,
-    pub data_files: Option<OneOrMany>,
-    /// `train` (default) or a slice of it: `train[:100]`, `train[10:20]`, `train[:10%]`.
-    pub split: Option<String>,
+    pub data_files: Vec<String>,
+    /// `train` or a slice of it: `train[:100]`, `train[10:20]`, `train[:10%]`.
+    pub split: String,
     /// torchtune column name -> column name in the file.
-    pub column_map: Option<BTreeMap<String, String>>,
-    pub train_on_input: Option<bool>,
-    pub packed: Option<bool>,
-    /// Packing: split samples across packs (torchtune's default: true for text completion).
-    pub split_across_pack: Option<bool>,
+    pub column_map: BTreeMap<String, String>,
+    /// Whether the prompt's tokens are trained too.
+    pub train_on_input: bool,
+    /// Several samples per row of `tokenizer.max_seq_len` (torchtune's `packed`).
+    pub packed: bool,
+    /// Packing: a sample that does not fit continues in the next pack.
+    pub split_across_pack: bool,
     pub new_system_prompt: Option<String>,
-    /// Chat datasets: the column holding the conversation (default `conversations` for
+    /// Chat datasets: the column holding the conversation (`None`: `conversations` for
     /// sharegpt, `messages` for openai).
     pub conversation_column: Option<String>,
-    pub conversation_style: Option<ConversationStyle>,
-    /// Text completion: the column holding the text (default `text`).
+    pub conversation_style: ConversationStyle,
+    /// Text completion: the column holding the text (`None`: `text`).
     pub column: Option<String>,
-    /// Text completion: append EOS (default true).
-    pub add_eos: Option<bool>,
-    /// Accepted and ignored (a Python callable in torchtune).
-    pub filter_fn: Option<serde_json::Value>,
-    #[serde(flatten)]
-    pub extra: BTreeMap<String, serde_json::Value>,
+    /// Text completion: append EOS.
+    pub add_eos: bool,
 }
 
-/// What a dataset's rows mean; the caller picks it from `_component_`.
+impl DatasetSpec {
+    /// A dataset of `kind` with torchtune's defaults (the train split, no packing).
+    pub fn new(kind: DatasetKind) -> Self {
+        Self {
+            kind,
+            source: None,
+            data_files: Vec::new(),
+            split: "train".into(),
+            column_map: BTreeMap::new(),
+            train_on_input: kind.default_train_on_input(),
+            packed: false,
+            split_across_pack: kind.default_split_across_pack(),
+            new_system_prompt: None,
+            conversation_column: None,
+            conversation_style: ConversationStyle::default(),
+            column: None,
+            add_eos: true,
+        }
+    }
+}
+
+/// What a dataset's rows mean: the builder a config's `_component_` names resolves to one
+/// (`config::components`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DatasetKind {
     /// `alpaca_dataset`: instruction / input / output through the Alpaca prompt
@@ -81,25 +104,14 @@ pub enum DatasetKind {
 }
 
 impl DatasetKind {
-    /// Maps a torchtune `_component_` (full path or last segment) to a kind.
-    pub fn from_component(component: &str) -> Option<DatasetKind> {
-        let name = component.rsplit('.').next().unwrap_or(component);
-        Some(match name {
-            "alpaca_dataset" | "alpaca_cleaned_dataset" => DatasetKind::Alpaca,
-            "instruct_dataset" => DatasetKind::Instruct,
-            "chat_dataset" | "slimorca_dataset" => DatasetKind::Chat,
-            "text_completion_dataset" | "cnn_dailymail_articles_dataset" => {
-                DatasetKind::TextCompletion
-            }
-            "preference_dataset" | "hh_rlhf_helpful_dataset" => DatasetKind::Preference,
-            "stack_exchange_paired_dataset" => DatasetKind::StackExchangePaired,
-            _ => return None,
-        })
-    }
-
     /// torchtune's default for `train_on_input`.
     pub fn default_train_on_input(self) -> bool {
         matches!(self, DatasetKind::Alpaca)
+    }
+
+    /// torchtune's default for `split_across_pack`: text completion splits, the others not.
+    pub fn default_split_across_pack(self) -> bool {
+        self == DatasetKind::TextCompletion
     }
 
     pub fn is_preference(self) -> bool {

@@ -117,18 +117,14 @@ impl<'a> Cols<'a> {
 }
 
 impl RowTransform {
-    pub fn new(spec: &DatasetSpec, kind: DatasetKind) -> Self {
+    pub fn new(spec: &DatasetSpec) -> Self {
         RowTransform {
-            kind,
-            column_map: spec.column_map.clone().unwrap_or_default(),
-            train_on_input: spec
-                .train_on_input
-                .unwrap_or_else(|| kind.default_train_on_input()),
+            kind: spec.kind,
+            column_map: spec.column_map.clone(),
+            train_on_input: spec.train_on_input,
             new_system_prompt: spec.new_system_prompt.clone(),
             conversation_column: spec.conversation_column.clone(),
-            style: spec
-                .conversation_style
-                .unwrap_or(ConversationStyle::Sharegpt),
+            style: spec.conversation_style,
             text_column: spec.column.clone(),
         }
     }

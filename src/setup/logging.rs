@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use super::SetupError;
-use crate::config::components::{Component, LoggerKind};
+use crate::config::components::LoggerKind;
 use crate::config::schema::MetricLoggerConfig;
 use crate::training::metrics::{
     JsonlSink, MetricLoggers, MetricSink, MetricsFile, StdoutSink, TensorBoardSink,
@@ -16,10 +16,7 @@ pub fn loggers(
     output_dir: &Path,
     file: MetricsFile,
 ) -> Result<(MetricLoggers, String), SetupError> {
-    let kind = match cfg.map(|c| &c.component) {
-        Some(Component::MetricLogger(k)) => *k,
-        _ => LoggerKind::Disk,
-    };
+    let kind = cfg.map_or(LoggerKind::Disk, |c| c.component);
     let log_dir = cfg
         .and_then(|c| c.log_dir.clone())
         .unwrap_or_else(|| output_dir.join("logs"));

@@ -28,10 +28,33 @@ pub enum SetupError {
     },
     #[error("tokenizer.path: {0}")]
     Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    /// `key`: which of `tokenizer.path`, `tokenizer_json_path` or `vocab_path` named it.
+    #[error("{key}: {source}")]
+    TokenizerFile {
+        key: &'static str,
+        source: crate::config::paths::PathError,
+    },
+    #[error("tokenizer.special_tokens_path {}: {problem}", path.display())]
+    SpecialTokens {
+        path: PathBuf,
+        problem: data::SpecialTokensError,
+    },
     #[error("dataset: {0}")]
     Data(#[from] crate::data::DataError),
-    #[error("{key}: {message}")]
-    Invalid { key: String, message: String },
+    #[error("dataset.source: {0}")]
+    DatasetFetch(crate::hub::HubError),
+    #[error(
+        "dataset_val: the validation set has {samples} samples, too few for one batch of batch_size_val={batch_size} on each of {world_size} worker(s); lower batch_size_val or add data"
+    )]
+    TooLittleValidationData {
+        samples: usize,
+        batch_size: usize,
+        world_size: usize,
+    },
+    #[error(transparent)]
+    ModelConfig(#[from] model::ModelConfigError),
+    #[error(transparent)]
+    Teacher(#[from] teacher::TeacherError),
     #[error(transparent)]
     Quant(#[from] quant::QuantError),
     /// Boxed: a training error is much larger than every other setup failure.
@@ -39,11 +62,16 @@ pub enum SetupError {
     Train(Box<crate::training::TrainError>),
     #[error(transparent)]
     Distributed(#[from] crate::distributed::DistributedError),
+    /// `key`: the config key that chose the directory (`output_dir`, `checkpointer.output_dir`).
     #[error(
-        "output_dir {}: another run is using it ({holder}); wait for it to finish, or set a different output_dir",
+        "{key} {}: another run is using it ({holder}); wait for it to finish, or set a different {key}",
         dir.display()
     )]
-    Locked { dir: PathBuf, holder: String },
+    Locked {
+        key: &'static str,
+        dir: PathBuf,
+        holder: String,
+    },
     #[error(
         "output_dir {} holds checkpoints of another run ({} differs in: {}). Continue that run with resume_from_checkpoint=True (with those keys as they were), choose a new output_dir, or set overwrite_output_dir=True to delete its checkpoints and start over",
         dir.display(),

@@ -6,44 +6,39 @@ use burn::tensor::backend::Backend;
 
 use super::SetupError;
 use crate::checkpoint::StorageDtype;
-use crate::config::components::{Component, ModelVariant};
-use crate::config::schema::Dtype;
-use crate::config::schema::{
-    CheckpointFiles, CheckpointerConfig, LoraModule, ModelConfig, StrOrInt,
-};
+use crate::config::schema::{CheckpointerConfig, ModelConfig, TrainConfig};
 use crate::model_io::hf::{LoadedModel, load_model, load_model_with};
 use crate::model_io::{peft, quantized};
 use crate::models::BaseWeights;
 use crate::models::CausalLm;
 use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
+use crate::precision::Dtype;
 
-/// The safetensors files `checkpoint_files` names, expanding torchtune's
-/// `{filename_format, max_filename}` form.
-pub fn checkpoint_files(cfg: &CheckpointerConfig) -> Option<Vec<String>> {
-    match cfg.checkpoint_files.as_ref()? {
-        CheckpointFiles::List(files) => Some(files.clone()),
-        CheckpointFiles::Format {
-            filename_format,
-            max_filename,
-        } => {
-            let max = match max_filename {
-                StrOrInt::Str(s) => s.clone(),
-                StrOrInt::Int(i) => format!("{i:05}"),
-            };
-            let n: usize = max.parse().unwrap_or(0);
-            Some(
-                (1..=n)
-                    .map(|i| {
-                        let idx = format!("{i:0width$}", width = max.len());
-                        filename_format
-                            .replacen("{}", &idx, 1)
-                            .replacen("{}", &max, 1)
-                    })
-                    .collect(),
-            )
-        }
-    }
+/// A `model` section this checkpoint or device cannot honour.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelConfigError {
+    #[error(
+        "dtype: QLoRA's NF4 base weights are quantized in bf16 or fp32 (as torchtune's QLoRA configs run); set `dtype: bf16` or `dtype: fp32`"
+    )]
+    Nf4InFp16,
+    #[error(
+        "model.apply_lora_to_output: this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False"
+    )]
+    TiedOutput,
+    #[error("model.lora_attn_modules: none of {targets:?} is a linear layer of this model")]
+    NoTargets { targets: Vec<String> },
+    /// A generic builder's architecture argument that is not the checkpoint's.
+    #[error(
+        "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"
+    )]
+    Architecture {
+        section: String,
+        key: &'static str,
+        ours: String,
+        theirs: String,
+        hf: &'static str,
+    },
 }
 
 /// Loads the model the checkpointer points at. `key` names the section for error messages
@@ -63,17 +58,13 @@ pub fn base_weights<B: Backend>(
     model: &ModelConfig,
     device: &B::Device,
 ) -> Result<BaseWeights, SetupError> {
-    let qlora = matches!(&model.component, Component::Model(b) if b.variant == ModelVariant::QLora);
-    if !(qlora || model.quantize_base) {
+    if !model.quantizes_base() {
         return Ok(BaseWeights::Float);
     }
     match crate::precision::device_dtype::<B>(device) {
         Dtype::Bf16 => Ok(BaseWeights::Nf4(Nf4Dtype::Bf16)),
         Dtype::Fp32 => Ok(BaseWeights::Nf4(Nf4Dtype::F32)),
-        Dtype::Fp16 => Err(SetupError::Invalid {
-            key: "dtype".into(),
-            message: "QLoRA's NF4 base weights are quantized in bf16 or fp32 (as torchtune's QLoRA configs run); set `dtype: bf16` or `dtype: fp32`".into(),
-        }),
+        Dtype::Fp16 => Err(ModelConfigError::Nf4InFp16.into()),
     }
 }
 
@@ -118,7 +109,7 @@ pub fn load_with<B: Backend>(
             storage_dtype: StorageDtype::F32,
         });
     }
-    let files = checkpoint_files(cfg);
+    let files = cfg.files();
     load_model_with::<B>(&cfg.checkpoint_dir, files.as_deref(), device, base)
         .map_err(|source| SetupError::Model { key, source })
 }
@@ -129,26 +120,14 @@ pub struct LoraPlan {
     pub targets: Vec<String>,
 }
 
-pub fn is_lora(model: &ModelConfig) -> bool {
-    matches!(&model.component, Component::Model(b) if b.variant != ModelVariant::Full)
-}
-
-pub fn lora_plan(model: &ModelConfig) -> Result<LoraPlan, SetupError> {
-    let rank = model.lora_rank.ok_or_else(|| SetupError::Invalid {
-        key: "model.lora_rank".into(),
-        message: "a LoRA model needs lora_rank (e.g. 8)".into(),
-    })? as usize;
-    let alpha = model.lora_alpha.unwrap_or(2.0 * rank as f64);
+/// The adapters a LoRA builder's section asks for (validation requires `lora_rank` and
+/// `lora_alpha`, and a target, of LoRA builders in training recipes).
+pub fn lora_plan(model: &ModelConfig) -> LoraPlan {
+    let invariant = "validation requires lora_rank and lora_alpha of a LoRA builder in training";
     let mut targets: Vec<String> = model
         .lora_attn_modules
         .iter()
-        .map(|m| match m {
-            LoraModule::QProj => "q_proj",
-            LoraModule::KProj => "k_proj",
-            LoraModule::VProj => "v_proj",
-            LoraModule::OutputProj => "o_proj",
-        })
-        .map(String::from)
+        .map(|m| m.hf_name().to_string())
         .collect();
     if model.apply_lora_to_mlp {
         targets.extend(["gate_proj", "up_proj", "down_proj"].map(String::from));
@@ -156,22 +135,15 @@ pub fn lora_plan(model: &ModelConfig) -> Result<LoraPlan, SetupError> {
     if model.apply_lora_to_output {
         targets.push("lm_head".into());
     }
-    if targets.is_empty() {
-        return Err(SetupError::Invalid {
-            key: "model.lora_attn_modules".into(),
-            message: "no LoRA targets: list some of [q_proj, k_proj, v_proj, output_proj] or set apply_lora_to_mlp: True"
-                .into(),
-        });
-    }
-    Ok(LoraPlan {
+    LoraPlan {
         settings: LoraSettings {
-            rank,
-            alpha,
+            rank: model.lora_rank.expect(invariant) as usize,
+            alpha: model.lora_alpha.expect(invariant),
             dropout: model.lora_dropout,
             dora: model.use_dora,
         },
         targets,
-    })
+    }
 }
 
 /// Attaches fresh adapters per `plan` (or loads `checkpointer.adapter_checkpoint`), and
@@ -183,10 +155,7 @@ pub fn attach_adapters<B: Backend>(
     seed: u64,
 ) -> Result<peft::AdapterConfig, SetupError> {
     if plan.targets.iter().any(|t| t == "lm_head") && model.lm_head.is_none() {
-        return Err(SetupError::Invalid {
-            key: "model.apply_lora_to_output".into(),
-            message: "this model ties its output projection to the embeddings (tie_word_embeddings): set apply_lora_to_output: False".into(),
-        });
+        return Err(ModelConfigError::TiedOutput.into());
     }
     // The Hub id of the base model when known, else its path (as peft writes it).
     let base_model = crate::hub::provenance::base_model_name(&checkpointer.checkpoint_dir);
@@ -198,10 +167,10 @@ pub fn attach_adapters<B: Backend>(
     }
     let attached = peft::attach_lora(model, &plan.targets, &plan.settings, seed);
     if attached.is_empty() {
-        return Err(SetupError::Invalid {
-            key: "model.lora_attn_modules".into(),
-            message: format!("none of {:?} is a linear layer of this model", plan.targets),
-        });
+        return Err(ModelConfigError::NoTargets {
+            targets: plan.targets.clone(),
+        }
+        .into());
     }
     Ok(peft::AdapterConfig::new(
         Some(base_model),
@@ -264,10 +233,10 @@ pub fn load_or_resume<B: Backend>(
 /// unless `save_adapter_weights_only`).
 pub fn lora<B: Backend>(
     model: &mut CausalLm<B>,
-    cfg: &crate::config::schema::TrainConfig,
+    cfg: &TrainConfig,
     run: &super::run::RunStart,
 ) -> Result<(LoraPlan, crate::training::checkpointing::SaveContent), SetupError> {
-    let plan = lora_plan(&cfg.model)?;
+    let plan = lora_plan(&cfg.model);
     let config = attach_adapters(model, &plan, &cfg.checkpointer, run.seed)?;
     if let Some(r) = &run.resume {
         peft::load_adapter(model, &r.dir).map_err(|source| SetupError::Checkpoint {
@@ -298,9 +267,18 @@ impl LoraPlan {
 /// model from config.json, so a disagreement means the config is for another model.
 pub fn check_architecture(
     section: &str,
-    arch: &crate::config::schema::Architecture,
+    arch: &ModelConfig,
     args: &crate::models::ModelArgs,
 ) -> Result<(), SetupError> {
+    let mismatch = |key, ours: String, theirs: String, hf| {
+        SetupError::from(ModelConfigError::Architecture {
+            section: section.to_string(),
+            key,
+            ours,
+            theirs,
+            hf,
+        })
+    };
     let whole = [
         ("vocab_size", arch.vocab_size, args.vocab_size, "vocab_size"),
         (
@@ -336,12 +314,6 @@ pub fn check_architecture(
             "max_position_embeddings",
         ),
     ];
-    let mismatch = |key: &str, ours: String, theirs: String, hf: &str| SetupError::Invalid {
-        key: format!("{section}.{key}"),
-        message: format!(
-            "is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"
-        ),
-    };
     for (key, ours, theirs, hf) in whole {
         if let Some(v) = ours
             && v != theirs

@@ -2,8 +2,8 @@
 //! linear layers as torchtune's QAT recipes apply torchao's quantizers to `model.model`
 //! (every projection of every layer; never the output projection, tied or not).
 
-use crate::config::components::{Component, QuantizerKind};
-use crate::config::schema::{QuantizerConfig, TrainConfig};
+use crate::config::components::QuantizerKind;
+use crate::config::schema::{QatKeys, QuantizerConfig};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use burn::tensor::backend::Backend;
@@ -21,40 +21,14 @@ pub enum QuantError {
     },
     #[error("quantizer.groupsize must be at least 2 (got {0})")]
     GroupTooSmall(usize),
-    #[error(
-        "quantizer: missing; QAT recipes need a `quantizer` section (e.g. `_component_: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`, `groupsize: 32`)"
-    )]
-    Missing,
-    #[error("quantizer._component_: {0} is not a quantizer")]
-    NotAQuantizer(String),
-}
-
-/// The QAT recipes' quantizer: the `quantizer` section, which they require.
-pub fn from_train_config(
-    cfg: &crate::config::schema::TrainConfig,
-) -> Result<QuantScheme, QuantError> {
-    cfg.quantizer
-        .as_ref()
-        .ok_or(QuantError::Missing)
-        .and_then(scheme)
 }
 
 /// The scheme a `quantizer` section asks for.
-pub fn scheme(cfg: &QuantizerConfig) -> Result<QuantScheme, QuantError> {
+pub fn scheme(cfg: &QuantizerConfig) -> QuantScheme {
     let group_size = cfg.groupsize;
-    if group_size < 2 {
-        return Err(QuantError::GroupTooSmall(group_size));
-    }
-    match &cfg.component {
-        Component::Quantizer {
-            kind: QuantizerKind::Int8DynActInt4Weight,
-            ..
-        } => Ok(QuantScheme::Int8DynActInt4Weight { group_size }),
-        Component::Quantizer {
-            kind: QuantizerKind::Int4WeightOnly,
-            ..
-        } => Ok(QuantScheme::Int4WeightOnly { group_size }),
-        other => Err(QuantError::NotAQuantizer(other.canonical_name())),
+    match cfg.component.kind {
+        QuantizerKind::Int8DynActInt4Weight => QuantScheme::Int8DynActInt4Weight { group_size },
+        QuantizerKind::Int4WeightOnly => QuantScheme::Int4WeightOnly { group_size },
     }
 }
 
@@ -107,7 +81,7 @@ fn set_all<B: Backend>(model: &mut CausalLm<B>, scheme: QuantScheme) -> Vec<Stri
 
 /// " (fake quantization from step N)" when `fake_quant_after_n_steps` delays it, for start-up
 /// lines.
-pub fn delay_note(cfg: &TrainConfig) -> String {
+pub fn delay_note(cfg: &QatKeys) -> String {
     cfg.fake_quant_after_n_steps.map_or(String::new(), |n| {
         format!(" (fake quantization from step {n})")
     })

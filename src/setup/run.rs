@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use crate::config::schema::TrainConfig;
+use crate::config::schema::{RecipeKeys, TrainConfig, fingerprint_entries};
 use crate::distributed::World;
 use crate::models::CausalLm;
 use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
@@ -45,24 +45,16 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
         schedule: optim::schedule(cfg.lr_scheduler.as_ref()),
         seed,
         // Full-weight training shards AdamW's moments over the ranks; LoRA's are small.
-        shard_optimizer: !super::model::is_lora(&cfg.model),
+        shard_optimizer: !cfg.model.is_lora(),
         save_on_preempt: cfg.save_on_preempt,
     }
-}
-
-/// Where checkpoints go: `checkpointer.output_dir`, else `output_dir`.
-pub fn checkpoint_dir(cfg: &TrainConfig) -> PathBuf {
-    cfg.checkpointer
-        .output_dir
-        .clone()
-        .unwrap_or_else(|| cfg.output_dir.clone())
 }
 
 /// The prologue every training recipe shares.
 pub struct RunStart {
     pub seed: u64,
-    /// Where checkpoints go ([`checkpoint_dir`]).
-    pub output_dir: PathBuf,
+    /// Where checkpoints go (`TrainConfig::checkpoint_dir`).
+    pub checkpoint_dir: PathBuf,
     pub fingerprint: RunFingerprint,
     /// The latest complete checkpoint, when `resume_from_checkpoint` is set and one exists.
     pub resume: Option<Resume>,
@@ -88,6 +80,7 @@ impl RunStart {
 /// before any rank looks for the one to resume.
 pub fn start<B: Backend>(
     cfg: &TrainConfig,
+    own: &RecipeKeys,
     world: World,
     device: &B::Device,
 ) -> Result<RunStart, SetupError> {
@@ -102,8 +95,8 @@ pub fn start<B: Backend>(
     if cfg.seed.is_none() {
         seed = from_rank_zero::<B>(&world, seed, device, "the seed")?;
     }
-    let output_dir = checkpoint_dir(cfg);
-    let fingerprint = fingerprint(cfg, seed, world.size);
+    let checkpoint_dir = cfg.checkpoint_dir().to_path_buf();
+    let fingerprint = fingerprint(cfg, own, seed, world.size);
     check_same::<B>(
         &world,
         device,
@@ -112,7 +105,7 @@ pub fn start<B: Backend>(
     )?;
     let resume = if cfg.resume_from_checkpoint {
         let tidied = if world.is_main() {
-            find_resume(&output_dir, &fingerprint, true)?
+            find_resume(&checkpoint_dir, &fingerprint, true)?
         } else {
             None
         };
@@ -120,7 +113,7 @@ pub fn start<B: Backend>(
         let resume = match tidied {
             Some(r) => Some(r),
             None if world.is_main() => None,
-            None => find_resume(&output_dir, &fingerprint, false)?,
+            None => find_resume(&checkpoint_dir, &fingerprint, false)?,
         };
         // Every rank must continue from the same point: a node that cannot see the output
         // directory's checkpoints would start over while the others resume.
@@ -136,13 +129,13 @@ pub fn start<B: Backend>(
         resume
     } else {
         if world.is_main() {
-            claim_output_dir(&output_dir, &fingerprint, cfg.overwrite_output_dir)?;
+            claim_checkpoint_dir(&checkpoint_dir, &fingerprint, cfg.overwrite_output_dir)?;
         }
         None
     };
     let run = RunStart {
         seed,
-        output_dir,
+        checkpoint_dir,
         fingerprint,
         resume,
         world,
@@ -158,7 +151,7 @@ pub fn start<B: Backend>(
         None if cfg.resume_from_checkpoint => run.announce(|| {
             format!(
                 "resume_from_checkpoint: no complete checkpoint in {}; training starts from the beginning",
-                run.output_dir.display()
+                run.checkpoint_dir.display()
             )
         }),
         None => {}
@@ -166,10 +159,11 @@ pub fn start<B: Backend>(
     Ok(run)
 }
 
-/// A fresh run (no `resume_from_checkpoint`) into a directory that holds another run's
-/// checkpoints is refused, unless `overwrite_output_dir` asks to delete them first. A rerun of
-/// the same run (same fingerprint) replaces its checkpoints as it saves, as torchtune does.
-fn claim_output_dir(
+/// A fresh run (no `resume_from_checkpoint`) into a checkpoint directory that holds another
+/// run's checkpoints is refused, unless `overwrite_output_dir` asks to delete them first. A
+/// rerun of the same run (same fingerprint) replaces its checkpoints as it saves, as torchtune
+/// does.
+fn claim_checkpoint_dir(
     dir: &std::path::Path,
     fingerprint: &RunFingerprint,
     overwrite: bool,
@@ -194,80 +188,26 @@ fn claim_output_dir(
     Ok(())
 }
 
-/// What a resumed run must share with its checkpoint: the model, its adapters, the data and
-/// how it is batched (the global batch: `batch_size` times the world size, so a run may resume
-/// on another number of workers with the same global batch), the optimizer, the seed. Step
-/// limits and logging may change.
-pub fn fingerprint(cfg: &TrainConfig, seed: u64, world_size: usize) -> RunFingerprint {
-    let mut map = serde_json::Map::new();
-    let mut put = |k: &str, v: serde_json::Value| {
-        map.insert(k.to_string(), v);
-    };
-    let json = |v: &dyn erased::Ser| v.to_json();
-    put("model", json(&cfg.model));
-    put(
-        "checkpointer.checkpoint_dir",
-        serde_json::json!(cfg.checkpointer.checkpoint_dir),
+/// What a resumed run must share with its checkpoint: the keys declared part of the
+/// fingerprint (`config::schema`: the model, its adapters, the data, the optimizer, the loss, a
+/// teacher or reference, ...), with the two values only the run knows: the seed it drew, and
+/// the global batch (`batch_size` times the world size, so a run may resume on another number
+/// of workers with the same global batch). Step limits and logging may change.
+pub fn fingerprint(
+    cfg: &TrainConfig,
+    own: &RecipeKeys,
+    seed: u64,
+    world_size: usize,
+) -> RunFingerprint {
+    let mut keys = fingerprint_entries(cfg, own);
+    keys.entries.insert("seed".into(), seed.into());
+    keys.entries.insert(
+        "batch_size".into(),
+        (cfg.batch_size * world_size.max(1)).into(),
     );
-    put(
-        "checkpointer.adapter_checkpoint",
-        serde_json::json!(cfg.checkpointer.adapter_checkpoint),
-    );
-    put("tokenizer", json(&cfg.tokenizer));
-    put("dataset", json(&cfg.dataset));
-    put("batch_size", (cfg.batch_size * world_size.max(1)).into());
-    put(
-        "gradient_accumulation_steps",
-        cfg.gradient_accumulation_steps.into(),
-    );
-    put("shuffle", cfg.shuffle.into());
-    put("seed", seed.into());
-    // The learning rate on its own: a resume may lower it (after a divergence, say); the
-    // optimizer's moments stay valid.
-    let mut optimizer = json(&cfg.optimizer);
-    if let Some(fields) = optimizer.as_object_mut() {
-        fields.remove("lr");
-    }
-    put("optimizer", optimizer);
-    put("optimizer.lr", cfg.optimizer.lr.into());
-    // DPO: the loss's beta and the reference model shape every step after the first.
-    put("loss", json(&cfg.loss));
-    if let Some(reference) = &cfg.ref_checkpointer {
-        put(
-            "ref_checkpointer.checkpoint_dir",
-            serde_json::json!(reference.checkpoint_dir),
-        );
-    }
-    // Distillation: the teacher and the objective shape every step.
-    if let Some(teacher) = &cfg.teacher_checkpointer {
-        put(
-            "teacher_checkpointer.checkpoint_dir",
-            serde_json::json!(teacher.checkpoint_dir),
-        );
-        put(
-            "teacher_checkpointer.adapter_checkpoint",
-            serde_json::json!(teacher.adapter_checkpoint),
-        );
-        put("kd_loss", json(&cfg.kd_loss));
-        put("kd_ratio", cfg.kd_ratio().into());
-    }
-    // Only QAT runs have one; leaving it out otherwise keeps other recipes' fingerprints stable.
-    if let Some(q) = &cfg.quantizer {
-        put("quantizer", json(q));
-    }
-    RunFingerprint(map)
-}
-
-mod erased {
-    /// Object-safe "serialise to JSON", so `fingerprint` can list heterogeneous sections.
-    pub trait Ser {
-        fn to_json(&self) -> serde_json::Value;
-    }
-
-    impl<T: serde::Serialize> Ser for T {
-        fn to_json(&self) -> serde_json::Value {
-            serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
-        }
+    RunFingerprint {
+        entries: keys.entries,
+        resume_may_change: keys.resume_may_change,
     }
 }
 
@@ -281,9 +221,8 @@ pub fn checkpointer(
     storage_dtype: crate::checkpoint::StorageDtype,
 ) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
     crate::training::checkpointing::RunCheckpointer::new(
-        checkpoint_dir(cfg),
-        cfg.keep_last_n_checkpoints
-            .or(cfg.checkpointer.keep_last_n_checkpoints),
+        cfg.checkpoint_dir().to_path_buf(),
+        cfg.keep_last_n_checkpoints(),
         recipe,
         content,
         fingerprint,
@@ -334,26 +273,48 @@ pub fn trainer<B: AutodiffBackend>(
     Ok((trainer, log_dir))
 }
 
-/// The lock that keeps one run per output directory, held until dropped (and released by the
-/// operating system when the process ends, even when killed).
+/// The locks that keep one run per directory it writes, held until dropped (and released by
+/// the operating system when the process ends, even when killed).
 #[derive(Debug)]
-pub struct OutputLock {
-    _file: std::fs::File,
+pub struct RunLocks {
+    _files: Vec<std::fs::File>,
 }
 
-/// The lock file in an output directory.
+/// The lock file in a locked directory.
 pub const LOCK_FILE: &str = ".tune.lock";
 
-/// Takes the output directory's advisory lock, or fails naming the process that holds it: two
-/// runs writing one directory would mix their checkpoints, config and metrics.
-pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> {
+/// Takes the advisory lock of every directory the run writes: where its checkpoints go
+/// (`checkpointer.output_dir`, else `output_dir`) and `output_dir` (its config and metrics)
+/// when that is another directory. Two runs writing one checkpoint directory would mix their
+/// checkpoints, whatever their `output_dir`s; two sharing one `output_dir` would mix their
+/// config and metrics.
+pub fn lock_run_dirs(cfg: &TrainConfig) -> Result<RunLocks, SetupError> {
+    let checkpoints = cfg.checkpoint_dir();
+    let mut files = vec![lock_dir(checkpoints, cfg.checkpoint_dir_key())?];
+    if !same_dir(checkpoints, &cfg.output_dir) {
+        files.push(lock_dir(&cfg.output_dir, "output_dir")?);
+    }
+    Ok(RunLocks { _files: files })
+}
+
+/// Whether two existing directories are one (after `lock_dir` created them).
+fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+/// Takes `dir`'s advisory lock (creating the directory), or fails naming the config `key`
+/// that chose it and the process that holds it.
+fn lock_dir(dir: &std::path::Path, key: &'static str) -> Result<std::fs::File, SetupError> {
     use std::io::{Read, Seek, Write};
-    let io = |source| SetupError::Io {
-        what: "output_dir",
-        path: dir.to_path_buf(),
+    let io = |what, path: &std::path::Path, source| SetupError::Io {
+        what,
+        path: path.to_path_buf(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(io)?;
+    std::fs::create_dir_all(dir).map_err(|e| io(key, dir, e))?;
     let path = dir.join(LOCK_FILE);
     let mut file = std::fs::OpenOptions::new()
         .read(true)
@@ -361,27 +322,20 @@ pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> 
         .create(true)
         .truncate(false)
         .open(&path)
-        .map_err(|source| SetupError::Io {
-            what: "output_dir's lock",
-            path: path.clone(),
-            source,
-        })?;
+        .map_err(|e| io("the run's lock", &path, e))?;
     match file.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             return Err(SetupError::Locked {
+                key,
                 dir: dir.to_path_buf(),
                 holder: holder.trim().to_string(),
             });
         }
         Err(std::fs::TryLockError::Error(source)) => {
-            return Err(SetupError::Io {
-                what: "output_dir's lock",
-                path,
-                source,
-            });
+            return Err(io("the run's lock", &path, source));
         }
     }
     // Who holds it, for the message a second run prints.
@@ -389,5 +343,5 @@ pub fn lock_output_dir(dir: &std::path::Path) -> Result<OutputLock, SetupError> 
     let _ = file.rewind();
     let _ = write!(file, "pid {}", std::process::id());
     let _ = file.flush();
-    Ok(OutputLock { _file: file })
+    Ok(file)
 }

@@ -99,7 +99,7 @@ pub fn session<B: AutodiffBackend>(
     // gathers the whole state through the collective and writes it alone.
     let per_rank_files = trainer.settings.shard_optimizer
         && world.is_distributed()
-        && output_dir_is_shared::<B::InnerBackend>(&world, &run.output_dir, device)?;
+        && output_dir_is_shared::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?;
     trainer.save_optimizer_shards = per_rank_files;
     let saver = if world.is_main() {
         let mut saver =
@@ -111,7 +111,7 @@ pub fn session<B: AutodiffBackend>(
         None
     };
     let shard_writer = (per_rank_files && !world.is_main())
-        .then(|| ShardWriter::new(run.output_dir.clone(), world.rank, world.size));
+        .then(|| ShardWriter::new(run.checkpoint_dir.clone(), world.rank, world.size));
     Ok(Session {
         trainer,
         saver,

@@ -6,13 +6,13 @@
 //! teacher's config.json (and its tokenizer.json when it ships one) *before* its weights are
 //! read, so a wrong teacher fails in milliseconds with a message saying what differs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 
 use super::SetupError;
-use super::model::{checkpoint_files, load_adapter_checkpoint};
-use crate::config::components::{Component, LossKind};
+use super::model::load_adapter_checkpoint;
+use crate::config::components::LossKind;
 use crate::config::schema::{CheckpointerConfig, LossConfig};
 use crate::model_io::hf::{load_args, load_model_with};
 use crate::models::{CausalLm, ModelArgs, Trainable};
@@ -21,42 +21,36 @@ use crate::training::kd::KdObjective;
 
 const KEY: &str = "teacher_checkpointer";
 
-/// The KD divergence `kd_loss` names (torchtune's default `sym_kd_ratio` is 0.5).
-pub fn kd_objective(cfg: &LossConfig) -> Result<KdObjective, SetupError> {
-    match cfg.component {
-        Component::Loss(LossKind::ForwardKl) => Ok(KdObjective::ForwardKl),
-        Component::Loss(LossKind::ReverseKl) => Ok(KdObjective::ReverseKl),
-        Component::Loss(LossKind::SymmetricKl) => {
-            let sym_kd_ratio = cfg.sym_kd_ratio.unwrap_or(0.5);
-            if !(0.0..=1.0).contains(&sym_kd_ratio) {
-                return Err(SetupError::Invalid {
-                    key: "kd_loss.sym_kd_ratio".into(),
-                    message: format!(
-                        "{sym_kd_ratio} is outside [0, 1]: it weighs forward against reverse KL"
-                    ),
-                });
-            }
-            Ok(KdObjective::SymmetricKl { sym_kd_ratio })
-        }
-        _ => Err(SetupError::Invalid {
-            key: "kd_loss._component_".into(),
-            message: "not a distillation loss: use ForwardKLLoss, ReverseKLLoss or SymmetricKLLoss"
-                .into(),
-        }),
-    }
+/// A teacher that cannot teach this student: they must share the vocabulary, id by id.
+#[derive(Debug, thiserror::Error)]
+pub enum TeacherError {
+    #[error(
+        "teacher_checkpointer.checkpoint_dir: teacher vocab_size {teacher} != student vocab_size {student}: the teacher must share the student's tokenizer"
+    )]
+    VocabSize { teacher: usize, student: usize },
+    #[error(
+        "teacher_checkpointer.checkpoint_dir: the teacher's tokenizer ({}) differs from the student's ({}): {difference}; the teacher must share the student's tokenizer",
+        teacher.display(),
+        student.display()
+    )]
+    Tokenizer {
+        teacher: PathBuf,
+        student: PathBuf,
+        difference: String,
+    },
 }
 
-/// The `kd_ratio` mixing class and KD losses, which must lie in [0, 1].
-pub fn kd_ratio(ratio: f64) -> Result<f64, SetupError> {
-    if (0.0..=1.0).contains(&ratio) {
-        Ok(ratio)
-    } else {
-        Err(SetupError::Invalid {
-            key: "kd_ratio".into(),
-            message: format!(
-                "{ratio} is outside [0, 1]: the loss is (1 - kd_ratio) * class_loss + kd_ratio * kd_loss"
-            ),
-        })
+/// The KD divergence `kd_loss` names (validation allows only the three divergences).
+pub fn kd_objective(cfg: &LossConfig) -> KdObjective {
+    match cfg.component {
+        LossKind::ForwardKl => KdObjective::ForwardKl,
+        LossKind::ReverseKl => KdObjective::ReverseKl,
+        LossKind::SymmetricKl => KdObjective::SymmetricKl {
+            sym_kd_ratio: cfg.sym_kd_ratio(),
+        },
+        LossKind::CrossEntropy | LossKind::Dpo => {
+            panic!("validation allows only a KL divergence as kd_loss")
+        }
     }
 }
 
@@ -70,25 +64,23 @@ pub fn check_compatible(
 ) -> Result<ModelArgs, SetupError> {
     let teacher =
         load_args(teacher_dir).map_err(|source| SetupError::Model { key: KEY, source })?;
-    let invalid = |message: String| SetupError::Invalid {
-        key: format!("{KEY}.checkpoint_dir"),
-        message,
-    };
     if teacher.vocab_size != student.vocab_size {
-        return Err(invalid(format!(
-            "teacher vocab_size {} != student vocab_size {}: the teacher must share the student's tokenizer",
-            teacher.vocab_size, student.vocab_size
-        )));
+        return Err(TeacherError::VocabSize {
+            teacher: teacher.vocab_size,
+            student: student.vocab_size,
+        }
+        .into());
     }
     let teacher_tokenizer_path = teacher_dir.join("tokenizer.json");
     if teacher_tokenizer_path.is_file() {
         let theirs = Tokenizer::from_path(&teacher_tokenizer_path)?;
-        if let Some(diff) = tokenizer_difference(tokenizer, &theirs) {
-            return Err(invalid(format!(
-                "the teacher's tokenizer ({}) differs from the student's ({}): {diff}; the teacher must share the student's tokenizer",
-                teacher_tokenizer_path.display(),
-                tokenizer.path().display()
-            )));
+        if let Some(difference) = tokenizer_difference(tokenizer, &theirs) {
+            return Err(TeacherError::Tokenizer {
+                teacher: teacher_tokenizer_path,
+                student: tokenizer.path().to_path_buf(),
+                difference,
+            }
+            .into());
         }
     }
     Ok(teacher)
@@ -120,7 +112,7 @@ pub fn load<B: Backend>(
     device: &B::Device,
 ) -> Result<CausalLm<B>, SetupError> {
     check_compatible(student, tokenizer, &cfg.checkpoint_dir)?;
-    let files = checkpoint_files(cfg);
+    let files = cfg.files();
     let mut teacher = load_model_with::<B>(&cfg.checkpoint_dir, files.as_deref(), device, base)
         .map_err(|source| SetupError::Model { key: KEY, source })?
         .model;

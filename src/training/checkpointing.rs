@@ -12,6 +12,7 @@
 //! - `tune_checkpoint.json`: the client's metadata (format version, files and checksums),
 //!   whose `extra` carries the [`TrainState`] and the config fingerprint used on resume.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
@@ -77,27 +78,88 @@ pub enum CheckpointingError {
     },
 }
 
-/// The parts of the config a resumed run must share with the checkpoint (model, data,
-/// batching); logging and step limits may change.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunFingerprint(pub serde_json::Map<String, serde_json::Value>);
+/// The parts of the config a resumed run must share with the checkpoint (the keys the config
+/// declares part of it: model, data, batching, ...), one entry per key; logging and step
+/// limits may change. Saved as one JSON object.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunFingerprint {
+    /// Dotted key -> value.
+    pub entries: serde_json::Map<String, serde_json::Value>,
+    /// The keys a resume may change (lowering the learning rate is how a diverged run
+    /// continues from its last healthy checkpoint). Not saved: the current run says.
+    pub resume_may_change: Vec<String>,
+}
+
+impl Serialize for RunFingerprint {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.entries.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RunFingerprint {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self {
+            entries: serde_json::Map::deserialize(d)?,
+            resume_may_change: Vec::new(),
+        })
+    }
+}
 
 impl RunFingerprint {
-    /// Keys that differ, for the "what changed" message.
+    /// One entry per key: nested objects flattened to dotted keys (checkpoints written before
+    /// fingerprints had one entry per key held whole sections, `{"model": {...}}`).
+    fn flat(&self) -> BTreeMap<String, &serde_json::Value> {
+        fn walk<'a>(
+            prefix: &str,
+            value: &'a serde_json::Value,
+            out: &mut BTreeMap<String, &'a serde_json::Value>,
+        ) {
+            match value {
+                serde_json::Value::Object(map) => {
+                    for (k, v) in map {
+                        walk(&format!("{prefix}.{k}"), v, out);
+                    }
+                }
+                leaf => {
+                    out.insert(prefix.to_string(), leaf);
+                }
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (k, v) in &self.entries {
+            walk(k, v, &mut out);
+        }
+        out
+    }
+
+    /// Keys that differ, for the "what changed" message. A key one side does not have counts
+    /// as null (a key added to the fingerprint after a checkpoint was written, at its unset
+    /// value, is no change).
     pub fn differences(&self, other: &RunFingerprint) -> Vec<String> {
-        let mut keys: Vec<&String> = self.0.keys().chain(other.0.keys()).collect();
+        let (ours, theirs) = (self.flat(), other.flat());
+        let null = serde_json::Value::Null;
+        let mut keys: Vec<&String> = ours.keys().chain(theirs.keys()).collect();
         keys.sort();
         keys.dedup();
         keys.into_iter()
-            .filter(|k| self.0.get(*k) != other.0.get(*k))
+            .filter(|k| {
+                ours.get(*k).copied().unwrap_or(&null) != theirs.get(*k).copied().unwrap_or(&null)
+            })
             .cloned()
             .collect()
     }
 
     pub fn hash(&self) -> String {
         use sha2::{Digest, Sha256};
-        let text = serde_json::to_string(&self.0).unwrap_or_default();
+        let text = serde_json::to_string(&self.flat()).unwrap_or_default();
         format!("{:x}", Sha256::digest(text.as_bytes()))[..16].to_string()
+    }
+
+    /// An entry's value (a flattened key), for messages.
+    pub fn get(&self, key: &str) -> serde_json::Value {
+        self.flat()
+            .get(key)
+            .map_or(serde_json::Value::Null, |v| (*v).clone())
     }
 }
 
@@ -336,10 +398,6 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
     }
 }
 
-/// The one fingerprint key a resume may change: lowering the learning rate is how a diverged
-/// run continues from its last healthy checkpoint.
-const RESUMABLE_CHANGE: &str = "optimizer.lr";
-
 /// The newest complete checkpoint in `output_dir` when it was written by a different run (its
 /// fingerprint differs from this one): its directory and the keys that differ. A fresh run into
 /// such a directory would mix its checkpoints with the other run's, and a later resume would
@@ -449,23 +507,18 @@ pub fn find_resume(
             }
         })?;
     let mut changed = info.fingerprint.differences(fingerprint);
-    if let Some(i) = changed.iter().position(|k| k == RESUMABLE_CHANGE) {
-        changed.remove(i);
-        if tidy {
+    changed.retain(|key| {
+        let may_change = fingerprint.resume_may_change.contains(key);
+        if may_change && tidy {
             eprintln!(
-                "{RESUMABLE_CHANGE} changed since {} was saved ({} -> {}); resuming with the new value",
+                "{key} changed since {} was saved ({} -> {}); resuming with the new value",
                 found.dir.display(),
-                info.fingerprint
-                    .0
-                    .get(RESUMABLE_CHANGE)
-                    .unwrap_or(&serde_json::Value::Null),
-                fingerprint
-                    .0
-                    .get(RESUMABLE_CHANGE)
-                    .unwrap_or(&serde_json::Value::Null),
+                info.fingerprint.get(key),
+                fingerprint.get(key),
             );
         }
-    }
+        !may_change
+    });
     if !changed.is_empty() {
         return Err(CheckpointingError::ConfigChanged {
             dir: found.dir.clone(),

@@ -9,23 +9,26 @@ use burn::tensor::backend::Backend;
 use crate::checkpoint::HostTensor;
 use crate::kernels::{self, optim::AdamStep};
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Which update rule: the optimizer a config's `optimizer._component_` names resolves to one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerKind {
     /// Decoupled weight decay (`torch.optim.AdamW`).
     AdamW,
     /// L2 penalty added to the gradient (`torch.optim.Adam`).
     Adam,
-    Sgd {
-        momentum: f64,
-    },
+    /// `torch.optim.SGD`, with `momentum` when it is not 0.
+    Sgd,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct OptimizerSettings {
     pub kind: OptimizerKind,
     pub weight_decay: f64,
+    /// Adam's moment decays (unused by SGD).
     pub betas: (f64, f64),
     pub eps: f64,
+    /// SGD's momentum (unused by Adam).
+    pub momentum: f64,
 }
 
 /// Per-parameter state, flattened to 1-D so one code path serves every rank.
@@ -134,7 +137,8 @@ impl<B: Backend> Optimizer<B> {
                 );
                 new
             }
-            OptimizerKind::Sgd { momentum } => {
+            OptimizerKind::Sgd => {
+                let momentum = s.momentum;
                 let grad = scaled(grad.reshape([n]), grad_scale);
                 let grad = if s.weight_decay != 0.0 {
                     grad + param.clone() * s.weight_decay
@@ -173,10 +177,10 @@ impl<B: Backend> Optimizer<B> {
                 ("exp_avg", state.map(|s| s.exp_avg.clone())),
                 ("exp_avg_sq", state.and_then(|s| s.exp_avg_sq.clone())),
             ],
-            OptimizerKind::Sgd { momentum } if momentum != 0.0 => {
+            OptimizerKind::Sgd if self.settings.momentum != 0.0 => {
                 vec![("exp_avg", state.map(|s| s.exp_avg.clone()))]
             }
-            OptimizerKind::Sgd { .. } => Vec::new(),
+            OptimizerKind::Sgd => Vec::new(),
         }
     }
 

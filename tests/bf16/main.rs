@@ -20,12 +20,12 @@ use burn::tensor::{DType, Tensor};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
-use tune::config::schema::Dtype;
 use tune::generation::{Decoder, GenerateOptions, SamplingParams, generate};
 use tune::model_io::hf::{load_model, load_model_with};
 use tune::models::{BaseWeights, CausalLm};
 use tune::modules::ForwardMode;
 use tune::modules::nf4::Nf4Dtype;
+use tune::precision::Dtype;
 use tune::precision::{self, Use};
 use tune::training::{grads::named_grads, loss};
 

@@ -3,8 +3,8 @@
 use crate::common;
 
 use tune::config::builtin;
-use tune::config::components::{Component, ModelVariant};
-use tune::config::recipes::Recipe;
+use tune::config::components::ModelVariant;
+use tune::config::schema::RecipeKeys;
 use tune::config::{RecipeConfig, ValidateOptions, load_config, validate, validate_with};
 
 #[test]
@@ -55,7 +55,7 @@ fn tiny_lora_typed_values() {
         &ValidateOptions { check_paths: false },
     )
     .unwrap();
-    let RecipeConfig::Train(Recipe::LoraFinetune, t) = typed else {
+    let RecipeConfig::Train(RecipeKeys::LoraFinetune, t) = typed else {
         panic!("wrong recipe config: {typed:?}");
     };
     assert_eq!(
@@ -75,13 +75,8 @@ fn tiny_lora_typed_values() {
             .and_then(|p| p.to_str()),
         Some("/tmp/tune/tiny/lora_finetune_single_device/logs")
     );
-    match &t.model.component {
-        Component::Model(m) => {
-            assert_eq!(m.variant, ModelVariant::Lora);
-            assert_eq!(m.size, "tiny");
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_eq!(t.model.component.variant, ModelVariant::Lora);
+    assert_eq!(t.model.component.size, "tiny");
 }
 
 #[test]

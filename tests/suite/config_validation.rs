@@ -491,7 +491,7 @@ fn kitchen_sink_every_key_deserialises() {
     assert_eq!(t.optimizer.betas, (0.9, 0.95));
     assert_eq!(t.optimizer.eps, 1e-6);
     assert_eq!(t.push_to_hub.as_ref().map(|p| p.private), Some(true));
-    assert_eq!(t.dataset_val.as_ref().map(Vec::len), Some(1));
+    assert_eq!(t.dataset_val.as_ref().map(|d| d.len()), Some(1));
     assert_eq!(t.profiler.as_ref().map(|p| p.enabled), Some(false));
 }
 

@@ -13,8 +13,40 @@ fn tok(name: &str) -> Tokenizer {
     Tokenizer::from_path(fixtures().join(name)).expect("tokenizer")
 }
 
-fn spec(yaml: &str) -> DatasetSpec {
-    serde_yaml::from_str(yaml).expect("spec yaml")
+/// A `dataset` entry as a config writes it; [`Entry::of`] reads it as a run does (the
+/// config's reader, then setup's spec) with the builder of a kind.
+struct Entry(serde_yaml::Value);
+
+fn spec(yaml: &str) -> Entry {
+    Entry(serde_yaml::from_str(yaml).expect("spec yaml"))
+}
+
+impl Entry {
+    fn of(&self, kind: DatasetKind) -> DatasetSpec {
+        let builder = match kind {
+            DatasetKind::Alpaca => "alpaca_dataset",
+            DatasetKind::Instruct => "instruct_dataset",
+            DatasetKind::Chat => "chat_dataset",
+            DatasetKind::TextCompletion => "text_completion_dataset",
+            DatasetKind::Preference => "preference_dataset",
+            DatasetKind::StackExchangePaired => "stack_exchange_paired_dataset",
+        };
+        let mut entry = match &self.0 {
+            serde_yaml::Value::Mapping(m) => m.clone(),
+            _ => serde_yaml::Mapping::new(),
+        };
+        entry.insert(
+            "_component_".into(),
+            format!("torchtune.datasets.{builder}").into(),
+        );
+        // Rows given in memory need no source; the builder must still have one.
+        if !entry.contains_key("source") {
+            entry.insert("source".into(), "json".into());
+        }
+        let cfg: tune::config::schema::DatasetConfig =
+            serde_yaml::from_value(serde_yaml::Value::Mapping(entry)).expect("dataset entry");
+        tune::setup::data::spec(&cfg)
+    }
 }
 
 fn sft(ds: &Dataset) -> &[SftSample] {
@@ -69,11 +101,7 @@ fn alpaca_with_llama_template_masks_prompt() {
     let s = spec(
         "_component_: torchtune.datasets.alpaca_dataset\nsource: json\ndata_files: alpaca_tiny.json\ntrain_on_input: false\n",
     );
-    assert_eq!(
-        DatasetKind::from_component(s.component.as_deref().expect("c")),
-        Some(DatasetKind::Alpaca)
-    );
-    let ds = Dataset::build(&s, DatasetKind::Alpaca, &t, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Alpaca), &t, None, &fixtures()).expect("build");
     assert_eq!(ds.len(), 100);
     let row = &alpaca_rows()[0];
     let sample = &sft(&ds)[0];
@@ -116,7 +144,7 @@ fn alpaca_with_llama_template_masks_prompt() {
 
     // alpaca default: train_on_input = true -> everything trained
     let s = spec("source: json\ndata_files: [alpaca_tiny.json]\n");
-    let ds = Dataset::build(&s, DatasetKind::Alpaca, &t, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Alpaca), &t, None, &fixtures()).expect("build");
     for sample in sft(&ds) {
         assert_eq!(
             sample.labels,
@@ -134,7 +162,7 @@ fn plain_format_without_template() {
     let mut t = tok("tiny-llama");
     t.set_chat_template(None).expect("unset");
     let s = spec("source: alpaca_tiny.json\ntrain_on_input: false\nsplit: train[:2]\n");
-    let ds = Dataset::build(&s, DatasetKind::Alpaca, &t, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Alpaca), &t, None, &fixtures()).expect("build");
     assert_eq!(ds.len(), 2);
     let row = &alpaca_rows()[0];
     let prompt =
@@ -159,14 +187,14 @@ fn sharegpt_chat_both_templates() {
         "_component_: torchtune.datasets.chat_dataset\nsource: json\ndata_files: chat_tiny.json\nconversation_column: conversations\nconversation_style: sharegpt\n",
     );
     let t = tok("tiny-llama");
-    let ds = Dataset::build(&s, DatasetKind::Chat, &t, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Chat), &t, None, &fixtures()).expect("build");
     let sample = &sft(&ds)[0];
     assert_eq!(
         trained_text(&t, sample),
         "The meaning of life is 42.<|eot_id|>I agree.<|eot_id|>"
     );
     let q = tok("tiny-qwen2");
-    let ds = Dataset::build(&s, DatasetKind::Chat, &q, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Chat), &q, None, &fixtures()).expect("build");
     let sample = &sft(&ds)[0];
     assert_eq!(
         trained_text(&q, sample),
@@ -186,7 +214,7 @@ fn sharegpt_chat_both_templates() {
 
     // new_system_prompt replaces the system message
     let s2 = spec("source: chat_tiny.json\nnew_system_prompt: Be terse.\ntrain_on_input: true\n");
-    let ds = Dataset::build(&s2, DatasetKind::Chat, &q, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s2.of(DatasetKind::Chat), &q, None, &fixtures()).expect("build");
     let sample = &sft(&ds)[0];
     let text = q.decode(&sample.tokens, false).expect("dec");
     assert!(
@@ -206,7 +234,7 @@ fn openai_chat_from_rows() {
         {"role": "assistant", "content": "Hello!"}
     ]})]);
     let s = spec("conversation_style: openai\ncolumn_map: {messages: msgs}\n");
-    let ds = Dataset::from_rows(&rows, &s, DatasetKind::Chat, &q, None).expect("build");
+    let ds = Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &q, None).expect("build");
     let sample = &sft(&ds)[0];
     assert_eq!(trained_text(&q, sample), "Hello!<|im_end|>\n");
     assert!(
@@ -218,7 +246,7 @@ fn openai_chat_from_rows() {
     let bad = rows_of(vec![
         json!({"msgs": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
     ]);
-    let err = Dataset::from_rows(&bad, &s, DatasetKind::Chat, &q, None).expect_err("image");
+    let err = Dataset::from_rows(&bad, &s.of(DatasetKind::Chat), &q, None).expect_err("image");
     assert!(
         err.to_string().contains("image_url") && err.to_string().contains("row 0"),
         "{err}"
@@ -231,7 +259,7 @@ fn instruct_with_column_map() {
     let s = spec(
         "_component_: torchtune.datasets.instruct_dataset\nsource: json\ndata_files: instruct_tiny.json\ncolumn_map:\n  input: instruction\n  output: response\n",
     );
-    let ds = Dataset::build(&s, DatasetKind::Instruct, &q, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Instruct), &q, None, &fixtures()).expect("build");
     assert_eq!(ds.len(), 2);
     assert_eq!(
         trained_text(&q, &sft(&ds)[0]),
@@ -245,7 +273,7 @@ fn instruct_with_column_map() {
     // without the column_map the error names the file, row, column and the fix
     let s = spec("source: json\ndata_files: instruct_tiny.json\n");
     let err =
-        Dataset::build(&s, DatasetKind::Instruct, &q, None, &fixtures()).expect_err("missing");
+        Dataset::build(&s.of(DatasetKind::Instruct), &q, None, &fixtures()).expect_err("missing");
     let msg = err.to_string();
     assert!(
         matches!(err, DataError::MissingColumn { row: 0, .. }),
@@ -262,7 +290,7 @@ fn instruct_with_column_map() {
 fn truncation_keeps_eos() {
     let t = tok("tiny-llama");
     let s = spec("source: alpaca_tiny.json\nsplit: train[:5]\n");
-    let ds = Dataset::build(&s, DatasetKind::Alpaca, &t, Some(32), &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Alpaca), &t, Some(32), &fixtures()).expect("build");
     for sample in sft(&ds) {
         assert_eq!(sample.tokens.len(), 32);
         assert_eq!(sample.tokens[31], 2004);
@@ -275,16 +303,14 @@ fn truncation_keeps_eos() {
 fn packing_alpaca() {
     let t = tok("tiny-llama");
     let unpacked = Dataset::build(
-        &spec("source: alpaca_tiny.json\n"),
-        DatasetKind::Alpaca,
+        &spec("source: alpaca_tiny.json\n").of(DatasetKind::Alpaca),
         &t,
         Some(512),
         &fixtures(),
     )
     .expect("build");
     let ds = Dataset::build(
-        &spec("source: alpaca_tiny.json\npacked: true\n"),
-        DatasetKind::Alpaca,
+        &spec("source: alpaca_tiny.json\npacked: true\n").of(DatasetKind::Alpaca),
         &t,
         Some(512),
         &fixtures(),
@@ -360,7 +386,7 @@ fn preference_hh_rlhf() {
     let s = spec(
         "_component_: torchtune.datasets.preference_dataset\nsource: json\ndata_files: hh_rlhf_tiny.json\n",
     );
-    let ds = Dataset::build(&s, DatasetKind::Preference, &t, None, &fixtures()).expect("build");
+    let ds = Dataset::build(&s.of(DatasetKind::Preference), &t, None, &fixtures()).expect("build");
     let Samples::Preference(pairs) = ds.samples() else {
         panic!("preference")
     };
@@ -400,8 +426,7 @@ fn preference_hh_rlhf() {
     );
     assert!(matches!(
         Dataset::build(
-            &spec("source: hh_rlhf_tiny.json\npacked: true\n"),
-            DatasetKind::Preference,
+            &spec("source: hh_rlhf_tiny.json\npacked: true\n").of(DatasetKind::Preference),
             &t,
             Some(64),
             &fixtures()
@@ -416,8 +441,13 @@ fn preference_stack_exchange_paired() {
     let s = spec(
         "_component_: torchtune.datasets.stack_exchange_paired_dataset\nsource: json\ndata_files: stack_exchange_paired_tiny.json\n",
     );
-    let kind = DatasetKind::from_component(s.component.as_deref().expect("c")).expect("kind");
-    let ds = Dataset::build(&s, kind, &q, Some(256), &fixtures()).expect("build");
+    let ds = Dataset::build(
+        &s.of(DatasetKind::StackExchangePaired),
+        &q,
+        Some(256),
+        &fixtures(),
+    )
+    .expect("build");
     let Samples::Preference(pairs) = ds.samples() else {
         panic!("preference")
     };
@@ -451,7 +481,8 @@ fn text_completion_and_other_formats() {
     let s = spec(
         "_component_: torchtune.datasets.text_completion_dataset\nsource: json\ndata_files: alpaca_tiny.json\ncolumn: output\nsplit: train[:3]\n",
     );
-    let ds = Dataset::build(&s, DatasetKind::TextCompletion, &t, None, &fixtures()).expect("build");
+    let ds =
+        Dataset::build(&s.of(DatasetKind::TextCompletion), &t, None, &fixtures()).expect("build");
     let out = alpaca_rows()[0]["output"].as_str().expect("s").to_string();
     let sample = &sft(&ds)[0];
     let expected: Vec<u32> = [t.encode(&out, true).expect("enc"), vec![2004]].concat();
@@ -464,8 +495,13 @@ fn text_completion_and_other_formats() {
     let s = spec(
         "source: json\ndata_files: alpaca_tiny.json\ncolumn: output\nadd_eos: false\nsplit: train[:3]\n",
     );
-    let ds =
-        Dataset::build(&s, DatasetKind::TextCompletion, &t, Some(10), &fixtures()).expect("build");
+    let ds = Dataset::build(
+        &s.of(DatasetKind::TextCompletion),
+        &t,
+        Some(10),
+        &fixtures(),
+    )
+    .expect("build");
     assert_eq!(
         sft(&ds)[0].tokens,
         t.encode(&out, true).expect("enc")[..9].to_vec()
@@ -474,8 +510,7 @@ fn text_completion_and_other_formats() {
     // .txt and .jsonl and .csv sources
     let txt = temp_file("lines.txt", "first line\n\nsecond line\n");
     let ds = Dataset::build(
-        &spec(&format!("source: {}\n", txt.display())),
-        DatasetKind::TextCompletion,
+        &spec(&format!("source: {}\n", txt.display())).of(DatasetKind::TextCompletion),
         &t,
         None,
         Path::new("/"),
@@ -487,8 +522,8 @@ fn text_completion_and_other_formats() {
         "{\"input\": \"a\", \"output\": \"b\"}\n{\"input\": \"c\", \"output\": \"d\"}\n",
     );
     let ds = Dataset::build(
-        &spec(&format!("source: json\ndata_files: {}\n", jsonl.display())),
-        DatasetKind::Instruct,
+        &spec(&format!("source: json\ndata_files: {}\n", jsonl.display()))
+            .of(DatasetKind::Instruct),
         &t,
         None,
         Path::new("/"),
@@ -503,7 +538,7 @@ fn text_completion_and_other_formats() {
         "source: csv\ndata_files: {}\ncolumn_map: {{input: question, output: answer}}\n",
         csv.display()
     ));
-    let ds = Dataset::build(&s, DatasetKind::Instruct, &t, None, Path::new("/")).expect("csv");
+    let ds = Dataset::build(&s.of(DatasetKind::Instruct), &t, None, Path::new("/")).expect("csv");
     assert_eq!(trained_text(&t, &sft(&ds)[0]), "Yes<|eot_id|>");
     assert!(
         t.decode(&sft(&ds)[0].tokens, false)
@@ -518,8 +553,7 @@ fn bad_rows_name_file_row_column() {
     let build = |name: &str, text: &str, kind: DatasetKind| {
         let p = temp_file(name, text);
         Dataset::build(
-            &spec(&format!("source: {}\n", p.display())),
-            kind,
+            &spec(&format!("source: {}\n", p.display())).of(kind),
             &t,
             None,
             Path::new("/"),
@@ -601,8 +635,7 @@ fn bad_rows_name_file_row_column() {
     assert!(msg.contains("row 0 is not a JSON object"), "{msg}");
 
     let err = Dataset::build(
-        &spec("source: tatsu-lab/alpaca\n"),
-        DatasetKind::Alpaca,
+        &spec("source: tatsu-lab/alpaca\n").of(DatasetKind::Alpaca),
         &t,
         None,
         &fixtures(),
@@ -613,8 +646,7 @@ fn bad_rows_name_file_row_column() {
         "{err}"
     );
     let err = Dataset::build(
-        &spec("source: json\n"),
-        DatasetKind::Alpaca,
+        &spec("source: json\n").of(DatasetKind::Alpaca),
         &t,
         None,
         &fixtures(),
@@ -622,8 +654,7 @@ fn bad_rows_name_file_row_column() {
     .expect_err("no files");
     assert!(err.to_string().contains("data_files"), "{err}");
     let err = Dataset::build(
-        &spec("source: alpaca_tiny.json\nsplit: test\n"),
-        DatasetKind::Alpaca,
+        &spec("source: alpaca_tiny.json\nsplit: test\n").of(DatasetKind::Alpaca),
         &t,
         None,
         &fixtures(),
@@ -631,8 +662,7 @@ fn bad_rows_name_file_row_column() {
     .expect_err("split");
     assert!(err.to_string().contains("split: test"), "{err}");
     let err = Dataset::build(
-        &spec("source: alpaca_tiny.json\npacked: true\n"),
-        DatasetKind::Alpaca,
+        &spec("source: alpaca_tiny.json\npacked: true\n").of(DatasetKind::Alpaca),
         &t,
         None,
         &fixtures(),
@@ -641,34 +671,38 @@ fn bad_rows_name_file_row_column() {
     assert!(err.to_string().contains("max_seq_len"), "{err}");
 }
 
+/// A config's `dataset` entry becomes the data layer's spec with the builder's kind and
+/// torchtune's defaults for what it leaves out.
 #[test]
-fn spec_yaml_fields() {
+fn a_dataset_entry_becomes_the_data_layers_spec() {
     let s = spec(
-        "_component_: torchtune.datasets.chat_dataset\nsource: json\ndata_files: [a.json, b.json]\nsplit: train\nconversation_column: messages\nconversation_style: openai\ncolumn_map: {messages: conv}\ntrain_on_input: False\npacked: False\nnew_system_prompt: null\nfilter_fn: null\nfield: data\n",
-    );
-    assert_eq!(
-        s.component.as_deref(),
-        Some("torchtune.datasets.chat_dataset")
-    );
+        "source: json\ndata_files: [a.json, b.json]\nsplit: train\nconversation_column: messages\nconversation_style: openai\ncolumn_map: {messages: conv}\ntrain_on_input: False\npacked: False\nnew_system_prompt: null\nfilter_fn: null\n",
+    )
+    .of(DatasetKind::Chat);
+    assert_eq!(s.kind, DatasetKind::Chat);
     assert_eq!(
         s.data_files,
-        Some(OneOrMany::Many(vec!["a.json".into(), "b.json".into()]))
+        vec!["a.json".to_string(), "b.json".to_string()]
     );
-    assert_eq!(s.conversation_style, Some(ConversationStyle::Openai));
+    assert_eq!(s.conversation_style, ConversationStyle::Openai);
     assert_eq!(
         s.column_map,
-        Some(BTreeMap::from([(
-            "messages".to_string(),
-            "conv".to_string()
-        )]))
+        BTreeMap::from([("messages".to_string(), "conv".to_string())])
     );
-    assert_eq!(s.train_on_input, Some(false));
-    assert_eq!(s.extra.get("field"), Some(&json!("data")));
+    assert!(!s.train_on_input);
+    // Left out: each builder's defaults (alpaca trains on its prompt, text completion splits
+    // across packs) and the builder's own Hub source.
+    let alpaca = spec("{}").of(DatasetKind::Alpaca);
+    assert!(alpaca.train_on_input && !alpaca.split_across_pack && alpaca.add_eos);
+    assert!(spec("{}").of(DatasetKind::TextCompletion).split_across_pack);
+    let cfg: tune::config::schema::DatasetConfig =
+        serde_yaml::from_str("_component_: torchtune.datasets.hh_rlhf_helpful_dataset").unwrap();
+    let hh = tune::setup::data::spec(&cfg);
+    assert_eq!(hh.kind, DatasetKind::Preference);
     assert_eq!(
-        DatasetKind::from_component("hh_rlhf_helpful_dataset"),
-        Some(DatasetKind::Preference)
+        hh.source.as_deref(),
+        Some("RLHFlow/HH-RLHF-Helpful-standard")
     );
-    assert_eq!(DatasetKind::from_component("torchtune.datasets.foo"), None);
 }
 
 #[test]
@@ -726,8 +760,8 @@ fn loader_is_deterministic_and_resumable() {
     // collate right-pads with pad id / -100 and counts shifted trained tokens
     let t = tok("tiny-llama");
     let ds = Dataset::build(
-        &spec("source: instruct_tiny.json\ncolumn_map: {input: instruction, output: response}\n"),
-        DatasetKind::Instruct,
+        &spec("source: instruct_tiny.json\ncolumn_map: {input: instruction, output: response}\n")
+            .of(DatasetKind::Instruct),
         &t,
         None,
         &fixtures(),
@@ -778,14 +812,8 @@ fn template_without_bos_or_eos_gets_them_added() {
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
     );
     let rows = rows_of(vec![json!({"input": "Hi", "output": "Yo there"})]);
-    let ds = Dataset::from_rows(
-        &rows,
-        &DatasetSpec::default(),
-        DatasetKind::Instruct,
-        &t,
-        None,
-    )
-    .expect("build");
+    let ds = Dataset::from_rows(&rows, &DatasetSpec::new(DatasetKind::Instruct), &t, None)
+        .expect("build");
     let s = &sft(&ds)[0];
     assert_eq!(s.tokens[0], 2000, "BOS prepended");
     assert_eq!(s.labels[0], IGNORE_INDEX);
@@ -804,8 +832,8 @@ fn non_prefix_stable_template_falls_back_to_search() {
         {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo there"},
         {"from": "human", "value": "More"}, {"from": "gpt", "value": " Fine. "}
     ]})]);
-    let ds = Dataset::from_rows(&rows, &DatasetSpec::default(), DatasetKind::Chat, &t, None)
-        .expect("build");
+    let ds =
+        Dataset::from_rows(&rows, &DatasetSpec::new(DatasetKind::Chat), &t, None).expect("build");
     let s = &sft(&ds)[0];
     assert_eq!(s.tokens[0], 2000);
     assert_ne!(s.tokens[1], 2000, "BOS not doubled");
@@ -825,9 +853,10 @@ fn parquet_sources_give_the_same_samples_as_json() {
     let by_path =
         spec("_component_: torchtune.datasets.alpaca_dataset\nsource: alpaca_tiny.parquet\n");
     let want =
-        Dataset::build(&from_json, DatasetKind::Alpaca, &t, None, &fixtures()).expect("json");
+        Dataset::build(&from_json.of(DatasetKind::Alpaca), &t, None, &fixtures()).expect("json");
     for s in [from_parquet, by_path] {
-        let got = Dataset::build(&s, DatasetKind::Alpaca, &t, None, &fixtures()).expect("parquet");
+        let got =
+            Dataset::build(&s.of(DatasetKind::Alpaca), &t, None, &fixtures()).expect("parquet");
         assert_eq!(got.len(), 100);
         assert_eq!(sft(&got), sft(&want));
     }
@@ -839,16 +868,14 @@ fn parquet_sources_give_the_same_samples_as_json() {
         ))
     };
     let want = Dataset::build(
-        &chat("chat_tiny.json"),
-        DatasetKind::Chat,
+        &chat("chat_tiny.json").of(DatasetKind::Chat),
         &t,
         None,
         &fixtures(),
     )
     .expect("json");
     let got = Dataset::build(
-        &chat("chat_tiny.parquet"),
-        DatasetKind::Chat,
+        &chat("chat_tiny.parquet").of(DatasetKind::Chat),
         &t,
         None,
         &fixtures(),
@@ -865,7 +892,7 @@ fn a_corrupt_parquet_file_is_named() {
     std::fs::write(dir.join("broken.parquet"), &bytes[..bytes.len() / 2]).unwrap();
     let t = tok("tiny-llama");
     let s = spec("_component_: torchtune.datasets.alpaca_dataset\nsource: broken.parquet\n");
-    let err = match Dataset::build(&s, DatasetKind::Alpaca, &t, None, &dir) {
+    let err = match Dataset::build(&s.of(DatasetKind::Alpaca), &t, None, &dir) {
         Ok(_) => panic!("a truncated file fails"),
         Err(e) => e.to_string(),
     };

@@ -62,6 +62,7 @@ pub fn check_dora<B: AutodiffBackend>(device: &B::Device) {
         weight_decay: 0.01,
         betas: (0.9, 0.999),
         eps: 1e-8,
+        momentum: 0.0,
     };
     let mut opt = Optimizer::new(settings);
     let mut model = step::apply(model, acc.take(), &mut opt, (1e-3, 1.0), None);

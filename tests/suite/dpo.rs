@@ -233,8 +233,11 @@ fn build_pairs(name: &str, text: &str, kind: DatasetKind) -> String {
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
     let tok = Tokenizer::from_path(fixture("tiny-llama")).unwrap();
-    let spec: DatasetSpec = serde_yaml::from_str(&format!("source: {}\n", path.display())).unwrap();
-    Dataset::build(&spec, kind, &tok, None, Path::new("/"))
+    let spec = DatasetSpec {
+        source: Some(path.display().to_string()),
+        ..DatasetSpec::new(kind)
+    };
+    Dataset::build(&spec, &tok, None, Path::new("/"))
         .expect_err("bad row")
         .to_string()
 }

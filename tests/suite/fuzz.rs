@@ -18,7 +18,7 @@ use serde_json::{Value as Json, json};
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::checkpoint::weights::{Weights, checkpoint_files};
 use tune::config::{ValidateOptions, builtin, load_config, validate, validate_with};
-use tune::data::{Dataset, DatasetKind, DatasetSpec, OneOrMany, load_rows};
+use tune::data::{Dataset, DatasetKind, DatasetSpec, load_rows};
 use tune::tokenizer::Tokenizer;
 
 use crate::support::{Cpu, fixture};
@@ -1405,34 +1405,32 @@ fn dataset_spec(case: &SpecCase, file: &str, layout: Layout) -> DatasetSpec {
         Layout::Parquet => "parquet",
     };
     let (source, data_files) = if case.source_is_path {
-        (file.to_string(), None)
+        (file.to_string(), Vec::new())
     } else {
-        (builder.to_string(), Some(OneOrMany::One(file.to_string())))
+        (builder.to_string(), vec![file.to_string()])
     };
+    let defaults = DatasetSpec::new(case.kind);
     DatasetSpec {
         source: Some(source),
         data_files,
-        split: case.split.map(String::from),
-        column_map: case.column_map.as_ref().map(|m| {
+        split: case.split.map_or(defaults.split.clone(), String::from),
+        column_map: case.column_map.as_ref().map_or_else(Default::default, |m| {
             m.iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         }),
-        train_on_input: case.train_on_input,
-        packed: case.packed,
-        split_across_pack: case.split_across_pack,
+        train_on_input: case.train_on_input.unwrap_or(defaults.train_on_input),
+        packed: case.packed.unwrap_or(defaults.packed),
+        split_across_pack: case.split_across_pack.unwrap_or(defaults.split_across_pack),
         new_system_prompt: case.new_system_prompt.clone(),
         conversation_column: case.conversation_column.map(String::from),
-        conversation_style: case.openai.map(|o| {
-            if o {
-                tune::data::ConversationStyle::Openai
-            } else {
-                tune::data::ConversationStyle::Sharegpt
-            }
-        }),
+        conversation_style: match case.openai {
+            Some(true) => tune::data::ConversationStyle::Openai,
+            _ => tune::data::ConversationStyle::Sharegpt,
+        },
         column: case.column.map(String::from),
-        add_eos: case.add_eos,
-        ..Default::default()
+        add_eos: case.add_eos.unwrap_or(defaults.add_eos),
+        ..defaults
     }
 }
 
@@ -1449,14 +1447,14 @@ fn build_dataset(dir: &Path, case: &SpecCase, layout: Layout, bytes: &[u8]) {
     write(&dir.join(&file), bytes);
     let spec = dataset_spec(case, &file, layout);
     let tok = &TOKENIZERS[case.tokenizer];
-    if let Ok(ds) = Dataset::build(&spec, case.kind, tok, case.max_seq_len, dir) {
+    if let Ok(ds) = Dataset::build(&spec, tok, case.max_seq_len, dir) {
         let n = ds.len().min(4);
         let _ = ds.collate(&(0..n).collect::<Vec<_>>());
         let _ = ds.collate(&[n + 10]);
     }
     // One row at a time too, so a bad row does not hide the rows after it.
     for row in load_rows(&spec, dir).unwrap_or_default() {
-        let _ = Dataset::from_rows(&[row], &spec, case.kind, tok, case.max_seq_len);
+        let _ = Dataset::from_rows(&[row], &spec, tok, case.max_seq_len);
     }
 }
 

@@ -8,6 +8,7 @@ mod checkpoint_families;
 mod chunked_loss;
 mod common;
 mod config_builtin_configs;
+mod config_keys;
 mod config_torchtune_fixture;
 mod config_validation;
 mod data;

@@ -83,7 +83,7 @@ fn fp16_training_is_refused_with_the_fix() {
     // The library refuses it too, for callers that skip the config schema (`tune bench`).
     let err = tune::precision::set_device_dtype::<Cpu>(
         &Default::default(),
-        tune::config::schema::Dtype::Fp16,
+        tune::precision::Dtype::Fp16,
         tune::precision::Use::Training,
     )
     .unwrap_err();

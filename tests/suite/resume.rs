@@ -232,6 +232,45 @@ fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
     tune_ok(&args(&out, &["epochs=1", "max_steps_per_epoch=2"]));
 }
 
+/// The lock is on the directory checkpoints are written to: two runs with their own
+/// `output_dir` (config, metrics) but one `checkpointer.output_dir` would mix checkpoints, so
+/// the second is refused naming that key and the holder, and writes nothing there.
+#[test]
+fn a_second_run_sharing_only_the_checkpoint_dir_is_refused() {
+    let first_dir = TempDir::new("locked-ckpt-a");
+    let second_dir = TempDir::new("locked-ckpt-b");
+    let checkpoints = TempDir::new("locked-ckpt-shared");
+    let shared = format!("checkpointer.output_dir={}", checkpoints.path().display());
+    let out_first = format!("output_dir={}", first_dir.path().display());
+    let out_second = format!("output_dir={}", second_dir.path().display());
+    let mut first = tune_command(&args(&out_first, &["epochs=50", &shared]))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !first_dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let second = tune(&args(&out_second, &["epochs=1", "seed=7", &shared]));
+    let _ = first.kill();
+    let _ = first.wait();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "checkpointer.output_dir {}: another run is using it (pid {})",
+            checkpoints.path().display(),
+            first.id()
+        )),
+        "{err}"
+    );
+    assert!(
+        !second_dir.path().join("tune_config.yaml").exists(),
+        "the refused run wrote nothing"
+    );
+}
+
 /// `resume_from_checkpoint=True` with nothing to resume says so, then trains from the start.
 #[test]
 fn resuming_with_nothing_to_resume_says_so() {

@@ -74,7 +74,7 @@ fn every_torchtune_case_gives_the_same_tokens_and_labels() {
             .entry(dir.display().to_string())
             .or_insert_with(|| Tokenizer::from_path(&dir).expect("tokenizer"));
         let mut tok = base.clone();
-        let format = setup_data::model_format(&tok_cfg).expect("format");
+        let format = setup_data::model_format(&tok_cfg);
         tok.set_format(format).expect("set_format");
         let ds: DatasetConfig = as_config(&case["dataset"], name);
         let built = setup_data::dataset(

@@ -55,14 +55,11 @@ fn lora_validation_runs_at_the_configured_steps_without_dropout_and_equals_a_rec
     let tok = tune::tokenizer::Tokenizer::from_path(root.join("assets/tiny-llama")).unwrap();
     let spec = DatasetSpec {
         source: Some("json".into()),
-        data_files: Some(tune::data::OneOrMany::One(
-            "assets/data/alpaca_tiny.json".into(),
-        )),
-        split: Some("train[:8]".into()),
-        ..Default::default()
+        data_files: vec!["assets/data/alpaca_tiny.json".into()],
+        split: "train[:8]".into(),
+        ..DatasetSpec::new(DatasetKind::Alpaca)
     };
-    let data =
-        tune::data::Dataset::build(&spec, DatasetKind::Alpaca, &tok, Some(128), root).unwrap();
+    let data = tune::data::Dataset::build(&spec, &tok, Some(128), root).unwrap();
     assert_eq!(data.len(), 8);
     let (mut nll, mut count) = (0.0, 0usize);
     for rows in [[0, 1, 2], [3, 4, 5]] {

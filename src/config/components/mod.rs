@@ -9,6 +9,8 @@ use std::fmt;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::config::suggest;
+pub use crate::data::DatasetKind;
+pub use crate::training::optimizer::OptimizerKind;
 
 pub use models::{ModelBuilder, ModelFamily, ModelVariant};
 
@@ -62,32 +64,14 @@ pub enum TokenizerKind {
     HuggingFace,
 }
 
-/// How dataset rows are turned into training samples.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DatasetKind {
-    /// instruction/input/output columns (alpaca-style).
-    Instruct,
-    /// a conversation column (sharegpt or openai style).
-    Chat,
-    /// raw text for continued pre-training.
-    Text,
-    /// prompt/chosen/rejected for DPO.
-    Preference,
-}
-
+/// A dataset builder: torchtune's function name, how its rows become samples (the data
+/// layer's [`DatasetKind`]) and the Hub dataset it reads when the config gives no `source`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DatasetBuilder {
     pub name: &'static str,
     pub kind: DatasetKind,
     /// Hub dataset used when the config gives no `source`.
     pub default_source: Option<&'static str>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OptimizerKind {
-    AdamW,
-    Adam,
-    Sgd,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,24 +104,35 @@ pub enum QuantizerKind {
     Int4WeightOnly,
 }
 
+/// A QAT quantizer component.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantizer {
+    pub kind: QuantizerKind,
+    /// torchtune's `...ModuleSwap` variants; same maths here.
+    pub module_swap: bool,
+}
+
+/// Hugging Face safetensors checkpoints (the only supported format).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HfCheckpointer;
+
+/// torchtune's profiler, accepted so its configs load (validation warns when enabled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Profiler;
+
 /// A resolved `_component_`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Component {
     Model(ModelBuilder),
     Tokenizer(TokenizerKind),
-    /// Hugging Face safetensors checkpoints (the only supported format).
-    HfCheckpointer,
+    Checkpointer(HfCheckpointer),
     Dataset(DatasetBuilder),
     Optimizer(OptimizerKind),
     LrScheduler(SchedulerKind),
     Loss(LossKind),
     MetricLogger(LoggerKind),
-    Quantizer {
-        kind: QuantizerKind,
-        /// torchtune's `...ModuleSwap` variants; same maths here.
-        module_swap: bool,
-    },
-    Profiler,
+    Quantizer(Quantizer),
+    Profiler(Profiler),
 }
 
 impl Component {
@@ -145,14 +140,14 @@ impl Component {
         match self {
             Self::Model(_) => ComponentKind::Model,
             Self::Tokenizer(_) => ComponentKind::Tokenizer,
-            Self::HfCheckpointer => ComponentKind::Checkpointer,
+            Self::Checkpointer(_) => ComponentKind::Checkpointer,
             Self::Dataset(_) => ComponentKind::Dataset,
             Self::Optimizer(_) => ComponentKind::Optimizer,
             Self::LrScheduler(_) => ComponentKind::LrScheduler,
             Self::Loss(_) => ComponentKind::Loss,
             Self::MetricLogger(_) => ComponentKind::MetricLogger,
-            Self::Quantizer { .. } => ComponentKind::Quantizer,
-            Self::Profiler => ComponentKind::Profiler,
+            Self::Quantizer(_) => ComponentKind::Quantizer,
+            Self::Profiler(_) => ComponentKind::Profiler,
         }
     }
 
@@ -225,6 +220,50 @@ pub fn known_names(kind: Option<ComponentKind>) -> Vec<String> {
     names
 }
 
+/// What a section's `_component_` resolves to: the section's own part of [`Component`], so a
+/// typed section cannot hold another kind's component.
+pub trait ComponentOf: Sized {
+    const KIND: ComponentKind;
+
+    /// This section's part of a resolved component (`None` for another kind's).
+    fn from_component(component: Component) -> Option<Self>;
+}
+
+/// Each section's component type: its kind, its part of [`Component`], and its serialised form
+/// (the canonical `tune.*` name, as config files and fingerprints hold it).
+macro_rules! component_type {
+    ($($t:ty => $variant:ident),* $(,)?) => {$(
+        impl ComponentOf for $t {
+            const KIND: ComponentKind = ComponentKind::$variant;
+            fn from_component(component: Component) -> Option<Self> {
+                match component {
+                    Component::$variant(c) => Some(c),
+                    _ => None,
+                }
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                Component::$variant(self.clone()).serialize(s)
+            }
+        }
+    )*};
+}
+
+component_type!(
+    ModelBuilder => Model,
+    TokenizerKind => Tokenizer,
+    HfCheckpointer => Checkpointer,
+    DatasetBuilder => Dataset,
+    OptimizerKind => Optimizer,
+    SchedulerKind => LrScheduler,
+    LossKind => Loss,
+    LoggerKind => MetricLogger,
+    Quantizer => Quantizer,
+    Profiler => Profiler,
+);
+
 impl Serialize for Component {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&self.canonical_name())
@@ -291,14 +330,14 @@ mod tests {
         );
         assert_eq!(
             comp("torchtune.training.quantization.Int4WeightOnlyQATQuantizerModuleSwap"),
-            Component::Quantizer {
+            Component::Quantizer(Quantizer {
                 kind: QuantizerKind::Int4WeightOnly,
                 module_swap: true
-            }
+            })
         );
         match comp("torchtune.datasets.stack_exchange_paired_dataset") {
             Component::Dataset(d) => {
-                assert_eq!(d.kind, DatasetKind::Preference);
+                assert_eq!(d.kind, DatasetKind::StackExchangePaired);
                 assert_eq!(d.default_source, Some("lvwerra/stack-exchange-paired"));
             }
             other => panic!("{other:?}"),

@@ -2,8 +2,8 @@
 //! an optional warning when the alias is accepted with a substitution.
 
 use super::{
-    Component, ComponentKind, DatasetBuilder, DatasetKind, LoggerKind, Lookup, LossKind,
-    OptimizerKind, QuantizerKind, SchedulerKind, TokenizerKind,
+    Component, ComponentKind, DatasetBuilder, DatasetKind, HfCheckpointer, LoggerKind, Lookup,
+    LossKind, OptimizerKind, Profiler, Quantizer, QuantizerKind, SchedulerKind, TokenizerKind,
 };
 
 struct Entry {
@@ -54,10 +54,10 @@ const fn ds(
 }
 
 const fn quant(kind: QuantizerKind, module_swap: bool) -> Component {
-    Component::Quantizer { kind, module_swap }
+    Component::Quantizer(Quantizer { kind, module_swap })
 }
 
-use DatasetKind::{Chat, Instruct, Preference, Text};
+use DatasetKind::{Alpaca, Chat, Instruct, Preference, StackExchangePaired, TextCompletion};
 
 static TABLE: &[Entry] = &[
     // Tokenizers: llama3_1/llama3_2 use llama3's, gemma2 uses gemma's, as in torchtune.
@@ -123,20 +123,20 @@ static TABLE: &[Entry] = &[
             "torchtune.training.FullModelHFCheckpointer",
             "torchtune.utils.FullModelHFCheckpointer",
         ],
-        Component::HfCheckpointer,
+        Component::Checkpointer(HfCheckpointer),
     ),
     // Datasets (default sources are torchtune's)
     e(
         "tune.datasets.alpaca_dataset",
         &["torchtune.datasets.alpaca_dataset"],
-        ds("alpaca_dataset", Instruct, Some("tatsu-lab/alpaca")),
+        ds("alpaca_dataset", Alpaca, Some("tatsu-lab/alpaca")),
     ),
     e(
         "tune.datasets.alpaca_cleaned_dataset",
         &["torchtune.datasets.alpaca_cleaned_dataset"],
         ds(
             "alpaca_cleaned_dataset",
-            Instruct,
+            Alpaca,
             Some("yahma/alpaca-cleaned"),
         ),
     ),
@@ -144,16 +144,6 @@ static TABLE: &[Entry] = &[
         "tune.datasets.instruct_dataset",
         &["torchtune.datasets.instruct_dataset"],
         ds("instruct_dataset", Instruct, None),
-    ),
-    e(
-        "tune.datasets.samsum_dataset",
-        &["torchtune.datasets.samsum_dataset"],
-        ds("samsum_dataset", Instruct, Some("Samsung/samsum")),
-    ),
-    e(
-        "tune.datasets.grammar_dataset",
-        &["torchtune.datasets.grammar_dataset"],
-        ds("grammar_dataset", Instruct, Some("liweili/c4_200m")),
     ),
     e(
         "tune.datasets.chat_dataset",
@@ -168,23 +158,14 @@ static TABLE: &[Entry] = &[
     e(
         "tune.datasets.text_completion_dataset",
         &["torchtune.datasets.text_completion_dataset"],
-        ds("text_completion_dataset", Text, None),
-    ),
-    e(
-        "tune.datasets.wikitext_dataset",
-        &["torchtune.datasets.wikitext_dataset"],
-        ds(
-            "wikitext_dataset",
-            Text,
-            Some("EleutherAI/wikitext_document_level"),
-        ),
+        ds("text_completion_dataset", TextCompletion, None),
     ),
     e(
         "tune.datasets.cnn_dailymail_articles_dataset",
         &["torchtune.datasets.cnn_dailymail_articles_dataset"],
         ds(
             "cnn_dailymail_articles_dataset",
-            Text,
+            TextCompletion,
             Some("ccdv/cnn_dailymail"),
         ),
     ),
@@ -198,7 +179,7 @@ static TABLE: &[Entry] = &[
         &["torchtune.datasets.stack_exchange_paired_dataset"],
         ds(
             "stack_exchange_paired_dataset",
-            Preference,
+            StackExchangePaired,
             Some("lvwerra/stack-exchange-paired"),
         ),
     ),
@@ -370,12 +351,24 @@ static TABLE: &[Entry] = &[
             "torchtune.training.setup_torch_profiler",
             "torchtune.utils.setup_torch_profiler",
         ],
-        Component::Profiler,
+        Component::Profiler(Profiler),
     ),
 ];
 
 /// Names that are recognised but refused, with the reason shown to the user.
 static UNSUPPORTED: &[(&str, &str)] = &[
+    (
+        "torchtune.datasets.samsum_dataset",
+        "its SummarizeTemplate prompt is not built in; `torchtune.datasets.instruct_dataset` with `source: Samsung/samsum` and `column_map: {input: dialogue, output: summary}` reads the same rows without it",
+    ),
+    (
+        "torchtune.datasets.grammar_dataset",
+        "its GrammarErrorCorrectionTemplate prompt is not built in; `torchtune.datasets.instruct_dataset` with `source: liweili/c4_200m` reads the same rows without it",
+    ),
+    (
+        "torchtune.datasets.wikitext_dataset",
+        "it is not built in; `torchtune.datasets.text_completion_dataset` with `source: EleutherAI/wikitext_document_level` and `column: page` reads its rows",
+    ),
     ("torchtune.training.FullModelMetaCheckpointer", META),
     ("torchtune.utils.FullModelMetaCheckpointer", META),
     ("torchtune.training.FullModelTorchTuneCheckpointer", META),
