@@ -12,6 +12,7 @@ use tune::training::checkpointing::SaveContent;
 use tune::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
@@ -19,7 +20,7 @@ pub fn run<B: AutodiffBackend>(
     dpo_keys: &FullDpoKeys,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     // Policy: from the checkpointer, or from the checkpoint being resumed.
     let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);

@@ -11,13 +11,14 @@ use tune::training::checkpointing::SaveContent;
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     // Model: from the checkpointer, or from the checkpoint being resumed.
     let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);

@@ -135,14 +135,9 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
 /// itself, so no special tokens are added), and without it the user prompt is plain text with
 /// the tokenizer's own special tokens (e.g. BOS).
 fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
-    let format = tokenizer.format().format;
-    if format.is_torchtune() {
-        if cfg.chat {
-            anyhow::bail!(
-                "chat: True formats the prompt with the checkpoint's chat template, but `tokenizer._component_` names a torchtune tokenizer, which formats it as {} does; drop `chat`, or set `tokenizer._component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer` to use the chat template",
-                format.name()
-            );
-        }
+    // Validation refuses `chat` with a torchtune tokenizer component, and a system prompt
+    // without `chat` for the others.
+    if tokenizer.format().format.is_torchtune() {
         let mut messages = Vec::new();
         if let Some(system) = &cfg.prompt.system {
             messages.push(LabeledMessage::new(Role::System, system.clone(), true));
@@ -172,9 +167,6 @@ fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec
             .context("prompt: rendering the chat template")?;
         Ok(tokenizer.encode(&text, false)?)
     } else {
-        if cfg.prompt.system.is_some() {
-            eprintln!("Note: prompt.system is only used with chat=True; ignoring it");
-        }
         Ok(tokenizer.encode(&cfg.prompt.user, true)?)
     }
 }

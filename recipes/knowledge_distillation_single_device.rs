@@ -18,6 +18,7 @@ use tune::training::checkpointing::SaveContent;
 use tune::training::kd::KdLoss;
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
@@ -25,7 +26,7 @@ pub fn run<B: AutodiffBackend>(
     kd: &KdKeys,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     let teacher_ckpt = &kd.teacher_checkpointer;
     let objective = teacher::kd_objective(&kd.kd_loss);
     let kd_ratio = kd.kd_ratio;

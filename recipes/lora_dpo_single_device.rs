@@ -15,13 +15,14 @@ use tune::setup::{data, loss, model, session};
 use tune::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
     let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;

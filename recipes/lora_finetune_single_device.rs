@@ -13,13 +13,14 @@ use tune::setup::{data, model, run as settings, session};
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).
     let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;

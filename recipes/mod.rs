@@ -13,11 +13,10 @@ pub mod qat_single_device;
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::{RecipeConfig, RecipeKeys};
-use tune::distributed::World;
+use tune::distributed::{WorkerError, World};
 use tune::precision;
 
 /// What every recipe gets besides its typed config.
@@ -34,7 +33,12 @@ pub struct RunContext<B: AutodiffBackend> {
     pub world: World,
 }
 
-pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+/// Runs the recipe `config` is for; its error says how it ended the worker's run (a stop
+/// signal, a failed collective call, or another failure).
+pub fn run<B: AutodiffBackend>(
+    config: &RecipeConfig,
+    ctx: &RunContext<B>,
+) -> Result<(), WorkerError> {
     match config {
         RecipeConfig::Train(own, cfg) => {
             // Before any tensor exists: bf16 becomes the device's float dtype.
@@ -65,8 +69,13 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
                 // The resolved config beside the outputs, as torchtune saves it; only once the
                 // directory is known to be this run's.
                 let path = cfg.output_dir.join("tune_config.yaml");
-                std::fs::write(&path, &ctx.resolved_yaml)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                std::fs::write(&path, &ctx.resolved_yaml).map_err(|source| {
+                    tune::setup::SetupError::Io {
+                        what: "output_dir",
+                        path,
+                        source,
+                    }
+                })?;
             }
             let outcome = match own {
                 RecipeKeys::LoraFinetune => lora_finetune_single_device::run(cfg, ctx, run),
@@ -86,6 +95,7 @@ pub fn run<B: AutodiffBackend>(config: &RecipeConfig, ctx: &RunContext<B>) -> an
             }
             outcome
         }
-        RecipeConfig::Generate(cfg) => generate::run(cfg, ctx),
+        // Generation runs on one worker, with no stop handler: any failure is just that.
+        RecipeConfig::Generate(cfg) => generate::run(cfg, ctx).map_err(WorkerError::failed),
     }
 }

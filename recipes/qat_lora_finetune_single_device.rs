@@ -14,6 +14,7 @@ use tune::setup::{data, model, quant, run as settings, session};
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
@@ -21,7 +22,7 @@ pub fn run<B: AutodiffBackend>(
     qat: &QatKeys,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     let scheme = quant::scheme(&qat.quantizer);
 
     // Model: the frozen base from the checkpointer, fake-quantized, with LoRA adapters (a

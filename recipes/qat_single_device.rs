@@ -14,6 +14,7 @@ use tune::training::checkpointing::SaveContent;
 use tune::training::sft::SftLoss;
 
 use super::RunContext;
+use tune::distributed::WorkerError;
 use tune::setup::run::RunStart;
 
 pub fn run<B: AutodiffBackend>(
@@ -21,7 +22,7 @@ pub fn run<B: AutodiffBackend>(
     qat: &QatKeys,
     ctx: &RunContext<B>,
     run: RunStart,
-) -> anyhow::Result<()> {
+) -> Result<(), WorkerError> {
     let scheme = quant::scheme(&qat.quantizer);
 
     // Model: from the checkpointer, or from the checkpoint being resumed (it holds every

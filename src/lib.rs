@@ -11,6 +11,7 @@ pub mod device;
 pub mod distributed;
 pub mod generation;
 pub mod hub;
+pub mod interrupt;
 pub mod kernels;
 pub mod model_io;
 pub mod models;

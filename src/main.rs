@@ -12,8 +12,8 @@ use clap::Parser;
 use tune::cli::{Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
-use tune::distributed::World;
 use tune::distributed::launch::{LaunchError, LaunchPlan, run_workers};
+use tune::distributed::{WorkerError, World};
 
 // A training step allocates and frees the same activation buffers every time. mimalloc
 // reuses them from thread-local pages instead of going back to glibc's arenas and the
@@ -246,7 +246,7 @@ fn run(
     }
     if matches!(typed, RecipeConfig::Train(..)) {
         // SIGINT/SIGTERM stop training at the next step boundary (a second one exits at once).
-        tune::training::interrupt::install().map_err(CliError::failed)?;
+        tune::interrupt::install().map_err(CliError::failed)?;
     }
     let started = launch.start().map_err(CliError::bad)?;
     let worlds = started.worlds.clone();
@@ -294,7 +294,7 @@ fn run(
         Device::Wgpu => run_wgpu(job, worlds)?,
     };
     let stopped = match &outcome {
-        Err(LaunchError::Worker { error, .. }) => tune::distributed::launch::stop_signal(error),
+        Err(LaunchError::Worker { error, .. }) => error.stop_signal(),
         _ => None,
     };
     if outcome.is_ok() || stopped.is_some() {
@@ -325,7 +325,7 @@ impl Job {
         &self,
         device: B::Device,
         world: World,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), WorkerError> {
         let ctx = recipes::RunContext::<B> {
             recipe_name: self.recipe_name,
             device,

@@ -9,13 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::discovery::latest_complete;
 use super::error::{ClientError, SaveFailure, WriteError};
-use super::meta::{CheckpointManifest, CheckpointMeta, CheckpointName};
-use super::writer::{Job, JobOutcome, panic_message, run_job};
-
-/// The caller's serializer: writes the (already snapshotted) state into the
-/// directory it is given. Nested directories are allowed; the name
-/// `tune_checkpoint.json` at the top is reserved.
-pub type WriterFn = Box<dyn FnOnce(&Path) -> Result<(), WriteError> + Send>;
+use super::meta::{CheckpointMeta, CheckpointName, PublishedCheckpoint};
+use super::writer::{Job, JobOutcome, WriterFn, panic_message, run_job};
 
 /// One checkpoint to save.
 pub struct SaveRequest {
@@ -52,20 +47,6 @@ impl fmt::Debug for SaveRequest {
 pub struct ClientOptions {
     /// Keep only this many newest complete checkpoints (`None`: keep all).
     pub keep_last_n: Option<usize>,
-}
-
-/// A complete checkpoint in its final place.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PublishedCheckpoint {
-    pub name: String,
-    pub dir: PathBuf,
-    pub manifest: CheckpointManifest,
-}
-
-impl PublishedCheckpoint {
-    pub fn meta(&self) -> &CheckpointMeta {
-        &self.manifest.meta
-    }
 }
 
 /// What a `save` call did.

@@ -5,10 +5,9 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::client::PublishedCheckpoint;
 use super::error::ClientError;
 use super::fsutil::{dir_size_best_effort, sync_dir};
-use super::meta::{CheckpointName, NameKind, parse_temp_name};
+use super::meta::{CheckpointName, NameKind, PublishedCheckpoint, parse_temp_name};
 use super::verify::{CheckpointStatus, inspect};
 
 /// One checkpoint-looking directory of an output directory.

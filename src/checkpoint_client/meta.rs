@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::path::PathBuf;
 
 /// Highest metadata format version this tune reads and the one it writes.
 pub const FORMAT_VERSION: u64 = 1;
@@ -155,4 +156,18 @@ pub(crate) fn parse_temp_name(dir_name: &str) -> Option<TempName> {
         target: target.to_string(),
         old,
     })
+}
+
+/// A complete checkpoint in its final place.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PublishedCheckpoint {
+    pub name: String,
+    pub dir: PathBuf,
+    pub manifest: CheckpointManifest,
+}
+
+impl PublishedCheckpoint {
+    pub fn meta(&self) -> &CheckpointMeta {
+        &self.manifest.meta
+    }
 }

@@ -38,9 +38,7 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
-pub use client::{
-    CheckpointClient, ClientOptions, PublishedCheckpoint, SaveReport, SaveRequest, WriterFn,
-};
+pub use client::{CheckpointClient, ClientOptions, SaveReport, SaveRequest};
 pub use discovery::{
     CheckpointEntry, CleanAction, CleanedDir, clean_partial, latest_complete, latest_verified,
     list_checkpoints, list_checkpoints_verified,
@@ -49,7 +47,8 @@ pub(crate) use error::io_hint;
 pub use error::{ClientError, SaveFailure, VerifyError, WriteError};
 pub use meta::{
     CheckpointManifest, CheckpointMeta, CheckpointName, FORMAT_VERSION, FileRecord, METADATA_FILE,
-    NameKind,
+    NameKind, PublishedCheckpoint,
 };
 pub use report::{format_report, human_size};
 pub use verify::{CheckpointStatus, inspect, verify};
+pub use writer::WriterFn;

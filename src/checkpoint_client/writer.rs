@@ -8,15 +8,19 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use super::client::{PublishedCheckpoint, WriterFn};
-use super::error::SaveFailure;
+use super::error::{SaveFailure, WriteError};
 use super::fsutil::{WalkEntry, sync_and_hash_file, sync_dir, walk};
 use super::meta::{
-    CheckpointManifest, CheckpointMeta, FORMAT_VERSION, FileRecord, METADATA_FILE, aside_dir_name,
-    temp_dir_name,
+    CheckpointManifest, CheckpointMeta, FORMAT_VERSION, FileRecord, METADATA_FILE,
+    PublishedCheckpoint, aside_dir_name, temp_dir_name,
 };
 use super::prune::prune;
 use super::report::human_size;
+
+/// The caller's serializer: writes the (already snapshotted) state into the
+/// directory it is given. Nested directories are allowed; the name
+/// `tune_checkpoint.json` at the top is reserved.
+pub type WriterFn = Box<dyn FnOnce(&Path) -> Result<(), WriteError> + Send>;
 
 /// Result of one save job.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! Batching: right-pad rows to the longest in the batch.
 use super::packing::PackedSample;
-use super::tokenize::{IGNORE_INDEX, SftSample};
+use super::sample::{IGNORE_INDEX, SftSample};
 
 /// A chosen / rejected pair, each tokenized like an SFT sample (prompt masked).
 #[derive(Debug, Clone, PartialEq, Eq)]

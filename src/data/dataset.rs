@@ -2,9 +2,10 @@
 use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 use super::error::{DataError, Result};
 use super::packing::{PackedSample, pack};
+use super::sample::SftSample;
 use super::source::{Row, load_rows};
 use super::spec::DatasetSpec;
-use super::tokenize::{SftSample, tokenize_messages, tokenize_text};
+use super::tokenize::{tokenize_messages, tokenize_text};
 use super::transform::{RowContent, RowTransform};
 use crate::tokenizer::Tokenizer;
 use std::path::Path;

@@ -8,7 +8,7 @@
 //! tags as pieces of their own) and each piece is encoded separately; the mask marks tokens left
 //! out of the loss. BOS/EOS and headers take their message's mask unless noted.
 use super::error::TokenizeError;
-use super::tokenize::{IGNORE_INDEX, SftSample};
+use super::sample::{IGNORE_INDEX, SftSample};
 use super::transform::LabeledMessage;
 use crate::tokenizer::{MessageFormat, PromptTemplate, Role, Tokenizer, Truncation};
 

@@ -5,6 +5,7 @@ mod error;
 mod formats;
 mod loader;
 mod packing;
+mod sample;
 mod source;
 mod spec;
 mod tokenize;
@@ -16,11 +17,10 @@ pub use dataset::{Dataset, Samples};
 pub use error::{DataError, Result, TokenizeError};
 pub use loader::{DataLoader, LoaderConfig};
 pub use packing::{PackedSample, pack};
+pub use sample::{IGNORE_INDEX, SftSample};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
 pub use spec::{ConversationStyle, DataFiles, DatasetKind, DatasetSpec};
-pub use tokenize::{
-    IGNORE_INDEX, SftSample, tokenize_messages, tokenize_prompt, tokenize_text, truncate,
-};
+pub use tokenize::{tokenize_messages, tokenize_prompt, tokenize_text, truncate};
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
 };

@@ -1,6 +1,6 @@
 //! Greedy sample packing, as torchtune's `PackedDataset`.
 use super::error::{DataError, Result};
-use super::tokenize::{IGNORE_INDEX, SftSample};
+use super::sample::{IGNORE_INDEX, SftSample};
 
 /// `max_seq_len` tokens made of several samples. `position_ids` restart at 0 for each sample;
 /// `document_ids` number the samples 0, 1, 2, ... (the tail padding is one more document, as in

@@ -11,39 +11,9 @@
 //! to searching each message's content in the rendered text (content + up to the next stop token).
 use super::error::TokenizeError;
 use super::formats;
+use super::sample::{IGNORE_INDEX, SftSample};
 use super::transform::LabeledMessage;
 use crate::tokenizer::{Message, Role, Tokenizer, Truncation};
-
-/// Label of tokens excluded from the loss (PyTorch's cross-entropy ignore index).
-pub const IGNORE_INDEX: i64 = -100;
-
-/// One tokenized example. `labels[t]` is `tokens[t]` or [`IGNORE_INDEX`]; not shifted.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct SftSample {
-    pub tokens: Vec<u32>,
-    pub labels: Vec<i64>,
-}
-
-impl SftSample {
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-    /// Number of labels that are not [`IGNORE_INDEX`].
-    pub fn num_trained(&self) -> usize {
-        self.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()
-    }
-    fn push(&mut self, token: u32, trained: bool) {
-        self.tokens.push(token);
-        self.labels.push(if trained {
-            i64::from(token)
-        } else {
-            IGNORE_INDEX
-        });
-    }
-}
 
 type Result<T> = std::result::Result<T, TokenizeError>;
 

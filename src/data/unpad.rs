@@ -17,7 +17,7 @@
 //! the padded batch either, so it is set to [`IGNORE_INDEX`].
 
 use super::collate::Batch;
-use super::tokenize::IGNORE_INDEX;
+use super::sample::IGNORE_INDEX;
 
 /// How long a pack may grow when attention skips the tiles a mask hides: one row of documents
 /// then costs what they would cost as rows of their own, and fewer, longer packs leave less

@@ -3,12 +3,14 @@
 //! The workers of a node are threads of one process (on CPU they share the Flex backend), so
 //! when `tune run` dies, every worker dies with it: none can outlive the launcher.
 
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::World;
-use super::liveness::Watch;
+use super::ending::{Ending, WorkerError};
+pub use super::launch_error::LaunchError;
+use super::liveness::{Watch, connect_within};
 use super::world::NodeLink;
 
 /// The launch flags.
@@ -50,112 +52,19 @@ impl Launch {
     }
 }
 
-/// A launch that cannot start, or a worker that failed.
-#[derive(Debug, thiserror::Error)]
-pub enum LaunchError {
-    #[error("--nproc_per_node must be at least 1")]
-    NoWorkers,
-    #[error("--nnodes must be at least 1, and --node_rank ({node_rank}) below --nnodes ({nnodes})")]
-    NodeRank { node_rank: usize, nnodes: usize },
-    #[error("--nnodes {0} needs --rdzv_endpoint HOST:PORT (where node 0 hosts the rendezvous)")]
-    NoEndpoint(usize),
-    #[error("--rdzv_endpoint {endpoint}: {message}")]
-    Endpoint { endpoint: String, message: String },
-    #[error(
-        "--rdzv_endpoint {endpoint}: port {port} is in use on this machine; pick a free port for node 0 to host the rendezvous on"
-    )]
-    PortInUse { endpoint: String, port: u16 },
-    #[error(
-        "--rdzv_endpoint {endpoint}: node 0 is not reachable after {waited_s} s ({detail}); start node 0 too, or check the host, port and firewall (--rdzv_timeout sets the wait)"
-    )]
-    Unreachable {
-        endpoint: String,
-        waited_s: u64,
-        detail: String,
-    },
-    #[error("rank {rank} failed: {}", chain_text(error))]
-    Worker {
-        rank: usize,
-        /// The worker's own error, kept whole: a one-worker run reports it as a single-device
-        /// run always has.
-        error: anyhow::Error,
-        /// A collective call failed (a peer may have died).
-        collective: bool,
-    },
-    #[error("{0}")]
-    NodeLost(String),
-    #[error("rank {rank} panicked: {message}")]
-    Panic { rank: usize, message: String },
-}
-
 impl LaunchError {
-    fn worker(rank: usize, error: anyhow::Error) -> Self {
-        let collective = error
-            .chain()
-            .any(|c| collective_cause(c).is_some_and(super::DistributedError::is_transport));
-        Self::Worker {
-            rank,
-            error,
-            collective,
-        }
-    }
-
     /// For a worker whose collective call failed in a multi-node run: the node that died, if
     /// one did (the root cause), instead of the call's own error.
     pub fn explained(self) -> Self {
         match self {
-            Self::Worker {
-                collective: true, ..
-            } => match super::liveness::lost_node(Duration::from_secs(2)) {
-                Some(message) => Self::NodeLost(message),
-                None => self,
-            },
+            Self::Worker { ref error, .. } if error.ending == Ending::CollectiveFailed => {
+                match super::liveness::lost_node(Duration::from_secs(2)) {
+                    Some(message) => Self::NodeLost(message),
+                    None => self,
+                }
+            }
             other => other,
         }
-    }
-}
-
-/// An error and its causes on one line, each cause once (a message that already quotes its
-/// source is not followed by it again).
-fn chain_text(e: &anyhow::Error) -> String {
-    let mut text = e.to_string();
-    for cause in e.chain().skip(1) {
-        let cause = cause.to_string();
-        if !text.contains(&cause) {
-            text = format!("{text}: {cause}");
-        }
-    }
-    text
-}
-
-/// The collective error behind `e`, through the error types that wrap one transparently.
-fn collective_cause<'a>(
-    e: &'a (dyn std::error::Error + 'static),
-) -> Option<&'a super::DistributedError> {
-    use crate::setup::SetupError;
-    use crate::setup::session::FinishError;
-    use crate::training::TrainError;
-    fn from_train(t: &TrainError) -> Option<&super::DistributedError> {
-        match t {
-            TrainError::Distributed(d) => Some(d),
-            _ => None,
-        }
-    }
-    if let Some(d) = e.downcast_ref::<super::DistributedError>() {
-        return Some(d);
-    }
-    if let Some(t) = e.downcast_ref::<TrainError>() {
-        return from_train(t);
-    }
-    match e.downcast_ref::<FinishError>() {
-        Some(FinishError::Train(t)) => return from_train(t),
-        Some(_) => return None,
-        None => {}
-    }
-    match e.downcast_ref::<SetupError>()? {
-        SetupError::Distributed(d) => Some(d),
-        SetupError::Train(t) => from_train(t),
-        _ => None,
     }
 }
 
@@ -322,39 +231,17 @@ pub fn serve_rendezvous(port: u16) {
     rt.block_on(burn_collective::start_global_orchestrator(port));
 }
 
-/// Connects to `addr`, retrying until `timeout` (node 0 may start after the others).
-pub(super) fn connect_within(
-    endpoint: &str,
-    addr: SocketAddr,
-    timeout: Duration,
-) -> Result<TcpStream, LaunchError> {
-    let start = Instant::now();
-    loop {
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
-            Ok(stream) => return Ok(stream),
-            Err(e) if start.elapsed() >= timeout => {
-                return Err(LaunchError::Unreachable {
-                    endpoint: endpoint.to_string(),
-                    waited_s: timeout.as_secs(),
-                    detail: e.to_string(),
-                });
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
-        }
-    }
-}
-
 /// Runs `work` once per world, each on its own thread named after its rank, and returns when
 /// all have succeeded, or as soon as one fails (its error or panic, naming the rank). The
 /// caller then exits the process, which ends the workers still blocked in a collective call.
 pub fn run_workers<F>(worlds: Vec<World>, work: F) -> Result<(), LaunchError>
 where
-    F: Fn(World) -> anyhow::Result<()> + Send + Sync + 'static,
+    F: Fn(World) -> Result<(), WorkerError> + Send + Sync + 'static,
 {
     if worlds.len() == 1 {
         let world = worlds.into_iter().next().expect("one world");
         let rank = world.rank;
-        return work(world).map_err(|e| LaunchError::worker(rank, e));
+        return work(world).map_err(|error| LaunchError::Worker { rank, error });
     }
     let work = std::sync::Arc::new(work);
     let (tx, rx) = mpsc::channel();
@@ -372,27 +259,26 @@ where
         if let Err(e) = spawned {
             return Err(LaunchError::Worker {
                 rank,
-                error: anyhow::anyhow!("could not start its thread: {e}"),
-                collective: false,
+                error: WorkerError::failed(format!("could not start its thread: {e}")),
             });
         }
     }
     drop(tx);
     // A stop signal ends every worker at the same step: wait for all of them (rank 0 may still
     // be saving) and report rank 0's stop, which names the checkpoint.
-    let mut stopped: Option<(usize, anyhow::Error)> = None;
+    let mut stopped: Option<(usize, WorkerError)> = None;
     for _ in 0..count {
         let Ok((rank, outcome)) = rx.recv() else {
             break;
         };
         match outcome {
             Ok(Ok(())) => {}
-            Ok(Err(e)) if stop_signal(&e).is_some() => {
+            Ok(Err(e)) if e.stop_signal().is_some() => {
                 if stopped.as_ref().is_none_or(|(r, _)| rank < *r) {
                     stopped = Some((rank, e));
                 }
             }
-            Ok(Err(e)) => return Err(LaunchError::worker(rank, e)),
+            Ok(Err(error)) => return Err(LaunchError::Worker { rank, error }),
             Err(payload) => {
                 let message = payload
                     .downcast_ref::<String>()
@@ -404,24 +290,15 @@ where
         }
     }
     match stopped {
-        Some((rank, e)) => Err(LaunchError::worker(rank, e)),
+        Some((rank, error)) => Err(LaunchError::Worker { rank, error }),
         None => Ok(()),
     }
-}
-
-/// The signal that stopped a worker, when its error is that orderly stop.
-pub fn stop_signal(error: &anyhow::Error) -> Option<crate::training::interrupt::Signal> {
-    error.chain().find_map(
-        |cause| match cause.downcast_ref::<crate::training::TrainError>()? {
-            crate::training::TrainError::Interrupted { signal, .. } => Some(*signal),
-            _ => None,
-        },
-    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     #[test]
     fn ranks_are_node_major() {
@@ -478,7 +355,7 @@ mod tests {
         let started = Instant::now();
         let err = run_workers(plan.start().unwrap().worlds, |w| {
             if w.rank == 1 {
-                anyhow::bail!("out of data")
+                return Err(WorkerError::failed("out of data"));
             }
             // The others would wait on rank 1 forever in a collective call.
             std::thread::sleep(Duration::from_secs(3600));

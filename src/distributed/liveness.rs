@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::launch::LaunchError;
+use super::launch_error::LaunchError;
 
 const DONE: &str = "done";
 
@@ -149,7 +149,7 @@ impl Watch {
         nproc_per_node: usize,
         timeout: Duration,
     ) -> Result<Self, LaunchError> {
-        let mut stream = super::launch::connect_within(endpoint, addr, timeout)?;
+        let mut stream = connect_within(endpoint, addr, timeout)?;
         writeln!(stream, "node {node_rank}").map_err(|e| LaunchError::Endpoint {
             endpoint: endpoint.to_string(),
             message: format!("lost node 0 while joining ({e})"),
@@ -171,6 +171,28 @@ impl Watch {
                 let _ = writeln!(s, "{DONE}");
                 let _ = s.flush();
             }
+        }
+    }
+}
+
+/// Connects to `addr`, retrying until `timeout` (node 0 may start after the others).
+pub(super) fn connect_within(
+    endpoint: &str,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<TcpStream, LaunchError> {
+    let start = Instant::now();
+    loop {
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(stream) => return Ok(stream),
+            Err(e) if start.elapsed() >= timeout => {
+                return Err(LaunchError::Unreachable {
+                    endpoint: endpoint.to_string(),
+                    waited_s: timeout.as_secs(),
+                    detail: e.to_string(),
+                });
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     }
 }

@@ -3,10 +3,8 @@
 //! because every worker built the same model.
 //!
 //! - [`all_reduce_grads`]: every trainable parameter's gradient summed over the world.
-//! - [`OptimizerShard`]: ZeRO-1. Each rank owns a contiguous, size-balanced run of the
-//!   trainable parameters, keeps AdamW's moments for those alone and updates them;
-//!   [`gather_params`] then gives every rank every updated parameter, and
-//!   [`gather_optimizer_state`] the whole state for a checkpoint.
+//! - [`all_reduce_entries`], [`sum_by_param`]: flat tensors, some of which only some ranks
+//!   hold, summed (a gather, when each has its own: ZeRO-1's, `training::sharded_optimizer`).
 //! - [`all_reduce_scalars`], [`check_same`]: per-step counts and the rendezvous checks.
 //!
 //! burn-collective offers all-reduce and broadcast, and its global (multi-node) broadcast is
@@ -21,9 +19,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, ElementConversion, Tensor};
 
 use super::{DistributedError, World};
-use crate::checkpoint::HostTensor;
 use crate::models::{CausalLm, TrainableParam};
-use crate::training::optimizer::Optimizer;
 
 /// Elements per all-reduce bucket: 16 Mi floats, 64 MB in fp32 (PyTorch DDP uses 25 MB).
 pub const BUCKET_ELEMENTS: usize = 1 << 24;
@@ -54,13 +50,13 @@ pub fn all_reduce_scalars<B: Backend>(
 
 /// One flat tensor taking part in a bucketed all-reduce: this worker's value, or `None`
 /// where it has none (it then contributes zeros).
-struct Entry<B: Backend> {
-    numel: usize,
-    value: Option<Tensor<B, 1>>,
+pub struct Entry<B: Backend> {
+    pub numel: usize,
+    pub value: Option<Tensor<B, 1>>,
 }
 
 /// Sums `entries` over the world in buckets. An entry no worker has comes back `None`.
-fn all_reduce_entries<B: Backend>(
+pub fn all_reduce_entries<B: Backend>(
     world: &World,
     entries: Vec<Entry<B>>,
     device: &B::Device,
@@ -125,7 +121,7 @@ fn all_reduce_entries<B: Backend>(
 
 /// Sums the flat tensors this rank holds for some of `params` (by id) over the world, in
 /// model order; a parameter no rank holds a tensor for is left out of the result.
-fn sum_by_param<B: Backend>(
+pub fn sum_by_param<B: Backend>(
     world: &World,
     params: &[TrainableParam],
     mut local: HashMap<ParamId, Tensor<B, 1>>,
@@ -148,8 +144,8 @@ fn sum_by_param<B: Backend>(
 }
 
 /// Replaces parameters by id with the given flat values (shaped as the parameter).
-struct SetParams<B: AutodiffBackend> {
-    values: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+pub struct SetParams<B: AutodiffBackend> {
+    pub values: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for SetParams<B> {
@@ -218,103 +214,6 @@ pub fn all_reduce_grads<B: AutodiffBackend>(
     };
     model.visit(&mut scatter);
     Ok(scatter.out)
-}
-
-/// ZeRO-1: which rank updates, and keeps the optimizer state of, each trainable parameter.
-#[derive(Debug, Clone)]
-pub struct OptimizerShard {
-    pub rank: usize,
-    pub world: usize,
-    /// Owner rank of each trainable parameter, by module path, in model order.
-    owners: Vec<(String, usize, usize)>,
-}
-
-impl OptimizerShard {
-    /// Contiguous runs of the trainable parameters in model order, balanced by element count:
-    /// a parameter belongs to the rank whose share holds its middle element.
-    pub fn new<B: AutodiffBackend>(model: &CausalLm<B>, world: &World) -> Self {
-        let params = model.trainable_params();
-        let total: usize = params.iter().map(|p| p.numel).sum::<usize>().max(1);
-        let size = world.size.max(1);
-        let mut before = 0usize;
-        let owners = params
-            .into_iter()
-            .map(|p| {
-                let middle = before + p.numel / 2;
-                before += p.numel;
-                let owner = (middle * size / total).min(size - 1);
-                (p.name, p.numel, owner)
-            })
-            .collect();
-        Self {
-            rank: world.rank,
-            world: size,
-            owners,
-        }
-    }
-
-    pub fn owns(&self, name: &str) -> bool {
-        self.owners
-            .iter()
-            .any(|(n, _, owner)| n == name && *owner == self.rank)
-    }
-}
-
-/// After a sharded optimizer step: every rank gets every trainable parameter from its owner.
-pub fn gather_params<B: AutodiffBackend>(
-    world: &World,
-    model: CausalLm<B>,
-    shard: &OptimizerShard,
-) -> Result<CausalLm<B>, DistributedError> {
-    struct Values<B: AutodiffBackend> {
-        wanted: HashMap<ParamId, bool>,
-        out: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Values<B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.wanted.get(&param.id) == Some(&true) {
-                let v = param.val().inner();
-                let n = v.shape().num_elements();
-                self.out.insert(param.id, v.reshape([n]));
-            }
-        }
-    }
-    let params = model.trainable_params();
-    let mut values = Values::<B> {
-        wanted: params.iter().map(|p| (p.id, shard.owns(&p.name))).collect(),
-        out: HashMap::new(),
-    };
-    model.visit(&mut values);
-    let device = model.device();
-    let values = sum_by_param(world, &params, values.out, &device, "updated parameters")?;
-    Ok(model.map(&mut SetParams::<B> { values }))
-}
-
-/// The whole optimizer state (as [`Optimizer::state_dict`] names it) from every rank's shard,
-/// for a checkpoint. Every rank takes part; the returned state is complete on every rank.
-pub fn gather_optimizer_state<B: AutodiffBackend>(
-    world: &World,
-    model: &CausalLm<B>,
-    optimizer: &Optimizer<B::InnerBackend>,
-) -> Result<Vec<(String, HostTensor)>, DistributedError> {
-    let params = model.trainable_params();
-    let mut keys = Vec::new();
-    let mut entries = Vec::new();
-    for p in &params {
-        for (moment, value) in optimizer.moments(&p.name) {
-            keys.push(format!("{moment}.{}", p.name));
-            entries.push(Entry {
-                numel: p.numel,
-                value,
-            });
-        }
-    }
-    let gathered = all_reduce_entries(world, entries, &model.device(), "optimizer state")?;
-    Ok(keys
-        .into_iter()
-        .zip(gathered)
-        .filter_map(|(k, v)| v.map(|v| (k, HostTensor::from_tensor(&v))))
-        .collect())
 }
 
 /// Rank 0's `value` on every rank (the others' own values are ignored). It travels as its 8

@@ -20,10 +20,9 @@ pub mod attention;
 pub mod bf16;
 pub mod bf16_gemm;
 mod bf16_gemv;
-mod dispatch;
+pub(crate) mod dispatch;
 mod flex;
 mod matmul;
-mod nf4_linear;
 pub mod optim;
 pub mod rows;
 pub mod simd;
@@ -40,7 +39,6 @@ pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 use flex::OutputLayout;
 pub use matmul::matmul;
-pub use nf4_linear::nf4_linear;
 
 /// Runs `f` on a thread of rayon's pool (this thread waits) when the pool has more than one
 /// thread, else on this thread. For a whole CPU job on one worker.

@@ -164,7 +164,7 @@ impl<B: Backend> Linear<B> {
                 };
                 matmul(base_in, weight.transpose())
             }
-            (None, Some(q)) => crate::kernels::nf4_linear(x.clone(), q),
+            (None, Some(q)) => super::nf4_linear::nf4_linear(x.clone(), q),
             (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
         };
         let y = match &self.bias {

@@ -5,6 +5,7 @@ pub mod frozen_nf4;
 pub mod linear;
 pub mod lora;
 pub mod nf4;
+pub mod nf4_linear;
 pub mod norm;
 
 pub use linear::{ForwardMode, Linear};

@@ -92,6 +92,22 @@ pub enum SetupError {
     },
 }
 
+impl crate::distributed::Ends for SetupError {
+    fn ending(&self) -> crate::distributed::Ending {
+        match self {
+            Self::Distributed(e) => e.ending(),
+            Self::Train(e) => e.ending(),
+            _ => crate::distributed::Ending::Failed,
+        }
+    }
+}
+
+impl crate::distributed::Ends for quant::QuantError {
+    fn ending(&self) -> crate::distributed::Ending {
+        crate::distributed::Ending::Failed
+    }
+}
+
 impl From<crate::training::TrainError> for SetupError {
     fn from(e: crate::training::TrainError) -> Self {
         Self::Train(Box::new(e))

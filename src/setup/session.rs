@@ -10,7 +10,7 @@ use crate::checkpoint::StorageDtype;
 use crate::checkpoint_client::PublishedCheckpoint;
 use crate::config::schema::{PushToHub, TrainConfig};
 use crate::data::{DataLoader, Dataset};
-use crate::distributed::World;
+use crate::distributed::{Ending, Ends, World};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use crate::training::checkpointing::{RunCheckpointer, SaveContent};
@@ -50,6 +50,17 @@ pub enum FinishError {
     StoppedUnsaved { source: TrainError },
     #[error("push_to_hub: {0}")]
     Push(#[from] crate::hub::HubError),
+}
+
+impl Ends for FinishError {
+    fn ending(&self) -> Ending {
+        match self {
+            Self::Train(source)
+            | Self::Stopped { source, .. }
+            | Self::StoppedUnsaved { source } => source.ending(),
+            Self::Push(_) => Ending::Failed,
+        }
+    }
 }
 
 /// Where a stopped run can continue from: its last complete checkpoint and the command.

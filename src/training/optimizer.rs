@@ -169,7 +169,7 @@ impl<B: Backend> Optimizer<B> {
     /// The kinds of state this optimizer keeps per parameter (`exp_avg`, `exp_avg_sq`), each
     /// with `name`'s tensor where this optimizer holds one. The kinds depend only on the
     /// settings, so every data-parallel rank lists the same ones (see
-    /// `distributed::sync::gather_optimizer_state`).
+    /// `sharded_optimizer::gather_optimizer_state`).
     pub fn moments(&self, name: &str) -> Vec<(&'static str, Option<Tensor<B, 1>>)> {
         let state = self.state.get(name);
         match self.settings.kind {

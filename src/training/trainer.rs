@@ -18,6 +18,7 @@ use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
 use super::optimizer::Optimizer;
 use super::progress::EpochProgress;
 use super::schedule::Schedule;
+use super::sharded_optimizer;
 use super::step::{self, GradAccumulator};
 use super::validation::Validation;
 use crate::data::{Batch, DataLoader, Dataset};
@@ -219,7 +220,7 @@ pub enum TrainError {
     },
     #[error("stopped by {signal} at the end of step {step}")]
     Interrupted {
-        signal: super::interrupt::Signal,
+        signal: crate::interrupt::Signal,
         step: usize,
     },
     #[error(
@@ -250,6 +251,16 @@ pub enum TrainError {
     Distributed(#[from] DistributedError),
     #[error("{0}")]
     Other(String),
+}
+
+impl crate::distributed::Ends for TrainError {
+    fn ending(&self) -> crate::distributed::Ending {
+        match self {
+            Self::Interrupted { signal, .. } => crate::distributed::Ending::Stopped(*signal),
+            Self::Distributed(e) => e.ending(),
+            _ => crate::distributed::Ending::Failed,
+        }
+    }
 }
 
 impl From<crate::data::DataError> for TrainError {
@@ -388,11 +399,15 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// 0, the one that writes, and nothing elsewhere.
     fn snapshot(
         &self,
-        shard: Option<&sync::OptimizerShard>,
+        shard: Option<&sharded_optimizer::OptimizerShard>,
     ) -> Result<OptimizerSnapshot, TrainError> {
         let state = match shard {
             Some(_) if self.save_optimizer_shards => self.optimizer.state_dict(),
-            Some(_) => sync::gather_optimizer_state(&self.world, &self.model, &self.optimizer)?,
+            Some(_) => sharded_optimizer::gather_optimizer_state(
+                &self.world,
+                &self.model,
+                &self.optimizer,
+            )?,
             None if self.world.is_main() => self.optimizer.state_dict(),
             None => Vec::new(),
         };
@@ -464,7 +479,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut accumulator = GradAccumulator::<B>::default();
         let mut validated_at: Option<usize> = None;
         let shard = (s.shard_optimizer && world.is_distributed())
-            .then(|| sync::OptimizerShard::new(&self.model, &world));
+            .then(|| sharded_optimizer::OptimizerShard::new(&self.model, &world));
         if let Some(shard) = &shard {
             // A resumed run restores the whole state; each rank keeps its share.
             self.optimizer.retain(|name| shard.owns(name));
@@ -528,7 +543,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 // A stop signal is acted on at the end of this step; every rank agrees on it
                 // through the step's collective call.
-                let mut stop = super::interrupt::requested();
+                let mut stop = crate::interrupt::requested();
                 if world.is_distributed() {
                     // One step over the global batch: sum what the ranks hold.
                     let mut local = vec![
@@ -557,7 +572,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     step_tokens = global[2].round() as usize;
                     // A signal on any node stops every rank after this step.
                     if global[4] > 0.0 {
-                        stop.get_or_insert(super::interrupt::Signal::Terminate);
+                        stop.get_or_insert(crate::interrupt::Signal::Terminate);
                     }
                     for (entry, v) in extra.iter_mut().zip(&global[5..]) {
                         entry.1 = *v;
@@ -604,7 +619,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     shard.as_ref(),
                 );
                 if let Some(shard) = &shard {
-                    self.model = sync::gather_params(&world, self.model, shard)?;
+                    self.model = sharded_optimizer::gather_params(&world, self.model, shard)?;
                 }
                 self.state.global_step += 1;
                 self.state.step_in_epoch += 1;

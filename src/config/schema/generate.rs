@@ -6,6 +6,7 @@ use serde::Serialize;
 use serde_yaml::Value;
 
 use super::{CheckpointerConfig, Device, ModelConfig, QuantizerConfig, TokenizerConfig};
+use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{Checker, ConfigValue, Ty, default, keys, off, on, optional, required};
 use crate::config::paths;
 use crate::precision::Dtype;
@@ -46,7 +47,9 @@ impl ConfigValue for Prompt {
 
 keys! {
     /// The generate recipe: text from a checkpoint (optionally with a PEFT adapter).
-    pub struct GenerateConfig {}
+    pub struct GenerateConfig {
+        rule: prompt_rules,
+    }
     /// The model's builder.
     model: ModelConfig = required(),
     /// The checkpoint to generate from.
@@ -99,6 +102,33 @@ keys! {
     chat_format: Option<String> = optional().refuse(
         "an old torchtune key tune cannot honour; the tokenizer component sets the format (or `chat: True` with the HuggingFaceModelTokenizer component for the chat template); set `chat_format: null`",
     ),
+}
+
+/// The chat template formats the prompt only for the components that write it; the others
+/// format it as torchtune's tokenizers do, and only there does a system prompt without the
+/// template reach the model.
+fn prompt_rules(g: &GenerateConfig, _: &str, cx: &mut Checker) {
+    let template = g.tokenizer.uses_chat_template();
+    if g.chat && !template {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "chat",
+                "True formats the prompt with the checkpoint's chat template, but `tokenizer._component_` names a torchtune tokenizer, which formats it as torchtune does",
+            )
+            .with_fix("drop `chat`, or set `tokenizer._component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer` to use the chat template"),
+        );
+    }
+    if template && !g.chat && g.prompt.system.is_some() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "prompt.system",
+                "a system prompt needs the chat template here (the user prompt is plain text without it)",
+            )
+            .with_fix("set `chat: True`, or remove `prompt.system`"),
+        );
+    }
 }
 
 fn adapter_exists(dir: &Option<PathBuf>, path: &str, cx: &mut Checker) {

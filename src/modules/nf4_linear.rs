@@ -24,10 +24,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
-use super::bf16::{to_bf16, to_f32};
-use super::dispatch::{as_autodiff, as_flex_of, from_autodiff, from_flex};
-use crate::modules::frozen_nf4::FrozenNf4;
-use crate::modules::nf4::BLOCK_SIZE;
+use super::frozen_nf4::FrozenNf4;
+use super::nf4::BLOCK_SIZE;
+use crate::kernels::bf16::{to_bf16, to_f32};
+use crate::kernels::dispatch::{as_autodiff, as_flex_of, from_autodiff, from_flex};
 
 /// Up to this many rows (decoding's one token per sequence), an un-differentiated product on
 /// the CPU decodes the weight block by block into the product instead of dequantizing it:
@@ -74,8 +74,8 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
         x
     };
     // Elsewhere the weight is dequantized and dropped as soon as the product exists.
-    let w = super::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
-    super::matmul(x, w.transpose())
+    let w = crate::kernels::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
+    crate::kernels::matmul(x, w.transpose())
 }
 
 /// `y` when `B` is `Autodiff<I>` with either checkpoint strategy, else `x` back.
@@ -101,7 +101,7 @@ fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
 /// The dequantized weight `[out, in]` on `device`, in `dtype`.
 fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType) -> FloatTensor<I> {
     // On the host for the CPU, on the device elsewhere (`FrozenNf4::to_tensor`).
-    super::cast(weight.to_tensor::<I>(device), dtype)
+    crate::kernels::cast(weight.to_tensor::<I>(device), dtype)
         .into_primitive()
         .tensor()
 }
@@ -110,7 +110,7 @@ fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType)
 /// bf16 product) rather than `I::float_matmul`.
 fn product<I: Backend>(lhs: FloatTensor<I>, rhs: FloatTensor<I>) -> FloatTensor<I> {
     let [lhs, rhs] = [lhs, rhs].map(|t| Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(t)));
-    super::matmul(lhs, rhs).into_primitive().tensor()
+    crate::kernels::matmul(lhs, rhs).into_primitive().tensor()
 }
 
 #[derive(Debug)]

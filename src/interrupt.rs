@@ -1,6 +1,6 @@
 //! SIGINT and SIGTERM (what a preemptible cluster sends before it kills a job) as a request to
 //! stop at the next step boundary, where the trainer lets an in-flight save finish (or saves,
-//! with `save_on_preempt`) and returns [`TrainError::Interrupted`](super::TrainError). A second
+//! with `save_on_preempt`) and returns [`TrainError::Interrupted`](crate::training::TrainError). A second
 //! signal exits at once: the checkpoint client publishes atomically, so that loses at most the
 //! save in flight, never a published checkpoint.
 //!

@@ -1,0 +1,113 @@
+//! ZeRO-1: with several workers, each rank keeps and updates the optimizer state of a share of
+//! the trainable parameters only ([`OptimizerShard`]); after the step every rank gets every
+//! updated parameter from its owner ([`gather_params`]), and a checkpoint the whole state
+//! ([`gather_optimizer_state`]) unless every rank writes its own (`optimizer_shards`).
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+
+use super::optimizer::Optimizer;
+use crate::checkpoint::HostTensor;
+use crate::distributed::sync::{Entry, SetParams, all_reduce_entries, sum_by_param};
+use crate::distributed::{DistributedError, World};
+use crate::models::CausalLm;
+
+/// ZeRO-1: which rank updates, and keeps the optimizer state of, each trainable parameter.
+#[derive(Debug, Clone)]
+pub struct OptimizerShard {
+    pub rank: usize,
+    pub world: usize,
+    /// Owner rank of each trainable parameter, by module path, in model order.
+    owners: Vec<(String, usize, usize)>,
+}
+
+impl OptimizerShard {
+    /// Contiguous runs of the trainable parameters in model order, balanced by element count:
+    /// a parameter belongs to the rank whose share holds its middle element.
+    pub fn new<B: AutodiffBackend>(model: &CausalLm<B>, world: &World) -> Self {
+        let params = model.trainable_params();
+        let total: usize = params.iter().map(|p| p.numel).sum::<usize>().max(1);
+        let size = world.size.max(1);
+        let mut before = 0usize;
+        let owners = params
+            .into_iter()
+            .map(|p| {
+                let middle = before + p.numel / 2;
+                before += p.numel;
+                let owner = (middle * size / total).min(size - 1);
+                (p.name, p.numel, owner)
+            })
+            .collect();
+        Self {
+            rank: world.rank,
+            world: size,
+            owners,
+        }
+    }
+
+    pub fn owns(&self, name: &str) -> bool {
+        self.owners
+            .iter()
+            .any(|(n, _, owner)| n == name && *owner == self.rank)
+    }
+}
+
+/// After a sharded optimizer step: every rank gets every trainable parameter from its owner.
+pub fn gather_params<B: AutodiffBackend>(
+    world: &World,
+    model: CausalLm<B>,
+    shard: &OptimizerShard,
+) -> Result<CausalLm<B>, DistributedError> {
+    struct Values<B: AutodiffBackend> {
+        wanted: HashMap<ParamId, bool>,
+        out: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Values<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.wanted.get(&param.id) == Some(&true) {
+                let v = param.val().inner();
+                let n = v.shape().num_elements();
+                self.out.insert(param.id, v.reshape([n]));
+            }
+        }
+    }
+    let params = model.trainable_params();
+    let mut values = Values::<B> {
+        wanted: params.iter().map(|p| (p.id, shard.owns(&p.name))).collect(),
+        out: HashMap::new(),
+    };
+    model.visit(&mut values);
+    let device = model.device();
+    let values = sum_by_param(world, &params, values.out, &device, "updated parameters")?;
+    Ok(model.map(&mut SetParams::<B> { values }))
+}
+
+/// The whole optimizer state (as [`Optimizer::state_dict`] names it) from every rank's shard,
+/// for a checkpoint. Every rank takes part; the returned state is complete on every rank.
+pub fn gather_optimizer_state<B: AutodiffBackend>(
+    world: &World,
+    model: &CausalLm<B>,
+    optimizer: &Optimizer<B::InnerBackend>,
+) -> Result<Vec<(String, HostTensor)>, DistributedError> {
+    let params = model.trainable_params();
+    let mut keys = Vec::new();
+    let mut entries = Vec::new();
+    for p in &params {
+        for (moment, value) in optimizer.moments(&p.name) {
+            keys.push(format!("{moment}.{}", p.name));
+            entries.push(Entry {
+                numel: p.numel,
+                value,
+            });
+        }
+    }
+    let gathered = all_reduce_entries(world, entries, &model.device(), "optimizer state")?;
+    Ok(keys
+        .into_iter()
+        .zip(gathered)
+        .filter_map(|(k, v)| v.map(|v| (k, HostTensor::from_tensor(&v))))
+        .collect())
+}
