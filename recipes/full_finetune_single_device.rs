@@ -48,6 +48,7 @@ pub fn run<B: AutodiffBackend>(
         activation_checkpointing: cfg.enable_activation_checkpointing,
         output_chunks: settings::output_chunks(cfg),
         fake_quant_after: None,
+        ..SftLoss::default()
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
     Ok(())

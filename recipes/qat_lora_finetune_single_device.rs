@@ -61,6 +61,7 @@ pub fn run<B: AutodiffBackend>(
         fake_quant_after: qat.fake_quant_after_n_steps,
         activation_checkpointing: cfg.enable_activation_checkpointing,
         output_chunks: settings::output_chunks(cfg),
+        ..SftLoss::default()
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
     Ok(())

@@ -122,30 +122,19 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 .map_err(CliError::bad)?;
             let settings = tune::bench::BenchSettings {
                 shape,
-                mode: match mode {
-                    tune::cli::args::BenchModeArg::Forward => tune::bench::BenchMode::Forward,
-                    tune::cli::args::BenchModeArg::Lora => tune::bench::BenchMode::Lora,
-                    tune::cli::args::BenchModeArg::Dora => tune::bench::BenchMode::Dora,
-                    tune::cli::args::BenchModeArg::Qlora => tune::bench::BenchMode::Qlora,
-                    tune::cli::args::BenchModeArg::Qdora => tune::bench::BenchMode::Qdora,
-                    tune::cli::args::BenchModeArg::Full => tune::bench::BenchMode::Full,
-                },
+                mode,
                 batch_size,
                 seq_len,
                 steps,
                 lora_rank,
                 activation_checkpointing,
-                dtype: if dtype == "bf16" {
-                    tune::precision::Dtype::Bf16
-                } else {
-                    tune::precision::Dtype::Fp32
-                },
+                dtype: dtype.into(),
                 output_chunks,
-                fused_attention: attention == tune::cli::args::BenchAttentionArg::Fused,
+                attention,
                 row_lengths,
                 keep_padding,
             };
-            bench(&settings, &device, json)
+            bench(&settings, device, json)
         }
         Command::Download {
             repo_id,
@@ -391,10 +380,14 @@ fn run_wgpu(_: std::sync::Arc<Job>, _: Vec<World>) -> Result<Result<(), LaunchEr
     Err(CliError::bad(tune::device::DeviceError::WgpuNotBuilt))
 }
 
-fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Result<(), CliError> {
+fn bench(
+    settings: &tune::bench::BenchSettings,
+    device: Device,
+    json: bool,
+) -> Result<(), CliError> {
     let scratch = std::env::temp_dir();
     let report = match device {
-        "cpu" => tune::kernels::on_pool(|| {
+        Device::Cpu => tune::kernels::on_pool(|| {
             tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(
                 settings,
                 &Default::default(),
@@ -402,13 +395,13 @@ fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Res
             )
         }),
         #[cfg(feature = "cuda")]
-        "cuda" => tune::bench::run::<burn::backend::Autodiff<burn::backend::Cuda>>(
+        Device::Cuda => tune::bench::run::<burn::backend::Autodiff<burn::backend::Cuda>>(
             settings,
             &Default::default(),
             &scratch,
         ),
         #[cfg(feature = "wgpu")]
-        "wgpu" => {
+        Device::Wgpu => {
             let adapter = tune::device::wgpu_adapter().map_err(CliError::bad)?;
             eprintln!("device: wgpu on {adapter}");
             if adapter.software {
@@ -423,11 +416,14 @@ fn bench(settings: &tune::bench::BenchSettings, device: &str, json: bool) -> Res
                 &scratch,
             )
         }
-        other => {
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => {
             return Err(CliError::bad(anyhow!(
-                "--device {other}: use cpu (or cuda / wgpu in a build with --features cuda / wgpu)"
+                "--device cuda: this tune was built without CUDA support; rebuild with `cargo install --path . --features cuda` (or use --device cpu)"
             )));
         }
+        #[cfg(not(feature = "wgpu"))]
+        Device::Wgpu => return Err(CliError::bad(tune::device::DeviceError::WgpuNotBuilt)),
     }
     .map_err(|e| match e {
         tune::bench::BenchError::UnknownShape(_) => CliError::bad(e),

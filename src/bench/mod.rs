@@ -6,26 +6,32 @@ pub mod shapes;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, ElementConversion, Tensor};
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
 use crate::data::{SftSample, collate_sft};
+use crate::distributed::World;
 use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
 use crate::model_io::peft::attach_lora;
 use crate::models::{BaseWeights, ModelArgs, RandomInit, Trainable, build};
+use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
-use crate::modules::{ForwardMode, LoraSettings};
 use crate::precision;
 use crate::precision::Dtype;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
-use crate::training::metrics::peak_memory_bytes;
+use crate::training::metrics::{MetricLoggers, peak_memory_bytes};
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
-use crate::training::{loss, sft, step};
+use crate::training::schedule::Schedule;
+use crate::training::sft::{self, SftLoss};
+use crate::training::{LossStep, StepInfo, StepTimes, TrainState, Trainer, TrainerSettings};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a benchmark step runs (`tune bench --mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchMode {
+    /// The validation forward pass (no autodiff).
     Forward,
     Lora,
     /// LoRA with DoRA's magnitudes (peft's `use_dora`).
@@ -35,6 +41,30 @@ pub enum BenchMode {
     /// DoRA on an NF4 base (torchtune's QDoRA).
     Qdora,
     Full,
+}
+
+/// `tune bench --dtype`: the dtypes training runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchDtype {
+    Fp32,
+    Bf16,
+}
+
+impl From<BenchDtype> for Dtype {
+    fn from(d: BenchDtype) -> Self {
+        match d {
+            BenchDtype::Fp32 => Dtype::Fp32,
+            BenchDtype::Bf16 => Dtype::Bf16,
+        }
+    }
+}
+
+/// `tune bench --attention`: the CPU's fused attention (the default), or burn's composed ops,
+/// which keep every layer's `seq x seq` probabilities for the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Attention {
+    Fused,
+    Composed,
 }
 
 impl BenchMode {
@@ -69,7 +99,7 @@ pub struct BenchSettings {
     /// `loss.num_output_chunks` (chunked output projection and loss when it is frozen).
     pub output_chunks: usize,
     /// The CPU's fused attention (fp32 on Flex), or burn's composed ops to compare against.
-    pub fused_attention: bool,
+    pub attention: Attention,
     /// Real row lengths, taken `batch_size` at a time (cut to `seq_len`) and padded to each
     /// step's longest; `None`: every row `seq_len` long.
     pub row_lengths: Option<Vec<usize>>,
@@ -172,7 +202,7 @@ pub fn run<B: AutodiffBackend>(
     precision::set_device_dtype::<B>(device, s.dtype, precision::Use::Training)
         .map_err(|e| BenchError::Failed(e.to_string()))?;
     let args = ModelArgs::from_json(config).map_err(BenchError::Failed)?;
-    crate::kernels::set_fused_attention(s.fused_attention);
+    crate::kernels::set_fused_attention(s.attention == Attention::Fused);
     let fail = |e: &dyn std::fmt::Display| BenchError::Failed(e.to_string());
     let mut report = BenchReport {
         params: args.num_params(),
@@ -249,21 +279,49 @@ pub fn run<B: AutodiffBackend>(
         BenchMode::Full => Trainable::All,
         _ => Trainable::Nothing,
     };
-    let mut model = model.set_trainable(trainable);
-    let mut optimizer = Optimizer::<B::InnerBackend>::new(OptimizerSettings {
+    let optimizer = Optimizer::<B::InnerBackend>::new(OptimizerSettings {
         kind: OptimizerKind::AdamW,
         weight_decay: 0.01,
         betas: (0.9, 0.999),
         eps: 1e-8,
         momentum: 0.0,
     });
+    // The recipes' trainer and SFT step, timed phase by phase.
+    let mut trainer = Trainer::new(
+        TrainerSettings {
+            epochs: 1,
+            max_steps_per_epoch: None,
+            gradient_accumulation_steps: 1,
+            clip_grad_norm: None,
+            log_every_n_steps: 1,
+            save_every_n_steps: None,
+            lr: 1e-5,
+            schedule: Schedule::Constant,
+            seed: 0,
+            shard_optimizer: false,
+            save_on_preempt: false,
+        },
+        model.set_trainable(trainable),
+        optimizer,
+        TrainState::default(),
+        MetricLoggers { sinks: Vec::new() },
+        false,
+        World::single(),
+    );
+    trainer.time_phases = true;
+    let mut loss_step = SftLoss {
+        fake_quant_after: None,
+        activation_checkpointing: s.activation_checkpointing,
+        output_chunks: s.output_chunks,
+        padding_free: !s.keep_padding,
+    };
 
     // Peak memory is the training phase's: the save/load above peaks differently per
     // allocator and is measured by its own timing.
     enter_training_steady_state();
     reset_peak_memory();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let (mut fwd, mut bwd, mut opt) = (0.0, 0.0, 0.0);
+    let mut times = StepTimes::default();
     // The timed steps' labelled tokens (padding excluded) and their useful float operations.
     let (mut timed_tokens, mut timed_flops) = (0usize, 0.0);
     let mut next_row = 0usize;
@@ -286,79 +344,44 @@ pub fn run<B: AutodiffBackend>(
                 SftSample { tokens, labels }
             })
             .collect();
-        let padded = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);
-        // The recipes' SFT step runs the rows padding-free (a no-op on full rows).
-        let unpadded = if s.keep_padding {
-            None
+        let batch = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);
+        let (step_times, tokens) = if s.mode == BenchMode::Forward {
+            // The trainer's validation step: the loss without autodiff, dropout off.
+            let info = StepInfo {
+                epoch: 0,
+                global_step: i,
+                seed: 0,
+            };
+            let started = Instant::now();
+            let eval = trainer.model.valid();
+            // The loss is read to the host: the forward pass has finished.
+            LossStep::<B>::evaluate(&mut loss_step, &eval, &batch, info).map_err(|e| fail(&e))?;
+            let step_times = StepTimes {
+                forward: started.elapsed(),
+                ..Default::default()
+            };
+            (step_times, sft::labelled_tokens(&batch))
         } else {
-            sft::padding_free::<B>(&padded)
+            let done;
+            (trainer, done) = trainer
+                .train_step(std::slice::from_ref(&batch), &mut loss_step)
+                .map_err(|e| fail(&e))?;
+            (done.times.unwrap_or_default(), done.tokens)
         };
-        let batch = unpadded.as_ref().unwrap_or(&padded);
-        let input = sft::token_batch(batch);
-        let labels = &batch.labels;
         if i >= warmup {
-            let tokens = sft::labelled_tokens(&padded);
             timed_tokens += tokens;
-            timed_flops += step_flops(&args, tokens, padded.seq_len, s.mode);
-        }
-        let t0 = Instant::now();
-        let mode = ForwardMode {
-            adapters: true,
-            fake_quant: false,
-            train: s.mode != BenchMode::Forward,
-        };
-        let (loss_value, parts) = if s.mode == BenchMode::Forward {
-            (
-                loss::cross_entropy(model.forward(input, mode), labels),
-                None,
-            )
-        } else {
-            // The recipes' SFT step: activation checkpointing and the chunked output as asked.
-            sft::loss_and_grads(
-                &model,
-                input,
-                labels,
-                mode,
-                (s.activation_checkpointing, s.output_chunks),
-                i as u64,
-                1.0,
-            )
-        };
-        // Reading the scalar forces the (eager) computation to finish before timing it.
-        let _: f32 = loss_value.clone().into_scalar().elem();
-        // When the step computed its gradients (checkpointing, chunked output), forward and
-        // backward interleave: the whole pass is timed as backward.
-        let t1 = if parts.is_some() { t0 } else { Instant::now() };
-        if s.mode != BenchMode::Forward {
-            let parts = parts.unwrap_or_else(|| vec![loss_value.backward()]);
-            let mut acc = step::GradAccumulator::<B>::default();
-            for grads in parts {
-                acc.add(&model, grads);
-            }
-            // A GPU backend queues the backward kernels: wait for them, so the split is true.
-            // The error, if any, surfaces at the next read.
-            let _ = B::sync(device);
-            let t2 = Instant::now();
-            model = step::apply(model, acc.take(), &mut optimizer, (1e-5, 1.0), None);
-            let _: f32 = model
-                .model
-                .norm
-                .weight
-                .val()
-                .slice(0..1)
-                .into_scalar()
-                .elem();
-            let t3 = Instant::now();
-            if i >= warmup {
-                bwd += secs(t2 - t1);
-                opt += secs(t3 - t2);
-            }
-        }
-        if i >= warmup {
-            fwd += secs(t1 - t0);
+            timed_flops += step_flops(&args, tokens, batch.seq_len, s.mode);
+            times.forward += step_times.forward;
+            times.backward += step_times.backward;
+            times.optimizer += step_times.optimizer;
         }
     }
     let n = s.steps as f64;
+    let (fwd, bwd, opt) = (
+        secs(times.forward),
+        secs(times.backward),
+        secs(times.optimizer),
+    );
     report.forward_seconds = fwd / n;
     report.backward_seconds = bwd / n;
     report.optimizer_seconds = opt / n;
@@ -367,6 +390,7 @@ pub fn run<B: AutodiffBackend>(
     report.peak_memory_bytes = peak_memory_bytes();
     report.achieved_flops = timed_flops / (fwd + bwd + opt);
     report.matmul_peak_flops = matmul_peak::<B::InnerBackend>(&Default::default());
+    let (mut model, optimizer) = (trainer.model, trainer.optimizer);
 
     // Checkpointing: what blocks training (the host snapshot) vs writing it all synchronously.
     if s.mode != BenchMode::Forward {
@@ -420,7 +444,10 @@ impl BenchReport {
             "mode": format!("{:?}", s.mode).to_lowercase(),
             "dtype": precision::name(s.dtype),
             "output_chunks": s.output_chunks,
-            "attention": if s.fused_attention { "fused" } else { "composed" },
+            "attention": match s.attention {
+                Attention::Fused => "fused",
+                Attention::Composed => "composed",
+            },
             "row_lengths": s.row_lengths.is_some(),
             "padding": if s.keep_padding { "kept" } else { "free" },
             "batch_size": s.batch_size,
@@ -448,10 +475,9 @@ impl BenchReport {
             s.shape,
             s.mode,
             precision::name(s.dtype),
-            if s.fused_attention {
-                ""
-            } else {
-                ", composed attention"
+            match s.attention {
+                Attention::Fused => "",
+                Attention::Composed => ", composed attention",
             },
             match (&s.row_lengths, s.keep_padding) {
                 (None, _) => "",

@@ -144,7 +144,7 @@ pub enum Command {
         #[arg(long, default_value = "tiny")]
         shape: String,
         #[arg(long, value_enum, default_value = "lora")]
-        mode: BenchModeArg,
+        mode: crate::bench::BenchMode,
         #[arg(long, default_value_t = 4)]
         batch_size: usize,
         #[arg(long, default_value_t = 256)]
@@ -157,15 +157,15 @@ pub enum Command {
         #[arg(long)]
         activation_checkpointing: bool,
         /// Float dtype of weights, activations and optimizer state, as a config's `dtype`.
-        #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
-        dtype: String,
+        #[arg(long, value_enum, default_value = "fp32")]
+        dtype: crate::bench::BenchDtype,
         /// Row chunks of the output projection and loss, as `loss.num_output_chunks` (1: none).
         #[arg(long, default_value_t = 8)]
         output_chunks: usize,
         /// The CPU's fused attention (the default), or burn's composed ops, which keep every
         /// layer's `seq x seq` probabilities for the backward: to measure the difference.
         #[arg(long, value_enum, default_value = "fused")]
-        attention: BenchAttentionArg,
+        attention: crate::bench::Attention,
         /// Rows of real lengths instead of full rows: a JSON file `{"lengths": [...]}`
         /// (benches/alpaca_lengths.json). Each step takes the next `--batch-size` lengths (cut
         /// to `--seq-len`) and pads the rows to the longest, as torchtune's collate does;
@@ -177,8 +177,8 @@ pub enum Command {
         #[arg(long)]
         keep_padding: bool,
         /// cpu, or cuda / wgpu in a build with the cuda / wgpu feature.
-        #[arg(long, default_value = "cpu")]
-        device: String,
+        #[arg(long, value_enum, default_value = "cpu")]
+        device: crate::config::schema::Device,
         /// Print one JSON object (the keys benches/pytorch_reference.py prints) instead of markdown.
         #[arg(long)]
         json: bool,
@@ -238,22 +238,4 @@ pub enum Command {
 pub enum RepoTypeArg {
     Model,
     Dataset,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum BenchAttentionArg {
-    Fused,
-    Composed,
-}
-
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-pub enum BenchModeArg {
-    Forward,
-    Lora,
-    Dora,
-    /// LoRA on an NF4 base (QLoRA).
-    Qlora,
-    /// DoRA on an NF4 base (QDoRA).
-    Qdora,
-    Full,
 }

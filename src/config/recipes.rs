@@ -28,75 +28,98 @@ pub struct RecipeInfo {
     pub description: &'static str,
 }
 
-pub static RECIPES: &[RecipeInfo] = &[
-    RecipeInfo {
-        recipe: Recipe::FullFinetune,
-        name: "full_finetune",
-        aliases: &["full_finetune_single_device"],
-        distributed: Some("full_finetune_distributed"),
-        description: "Full fine-tuning of every weight (SFT)",
-    },
-    RecipeInfo {
-        recipe: Recipe::LoraFinetune,
-        name: "lora_finetune",
-        aliases: &["lora_finetune_single_device"],
-        distributed: Some("lora_finetune_distributed"),
-        description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
-    },
-    RecipeInfo {
-        recipe: Recipe::LoraDpo,
-        name: "lora_dpo",
-        aliases: &["lora_dpo_single_device"],
-        distributed: Some("lora_dpo_distributed"),
-        description: "DPO preference alignment with LoRA (reference = adapters disabled)",
-    },
-    RecipeInfo {
-        recipe: Recipe::FullDpo,
-        name: "full_dpo",
-        aliases: &["full_dpo_single_device"],
-        distributed: Some("full_dpo_distributed"),
-        description: "DPO preference alignment of every weight against a frozen reference",
-    },
-    RecipeInfo {
-        recipe: Recipe::Qat,
-        name: "qat",
-        aliases: &["qat_single_device"],
-        distributed: Some("qat_distributed"),
-        description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
-    },
-    RecipeInfo {
-        recipe: Recipe::QatLora,
-        name: "qat_lora",
-        aliases: &["qat_lora_finetune_single_device"],
-        distributed: Some("qat_lora_finetune_distributed"),
-        description: "Quantization-aware LoRA fine-tuning",
-    },
-    RecipeInfo {
-        recipe: Recipe::KnowledgeDistillation,
-        name: "knowledge_distillation",
-        aliases: &[
-            "knowledge_distillation_single_device",
-            "kd_single_device",
-            "kd",
-        ],
-        distributed: Some("knowledge_distillation_distributed"),
-        description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
-    },
-    RecipeInfo {
-        recipe: Recipe::Generate,
-        name: "generate",
-        aliases: &[],
-        distributed: None,
-        description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
-    },
+static FULL_FINETUNE: RecipeInfo = RecipeInfo {
+    recipe: Recipe::FullFinetune,
+    name: "full_finetune",
+    aliases: &["full_finetune_single_device"],
+    distributed: Some("full_finetune_distributed"),
+    description: "Full fine-tuning of every weight (SFT)",
+};
+
+static LORA_FINETUNE: RecipeInfo = RecipeInfo {
+    recipe: Recipe::LoraFinetune,
+    name: "lora_finetune",
+    aliases: &["lora_finetune_single_device"],
+    distributed: Some("lora_finetune_distributed"),
+    description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
+};
+
+static LORA_DPO: RecipeInfo = RecipeInfo {
+    recipe: Recipe::LoraDpo,
+    name: "lora_dpo",
+    aliases: &["lora_dpo_single_device"],
+    distributed: Some("lora_dpo_distributed"),
+    description: "DPO preference alignment with LoRA (reference = adapters disabled)",
+};
+
+static FULL_DPO: RecipeInfo = RecipeInfo {
+    recipe: Recipe::FullDpo,
+    name: "full_dpo",
+    aliases: &["full_dpo_single_device"],
+    distributed: Some("full_dpo_distributed"),
+    description: "DPO preference alignment of every weight against a frozen reference",
+};
+
+static QAT: RecipeInfo = RecipeInfo {
+    recipe: Recipe::Qat,
+    name: "qat",
+    aliases: &["qat_single_device"],
+    distributed: Some("qat_distributed"),
+    description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
+};
+
+static QAT_LORA: RecipeInfo = RecipeInfo {
+    recipe: Recipe::QatLora,
+    name: "qat_lora",
+    aliases: &["qat_lora_finetune_single_device"],
+    distributed: Some("qat_lora_finetune_distributed"),
+    description: "Quantization-aware LoRA fine-tuning",
+};
+
+static KNOWLEDGE_DISTILLATION: RecipeInfo = RecipeInfo {
+    recipe: Recipe::KnowledgeDistillation,
+    name: "knowledge_distillation",
+    aliases: &[
+        "knowledge_distillation_single_device",
+        "kd_single_device",
+        "kd",
+    ],
+    distributed: Some("knowledge_distillation_distributed"),
+    description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
+};
+
+static GENERATE: RecipeInfo = RecipeInfo {
+    recipe: Recipe::Generate,
+    name: "generate",
+    aliases: &[],
+    distributed: None,
+    description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
+};
+
+/// Every recipe, in `tune ls` order.
+pub static RECIPES: &[&RecipeInfo] = &[
+    &FULL_FINETUNE,
+    &LORA_FINETUNE,
+    &LORA_DPO,
+    &FULL_DPO,
+    &QAT,
+    &QAT_LORA,
+    &KNOWLEDGE_DISTILLATION,
+    &GENERATE,
 ];
 
 impl Recipe {
     pub fn info(self) -> &'static RecipeInfo {
-        RECIPES
-            .iter()
-            .find(|r| r.recipe == self)
-            .unwrap_or(&RECIPES[0])
+        match self {
+            Self::FullFinetune => &FULL_FINETUNE,
+            Self::LoraFinetune => &LORA_FINETUNE,
+            Self::LoraDpo => &LORA_DPO,
+            Self::FullDpo => &FULL_DPO,
+            Self::Qat => &QAT,
+            Self::QatLora => &QAT_LORA,
+            Self::KnowledgeDistillation => &KNOWLEDGE_DISTILLATION,
+            Self::Generate => &GENERATE,
+        }
     }
 
     pub fn name(self) -> &'static str {

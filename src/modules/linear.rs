@@ -16,7 +16,8 @@ use crate::kernels::matmul;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    /// The float base weight; `None` exactly when `nf4` holds it.
+    /// The float base weight; `None` exactly when `nf4` holds it (two fields, not an enum, so
+    /// burn names the parameter `weight` as Hugging Face does). Read through [`Linear::base`].
     weight: Option<Param<Tensor<B, 2>>>,
     /// The base weight in NF4 (QLoRA): frozen, dequantized per use, no gradient.
     #[module(skip)]
@@ -25,6 +26,13 @@ pub struct Linear<B: Backend> {
     pub lora: Option<Lora<B>>,
     /// Fake quantization for QAT; `None` trains in plain floating point.
     pub quant: Option<QuantScheme>,
+}
+
+/// A linear layer's base weight.
+enum Base<'a, B: Backend> {
+    Float(&'a Param<Tensor<B, 2>>),
+    /// Frozen NF4 (QLoRA).
+    Nf4(&'a Arc<FrozenNf4>),
 }
 
 /// Per-forward switches, so one model serves as policy and reference, or trains with
@@ -80,12 +88,22 @@ impl<B: Backend> Linear<B> {
         self.nf4.as_deref()
     }
 
+    /// The base weight, float or NF4: every constructor and setter leaves exactly one.
+    fn base(&self) -> Base<'_, B> {
+        match (&self.weight, &self.nf4) {
+            (Some(w), _) => Base::Float(w),
+            (None, Some(q)) => Base::Nf4(q),
+            (None, None) => panic!(
+                "a linear layer without a base weight: `Linear`'s constructors and setters always set one"
+            ),
+        }
+    }
+
     /// `[out, in]`.
     fn shape(&self) -> [usize; 2] {
-        match (&self.weight, &self.nf4) {
-            (Some(w), _) => w.val().dims(),
-            (None, Some(q)) => q.shape(),
-            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
+        match self.base() {
+            Base::Float(w) => w.val().dims(),
+            Base::Nf4(q) => q.shape(),
         }
     }
 
@@ -105,19 +123,18 @@ impl<B: Backend> Linear<B> {
     /// [`Self::base_weight`], an NF4 one dequantized onto `device` (an NF4 layer with neither
     /// adapter nor bias holds no tensor to take the device from).
     pub fn base_weight_on(&self, device: &B::Device) -> Tensor<B, 2> {
-        match (&self.weight, &self.nf4) {
-            (Some(w), _) => w.val(),
+        match self.base() {
+            Base::Float(w) => w.val(),
             // In the device's float dtype, as the float weight would be.
-            (None, Some(q)) => q.to_tensor::<B>(device),
-            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
+            Base::Nf4(q) => q.to_tensor::<B>(device),
         }
     }
 
     /// The base weight as an export holds it: an NF4 base dequantized to bf16, as torchtune's
     /// QLoRA state-dict hook saves it whatever the model dtype.
     pub fn export_base_weight(&self) -> Tensor<B, 2> {
-        match (&self.weight, &self.nf4) {
-            (None, Some(q)) => {
+        match self.base() {
+            Base::Nf4(q) => {
                 let [out, inp] = q.shape();
                 let values = q.dequantize_for_export();
                 Tensor::from_data(
@@ -125,7 +142,7 @@ impl<B: Backend> Linear<B> {
                     &self.device(),
                 )
             }
-            _ => self.base_weight(),
+            Base::Float(_) => self.base_weight(),
         }
     }
 
@@ -152,8 +169,8 @@ impl<B: Backend> Linear<B> {
     /// `x` is `[..., in]` flattened to `[rows, in]`; returns `[rows, out]`.
     pub fn forward(&self, x: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
         let quant = self.quant.filter(|_| mode.fake_quant);
-        let xw = match (&self.weight, &self.nf4) {
-            (Some(weight), _) => {
+        let xw = match self.base() {
+            Base::Float(weight) => {
                 let mut weight = weight.val();
                 let base_in = match quant {
                     Some(scheme) => {
@@ -164,8 +181,7 @@ impl<B: Backend> Linear<B> {
                 };
                 matmul(base_in, weight.transpose())
             }
-            (None, Some(q)) => super::nf4_linear::nf4_linear(x.clone(), q),
-            (None, None) => unreachable!("a linear layer holds its weight in float or NF4"),
+            Base::Nf4(q) => super::nf4_linear::nf4_linear(x.clone(), q),
         };
         let y = match &self.bias {
             Some(bias) => xw + bias.val().unsqueeze_dim(0),

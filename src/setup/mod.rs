@@ -113,3 +113,61 @@ impl From<crate::training::TrainError> for SetupError {
         Self::Train(Box::new(e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SetupError;
+    use super::session::FinishError;
+    use crate::distributed::{DistributedError, Ending, WorkerError};
+    use crate::interrupt::Signal;
+    use crate::training::TrainError;
+
+    /// The launcher learns how a worker's run ended from the error itself, however deep the
+    /// stop or the failed collective call sits.
+    #[test]
+    fn a_stop_or_a_failed_collective_ends_the_worker_as_such_through_every_wrapper() {
+        let stop = || TrainError::Interrupted {
+            signal: Signal::Interrupt,
+            step: 3,
+        };
+        let collective = || DistributedError::AllReduce {
+            rank: 1,
+            what: "gradients",
+            detail: "peer gone".into(),
+        };
+        let ending = |e: WorkerError| e.ending;
+        assert_eq!(ending(stop().into()), Ending::Stopped(Signal::Interrupt));
+        assert_eq!(
+            ending(FinishError::StoppedUnsaved { source: stop() }.into()),
+            Ending::Stopped(Signal::Interrupt)
+        );
+        assert_eq!(
+            ending(SetupError::from(TrainError::Distributed(collective())).into()),
+            Ending::CollectiveFailed
+        );
+        assert_eq!(
+            ending(FinishError::Train(TrainError::Distributed(collective())).into()),
+            Ending::CollectiveFailed
+        );
+        // Workers that refuse each other's config did not lose a peer.
+        let mismatch = DistributedError::Mismatch {
+            rank: 1,
+            what: "config",
+        };
+        assert_eq!(ending(SetupError::from(mismatch).into()), Ending::Failed);
+        assert_eq!(
+            ending(
+                TrainError::TooLittleData {
+                    batches: 1,
+                    batch_size: 4,
+                    accum: 2
+                }
+                .into()
+            ),
+            Ending::Failed
+        );
+        // The message is the error's own.
+        let e = WorkerError::from(stop());
+        assert_eq!(e.to_string(), "stopped by SIGINT at the end of step 3");
+    }
+}

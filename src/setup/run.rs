@@ -260,16 +260,15 @@ pub fn trainer<B: AutodiffBackend>(
             String::new(),
         )
     };
-    let trainer = Trainer {
-        settings: trainer_settings(cfg, run.seed),
+    let trainer = Trainer::new(
+        trainer_settings(cfg, run.seed),
         model,
         optimizer,
         state,
         loggers,
-        show_progress: run.world.is_main(),
-        world: run.world.clone(),
-        save_optimizer_shards: false,
-    };
+        run.world.is_main(),
+        run.world.clone(),
+    );
     Ok((trainer, log_dir))
 }
 

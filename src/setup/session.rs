@@ -15,10 +15,9 @@ use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use crate::training::checkpointing::{RunCheckpointer, SaveContent};
 use crate::training::optimizer_shards::ShardWriter;
-use crate::training::trainer::{
-    LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState, TrainSummary,
-};
+use crate::training::trainer::TrainSummary;
 use crate::training::validation::Validation;
+use crate::training::{LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::training::{TrainError, Trainer};
 
 /// A run's training data: this rank's share of every batch comes from `loader`.

@@ -18,10 +18,9 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
+use super::error::{CheckpointingError, Divergence, MAX_WEIGHT, TrainError};
 use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
-use super::trainer::{
-    Divergence, MAX_WEIGHT, OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState,
-};
+use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
@@ -46,36 +45,6 @@ pub enum SaveContent {
     },
     /// Full fine-tuning: the whole model in Hugging Face layout.
     FullModel,
-}
-
-/// Saving or resuming a training checkpoint failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointingError {
-    /// The checkpoint client: writing, publishing, finding or cleaning up checkpoints.
-    #[error(transparent)]
-    Client(#[from] crate::checkpoint_client::ClientError),
-    /// Reading or converting tensors (the optimizer state, the quantized export).
-    #[error(transparent)]
-    Tensors(#[from] crate::checkpoint::CheckpointError),
-    #[error("the quantized export needs a weight-quantizing scheme")]
-    NoQuantizedWeights,
-    #[error("{}: not a tune training checkpoint ({source})", dir.display())]
-    NotTune {
-        dir: PathBuf,
-        source: serde_json::Error,
-    },
-    #[error(
-        "cannot resume from {}: the config changed since it was written ({}); restore those keys, or set a new output_dir to start over",
-        dir.display(),
-        changed.join(", ")
-    )]
-    ConfigChanged { dir: PathBuf, changed: Vec<String> },
-    #[error("rank {rank}: writing its optimizer shard: {source}")]
-    Shard {
-        rank: usize,
-        #[source]
-        source: WriteError,
-    },
 }
 
 /// The parts of the config a resumed run must share with the checkpoint (the keys the config

@@ -12,9 +12,10 @@ use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::activation_checkpointing;
+use super::error::TrainError;
 use super::loss::sequence_log_probs;
+use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::sft::token_batch;
-use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
@@ -87,11 +88,9 @@ pub struct PairLogProbs<B: Backend> {
 /// number of them.
 pub fn pairs_in(batch: &Batch) -> Result<usize, TrainError> {
     if batch.batch_size == 0 || !batch.batch_size.is_multiple_of(2) {
-        return Err(TrainError::Other(format!(
-            "DPO needs a preference dataset (chosen rows then rejected rows in each batch), but a batch has {} rows; \
-             use a preference dataset such as torchtune.datasets.stack_exchange_paired_dataset or preference_dataset",
-            batch.batch_size
-        )));
+        return Err(TrainError::NotPreferencePairs {
+            rows: batch.batch_size,
+        });
     }
     Ok(batch.batch_size / 2)
 }
@@ -293,11 +292,7 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
                 loss
             },
         );
-        let Some(out) = scored else {
-            return Err(TrainError::Other(
-                "the DPO loss was not computed for this batch".into(),
-            ));
-        };
+        let out = scored.expect("loss_and_grads calls the loss closure once");
         Ok(StepOutput {
             loss,
             weight: pairs,

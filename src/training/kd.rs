@@ -11,9 +11,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing;
+use super::error::TrainError;
 use super::loss::{self, flat_logits, next_token_targets};
+use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::sft::{labelled_tokens, padding_free, token_batch};
-use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
 use crate::data::Batch;
 use crate::kernels;
 use crate::models::CausalLm;

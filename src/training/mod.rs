@@ -4,23 +4,27 @@ pub mod activation_checkpointing;
 pub mod checkpointing;
 pub mod chunked_loss;
 pub mod dpo;
+pub mod error;
 pub mod grads;
 pub mod kd;
 pub mod loss;
+pub mod loss_step;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
 pub mod optimizer_shards;
 pub mod progress;
+pub mod save_hook;
 pub mod schedule;
 pub mod sft;
 pub mod sharded_optimizer;
 pub mod step;
+pub mod step_totals;
 pub mod tensorboard;
 pub mod trainer;
 pub mod validation;
 
-pub use trainer::{
-    LossStep, SaveHook, SaveKind, StepInfo, StepOutput, TrainError, TrainState, Trainer,
-    TrainerSettings,
-};
+pub use error::{CheckpointingError, Divergence, TrainError};
+pub use loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
+pub use save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
+pub use trainer::{StepDone, StepTimes, Trainer, TrainerSettings};

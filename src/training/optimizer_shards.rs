@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::checkpointing::CheckpointingError;
-use super::trainer::{OptimizerSnapshot, SaveHook, SaveKind, TrainError, TrainState};
+use super::error::{CheckpointingError, TrainError};
+use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype};
 use crate::checkpoint_client::WriteError;

@@ -4,7 +4,8 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::trainer::{EvalOutput, LossStep, StepInfo, StepOutput, TrainError};
+use super::error::TrainError;
+use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::{activation_checkpointing, chunked_loss, loss};
 use crate::data::{Batch, IGNORE_INDEX, LONG_PACK, unpad};
 use crate::kernels;
@@ -20,6 +21,9 @@ pub struct SftLoss {
     /// `loss.num_output_chunks`: the output projection and loss run in this many row chunks
     /// when the projection is frozen (see [`chunked_loss`]); 1 turns chunking off.
     pub output_chunks: usize,
+    /// Compute a padded batch's rows padding-free (the same loss and gradients); off only to
+    /// measure the padded step (`tune bench --keep-padding`).
+    pub padding_free: bool,
 }
 
 impl Default for SftLoss {
@@ -28,6 +32,7 @@ impl Default for SftLoss {
             fake_quant_after: None,
             activation_checkpointing: false,
             output_chunks: chunked_loss::DEFAULT_CHUNKS,
+            padding_free: true,
         }
     }
 }
@@ -114,7 +119,10 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         let weight = batch.num_trained_tokens;
         let tokens = labelled_tokens(batch);
         // Padding-free: the rows' real tokens in block-causal packs (same loss and gradients).
-        let unpadded = padding_free::<B>(batch);
+        let unpadded = self
+            .padding_free
+            .then(|| padding_free::<B>(batch))
+            .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
         let (loss, grads) = loss_and_grads(
             model,
@@ -145,7 +153,10 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             fake_quant: self.fake_quant_after.is_none_or(|n| info.global_step >= n),
             train: false,
         };
-        let unpadded = padding_free::<B::InnerBackend>(batch);
+        let unpadded = self
+            .padding_free
+            .then(|| padding_free::<B::InnerBackend>(batch))
+            .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
         let hidden = model.hidden(token_batch(batch), mode, None);
         Ok(EvalOutput {

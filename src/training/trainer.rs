@@ -1,28 +1,40 @@
 //! The trainer core every recipe shares: epochs, gradient accumulation, clipping, optimizer
-//! and schedule stepping, metrics, progress, the NaN guard, checkpoint triggers and resume.
-//! A recipe supplies only its loss step and what to save.
+//! and schedule stepping, metrics, progress, the divergence guard, checkpoint triggers and
+//! resume. A recipe supplies only its loss step and what to save.
+//!
+//! One optimizer step ([`Trainer::train_step`], which `tune bench` times too) is:
+//! [`run_step`](Trainer::run_step) (every micro-batch's loss and gradients, summed, and with
+//! several workers summed over the world), [`guard`](Trainer::guard) (the divergence guard and
+//! the gradient's scale), and [`update`](Trainer::update) (clipping, the schedule's rate, the
+//! optimizer). [`fit`](Trainer::fit) runs steps, then [`log_step`](Trainer::log_step),
+//! validation and [`save_if_due`](Trainer::save_if_due) after each.
 //!
 //! Data parallelism lives here too: with a [`World`] of W workers each trains on its share of
 //! every global batch, and one step is the single-device step on the whole batch: gradients
 //! and the trained-token count are summed over the world before the loss normalisation,
-//! clipping (on the global norm), the NaN guard and the optimizer step, which every worker
-//! applies alike. A world of one skips every collective call.
+//! clipping (on the global norm), the divergence guard and the optimizer step, which every
+//! worker applies alike. A world of one skips every collective call.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
+use burn::optim::GradientsParams;
+use burn::tensor::ElementConversion;
+use burn::tensor::backend::AutodiffBackend;
 
-use super::loss;
+use super::error::{Divergence, EXPLODING_LOSS_FACTOR, MAX_GRAD_NORM, TrainError};
+use super::loss_step::{LossStep, StepInfo, check_vocabulary};
 use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
 use super::optimizer::Optimizer;
 use super::progress::EpochProgress;
+use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use super::schedule::Schedule;
-use super::sharded_optimizer;
+use super::sharded_optimizer::{self, OptimizerShard};
 use super::step::{self, GradAccumulator};
+use super::step_totals::{DeviceSums, StepTotals};
 use super::validation::Validation;
 use crate::data::{Batch, DataLoader, Dataset};
-use crate::distributed::{DistributedError, World, sync};
+use crate::distributed::{World, sync};
+use crate::interrupt::Signal;
 use crate::models::CausalLm;
 
 /// Loop settings, from the recipe config.
@@ -44,339 +56,78 @@ pub struct TrainerSettings {
     pub save_on_preempt: bool,
 }
 
-/// Where training stands; saved in every checkpoint so a resumed run continues exactly.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TrainState {
-    pub epoch: usize,
-    /// Optimizer steps completed in `epoch`.
-    pub step_in_epoch: usize,
-    pub global_step: usize,
-    pub steps_per_epoch: usize,
-    pub total_steps: usize,
-    pub tokens_seen: u64,
-}
-
-/// What a recipe's loss step returns for one micro-batch.
-pub struct StepOutput<B: AutodiffBackend> {
-    /// The mean loss over this micro-batch's `weight` units (tokens for SFT, pairs for DPO).
-    pub loss: Tensor<B, 1>,
-    pub weight: usize,
-    /// Tokens for throughput: SFT and KD count labels that are not ignored (torchtune's
-    /// `num_tokens`), DPO every position of its padded rows (as torchtune's DPO recipe).
-    pub tokens: usize,
-    /// Extra per-micro-batch metrics (`[1]` tensors), averaged over the step by weight. They
-    /// stay on the device: the trainer reads them with the loss, once per step, so a GPU is
-    /// not made to wait for the host between micro-batches.
-    pub metrics: Vec<(&'static str, Tensor<B::InnerBackend, 1>)>,
-    /// Gradients the step already computed (activation checkpointing runs its own backward
-    /// passes, for `loss * weight`); `None` lets the trainer back-propagate `loss * weight`.
-    pub grads: Option<Vec<B::Gradients>>,
-}
-
-impl<B: AutodiffBackend> StepOutput<B> {
-    /// The gradients of `loss * weight`: the ones the step computed itself, or one backward
-    /// pass here.
-    pub fn take_gradients(&mut self) -> Vec<B::Gradients> {
-        match self.grads.take() {
-            Some(parts) => parts,
-            None => vec![(self.loss.clone() * self.weight as f64).backward()],
-        }
-    }
-
-    /// The value of metric `name` (a read from the device; for tests and inspection).
-    pub fn metric(&self, name: &str) -> Option<f64> {
-        let (_, value) = self.metrics.iter().find(|(k, _)| *k == name)?;
-        Some(value.clone().into_scalar().elem())
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub struct StepInfo {
-    pub epoch: usize,
-    pub global_step: usize,
-    /// The seed the backend's RNG was reset to for this step.
-    pub seed: u64,
-}
-
-/// What a loss step returns for one validation batch.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EvalOutput {
-    /// The mean loss over the batch's `weight` units, as [`StepOutput::loss`].
-    pub loss: f64,
-    pub weight: usize,
-    /// The recipe's own metrics, averaged over the validation set by weight.
-    pub metrics: Vec<(&'static str, f64)>,
-}
-
-pub trait LossStep<B: AutodiffBackend> {
-    fn step(
-        &mut self,
-        model: &CausalLm<B>,
-        batch: &Batch,
-        info: StepInfo,
-    ) -> Result<StepOutput<B>, TrainError>;
-
-    /// The same loss on a validation batch, on the model without autodiff and with dropout off
-    /// (torchtune's `model.eval()` under `torch.no_grad()`).
-    fn evaluate(
-        &mut self,
-        model: &CausalLm<B::InnerBackend>,
-        batch: &Batch,
-        info: StepInfo,
-    ) -> Result<EvalOutput, TrainError>;
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SaveKind {
-    /// Every `save_every_n_steps`: in the background.
-    Periodic,
-    /// End of an epoch that is not the last: in the background.
-    EpochEnd,
-    /// End of training: synchronous.
-    Final,
-    /// A stop signal with `save_on_preempt`: a `step_N` checkpoint, synchronous.
-    Preempt,
-}
-
-impl SaveKind {
-    /// Whether training waits for the checkpoint to be published (the process exits after).
-    pub fn blocks(self) -> bool {
-        matches!(self, Self::Final | Self::Preempt)
-    }
-}
-
-/// The optimizer as a checkpoint holds it: its step count and every parameter's moments
-/// (gathered from all ranks when the state is sharded).
-pub struct OptimizerSnapshot {
-    pub step: u64,
-    pub state: Vec<(String, crate::checkpoint::HostTensor)>,
-}
-
-/// The recipe's side of checkpointing: what to save (adapter or full model, optimizer, state).
-pub trait SaveHook<B: AutodiffBackend> {
-    fn save(
-        &mut self,
-        kind: SaveKind,
-        model: &mut CausalLm<B>,
-        optimizer: &OptimizerSnapshot,
-        state: &TrainState,
-    ) -> Result<(), TrainError>;
-}
-
-/// What the divergence guard caught.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Divergence {
-    NonFiniteLoss(f64),
-    /// The step's loss is more than [`EXPLODING_LOSS_FACTOR`] times the run's first (or 1).
-    ExplodingLoss {
-        loss: f64,
-        first: f64,
-    },
-    /// The norm of the step's mean gradient: non-finite, or over [`MAX_GRAD_NORM`].
-    Gradients(f64),
-    /// A trained weight about to be saved: non-finite, or over [`MAX_WEIGHT`] in magnitude.
-    Weight {
-        name: String,
-        value: f32,
-    },
-}
-
-/// A step whose loss exceeds this many times the run's first loss (or 1, if larger) has
-/// diverged: a cross-entropy starts near ln(vocabulary) and falls.
-pub const EXPLODING_LOSS_FACTOR: f64 = 100.0;
-/// The largest norm of a step's mean gradient that is still training (norms of a healthy
-/// fine-tune are well under 100; clipping bounds the update, not the gradient).
-pub const MAX_GRAD_NORM: f64 = 1e6;
-/// The largest magnitude of a saved trained weight (trained weights stay well under 100).
-pub const MAX_WEIGHT: f32 = 1e6;
-
-impl std::fmt::Display for Divergence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::NonFiniteLoss(v) => write!(f, "the loss became {v}"),
-            Self::ExplodingLoss { loss, first } => write!(
-                f,
-                "the loss became {loss:.4e}, over {EXPLODING_LOSS_FACTOR} times the first step's ({first:.4})"
-            ),
-            Self::Gradients(norm) if norm.is_finite() => write!(
-                f,
-                "the gradient norm became {norm:.3e} (over {MAX_GRAD_NORM:e})"
-            ),
-            Self::Gradients(norm) => write!(f, "the gradient norm became {norm}"),
-            Self::Weight { name, value } => write!(f, "the weight {name} holds {value:e}"),
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    #[error(
-        "training diverged at step {step} (epoch {epoch}): {cause}; training stopped before saving anything from it. Lower optimizer.lr, set clip_grad_norm, or check the data"
-    )]
-    Diverged {
-        cause: Divergence,
-        step: usize,
-        epoch: usize,
-    },
-    #[error("stopped by {signal} at the end of step {step}")]
-    Interrupted {
-        signal: crate::interrupt::Signal,
-        step: usize,
-    },
-    #[error(
-        "the dataset yields {batches} batches of {batch_size}, fewer than gradient_accumulation_steps ({accum}): lower batch_size or gradient_accumulation_steps, or add data"
-    )]
-    TooLittleData {
-        batches: usize,
-        batch_size: usize,
-        accum: usize,
-    },
-    /// Boxed, as `Checkpoint`: data errors carry a path and the row's details.
-    #[error("data: {0}")]
-    Data(Box<crate::data::DataError>),
-    #[error(
-        "the batch at step {step} holds token id {id}, but the model's vocabulary has {vocab_size} entries: the tokenizer does not match the model (check tokenizer.path against checkpointer.checkpoint_dir)"
-    )]
-    TokenOutOfVocabulary {
-        id: i64,
-        vocab_size: usize,
-        step: usize,
-    },
-    #[error(transparent)]
-    Metrics(#[from] super::metrics::MetricsError),
-    /// Boxed: the checkpoint client's errors carry paths and sources.
-    #[error(transparent)]
-    Checkpoint(Box<super::checkpointing::CheckpointingError>),
-    #[error(transparent)]
-    Distributed(#[from] DistributedError),
-    #[error("{0}")]
-    Other(String),
-}
-
-impl crate::distributed::Ends for TrainError {
-    fn ending(&self) -> crate::distributed::Ending {
-        match self {
-            Self::Interrupted { signal, .. } => crate::distributed::Ending::Stopped(*signal),
-            Self::Distributed(e) => e.ending(),
-            _ => crate::distributed::Ending::Failed,
-        }
-    }
-}
-
-impl From<crate::data::DataError> for TrainError {
-    fn from(e: crate::data::DataError) -> Self {
-        Self::Data(Box::new(e))
-    }
-}
-
-impl From<super::checkpointing::CheckpointingError> for TrainError {
-    fn from(e: super::checkpointing::CheckpointingError) -> Self {
-        Self::Checkpoint(Box::new(e))
-    }
-}
-
-/// Every token and label must index the model's vocabulary: an id past it would index outside
-/// the embedding and the logits.
-pub(crate) fn check_vocabulary(
-    batch: &Batch,
-    vocab_size: usize,
-    step: usize,
-) -> Result<(), TrainError> {
-    let tokens = batch.tokens.iter().map(|&t| t as i64);
-    let labels = batch
-        .labels
-        .iter()
-        .copied()
-        .filter(|&l| l != loss::IGNORE_INDEX);
-    match tokens
-        .chain(labels)
-        .find(|&id| id < 0 || id >= vocab_size as i64)
-    {
-        Some(id) => Err(TrainError::TokenOutOfVocabulary {
-            id,
-            vocab_size,
-            step: step + 1,
-        }),
-        None => Ok(()),
-    }
-}
-
-/// A step's loss and metrics summed over its micro-batches, each weighted by its size, as
-/// device tensors: read once per step.
-struct StepSums<B: Backend> {
-    loss: Option<Tensor<B, 1>>,
-    metrics: Vec<(&'static str, Tensor<B, 1>)>,
-}
-
-impl<B: Backend> Default for StepSums<B> {
-    fn default() -> Self {
-        Self {
-            loss: None,
-            metrics: Vec::new(),
-        }
-    }
-}
-
-impl<B: Backend> StepSums<B> {
-    fn add(&mut self, loss: Tensor<B, 1>, metrics: Vec<(&'static str, Tensor<B, 1>)>, weight: f64) {
-        let weighted = |t: Tensor<B, 1>| crate::precision::to_f32(t) * weight;
-        self.loss = Some(match self.loss.take() {
-            Some(sum) => sum + weighted(loss),
-            None => weighted(loss),
-        });
-        for (k, v) in metrics {
-            match self.metrics.iter_mut().find(|(name, _)| *name == k) {
-                Some(entry) => entry.1 = entry.1.clone() + weighted(v),
-                None => self.metrics.push((k, weighted(v))),
-            }
-        }
-    }
-
-    /// The loss sum, the metric sums (by name, in first-seen order) and `extra`'s value (0
-    /// without it), in one read from the device.
-    fn read(self, extra: Option<Tensor<B, 1>>) -> (f64, Vec<(&'static str, f64)>, f64) {
-        let names: Vec<&'static str> = self.metrics.iter().map(|(k, _)| *k).collect();
-        let has_extra = extra.is_some();
-        let parts: Vec<Tensor<B, 1>> = self
-            .loss
-            .into_iter()
-            .chain(self.metrics.into_iter().map(|(_, v)| v))
-            .chain(extra.map(crate::precision::to_f32))
-            .collect();
-        if parts.is_empty() {
-            return (0.0, Vec::new(), 0.0);
-        }
-        let values: Vec<f64> = Tensor::cat(parts, 0).into_data().iter::<f64>().collect();
-        let extra = if has_extra {
-            values[values.len() - 1]
-        } else {
-            0.0
-        };
-        let metrics = names.into_iter().zip(values[1..].iter().copied()).collect();
-        (values[0], metrics, extra)
-    }
-}
-
-/// Adds a micro-batch's metrics, weighted, into the running sums (by name, in first-seen order).
-pub(crate) fn add_weighted(
-    sums: &mut Vec<(&'static str, f64)>,
-    metrics: Vec<(&'static str, f64)>,
-    weight: f64,
-) {
-    for (k, v) in metrics {
-        match sums.iter_mut().find(|(name, _)| *name == k) {
-            Some(entry) => entry.1 += v * weight,
-            None => sums.push((k, v * weight)),
-        }
-    }
-}
-
 /// The outcome of `fit`, for the final report.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
     pub state: TrainState,
     pub losses: Vec<f64>,
     pub last_metrics: Metrics,
+}
+
+/// Where a step's time went, measured when [`Trainer::time_phases`] is set.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// The loss steps' forward passes.
+    pub forward: Duration,
+    /// The backward passes and summing the micro-batches' gradients. A loss step that computes
+    /// its gradients itself (activation checkpointing, the chunked output) interleaves them
+    /// with its forward pass: all of its time counts here.
+    pub backward: Duration,
+    /// Clipping, the optimizer step and, with ZeRO-1, gathering the updated parameters.
+    pub optimizer: Duration,
+}
+
+/// One optimizer step, done.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepDone {
+    /// The mean loss over the step's units (over the world).
+    pub loss: f64,
+    pub lr: f64,
+    /// The gradient norm before clipping, when clipping is on (as torchtune logs it).
+    pub grad_norm: Option<f64>,
+    /// Tokens for throughput (over the world).
+    pub tokens: usize,
+    /// The recipe's metrics, means over the step's units.
+    pub metrics: Vec<(&'static str, f64)>,
+    /// A stop signal came during the step (on any worker): the run ends after it.
+    pub stop: Option<Signal>,
+    /// With [`Trainer::time_phases`].
+    pub times: Option<StepTimes>,
+}
+
+/// A step's micro-batches run, before the update: its totals and summed gradients.
+struct StepResult {
+    totals: StepTotals,
+    grads: GradientsParams,
+    /// The squared norm of the summed gradients (`loss * weight` summed, not yet scaled).
+    squared_norm: f64,
+}
+
+/// What the guard lets through: the loss, the gradients' norm and the factor that turns the
+/// summed gradients into the mean gradient.
+struct Checked {
+    loss: f64,
+    norm: f64,
+    scale: f64,
+}
+
+/// The running record of the steps since the last metrics line.
+struct LogWindow {
+    tokens: usize,
+    start: Instant,
+}
+
+impl LogWindow {
+    fn new() -> Self {
+        Self {
+            tokens: 0,
+            start: Instant::now(),
+        }
+    }
+
+    fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
+    }
 }
 
 pub struct Trainer<B: AutodiffBackend> {
@@ -391,17 +142,296 @@ pub struct Trainer<B: AutodiffBackend> {
     /// With a sharded optimizer: every rank hands its own share to its save hook (which writes
     /// it as a file of the checkpoint) instead of gathering the whole state for rank 0.
     pub save_optimizer_shards: bool,
+    /// Measure [`StepTimes`], synchronising the device at each phase's end (a GPU then loses
+    /// its overlap between phases: for benchmarks, not runs).
+    pub time_phases: bool,
+    /// The run's first loss, which the divergence guard compares every step's with.
+    first_loss: Option<f64>,
+    /// ZeRO-1's share of this rank, for a sharded optimizer on several workers.
+    shard: Option<OptimizerShard>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
+    /// A trainer at `state` (zero for a fresh run, a checkpoint's for a resume).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: TrainerSettings,
+        model: CausalLm<B>,
+        optimizer: Optimizer<B::InnerBackend>,
+        state: TrainState,
+        loggers: MetricLoggers,
+        show_progress: bool,
+        world: World,
+    ) -> Self {
+        Self {
+            settings,
+            model,
+            optimizer,
+            state,
+            loggers,
+            show_progress,
+            world,
+            save_optimizer_shards: false,
+            time_phases: false,
+            first_loss: None,
+            shard: None,
+        }
+    }
+
+    /// One optimizer step over `micro_batches` (gradient accumulation over them), exactly as
+    /// [`fit`](Self::fit) runs each step: the loss step on each, the world's sums, the guard,
+    /// clipping, the schedule's rate and the optimizer; the state moves one step on. The
+    /// trainer is taken and given back: the optimizer updates the model it owns, in place
+    /// where no other reference holds a weight.
+    pub fn train_step(
+        mut self,
+        micro_batches: &[Batch],
+        loss_step: &mut dyn LossStep<B>,
+    ) -> Result<(Self, StepDone), TrainError> {
+        let mut times = self.time_phases.then(StepTimes::default);
+        let step = self.run_step(micro_batches, loss_step, times.as_mut())?;
+        let checked = self.guard(&step)?;
+        let (mut trainer, lr, grad_norm) = self.update(step.grads, &checked, times.as_mut())?;
+        trainer.state.global_step += 1;
+        trainer.state.step_in_epoch += 1;
+        trainer.state.tokens_seen += step.totals.tokens as u64;
+        let done = StepDone {
+            loss: checked.loss,
+            lr,
+            grad_norm,
+            tokens: step.totals.tokens,
+            metrics: step.totals.metric_means(),
+            stop: step.totals.stop,
+            times,
+        };
+        Ok((trainer, done))
+    }
+
+    /// Every micro-batch's loss and gradients, summed (each weighted by its size, so the sum
+    /// divided by the total weight is the step's mean gradient, as torchtune normalises it),
+    /// then summed over the world with the step's totals.
+    fn run_step(
+        &mut self,
+        micro_batches: &[Batch],
+        loss_step: &mut dyn LossStep<B>,
+        mut times: Option<&mut StepTimes>,
+    ) -> Result<StepResult, TrainError> {
+        let world = self.world.clone();
+        let device = self.model.device();
+        // Reseeding per step makes dropout reproducible and resumable; each rank draws its
+        // own masks (seed + rank, as torchtune seeds its ranks).
+        let seed = self
+            .settings
+            .seed
+            .wrapping_add(self.state.global_step as u64)
+            .wrapping_add(world.rank as u64);
+        let info = StepInfo {
+            epoch: self.state.epoch,
+            global_step: self.state.global_step,
+            seed,
+        };
+        B::seed(&device, seed);
+        let mut accumulator = GradAccumulator::<B>::default();
+        // The loss and metric sums stay on the device until the step's one read below: a read
+        // per micro-batch would make a GPU wait for the host.
+        let mut sums = DeviceSums::<B::InnerBackend>::default();
+        let (mut weight, mut tokens) = (0usize, 0usize);
+        for batch in micro_batches {
+            check_vocabulary(batch, self.model.args.vocab_size, self.state.global_step)?;
+            let started = Instant::now();
+            let mut out = loss_step.step(&self.model, batch, info)?;
+            let own_grads = out.grads.is_some();
+            let forward_end = self.phase_end(started, &mut times, |t| {
+                if own_grads {
+                    &mut t.backward
+                } else {
+                    &mut t.forward
+                }
+            });
+            for grads in out.take_gradients() {
+                accumulator.add(&self.model, grads);
+            }
+            self.phase_end(forward_end, &mut times, |t| &mut t.backward);
+            sums.add(out.loss.inner(), out.metrics, out.weight as f64);
+            weight += out.weight;
+            tokens += out.tokens;
+        }
+        let mut grads = accumulator.take();
+        // On one device the gradient norm joins the same read.
+        let squared_norm =
+            (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
+        let (loss_sum, metrics, mut squared_norm) = sums.read(squared_norm.flatten());
+        let mut totals = StepTotals {
+            weight,
+            loss_sum,
+            tokens,
+            metrics,
+            non_finite: !loss_sum.is_finite(),
+            // A stop signal is acted on at the end of this step; every rank agrees on it
+            // through the step's collective call.
+            stop: crate::interrupt::requested(),
+        };
+        if world.is_distributed() {
+            totals = totals.all_reduce::<B::InnerBackend>(&world, &device)?;
+        }
+        if totals.non_finite {
+            return Err(TrainError::Diverged {
+                cause: Divergence::NonFiniteLoss(totals.loss_sum),
+                step: self.state.global_step + 1,
+                epoch: self.state.epoch,
+            });
+        }
+        if world.is_distributed() {
+            grads = sync::all_reduce_grads(&world, &self.model, grads)?;
+            squared_norm = step::squared_grad_norm(&self.model, &grads)
+                .map_or(0.0, |t| t.into_scalar().elem());
+        }
+        Ok(StepResult {
+            totals,
+            grads,
+            squared_norm,
+        })
+    }
+
+    /// The divergence guard, before the update: every rank sees the same global loss and
+    /// gradients, so every rank stops at the same step.
+    fn guard(&mut self, step: &StepResult) -> Result<Checked, TrainError> {
+        let loss = step.totals.loss();
+        let first = *self.first_loss.get_or_insert(loss);
+        let scale = 1.0 / step.totals.weight.max(1) as f64;
+        // `torch.nn.utils.clip_grad_norm_`'s norm of the mean gradient.
+        let norm = step.squared_norm.sqrt() * scale;
+        let diverged = if loss > EXPLODING_LOSS_FACTOR * first.max(1.0) {
+            Some(Divergence::ExplodingLoss { loss, first })
+        } else if !norm.is_finite() || norm > MAX_GRAD_NORM {
+            Some(Divergence::Gradients(norm))
+        } else {
+            None
+        };
+        match diverged {
+            Some(cause) => Err(TrainError::Diverged {
+                cause,
+                step: self.state.global_step + 1,
+                epoch: self.state.epoch,
+            }),
+            None => Ok(Checked { loss, norm, scale }),
+        }
+    }
+
+    /// Clipping, the schedule's rate and the optimizer step (on this rank's share, then every
+    /// rank gets every parameter, with ZeRO-1). Returns the rate and the clipped norm.
+    fn update(
+        mut self,
+        grads: GradientsParams,
+        checked: &Checked,
+        mut times: Option<&mut StepTimes>,
+    ) -> Result<(Self, f64, Option<f64>), TrainError> {
+        let started = Instant::now();
+        let s = &self.settings;
+        let mut scale = checked.scale;
+        let grad_norm = s.clip_grad_norm.map(|max| {
+            scale *= (max / (checked.norm + 1e-6)).min(1.0);
+            checked.norm
+        });
+        let lr = s.lr
+            * s.schedule
+                .factor(self.state.global_step, self.state.total_steps);
+        self.model = step::apply(
+            self.model,
+            grads,
+            &mut self.optimizer,
+            (lr, scale),
+            self.shard.as_ref(),
+        );
+        if let Some(shard) = &self.shard {
+            self.model = sharded_optimizer::gather_params(&self.world, self.model, shard)?;
+        }
+        self.phase_end(started, &mut times, |t| &mut t.optimizer);
+        Ok((self, lr, grad_norm))
+    }
+
+    /// With phase timing, waits for the device and adds the time since `since` to the phase
+    /// `field` picks; returns now.
+    fn phase_end(
+        &self,
+        since: Instant,
+        times: &mut Option<&mut StepTimes>,
+        field: impl FnOnce(&mut StepTimes) -> &mut Duration,
+    ) -> Instant {
+        let Some(t) = times.as_deref_mut() else {
+            return since;
+        };
+        // A GPU backend queues its kernels: wait for them, so each phase gets its own time.
+        // An error here surfaces at the next read.
+        let _ = B::sync(&self.model.device());
+        let now = Instant::now();
+        *field(t) += now - since;
+        now
+    }
+
+    /// The metrics line of the step just done, every `log_every_n_steps`.
+    fn log_step(&mut self, done: &StepDone, window: &mut LogWindow) -> Result<Metrics, TrainError> {
+        let mut m: Metrics = vec![
+            ("step".into(), self.state.global_step as f64),
+            ("epoch".into(), self.state.epoch as f64),
+            ("loss".into(), done.loss),
+            ("lr".into(), done.lr),
+            ("tokens_per_second".into(), window.tokens_per_second()),
+        ];
+        if let Some(norm) = done.grad_norm {
+            m.push(("grad_norm".into(), norm));
+        }
+        m.extend(done.metrics.iter().map(|(k, v)| ((*k).into(), *v)));
+        m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
+        // This rank's optimizer state: a 1/W share with a sharded optimizer.
+        m.push((
+            "optimizer_state_bytes".into(),
+            self.optimizer.state_bytes() as f64,
+        ));
+        self.loggers.log(self.state.global_step, &m)?;
+        *window = LogWindow::new();
+        Ok(m)
+    }
+
+    /// The periodic save, every `save_every_n_steps` (the epoch-end save follows the last step
+    /// of an epoch: no periodic one then); returns whether it saved.
+    fn save_if_due(
+        &mut self,
+        saver: &mut dyn SaveHook<B>,
+        progress: &EpochProgress,
+    ) -> Result<bool, TrainError> {
+        let epoch_done = self.state.step_in_epoch == self.state.steps_per_epoch;
+        let due = !epoch_done
+            && self
+                .settings
+                .save_every_n_steps
+                .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n));
+        if due {
+            self.save(SaveKind::Periodic, saver, Some(progress))?;
+        }
+        Ok(due)
+    }
+
+    /// Hands the model, the optimizer and the state to the save hook.
+    fn save(
+        &mut self,
+        kind: SaveKind,
+        saver: &mut dyn SaveHook<B>,
+        progress: Option<&EpochProgress>,
+    ) -> Result<(), TrainError> {
+        let optimizer = self.snapshot()?;
+        let mut save = || saver.save(kind, &mut self.model, &optimizer, &self.state);
+        match progress {
+            Some(p) => p.suspend(save),
+            None => save(),
+        }
+    }
+
     /// The optimizer for a checkpoint: with a sharded state, this rank's share (when every rank
     /// writes its own) or the whole state gathered from every rank; otherwise the state on rank
     /// 0, the one that writes, and nothing elsewhere.
-    fn snapshot(
-        &self,
-        shard: Option<&sharded_optimizer::OptimizerShard>,
-    ) -> Result<OptimizerSnapshot, TrainError> {
-        let state = match shard {
+    fn snapshot(&self) -> Result<OptimizerSnapshot, TrainError> {
+        let state = match &self.shard {
             Some(_) if self.save_optimizer_shards => self.optimizer.state_dict(),
             Some(_) => sharded_optimizer::gather_optimizer_state(
                 &self.world,
@@ -445,6 +475,25 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
+    /// Optimizer steps per epoch: this rank's batches over the accumulation steps, at most
+    /// `max_steps_per_epoch`; at least one, or the data is too little.
+    fn steps_per_epoch(&self, loader: &DataLoader) -> Result<usize, TrainError> {
+        let accum = self.settings.gradient_accumulation_steps.max(1);
+        let batches = loader.num_batches_per_rank(self.world.size);
+        let mut steps = batches / accum;
+        if let Some(max) = self.settings.max_steps_per_epoch {
+            steps = steps.min(max);
+        }
+        if steps == 0 {
+            return Err(TrainError::TooLittleData {
+                batches,
+                batch_size: loader.config().batch_size,
+                accum,
+            });
+        }
+        Ok(steps)
+    }
+
     /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume).
     pub fn fit(
         mut self,
@@ -454,236 +503,63 @@ impl<B: AutodiffBackend> Trainer<B> {
         saver: &mut dyn SaveHook<B>,
         validation: Option<&Validation>,
     ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
-        let s = self.settings.clone();
         super::memory::enter_training_steady_state();
-        let accum = s.gradient_accumulation_steps.max(1);
-        let world = self.world.clone();
-        let batches_per_epoch = loader.num_batches_per_rank(world.size);
-        let mut steps_per_epoch = batches_per_epoch / accum;
-        if let Some(max) = s.max_steps_per_epoch {
-            steps_per_epoch = steps_per_epoch.min(max);
-        }
-        if steps_per_epoch == 0 {
-            return Err(TrainError::TooLittleData {
-                batches: batches_per_epoch,
-                batch_size: loader.config().batch_size,
-                accum,
-            });
-        }
+        let accum = self.settings.gradient_accumulation_steps.max(1);
+        let steps_per_epoch = self.steps_per_epoch(loader)?;
         self.state.steps_per_epoch = steps_per_epoch;
-        self.state.total_steps = steps_per_epoch * s.epochs;
-        let device = self.model.device();
-        let mut losses = Vec::new();
-        let mut first_loss: Option<f64> = None;
-        let mut last_metrics = Metrics::new();
-        let mut accumulator = GradAccumulator::<B>::default();
-        let mut validated_at: Option<usize> = None;
-        let shard = (s.shard_optimizer && world.is_distributed())
-            .then(|| sharded_optimizer::OptimizerShard::new(&self.model, &world));
-        if let Some(shard) = &shard {
+        self.state.total_steps = steps_per_epoch * self.settings.epochs;
+        if self.settings.shard_optimizer && self.world.is_distributed() {
+            let shard = OptimizerShard::new(&self.model, &self.world);
             // A resumed run restores the whole state; each rank keeps its share.
             self.optimizer.retain(|name| shard.owns(name));
+            self.shard = Some(shard);
         }
+        let mut losses = Vec::new();
+        let mut last_metrics = Metrics::new();
+        let mut validated_at: Option<usize> = None;
 
-        while self.state.epoch < s.epochs {
+        while self.state.epoch < self.settings.epochs {
             let epoch = self.state.epoch;
-            let batches = loader.rank_batches(epoch as u64, world.rank, world.size);
+            let batches = loader.rank_batches(epoch as u64, self.world.rank, self.world.size);
             let mut progress = EpochProgress::new(
                 epoch,
                 steps_per_epoch,
                 self.state.step_in_epoch,
                 self.show_progress,
             );
-            let mut window_tokens = 0usize;
-            let mut window_start = Instant::now();
+            let mut window = LogWindow::new();
             while self.state.step_in_epoch < steps_per_epoch {
-                // Reseeding per step makes dropout reproducible and resumable; each rank draws
-                // its own masks (seed + rank, as torchtune seeds its ranks).
-                let step_seed = s
-                    .seed
-                    .wrapping_add(self.state.global_step as u64)
-                    .wrapping_add(world.rank as u64);
-                let info = StepInfo {
-                    epoch,
-                    global_step: self.state.global_step,
-                    seed: step_seed,
-                };
-                B::seed(&device, step_seed);
-                let mut weight_total = 0usize;
-                let mut step_tokens = 0usize;
-                // The step's weighted loss and metric sums stay on the device until the step's
-                // one read below: a read per micro-batch would make a GPU wait for the host.
-                let mut sums = StepSums::<B::InnerBackend>::default();
-                for micro in 0..accum {
-                    let indices = &batches[self.state.step_in_epoch * accum + micro];
-                    let batch = data.collate(indices)?;
-                    check_vocabulary(&batch, self.model.args.vocab_size, self.state.global_step)?;
-                    let mut out = loss_step.step(&self.model, &batch, info)?;
-                    // Weighting each micro-batch by its size makes the accumulated gradient the
-                    // mean over all tokens of the step, as torchtune normalises it.
-                    for grads in out.take_gradients() {
-                        accumulator.add(&self.model, grads);
-                    }
-                    sums.add(out.loss.inner(), out.metrics, out.weight as f64);
-                    weight_total += out.weight;
-                    step_tokens += out.tokens;
-                }
-                let mut grads = accumulator.take();
-                // On one device the gradient norm joins the same read.
-                let squared_norm =
-                    (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
-                let (mut loss_sum, mut extra, mut squared_norm) = sums.read(squared_norm.flatten());
-                let non_finite = (!loss_sum.is_finite()).then_some(loss_sum);
-                if let (Some(value), false) = (non_finite, world.is_distributed()) {
-                    return Err(TrainError::Diverged {
-                        cause: Divergence::NonFiniteLoss(value),
-                        step: self.state.global_step + 1,
-                        epoch,
-                    });
-                }
-                // A stop signal is acted on at the end of this step; every rank agrees on it
-                // through the step's collective call.
-                let mut stop = crate::interrupt::requested();
-                if world.is_distributed() {
-                    // One step over the global batch: sum what the ranks hold.
-                    let mut local = vec![
-                        weight_total as f64,
-                        loss_sum,
-                        step_tokens as f64,
-                        f64::from(u8::from(non_finite.is_some())),
-                        f64::from(u8::from(stop.is_some())),
-                    ];
-                    local.extend(extra.iter().map(|(_, v)| *v));
-                    let global = sync::all_reduce_scalars::<B::InnerBackend>(
-                        &world,
-                        &local,
-                        &self.model.device(),
-                        "the step's token count and loss",
-                    )?;
-                    if global[3] > 0.0 {
-                        return Err(TrainError::Diverged {
-                            cause: Divergence::NonFiniteLoss(non_finite.unwrap_or(f64::NAN)),
-                            step: self.state.global_step + 1,
-                            epoch,
-                        });
-                    }
-                    weight_total = global[0].round() as usize;
-                    loss_sum = global[1];
-                    step_tokens = global[2].round() as usize;
-                    // A signal on any node stops every rank after this step.
-                    if global[4] > 0.0 {
-                        stop.get_or_insert(crate::interrupt::Signal::Terminate);
-                    }
-                    for (entry, v) in extra.iter_mut().zip(&global[5..]) {
-                        entry.1 = *v;
-                    }
-                    grads = sync::all_reduce_grads(&world, &self.model, grads)?;
-                    squared_norm = step::squared_grad_norm(&self.model, &grads)
-                        .map_or(0.0, |t| t.into_scalar().elem());
-                }
-                // The divergence guard, before the update: every rank sees the same global
-                // loss and gradients, so every rank stops at the same step.
-                let loss = loss_sum / weight_total.max(1) as f64;
-                let first = *first_loss.get_or_insert(loss);
-                let mut scale = 1.0 / weight_total.max(1) as f64;
-                // `torch.nn.utils.clip_grad_norm_`'s norm of the mean gradient.
-                let norm = squared_norm.sqrt() * scale;
-                let diverged = if loss > EXPLODING_LOSS_FACTOR * first.max(1.0) {
-                    Some(Divergence::ExplodingLoss { loss, first })
-                } else if !norm.is_finite() || norm > MAX_GRAD_NORM {
-                    Some(Divergence::Gradients(norm))
-                } else {
-                    None
-                };
-                if let Some(cause) = diverged {
-                    return Err(TrainError::Diverged {
-                        cause,
-                        step: self.state.global_step + 1,
-                        epoch,
-                    });
-                }
-                window_tokens += step_tokens;
-                self.state.tokens_seen += step_tokens as u64;
-                let grad_norm = s.clip_grad_norm.map(|max| {
-                    scale *= (max / (norm + 1e-6)).min(1.0);
-                    norm
-                });
-                let lr = s.lr
-                    * s.schedule
-                        .factor(self.state.global_step, self.state.total_steps);
-                self.model = step::apply(
-                    self.model,
-                    grads,
-                    &mut self.optimizer,
-                    (lr, scale),
-                    shard.as_ref(),
-                );
-                if let Some(shard) = &shard {
-                    self.model = sharded_optimizer::gather_params(&world, self.model, shard)?;
-                }
-                self.state.global_step += 1;
-                self.state.step_in_epoch += 1;
-                losses.push(loss);
-                progress.advance(
-                    loss,
-                    lr,
-                    window_tokens as f64 / window_start.elapsed().as_secs_f64().max(1e-9),
-                );
-
+                let first = self.state.step_in_epoch * accum;
+                let micro_batches = batches[first..first + accum]
+                    .iter()
+                    .map(|indices| data.collate(indices))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let done;
+                (self, done) = self.train_step(&micro_batches, loss_step)?;
+                window.tokens += done.tokens;
+                losses.push(done.loss);
+                progress.advance(done.loss, done.lr, window.tokens_per_second());
                 if self
                     .state
                     .global_step
-                    .is_multiple_of(s.log_every_n_steps.max(1))
+                    .is_multiple_of(self.settings.log_every_n_steps.max(1))
                 {
-                    let elapsed = window_start.elapsed().as_secs_f64().max(1e-9);
-                    let mut m: Metrics = vec![
-                        ("step".into(), self.state.global_step as f64),
-                        ("epoch".into(), epoch as f64),
-                        ("loss".into(), loss),
-                        ("lr".into(), lr),
-                        ("tokens_per_second".into(), window_tokens as f64 / elapsed),
-                    ];
-                    if let Some(norm) = grad_norm {
-                        m.push(("grad_norm".into(), norm));
-                    }
-                    for (k, v) in &extra {
-                        m.push(((*k).into(), v / weight_total.max(1) as f64));
-                    }
-                    m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
-                    // This rank's optimizer state: a 1/W share with a sharded optimizer.
-                    m.push((
-                        "optimizer_state_bytes".into(),
-                        self.optimizer.state_bytes() as f64,
-                    ));
-                    self.loggers.log(self.state.global_step, &m)?;
-                    last_metrics = m;
-                    window_tokens = 0;
-                    window_start = Instant::now();
+                    last_metrics = self.log_step(&done, &mut window)?;
                 }
                 if let Some(v) = validation.filter(|v| v.due(self.state.global_step)) {
                     let info = StepInfo {
+                        epoch,
                         global_step: self.state.global_step,
-                        ..info
+                        seed: self.settings.seed,
                     };
                     self.validate(v, loss_step, info, &progress)?;
                     validated_at = Some(self.state.global_step);
                 }
-                // The epoch-end save follows the last step of an epoch: no periodic one then.
-                let epoch_done = self.state.step_in_epoch == steps_per_epoch;
-                let periodic = !epoch_done
-                    && s.save_every_n_steps
-                        .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n));
-                if periodic {
-                    let optimizer = self.snapshot(shard.as_ref())?;
-                    progress.suspend(|| {
-                        saver.save(SaveKind::Periodic, &mut self.model, &optimizer, &self.state)
-                    })?;
-                }
-                if let Some(signal) = stop {
+                let saved = self.save_if_due(saver, &progress)?;
+                if let Some(signal) = done.stop {
                     progress.finish();
-                    if s.save_on_preempt && !periodic {
-                        let optimizer = self.snapshot(shard.as_ref())?;
-                        saver.save(SaveKind::Preempt, &mut self.model, &optimizer, &self.state)?;
+                    if self.settings.save_on_preempt && !saved {
+                        self.save(SaveKind::Preempt, saver, None)?;
                     }
                     self.loggers.flush()?;
                     return Err(TrainError::Interrupted {
@@ -699,7 +575,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let info = StepInfo {
                     epoch,
                     global_step: self.state.global_step,
-                    seed: s.seed,
+                    seed: self.settings.seed,
                 };
                 self.validate(v, loss_step, info, &progress)?;
                 validated_at = Some(self.state.global_step);
@@ -707,13 +583,12 @@ impl<B: AutodiffBackend> Trainer<B> {
             progress.finish();
             self.state.epoch += 1;
             self.state.step_in_epoch = 0;
-            let kind = if self.state.epoch == s.epochs {
+            let kind = if self.state.epoch == self.settings.epochs {
                 SaveKind::Final
             } else {
                 SaveKind::EpochEnd
             };
-            let optimizer = self.snapshot(shard.as_ref())?;
-            saver.save(kind, &mut self.model, &optimizer, &self.state)?;
+            self.save(kind, saver, None)?;
         }
         self.loggers.flush()?;
         Ok((
@@ -724,34 +599,5 @@ impl<B: AutodiffBackend> Trainer<B> {
             },
             self.model,
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn batch(tokens: Vec<u32>, labels: Vec<i64>) -> Batch {
-        let n = tokens.len();
-        Batch {
-            tokens,
-            labels,
-            position_ids: (0..n as u32).collect(),
-            document_ids: None,
-            batch_size: 1,
-            seq_len: n,
-            num_trained_tokens: n - 1,
-        }
-    }
-
-    #[test]
-    fn ids_past_the_vocabulary_are_an_error_naming_id_and_size() {
-        assert!(check_vocabulary(&batch(vec![1, 2, 3], vec![-100, 2, 3]), 4, 0).is_ok());
-        let err = check_vocabulary(&batch(vec![1, 7, 3], vec![-100, 2, 3]), 4, 2).unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains("token id 7") && msg.contains("4 entries") && msg.contains("step 3"));
-        let err = check_vocabulary(&batch(vec![1, 2, 3], vec![-100, 9, 3]), 4, 0).unwrap_err();
-        assert!(err.to_string().contains("token id 9"));
-        assert!(check_vocabulary(&batch(vec![1, 2, 3], vec![-1, 2, 3]), 4, 0).is_err());
     }
 }

@@ -8,10 +8,12 @@
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::error::TrainError;
+use super::loss_step::{LossStep, StepInfo, add_weighted, check_vocabulary};
 use super::metrics::Metrics;
-use super::trainer::{LossStep, StepInfo, TrainError, add_weighted, check_vocabulary};
+use super::step_totals::StepTotals;
 use crate::data::{DataLoader, Dataset};
-use crate::distributed::{World, sync};
+use crate::distributed::World;
 use crate::models::CausalLm;
 
 /// The validation set, its loader and when to score it.
@@ -40,42 +42,39 @@ impl Validation {
         info: StepInfo,
     ) -> Result<Metrics, TrainError> {
         let eval_model = model.valid();
-        let mut weight = 0.0;
-        let mut loss_sum = 0.0;
-        let mut extra: Vec<(&'static str, f64)> = Vec::new();
+        let mut totals = StepTotals {
+            weight: 0,
+            loss_sum: 0.0,
+            tokens: 0,
+            metrics: Vec::new(),
+            non_finite: false,
+            stop: None,
+        };
         for indices in self.loader.rank_batches(0, world.rank, world.size) {
             let batch = self.dataset.collate(&indices)?;
             check_vocabulary(&batch, model.args.vocab_size, info.global_step)?;
             let out = loss_step.evaluate(&eval_model, &batch, info)?;
             let w = out.weight as f64;
-            weight += w;
-            loss_sum += out.loss * w;
-            add_weighted(&mut extra, out.metrics, w);
+            totals.weight += out.weight;
+            totals.loss_sum += out.loss * w;
+            add_weighted(&mut totals.metrics, out.metrics, w);
         }
-        if world.is_distributed() {
-            let mut local = vec![weight, loss_sum];
-            local.extend(extra.iter().map(|(_, v)| *v));
-            let global = sync::all_reduce_scalars::<B::InnerBackend>(
-                world,
-                &local,
-                &model.device(),
-                "the validation loss",
-            )?;
-            (weight, loss_sum) = (global[0], global[1]);
-            for (entry, v) in extra.iter_mut().zip(&global[2..]) {
-                entry.1 = *v;
-            }
-        }
+        let totals = totals.all_reduce::<B::InnerBackend>(world, &model.device())?;
         // torchtune reports inf for a set with nothing to score.
         let mean = |sum: f64| {
-            if weight > 0.0 {
-                sum / weight
+            if totals.weight > 0 {
+                sum / totals.weight as f64
             } else {
                 f64::INFINITY
             }
         };
-        let mut metrics: Metrics = vec![("val_loss".into(), mean(loss_sum))];
-        metrics.extend(extra.iter().map(|(k, v)| (format!("val_{k}"), mean(*v))));
+        let mut metrics: Metrics = vec![("val_loss".into(), mean(totals.loss_sum))];
+        metrics.extend(
+            totals
+                .metrics
+                .iter()
+                .map(|(k, v)| (format!("val_{k}"), mean(*v))),
+        );
         Ok(metrics)
     }
 }

@@ -759,3 +759,33 @@ fn torchtune_main_spellings_are_accepted_or_refused_by_name() {
         "{e}"
     );
 }
+
+/// Generation's prompt goes through the chat template only with `chat: True` and a component
+/// that writes it: a system prompt that would not reach the model, and `chat` with a torchtune
+/// component (which formats the prompt itself), are refused by name.
+#[test]
+fn a_generation_prompt_that_would_not_reach_the_model_as_written_is_refused() {
+    let e = errors(
+        "tiny/generation",
+        "generate",
+        &["prompt={system: Be brief., user: Hi}", "chat=False"],
+    );
+    assert!(
+        e.has("prompt.system", "a system prompt needs the chat template"),
+        "{e}"
+    );
+    let llama3 = "tokenizer._component_=torchtune.models.llama3.llama3_tokenizer";
+    let e = errors("tiny/generation", "generate", &[llama3, "chat=True"]);
+    assert!(e.has("chat", "names a torchtune tokenizer"), "{e}");
+    // Either alone is fine: a torchtune component formats the system message itself.
+    warnings(
+        "tiny/generation",
+        "generate",
+        &[llama3, "prompt={system: Be brief., user: Hi}"],
+    );
+    warnings(
+        "tiny/generation",
+        "generate",
+        &["prompt={system: Be brief., user: Hi}", "chat=True"],
+    );
+}

@@ -275,7 +275,18 @@ fn a_torchtune_tokenizer_formats_the_prompt_as_its_component() {
     );
     // the same prompt through the library gives the same completion
     assert_eq!(run.stdout, format!("{}\n", complete(&ids, false)));
-    // chat: True asks for the chat template, which a torchtune component replaces: refused.
-    let err = generate_fails(&[&prompt_arg(), llama3, "chat=True"]);
-    assert!(err.contains("HuggingFaceModelTokenizer"), "{err}");
+    // chat: True asks for the chat template, which a torchtune component replaces: refused
+    // as a config error, before anything loads.
+    let out = Command::new(env!("CARGO_BIN_EXE_tune"))
+        .args(["run", "generate", "--config", "tiny/generation"])
+        .args([prompt_arg().as_str(), llama3, "chat=True"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("chat: True formats the prompt") && err.contains("HuggingFaceModelTokenizer"),
+        "{err}"
+    );
 }

@@ -39,5 +39,6 @@ mod resume;
 mod support;
 mod tokenizer;
 mod torchtune_tokens;
+mod trainer;
 mod unpad;
 mod validation;

@@ -122,6 +122,7 @@ fn sft_step_gives_the_padded_loss_and_gradients() {
                 fake_quant_after: None,
                 activation_checkpointing: checkpointing,
                 output_chunks: chunks,
+                padding_free: true,
             };
             let out = sft.step(&model, &batch, INFO).unwrap();
             assert_eq!(out.weight, batch.num_trained_tokens, "{what}");

@@ -19,8 +19,8 @@ use crate::config::recipes::Recipe;
 use crate::config::values::choices;
 use crate::precision::Dtype;
 
-/// Where a run computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// Where a run computes (also `tune bench --device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Device {
     Cpu,
