@@ -4,7 +4,6 @@
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::time::Duration;
 
@@ -13,30 +12,11 @@ use sha2::{Digest, Sha256};
 use super::*;
 
 /// A fresh directory, removed on drop.
-struct TestDir(PathBuf);
-
-impl TestDir {
-    fn new(tag: &str) -> Self {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let dir =
-            std::env::temp_dir().join(format!("tune-ckpt-test-{}-{tag}-{n}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("create test dir");
-        Self(dir)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-    fn out(&self) -> PathBuf {
-        self.0.join("out")
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
+fn test_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("tune-ckpt-test-{tag}-"))
+        .tempdir()
+        .expect("create test dir")
 }
 
 fn meta(step: u64) -> CheckpointMeta {
@@ -140,8 +120,8 @@ fn write_manifest(dir: &Path, value: &serde_json::Value) {
 
 #[test]
 fn save_publishes_all_files_with_checksums_and_metadata() {
-    let t = TestDir::new("publish");
-    let out = t.out();
+    let t = test_dir("publish");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     let report = c.save(request("step_120", 120)).expect("save");
     assert_eq!(report.previous, None);
@@ -189,8 +169,8 @@ fn save_publishes_all_files_with_checksums_and_metadata() {
 
 #[test]
 fn nothing_is_published_while_the_writer_runs() {
-    let t = TestDir::new("atomic");
-    let out = t.out();
+    let t = test_dir("atomic");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("step_10", 10)).expect("first");
     let (req, gate) = gated_request("step_20", 20);
@@ -221,8 +201,8 @@ fn nothing_is_published_while_the_writer_runs() {
 
 #[test]
 fn at_most_one_save_in_flight() {
-    let t = TestDir::new("inflight");
-    let out = t.out();
+    let t = test_dir("inflight");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     let (req, gate) = gated_request("step_1", 1);
     c.save(req).expect("first save");
@@ -256,8 +236,8 @@ fn at_most_one_save_in_flight() {
 
 #[test]
 fn background_failure_surfaces_at_next_save_and_loses_nothing() {
-    let t = TestDir::new("failure");
-    let out = t.out();
+    let t = test_dir("failure");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("step_80", 80)).expect("step_80");
     let failing = SaveRequest::new("step_100", meta(100), |dir: &Path| {
@@ -305,8 +285,8 @@ fn background_failure_surfaces_at_next_save_and_loses_nothing() {
 
 #[test]
 fn background_panic_surfaces_at_wait() {
-    let t = TestDir::new("panic");
-    let out = t.out();
+    let t = test_dir("panic");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save(SaveRequest::new("step_5", meta(5), |_dir: &Path| {
         panic!("serializer bug")
@@ -320,8 +300,8 @@ fn background_panic_surfaces_at_wait() {
 
 #[test]
 fn unwritable_output_dir_fails_with_the_path() {
-    let t = TestDir::new("readonly");
-    let out = t.out();
+    let t = test_dir("readonly");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("step_1", 1)).expect("step_1");
 
@@ -372,8 +352,8 @@ fn unwritable_output_dir_fails_with_the_path() {
 
 #[test]
 fn keep_last_n_prunes_only_after_the_new_checkpoint_is_complete() {
-    let t = TestDir::new("prune");
-    let out = t.out();
+    let t = test_dir("prune");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), Some(2));
     c.save_blocking(request("step_1", 1)).expect("1");
     c.save_blocking(request("step_2", 2)).expect("2");
@@ -400,8 +380,8 @@ fn keep_last_n_prunes_only_after_the_new_checkpoint_is_complete() {
 
 #[test]
 fn statuses_are_reported_with_reasons() {
-    let t = TestDir::new("status");
-    let out = t.out();
+    let t = test_dir("status");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     for step in [1, 2, 3, 4, 5, 6, 7] {
         c.save_blocking(request(&format!("step_{step}"), step))
@@ -501,8 +481,8 @@ fn statuses_are_reported_with_reasons() {
 
 #[test]
 fn future_metadata_with_unknown_fields_is_not_misread() {
-    let t = TestDir::new("future");
-    let out = t.out();
+    let t = test_dir("future");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("epoch_0", 50)).expect("save");
     drop(c);
@@ -523,8 +503,8 @@ fn future_metadata_with_unknown_fields_is_not_misread() {
 
 #[test]
 fn clean_partial_removes_temp_dirs_only() {
-    let t = TestDir::new("clean");
-    let out = t.out();
+    let t = test_dir("clean");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("step_1", 1)).expect("1");
     c.save_blocking(request("step_3", 3)).expect("3");
@@ -577,8 +557,8 @@ fn clean_partial_removes_temp_dirs_only() {
 
 #[test]
 fn saving_the_same_name_twice_replaces_it_atomically() {
-    let t = TestDir::new("replace");
-    let out = t.out();
+    let t = test_dir("replace");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     c.save_blocking(request("step_5", 5)).expect("first");
     let dir = out.join("step_5");
@@ -625,8 +605,8 @@ fn saving_the_same_name_twice_replaces_it_atomically() {
 
 #[test]
 fn drop_waits_for_the_in_flight_save() {
-    let t = TestDir::new("drop");
-    let out = t.out();
+    let t = test_dir("drop");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     let (req, gate) = gated_request("epoch_0", 100);
     c.save(req).expect("save");
@@ -639,8 +619,8 @@ fn drop_waits_for_the_in_flight_save() {
 
 #[test]
 fn invalid_requests_are_rejected_up_front() {
-    let t = TestDir::new("invalid");
-    let out = t.out();
+    let t = test_dir("invalid");
+    let out = t.path().join("out");
     let mut c = client(out.clone(), None);
     for bad in [
         "../escape",

@@ -451,20 +451,12 @@ impl Checker {
                     }
                 }
             }
-            Err(e @ LookupError::Unknown { .. }) => {
-                self.problem(Problem::new(
-                    ProblemKind::UnknownComponent,
-                    &path,
-                    e.to_string(),
-                ));
-                None
-            }
-            Err(e @ LookupError::Unsupported { .. }) => {
-                self.problem(Problem::new(
-                    ProblemKind::UnsupportedComponent,
-                    &path,
-                    e.to_string(),
-                ));
+            Err(e) => {
+                let kind = match e {
+                    LookupError::Unknown { .. } => ProblemKind::UnknownComponent,
+                    LookupError::Unsupported { .. } => ProblemKind::UnsupportedComponent,
+                };
+                self.problem(Problem::new(kind, &path, e.to_string()));
                 None
             }
         }

@@ -152,12 +152,15 @@ mod tests {
 
     #[test]
     fn syntax_error_from_file() {
-        let path = std::env::temp_dir().join(format!("tune-bad-{}.yaml", std::process::id()));
+        let dir = tempfile::Builder::new()
+            .prefix("tune-bad-")
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join("bad.yaml");
         std::fs::write(&path, "model:\n  _component_: x\n   lora_rank: 8\n").unwrap();
         let err = load_config(path.to_str().unwrap(), &[])
             .unwrap_err()
             .to_string();
-        std::fs::remove_file(&path).unwrap();
         assert!(err.contains(path.to_str().unwrap()), "{err}");
         assert!(err.contains("at line 3, column"), "{err}");
     }

@@ -85,7 +85,11 @@ mod tests {
 
     #[test]
     fn finds_tokenizer_json_near_tokenizer_model() {
-        let dir = std::env::temp_dir().join(format!("tune-paths-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("tune-paths-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         std::fs::create_dir_all(dir.join("original")).unwrap();
         std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
         let model = dir.join("original/tokenizer.model");
@@ -94,7 +98,7 @@ mod tests {
             dir.join("tokenizer.json")
         );
         assert_eq!(
-            resolve_tokenizer_json(&dir).unwrap(),
+            resolve_tokenizer_json(dir).unwrap(),
             dir.join("tokenizer.json")
         );
         let err = resolve_tokenizer_json(Path::new("/nonexistent/x/tokenizer.model")).unwrap_err();
@@ -102,7 +106,6 @@ mod tests {
             err.to_string().contains("/nonexistent/x/tokenizer.json"),
             "{err}"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

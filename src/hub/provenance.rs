@@ -110,7 +110,11 @@ mod tests {
 
     #[test]
     fn the_cache_layout_names_the_repo() {
-        let root = std::env::temp_dir().join(format!("tune-prov-{}", std::process::id()));
+        let tmp = tempfile::Builder::new()
+            .prefix("tune-prov-")
+            .tempdir()
+            .unwrap();
+        let root = tmp.path();
         let snap = root.join("hub/models--me--tiny-base/snapshots/abc123");
         std::fs::create_dir_all(&snap).unwrap();
         assert_eq!(hub_id(&snap).as_deref(), Some("me/tiny-base"));
@@ -131,6 +135,5 @@ mod tests {
         )
         .unwrap();
         assert_eq!(hub_id(&local).as_deref(), Some("me/recorded"));
-        let _ = std::fs::remove_dir_all(root);
     }
 }

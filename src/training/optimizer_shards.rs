@@ -195,11 +195,11 @@ impl<B: AutodiffBackend> SaveHook<B> for ShardWriter {
 mod tests {
     use super::*;
 
-    fn scratch(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("tune-shards-{tag}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
+    fn scratch(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("tune-shards-{tag}-"))
+            .tempdir()
+            .unwrap()
     }
 
     fn state(v: f32) -> Vec<(String, HostTensor)> {
@@ -208,41 +208,34 @@ mod tests {
 
     #[test]
     fn rank_zero_gathers_every_marked_shard_and_they_read_back_as_one_state() {
-        let out = scratch("gather");
+        let dir = scratch("gather");
+        let out = dir.path();
         let into = out.join("ckpt");
         fs::create_dir_all(&into).unwrap();
         for rank in 1..3 {
-            let file = staging_dir(&out, "step_2").join(shard_file_name(rank, 3));
+            let file = staging_dir(out, "step_2").join(shard_file_name(rank, 3));
             write_durable(&file, &state(rank as f32)).unwrap();
         }
-        assemble(
-            &into,
-            &out,
-            "step_2",
-            3,
-            &state(0.0),
-            Duration::from_secs(5),
-        )
-        .unwrap();
-        assert!(!staging_dir(&out, "step_2").exists(), "staging removed");
+        assemble(&into, out, "step_2", 3, &state(0.0), Duration::from_secs(5)).unwrap();
+        assert!(!staging_dir(out, "step_2").exists(), "staging removed");
         let all = read_state(&into, "optimizer.safetensors", 3).unwrap();
         let values: Vec<f32> = all.iter().map(|(_, t)| t.data[0]).collect();
         assert_eq!(values, [0.0, 1.0, 2.0]);
-        let _ = fs::remove_dir_all(&out);
     }
 
     #[test]
     fn a_missing_or_unmarked_shard_fails_the_save_naming_the_rank() {
-        let out = scratch("missing");
+        let dir = scratch("missing");
+        let out = dir.path();
         let into = out.join("ckpt");
         fs::create_dir_all(&into).unwrap();
         // Rank 1's file is there but was never marked durable (it died while writing).
-        let file = staging_dir(&out, "step_4").join(shard_file_name(1, 2));
+        let file = staging_dir(out, "step_4").join(shard_file_name(1, 2));
         fs::create_dir_all(file.parent().unwrap()).unwrap();
         fs::write(&file, b"partial").unwrap();
         let err = assemble(
             &into,
-            &out,
+            out,
             "step_4",
             2,
             &state(0.0),
@@ -255,12 +248,7 @@ mod tests {
             "{err}"
         );
         // The staging directory is a partial checkpoint to the client's clean-up.
-        let cleaned = crate::checkpoint_client::clean_partial(&out).unwrap();
-        assert!(
-            cleaned
-                .iter()
-                .any(|c| c.path == staging_dir(&out, "step_4"))
-        );
-        let _ = fs::remove_dir_all(&out);
+        let cleaned = crate::checkpoint_client::clean_partial(out).unwrap();
+        assert!(cleaned.iter().any(|c| c.path == staging_dir(out, "step_4")));
     }
 }

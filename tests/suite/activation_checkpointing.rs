@@ -84,7 +84,7 @@ fn full_gradients_equal_a_plain_backward_including_tied_embeddings() {
 #[test]
 fn the_recipe_trains_with_checkpointing_and_matches_the_plain_losses() {
     let run = |tag: &str, extra: &[&str]| {
-        let out = TempDir::new(tag);
+        let out = temp_dir(tag);
         let mut args = vec!["max_steps_per_epoch=12", "batch_size=2"];
         args.extend_from_slice(extra);
         let metrics = run_recipe(

@@ -92,7 +92,7 @@ fn unknown_shape_is_bad_input() {
 /// missing or malformed file is refused by name.
 #[test]
 fn bench_row_lengths_count_real_tokens_and_bad_files_are_named() {
-    let dir = TempDir::new("bench-rows");
+    let dir = temp_dir("bench-rows");
     let lengths = dir.path().join("lengths.json");
     // Steps take 2 rows each: 2 warm-up steps (5+40 -> 5+16, 9+3), then the timed 12 + 7.
     std::fs::write(&lengths, r#"{"lengths": [5, 40, 9, 3, 12, 7]}"#).unwrap();

@@ -1,9 +1,7 @@
 //! Bad checkpoints give one clear error naming the file or tensor, never a panic.
 
-use crate::common;
 use crate::support;
 
-use common::TempDir;
 use serde_json::{Value, json};
 use support::*;
 use tune::checkpoint::StorageDtype;
@@ -23,8 +21,8 @@ fn config() -> Value {
 fn saved(tag: &str, max_shard_bytes: usize) -> TempDir {
     let args = ModelArgs::from_json(config()).unwrap();
     let lm = build::<Cpu>(&args, &mut RandomInit::new(1, &args), &Default::default()).unwrap();
-    let tmp = TempDir::new(tag);
-    save_model(&lm, &tmp.0, None, StorageDtype::F32, max_shard_bytes).unwrap();
+    let tmp = temp_dir(tag);
+    save_model(&lm, tmp.path(), None, StorageDtype::F32, max_shard_bytes).unwrap();
     tmp
 }
 
@@ -44,26 +42,31 @@ fn assert_has(err: &str, parts: &[&str]) {
 #[test]
 fn the_good_checkpoints_load() {
     load_model::<Cpu>(
-        &saved("ok", DEFAULT_MAX_SHARD_BYTES).0,
+        saved("ok", DEFAULT_MAX_SHARD_BYTES).path(),
         None,
         &Default::default(),
     )
     .unwrap();
-    load_model::<Cpu>(&saved("ok-sharded", 10_000).0, None, &Default::default()).unwrap();
+    load_model::<Cpu>(
+        saved("ok-sharded", 10_000).path(),
+        None,
+        &Default::default(),
+    )
+    .unwrap();
 }
 
 #[test]
 fn missing_shard() {
     let t = saved("missing-shard", 10_000);
-    let files: Vec<String> = std::fs::read_dir(&t.0)
+    let files: Vec<String> = std::fs::read_dir(t.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with("model-00002-of-"))
         .collect();
     assert_eq!(files.len(), 1, "expected several shards: {files:?}");
     let shard = files[0].as_str();
-    std::fs::remove_file(t.0.join(shard)).unwrap();
-    let err = load_err(&t.0);
+    std::fs::remove_file(t.path().join(shard)).unwrap();
+    let err = load_err(t.path());
     assert_has(
         &err,
         &[
@@ -78,14 +81,14 @@ fn missing_shard() {
 #[test]
 fn truncated_safetensors() {
     let t = saved("truncated", DEFAULT_MAX_SHARD_BYTES);
-    let path = t.0.join("model.safetensors");
+    let path = t.path().join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
-    let err = load_err(&t.0);
+    let err = load_err(t.path());
     assert_has(&err, &[&path.display().to_string(), "truncated"]);
     // Cut inside the header too.
     std::fs::write(&path, &bytes[..20]).unwrap();
-    let err = load_err(&t.0);
+    let err = load_err(t.path());
     assert_has(
         &err,
         &[&path.display().to_string(), "not a valid safetensors file"],
@@ -97,8 +100,8 @@ fn wrong_tensor_shape() {
     let t = saved("shape", DEFAULT_MAX_SHARD_BYTES);
     let mut cfg = config();
     cfg["hidden_size"] = json!(48);
-    std::fs::write(t.0.join("config.json"), cfg.to_string()).unwrap();
-    let err = load_err(&t.0);
+    std::fs::write(t.path().join("config.json"), cfg.to_string()).unwrap();
+    let err = load_err(t.path());
     assert_has(
         &err,
         &[
@@ -116,8 +119,8 @@ fn unknown_model_type() {
     let t = saved("model-type", DEFAULT_MAX_SHARD_BYTES);
     let mut cfg = config();
     cfg["model_type"] = json!("gpt2");
-    std::fs::write(t.0.join("config.json"), cfg.to_string()).unwrap();
-    let err = load_err(&t.0);
+    std::fs::write(t.path().join("config.json"), cfg.to_string()).unwrap();
+    let err = load_err(t.path());
     assert_has(
         &err,
         &[
@@ -132,17 +135,17 @@ fn unknown_model_type() {
 #[test]
 fn corrupt_index() {
     let t = saved("index", 10_000);
-    let index = t.0.join("model.safetensors.index.json");
+    let index = t.path().join("model.safetensors.index.json");
     std::fs::write(
         &index,
         "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {",
     )
     .unwrap();
-    let err = load_err(&t.0);
+    let err = load_err(t.path());
     assert_has(&err, &[&index.display().to_string(), "invalid index"]);
     std::fs::write(&index, "{\"metadata\": {}}").unwrap();
     assert_has(
-        &load_err(&t.0),
+        &load_err(t.path()),
         &["model.safetensors.index.json", "weight_map"],
     );
 }
@@ -150,19 +153,25 @@ fn corrupt_index() {
 #[test]
 fn missing_config() {
     let t = saved("no-config", DEFAULT_MAX_SHARD_BYTES);
-    std::fs::remove_file(t.0.join("config.json")).unwrap();
-    let err = load_err(&t.0);
+    std::fs::remove_file(t.path().join("config.json")).unwrap();
+    let err = load_err(t.path());
     assert_has(
         &err,
-        &[&t.0.join("config.json").display().to_string(), "missing"],
+        &[
+            &t.path().join("config.json").display().to_string(),
+            "missing",
+        ],
     );
 }
 
 #[test]
 fn missing_directory_and_weights() {
-    let t = TempDir::new("empty");
-    std::fs::write(t.0.join("config.json"), config().to_string()).unwrap();
-    assert_has(&load_err(&t.0), &["no checkpoint in", "model.safetensors"]);
-    let gone = t.0.join("nope");
+    let t = temp_dir("empty");
+    std::fs::write(t.path().join("config.json"), config().to_string()).unwrap();
+    assert_has(
+        &load_err(t.path()),
+        &["no checkpoint in", "model.safetensors"],
+    );
+    let gone = t.path().join("nope");
     assert_has(&load_err(&gone), &["config.json"]);
 }

@@ -1,13 +1,11 @@
 //! Families without fixtures (Qwen3, Mistral, Phi-3, Gemma): realistic config.json objects
 //! with tiny sizes, random weights, saved as transformers saves them and loaded back bit-exactly.
 
-use crate::common;
 use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::TempDir;
 use serde_json::{Value, json};
 use support::*;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
@@ -135,16 +133,16 @@ fn on_disk(dir: &Path) -> BTreeMap<String, Vec<usize>> {
 /// Saves, checks the on-disk names, reloads, and checks tensors and logits are identical.
 fn round_trip(config: Value, max_shard_bytes: usize) -> (TempDir, BTreeMap<String, Vec<usize>>) {
     let lm = random_model(config);
-    let tmp = TempDir::new(lm.args.family.model_type());
-    save_model(&lm, &tmp.0, None, StorageDtype::F32, max_shard_bytes).unwrap();
-    let names = on_disk(&tmp.0);
+    let tmp = temp_dir(lm.args.family.model_type());
+    save_model(&lm, tmp.path(), None, StorageDtype::F32, max_shard_bytes).unwrap();
+    let names = on_disk(tmp.path());
     assert_eq!(
         names.contains_key("lm_head.weight"),
         !lm.args.tie_word_embeddings,
         "lm_head.weight only when untied"
     );
 
-    let back = load_model::<Cpu>(&tmp.0, None, &Default::default())
+    let back = load_model::<Cpu>(tmp.path(), None, &Default::default())
         .unwrap()
         .model;
     assert_eq!(back.args.family, lm.args.family);
@@ -245,7 +243,7 @@ fn gemma2_and_gemma3_round_trip_with_their_extra_norms() {
             family == "gemma3"
         );
         let saved: Value =
-            serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap())
+            serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
                 .unwrap();
         for key in [
             "layer_types",
@@ -273,7 +271,7 @@ fn small_shards_are_written_like_transformers() {
     for config in [qwen3(), phi3()] {
         let (tmp, names) = round_trip(config, 40_000);
         let index: Value = serde_json::from_str(
-            &std::fs::read_to_string(tmp.0.join("model.safetensors.index.json")).unwrap(),
+            &std::fs::read_to_string(tmp.path().join("model.safetensors.index.json")).unwrap(),
         )
         .unwrap();
         let map = index["weight_map"].as_object().unwrap();
@@ -291,12 +289,12 @@ fn small_shards_are_written_like_transformers() {
                 .collect::<std::collections::BTreeSet<_>>(),
             expected
         );
-        assert!(!tmp.0.join("model.safetensors").exists());
+        assert!(!tmp.path().join("model.safetensors").exists());
         // Every tensor listed once, in the shard the index says; total_size = tensor bytes.
         assert_eq!(map.len(), names.len());
         let mut total = 0u64;
         for (name, file) in map {
-            let f = SafetensorsFile::open(&tmp.0.join(file.as_str().unwrap())).unwrap();
+            let f = SafetensorsFile::open(&tmp.path().join(file.as_str().unwrap())).unwrap();
             let shape = f
                 .shape(name)
                 .unwrap_or_else(|| panic!("{name} not in {file}"));
@@ -304,7 +302,7 @@ fn small_shards_are_written_like_transformers() {
         }
         assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total));
         let tied = ModelArgs::from_json(
-            serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap())
+            serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
                 .unwrap(),
         )
         .unwrap()
@@ -316,19 +314,20 @@ fn small_shards_are_written_like_transformers() {
 #[test]
 fn bf16_storage_rounds_once() {
     let lm = random_model(gemma());
-    let tmp = TempDir::new("gemma-bf16");
+    let tmp = temp_dir("gemma-bf16");
     save_model(
         &lm,
-        &tmp.0,
+        tmp.path(),
         None,
         StorageDtype::BF16,
         DEFAULT_MAX_SHARD_BYTES,
     )
     .unwrap();
-    let loaded = load_model::<Cpu>(&tmp.0, None, &Default::default()).unwrap();
+    let loaded = load_model::<Cpu>(tmp.path(), None, &Default::default()).unwrap();
     assert_eq!(loaded.storage_dtype, StorageDtype::BF16);
     let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("config.json")).unwrap())
+            .unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");
     for ((n, a), (_, b)) in lm.hf_state_dict().iter().zip(&loaded.model.hf_state_dict()) {
         let rounded: Vec<f32> = a

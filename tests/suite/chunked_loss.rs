@@ -1,7 +1,7 @@
 //! The chunked output projection and cross-entropy: the same loss and gradients as the plain
 //! loss, alone and under activation checkpointing, and the same training run.
 
-use crate::lora_recipe::lora_run;
+use crate::lora_recipes::lora_run;
 use crate::support;
 
 use support::*;
@@ -116,7 +116,7 @@ fn the_lora_recipe_gives_the_same_losses_chunked_or_not() {
         "max_steps_per_epoch=4",
         "tokenizer.max_seq_len=512",
     ];
-    let (a, b) = (TempDir::new("chunks-8"), TempDir::new("chunks-1"));
+    let (a, b) = (temp_dir("chunks-8"), temp_dir("chunks-1"));
     let chunked = column(&lora_run(&a, &args), "loss");
     let plain = column(
         &lora_run(&b, &[&args[..], &["loss.num_output_chunks=1"]].concat()),

@@ -1,6 +1,6 @@
 //! Every built-in config loads and validates for its recipe.
 
-use crate::common;
+use crate::support;
 
 use tune::config::builtin;
 use tune::config::components::ModelVariant;
@@ -22,7 +22,7 @@ fn every_builtin_validates_without_path_checks() {
 
 #[test]
 fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
-    let assets = common::tiny_assets();
+    let assets = support::tiny_assets();
     let tiny: Vec<_> = builtin::list()
         .into_iter()
         .filter(|b| b.name.starts_with("tiny/"))
@@ -38,7 +38,7 @@ fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
     assert_eq!(scripts.len(), 15);
     for b in tiny {
         let mut cfg = load_config(b.name, &[]).expect("loads");
-        common::rebase_assets(&mut cfg.value, &assets.0);
+        support::rebase_assets(&mut cfg.value, assets.path());
         match validate(b.recipe.script_name(b.distributed), &cfg) {
             Ok((_, warnings)) => assert!(warnings.is_empty(), "{}: {warnings:?}", b.name),
             Err(e) => panic!("{}:\n{e}", b.name),
@@ -83,7 +83,7 @@ fn tiny_lora_typed_values() {
 fn generation_typed_values() {
     let cfg = load_config(
         "tiny/generation",
-        &common::args(&["prompt=Hi there", "chat=True"]),
+        &support::args(&["prompt=Hi there", "chat=True"]),
     )
     .unwrap();
     let (typed, _) =
@@ -100,7 +100,7 @@ fn generation_typed_values() {
 fn multi_dataset_is_concatenated() {
     let cfg = load_config(
         "tiny/lora_single_device",
-        &common::args(&[
+        &support::args(&[
             "dataset=[{_component_: torchtune.datasets.alpaca_dataset, source: json, data_files: a.json}, {_component_: torchtune.datasets.slimorca_dataset}]",
         ]),
     )

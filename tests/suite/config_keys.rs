@@ -231,7 +231,7 @@ fn the_derived_fingerprint_equals_the_one_earlier_checkpoints_hold() {
 #[test]
 fn a_changed_fingerprint_key_is_named_and_only_the_learning_rate_may_change() {
     let fingerprint = |overrides: &[&str]| {
-        let cfg = load_config("tiny/lora_single_device", &crate::common::args(overrides)).unwrap();
+        let cfg = load_config("tiny/lora_single_device", &crate::support::args(overrides)).unwrap();
         let (typed, _) = validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap();
         let RecipeConfig::Train(own, train) = typed else {
             panic!("not a training config")

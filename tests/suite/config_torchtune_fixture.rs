@@ -1,9 +1,7 @@
 //! torchtune's own `llama3_2/1B_lora_single_device.yaml`, verbatim, validates once
 //! its paths point at real files.
 
-use crate::common;
-
-use common::{TempDir, args};
+use crate::support::{args, path_in, temp_dir, touch};
 use tune::config::{load_config, validate};
 
 const FIXTURE: &str = concat!(
@@ -13,15 +11,18 @@ const FIXTURE: &str = concat!(
 
 #[test]
 fn torchtune_config_validates_after_path_overrides() {
-    let model = TempDir::new("llama32");
-    model.touch("epoch_2/ft-model-00001-of-00001.safetensors");
-    model.touch("tokenizer.json");
-    model.touch("original/tokenizer.model");
+    let model = temp_dir("llama32");
+    touch(model.path(), "epoch_2/ft-model-00001-of-00001.safetensors");
+    touch(model.path(), "tokenizer.json");
+    touch(model.path(), "original/tokenizer.model");
     let cfg = load_config(
         FIXTURE,
         &args(&[
-            &format!("checkpointer.checkpoint_dir={}", model.path("")),
-            &format!("tokenizer.path={}", model.path("original/tokenizer.model")),
+            &format!("checkpointer.checkpoint_dir={}", path_in(model.path(), "")),
+            &format!(
+                "tokenizer.path={}",
+                path_in(model.path(), "original/tokenizer.model")
+            ),
             "output_dir=/tmp/tune-test/llama3_2_1b",
         ]),
     )

@@ -1,8 +1,6 @@
 //! Bad inputs: each asserts the message a user sees.
 
-use crate::common;
-
-use common::{TempDir, args};
+use crate::support::{args, path_in, temp_dir, tiny_assets};
 use tune::config::{
     ProblemKind, ValidateOptions, ValidationErrors, Warning, load_config, validate, validate_with,
 };
@@ -299,8 +297,8 @@ fn collects_every_problem_and_prints_one_per_line() {
 
 #[test]
 fn problems_name_the_config_file() {
-    let dir = TempDir::new("file");
-    let path = dir.path("my.yaml");
+    let dir = temp_dir("file");
+    let path = path_in(dir.path(), "my.yaml");
     let text = load_config("tiny/generation", &[])
         .unwrap()
         .to_yaml_string();
@@ -334,8 +332,8 @@ fn recipe_aliases_accepted() {
 
 #[test]
 fn missing_files_name_key_and_path() {
-    let assets = common::tiny_assets();
-    let root = assets.0.display().to_string();
+    let assets = tiny_assets();
+    let root = assets.path().display().to_string();
     let cfg = load_config(
         "tiny/lora_single_device",
         &args(&[

@@ -160,8 +160,8 @@ fn wait_with_deadline(child: Child, limit: Duration) -> std::process::Output {
 
 #[test]
 fn two_lora_workers_match_one_device_with_twice_the_batch() {
-    let one = TempDir::new("dp-lora-1");
-    let two = TempDir::new("dp-lora-2");
+    let one = temp_dir("dp-lora-1");
+    let two = temp_dir("dp-lora-2");
     // Validation too: each rank scores its share of the 8 rows, the sums are all-reduced.
     let common = [
         STEPS,
@@ -224,8 +224,8 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
 /// gradient is normalised by the global token count and clipped on its global norm.
 #[test]
 fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
-    let one = TempDir::new("dp-full-1");
-    let two = TempDir::new("dp-full-2");
+    let one = temp_dir("dp-full-1");
+    let two = temp_dir("dp-full-2");
     let common = [
         STEPS,
         "gradient_accumulation_steps=2",
@@ -291,8 +291,8 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
 
 #[test]
 fn two_processes_as_two_nodes_match_one_device() {
-    let one = TempDir::new("dp-nodes-1");
-    let two = TempDir::new("dp-nodes-2");
+    let one = temp_dir("dp-nodes-1");
+    let two = temp_dir("dp-nodes-2");
     // Validation too: each rank scores its share of the 8 rows, the sums are all-reduced.
     let common = [
         STEPS,
@@ -322,8 +322,8 @@ fn strs(v: &[String]) -> Vec<&str> {
 /// same losses as one device.
 #[test]
 fn two_nodes_shard_full_fine_tuning_like_one_device() {
-    let one = TempDir::new("dp-nodes-full-1");
-    let two = TempDir::new("dp-nodes-full-2");
+    let one = temp_dir("dp-nodes-full-1");
+    let two = temp_dir("dp-nodes-full-2");
     let common = ["max_steps_per_epoch=4", "optimizer.lr=1e-4"];
     train(
         1,
@@ -359,9 +359,9 @@ fn two_nodes_shard_full_fine_tuning_like_one_device() {
 /// writes it alone, as one file; the other node's directory stays empty.
 #[test]
 fn nodes_without_a_shared_output_dir_gather_the_optimizer_state_to_rank_zero() {
-    let one = TempDir::new("dp-gather-1");
-    let node0_dir = TempDir::new("dp-gather-n0");
-    let node1_dir = TempDir::new("dp-gather-n1");
+    let one = temp_dir("dp-gather-1");
+    let node0_dir = temp_dir("dp-gather-n0");
+    let node1_dir = temp_dir("dp-gather-n1");
     let common = ["max_steps_per_epoch=4", "optimizer.lr=1e-4"];
     train(
         1,
@@ -438,7 +438,7 @@ fn nodes_without_a_shared_output_dir_gather_the_optimizer_state_to_rank_zero() {
 /// fingerprint (which holds the seed) passes, and the run trains.
 #[test]
 fn a_random_seed_is_drawn_once_for_all_ranks() {
-    let dir = TempDir::new("dp-seed");
+    let dir = temp_dir("dp-seed");
     train(
         2,
         "lora_finetune_distributed",
@@ -478,12 +478,12 @@ fn a_killed_run_resumes_on_another_number_of_ranks() {
         v.extend(extra.map(String::from));
         v
     };
-    let reference = TempDir::new("dp-resume-ref");
+    let reference = temp_dir("dp-resume-ref");
     let out_ref = output(&reference);
     tune_ok(&strs(&run(2, &out_ref)));
 
     for (from, to) in [(2, 1), (1, 2), (2, 4)] {
-        let crashed = TempDir::new("dp-resume");
+        let crashed = temp_dir("dp-resume");
         let out = output(&crashed);
         let mut child = tune_command(&strs(&run(from, &out)))
             .stdout(Stdio::null())
@@ -536,7 +536,7 @@ fn every_distributed_recipe_trains_its_tiny_config_on_two_workers() {
             "tiny/kd_lora_distributed",
         ),
     ] {
-        let dir = TempDir::new("dp-recipe");
+        let dir = temp_dir("dp-recipe");
         let out = output(&dir);
         tune_ok(&[
             "run",
@@ -656,7 +656,7 @@ fn bad_launches_are_refused_naming_the_flag() {
 /// Nodes started with different configs stop at the rendezvous, naming the cause.
 #[test]
 fn nodes_with_different_configs_are_refused() {
-    let dir = TempDir::new("dp-mismatch");
+    let dir = temp_dir("dp-mismatch");
     let out = output(&dir);
     let port = free_port_pair();
     let base = [
@@ -681,7 +681,7 @@ fn nodes_with_different_configs_are_refused() {
 #[test]
 fn a_killed_node_stops_the_other_naming_it() {
     for killed in [1usize, 0] {
-        let dir = TempDir::new("dp-killed");
+        let dir = temp_dir("dp-killed");
         let out = output(&dir);
         let port = free_port_pair();
         let args = [
@@ -739,7 +739,7 @@ fn assert_rendezvous_gone(port: u16) {
 /// error.
 #[test]
 fn a_diverging_run_on_two_workers_stops_every_rank_at_the_same_step() {
-    let dir = TempDir::new("dp-nan");
+    let dir = temp_dir("dp-nan");
     let out = output(&dir);
     let res = tune(&[
         "run",

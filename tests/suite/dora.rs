@@ -134,12 +134,12 @@ fn greedy_decoding_with_a_dora_adapter_matches_peft() {
 #[test]
 fn dora_adapter_round_trips_byte_identical() {
     let mut model = dora_model();
-    let dir = std::env::temp_dir().join(format!("tune-dora-roundtrip-{}", std::process::id()));
+    let dir = temp_dir("dora-roundtrip");
     let config = AdapterConfig::read(&fixture("tiny-llama-dora")).unwrap();
-    save_adapter(&mut model, &config, &dir).unwrap();
+    save_adapter(&mut model, &config, dir.path()).unwrap();
     let original =
         SafetensorsFile::open(&fixture("tiny-llama-dora/adapter_model.safetensors")).unwrap();
-    let saved = SafetensorsFile::open(&dir.join("adapter_model.safetensors")).unwrap();
+    let saved = SafetensorsFile::open(&dir.path().join("adapter_model.safetensors")).unwrap();
     let (mut a, mut b) = (original.names(), saved.names());
     a.sort();
     b.sort();
@@ -155,9 +155,9 @@ fn dora_adapter_round_trips_byte_identical() {
             "{name}: bytes differ"
         );
     }
-    let written: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(written["use_dora"], true);
-    std::fs::remove_dir_all(&dir).ok();
 }

@@ -228,9 +228,8 @@ fn odd_batch_is_an_error() {
 }
 
 fn build_pairs(name: &str, text: &str, kind: DatasetKind) -> String {
-    let dir = std::env::temp_dir().join(format!("tune-dpo-data-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+    let dir = temp_dir("dpo-data");
+    let path = dir.path().join(name);
     std::fs::write(&path, text).unwrap();
     let tok = Tokenizer::from_path(fixture("tiny-llama")).unwrap();
     let spec = DatasetSpec {

@@ -2,28 +2,13 @@
 //! binary on the tiny configs: preference learning shows in the logged rewards, the saved
 //! adapter has the PEFT layout, resuming is exact, and bad preference data is a clear error.
 
-use std::path::{Path, PathBuf};
+use crate::support::temp_dir;
+
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("tune-dpo-e2e-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Runs `tune run <recipe> --config tiny/<config> output_dir=<out> <overrides>` from the
 /// repository root; returns (success, stderr).
@@ -133,19 +118,19 @@ const LORA: &[&str] = &[
 
 #[test]
 fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
-    let full = TempDir::new("lora-full");
-    let data = alpaca_pairs(&full.0);
+    let full = temp_dir("dpo-lora-full");
+    let data = alpaca_pairs(full.path());
     let mut args = LORA.to_vec();
     args.extend(["epochs=4", &data]);
     run_ok(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &full.0,
+        full.path(),
         &args,
     );
 
     // Preference learning: the implicit reward margin and the share of pairs ranked right rise.
-    let rows = metrics(&full.0);
+    let rows = metrics(full.path());
     assert_eq!(rows.len(), 40, "one metrics line per step");
     let margins = series(&rows, "rewards/margins");
     let accuracies = series(&rows, "rewards/accuracies");
@@ -168,7 +153,7 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     }
 
     // The adapter in PEFT layout.
-    let last = full.0.join("epoch_3");
+    let last = full.path().join("epoch_3");
     let config: Value = serde_json::from_str(
         &std::fs::read_to_string(last.join("adapter_config.json")).expect("adapter_config.json"),
     )
@@ -190,27 +175,27 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     );
 
     // Resume: 2 epochs, stop; then resume to 4. Same per-step losses and the same adapter.
-    let split = TempDir::new("lora-split");
+    let split = temp_dir("dpo-lora-split");
     let mut first = LORA.to_vec();
     first.extend(["epochs=2", &data]);
     run_ok(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &split.0,
+        split.path(),
         &first,
     );
-    assert_eq!(metrics(&split.0).len(), 20);
+    assert_eq!(metrics(split.path()).len(), 20);
     let mut second = LORA.to_vec();
     second.extend(["epochs=4", "resume_from_checkpoint=True", &data]);
     let (ok, stderr) = tune(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &split.0,
+        split.path(),
         &second,
     );
     assert!(ok, "resume failed:\n{stderr}");
     assert!(stderr.contains("Resuming from"), "{stderr}");
-    let resumed = metrics(&split.0);
+    let resumed = metrics(split.path());
     assert_eq!(series(&resumed, "step"), series(&rows, "step"));
     assert_eq!(
         series(&resumed, "loss"),
@@ -219,7 +204,7 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
     );
     assert_eq!(series(&resumed, "rewards/margins"), margins);
     assert_eq!(
-        tensors(&split.0.join("epoch_3/adapter_model.safetensors")),
+        tensors(&split.path().join("epoch_3/adapter_model.safetensors")),
         adapter,
         "final adapter"
     );
@@ -229,15 +214,15 @@ fn lora_dpo_learns_preferences_saves_peft_and_resumes_exactly() {
 /// the last epoch ranks the pairs it has seen better than the first did.
 #[test]
 fn full_dpo_trains_against_frozen_reference() {
-    let out = TempDir::new("full");
-    let data = alpaca_pairs(&out.0);
+    let out = temp_dir("dpo-full");
+    let data = alpaca_pairs(out.path());
     run_ok(
         "full_dpo_single_device",
         "full_dpo_single_device",
-        &out.0,
+        out.path(),
         &["batch_size=2", "epochs=3", &data],
     );
-    let rows = metrics(&out.0);
+    let rows = metrics(out.path());
     assert_eq!(rows.len(), 30);
     let margins = series(&rows, "rewards/margins");
     let accuracies = series(&rows, "rewards/accuracies");
@@ -259,19 +244,19 @@ fn full_dpo_trains_against_frozen_reference() {
         losses[0]
     );
     assert!(
-        out.0.join("epoch_2/config.json").is_file(),
+        out.path().join("epoch_2/config.json").is_file(),
         "a full Hugging Face model is saved"
     );
     assert!(
-        out.0.join("epoch_2/model.safetensors").is_file(),
+        out.path().join("epoch_2/model.safetensors").is_file(),
         "a full Hugging Face model is saved"
     );
 }
 
 #[test]
 fn dpo_on_bad_data_names_the_row() {
-    let out = TempDir::new("bad");
-    let data = out.0.join("pairs.json");
+    let out = temp_dir("dpo-bad");
+    let data = out.path().join("pairs.json");
     std::fs::write(
         &data,
         r#"[{"question": "q", "response_j": "a", "response_k": "b"}, {"question": "q", "response_j": "", "response_k": "b"}]"#,
@@ -281,7 +266,7 @@ fn dpo_on_bad_data_names_the_row() {
     let (ok, stderr) = tune(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &out.0,
+        out.path(),
         &[&file],
     );
     assert!(!ok);
@@ -296,7 +281,7 @@ fn dpo_on_bad_data_names_the_row() {
     let (ok, stderr) = tune(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &out.0,
+        out.path(),
         &[
             "dataset._component_=torchtune.datasets.alpaca_dataset",
             "dataset.data_files=assets/data/alpaca_tiny.json",
@@ -311,7 +296,7 @@ fn dpo_on_bad_data_names_the_row() {
     let (ok, stderr) = tune(
         "lora_dpo_single_device",
         "lora_dpo_single_device",
-        &out.0,
+        out.path(),
         &["loss.beta=-1"],
     );
     assert!(!ok);

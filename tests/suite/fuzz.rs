@@ -38,30 +38,15 @@ fn bounded(cases: u32) -> ProptestConfig {
     }
 }
 
-/// An empty scratch folder for one case, removed when dropped. Named per process, so two runs
-/// of the suite at once do not write over each other's files.
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn scratch(name: &str) -> Scratch {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join("tune-fuzz")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create scratch dir");
-    Scratch(dir)
+/// An empty scratch folder for one case, removed when dropped. Named `<name>-<random>`, so two
+/// runs of the suite at once do not write over each other's files.
+fn scratch(name: &str) -> tempfile::TempDir {
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tune-fuzz");
+    std::fs::create_dir_all(&root).expect("create scratch root");
+    tempfile::Builder::new()
+        .prefix(&format!("{name}-"))
+        .tempdir_in(root)
+        .expect("create scratch dir")
 }
 
 fn write(path: &Path, bytes: impl AsRef<[u8]>) {
@@ -513,7 +498,7 @@ proptest! {
         overrides in prop::collection::vec(override_arg(), 0..4),
     ) {
         let dir = scratch("config_text");
-        let path = dir.join("config.yaml");
+        let path = dir.path().join("config.yaml");
         write(&path, &text);
         load_and_validate(path.to_str().expect("utf-8 path"), &overrides);
     }
@@ -521,7 +506,7 @@ proptest! {
     #[test]
     fn config_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let dir = scratch("config_bytes");
-        let path = dir.join("config.yaml");
+        let path = dir.path().join("config.yaml");
         write(&path, &bytes);
         load_and_validate(path.to_str().expect("utf-8 path"), &[]);
     }
@@ -875,10 +860,10 @@ proptest! {
     #[test]
     fn safetensors_never_panics(file in st_file()) {
         let dir = scratch("safetensors");
-        let path = dir.join("model.safetensors");
+        let path = dir.path().join("model.safetensors");
         write(&path, st_bytes(&file));
         read_everything(&path);
-        if let Ok(mut w) = Weights::open(&dir, None) {
+        if let Ok(mut w) = Weights::open(dir.path(), None) {
             let names: Vec<String> = w.names().cloned().collect();
             for name in names {
                 let _ = w.take(&name, &[2, 3]);
@@ -907,10 +892,10 @@ proptest! {
             select(vec!["model.safetensors", "", ".", "..", "nope", "/"]).prop_map(String::from), 0..3)),
     ) {
         let dir = scratch("safetensors_index");
-        write(&dir.join("model.safetensors"), valid_safetensors());
-        write(&dir.join("model.safetensors.index.json"), index.to_string());
-        let _ = checkpoint_files(&dir, files.as_deref());
-        let _ = Weights::open(&dir, files.as_deref());
+        write(&dir.path().join("model.safetensors"), valid_safetensors());
+        write(&dir.path().join("model.safetensors.index.json"), index.to_string());
+        let _ = checkpoint_files(dir.path(), files.as_deref());
+        let _ = Weights::open(dir.path(), files.as_deref());
     }
 }
 
@@ -955,9 +940,9 @@ proptest! {
         cut in prop::option::weighted(0.1, any::<Index>()),
     ) {
         let dir = scratch("model_load");
-        std::fs::copy(fixture("tiny-llama/config.json"), dir.join("config.json")).expect("copy");
-        write(&dir.join("model.safetensors"), mutated_model(field, tensor, &value, cut));
-        let _ = tune::model_io::hf::load_model::<Cpu>(&dir, None, &Default::default());
+        std::fs::copy(fixture("tiny-llama/config.json"), dir.path().join("config.json")).expect("copy");
+        write(&dir.path().join("model.safetensors"), mutated_model(field, tensor, &value, cut));
+        let _ = tune::model_io::hf::load_model::<Cpu>(dir.path(), None, &Default::default());
     }
 }
 
@@ -1472,7 +1457,7 @@ proptest! {
         raw in prop::collection::vec(any::<u8>(), 0..96),
     ) {
         let dir = scratch("dataset_rows");
-        build_dataset(&dir, &case, layout, &render_rows(layout, &rows, &raw));
+        build_dataset(dir.path(), &case, layout, &render_rows(layout, &rows, &raw));
     }
 }
 
@@ -1493,7 +1478,7 @@ fn safetensors_data_end_near_u64_max_is_an_error() {
         })
         .collect();
     let dir = scratch("regression_data_end");
-    let path = dir.join("model.safetensors");
+    let path = dir.path().join("model.safetensors");
     write(&path, assemble(&header_of(&entries, None).0, &[]));
     let err = SafetensorsFile::open(&path)
         .err()
@@ -1513,7 +1498,7 @@ fn parquet_huge_row_count_is_not_reserved() {
     let fixture = std::fs::read(fixture("alpaca_tiny.parquet")).expect("fixture");
     let dir = scratch("regression_parquet_rows");
     for rows in [i64::MAX, 1 << 20, -5] {
-        let path = dir.join("data.parquet");
+        let path = dir.path().join("data.parquet");
         write(&path, parquet_with_num_rows(&fixture, rows));
         let reader = SerializedFileReader::new(std::fs::File::open(&path).expect("open"))
             .expect("footer still parses");
@@ -1548,7 +1533,7 @@ fn deep_override_key_is_an_error() {
 #[test]
 fn long_interpolation_chain_is_an_error() {
     let dir = scratch("regression_chain");
-    let path = dir.join("chain.yaml");
+    let path = dir.path().join("chain.yaml");
     write(&path, chain(2000));
     let err = load_config(path.to_str().expect("utf-8"), &[])
         .expect_err("a 2000-link chain is an error")

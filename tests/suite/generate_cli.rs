@@ -187,7 +187,7 @@ fn bad_adapter_dir_is_a_clear_error() {
 /// adapter_config.json (not the model's config.json) and the rank the weights have.
 #[test]
 fn an_adapter_rank_mismatch_names_adapter_config_json() {
-    let dir = TempDir::new("rank-mismatch");
+    let dir = temp_dir("rank-mismatch");
     let src =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama-lora");
     for name in ["adapter_config.json", "adapter_model.safetensors"] {

@@ -92,7 +92,7 @@ fn greedy_decoding_with_and_without_the_kv_cache() {
 #[test]
 fn lora_recipe_trains_on_wgpu() {
     let losses = |device: &str| {
-        let out = TempDir::new(&format!("gpu-lora-{device}"));
+        let out = temp_dir(&format!("gpu-lora-{device}"));
         let run = tiny_lora(&out, &[&format!("device={device}"), "epochs=2"]);
         let stderr = String::from_utf8_lossy(&run.stderr).to_string();
         assert!(run.status.success(), "tune on {device} failed:\n{stderr}");
@@ -120,7 +120,7 @@ fn lora_recipe_trains_on_wgpu() {
 /// adapter at all (here: a Vulkan loader pointed at no driver), several workers on one adapter.
 #[test]
 fn unsupported_wgpu_runs_are_refused_by_name() {
-    let out = TempDir::new("gpu-refusals");
+    let out = temp_dir("gpu-refusals");
     let res = tiny_lora(&out, &["device=wgpu", "dtype=bf16"]);
     let err = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(1), "{err}");

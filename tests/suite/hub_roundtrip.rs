@@ -14,7 +14,7 @@ mod support;
 
 use std::path::Path;
 
-use crate::support::{TempDir, tune_command};
+use crate::support::{temp_dir, tune_command};
 use fake_hub::FakeRepo;
 
 fn tune_with_hub(args: &[&str], endpoint: &str, home: &Path) -> std::process::Output {
@@ -52,7 +52,7 @@ fn download_train_push_keeps_the_base_models_repo_id_and_no_training_state() {
             ..FakeRepo::default()
         },
     )]);
-    let tmp = TempDir::new("hub-roundtrip");
+    let tmp = temp_dir("hub-roundtrip");
     let home = tmp.path().join("hf-home");
     let base = tmp.path().join("base");
     let run = tmp.path().join("run");
@@ -159,7 +159,7 @@ fn download_train_push_keeps_the_base_models_repo_id_and_no_training_state() {
 #[test]
 fn dpo_recipes_push_their_final_checkpoint() {
     let (server, state) = fake_hub::start(vec![]);
-    let tmp = TempDir::new("dpo-push");
+    let tmp = temp_dir("dpo-push");
     for (recipe, repo, pushed) in [
         (
             "lora_dpo_single_device",

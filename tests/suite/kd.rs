@@ -251,13 +251,12 @@ fn student_tokenizer() -> Tokenizer {
 
 /// A teacher directory whose config.json is the real teacher's with `edit` applied (no
 /// weights: the check must run before any are read).
-fn teacher_dir(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("tune-kd-teacher-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn teacher_dir(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> TempDir {
+    let dir = temp_dir(&format!("kd-teacher-{tag}"));
     let text = std::fs::read_to_string(fixture("tiny-llama-teacher/config.json")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
     edit(&mut config);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     dir
 }
 
@@ -276,7 +275,7 @@ fn teacher_with_another_vocabulary_is_refused_before_loading() {
     );
 
     let dir = teacher_dir("vocab", |c| c["vocab_size"] = 32000.into());
-    let err = check_compatible(&student_args, &student_tokenizer(), &dir)
+    let err = check_compatible(&student_args, &student_tokenizer(), dir.path())
         .unwrap_err()
         .to_string();
     assert!(err.contains("teacher_checkpointer.checkpoint_dir"), "{err}");
@@ -284,7 +283,6 @@ fn teacher_with_another_vocabulary_is_refused_before_loading() {
         err.contains("teacher vocab_size 32000 != student vocab_size 2048: the teacher must share the student's tokenizer"),
         "{err}"
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]
@@ -294,10 +292,10 @@ fn teacher_with_another_tokenizer_is_refused() {
     let dir = teacher_dir("tokenizer", |_| {});
     std::fs::copy(
         fixture("tiny-qwen2/tokenizer.json"),
-        dir.join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
     )
     .unwrap();
-    let err = check_compatible(&student_args, &student_tokenizer(), &dir)
+    let err = check_compatible(&student_args, &student_tokenizer(), dir.path())
         .unwrap_err()
         .to_string();
     assert!(err.contains("the teacher's tokenizer"), "{err}");
@@ -306,7 +304,6 @@ fn teacher_with_another_tokenizer_is_refused() {
         err.contains("the teacher must share the student's tokenizer"),
         "{err}"
     );
-    std::fs::remove_dir_all(dir).ok();
 }
 
 #[test]

@@ -59,12 +59,12 @@ pub fn check_lora_and_adamw_step<B: AutodiffBackend>(device: &B::Device) {
 #[test]
 fn peft_adapter_round_trips_byte_identical() {
     let mut model = lora_model();
-    let dir = std::env::temp_dir().join(format!("tune-peft-roundtrip-{}", std::process::id()));
+    let dir = temp_dir("peft-roundtrip");
     let config = AdapterConfig::read(&fixture("tiny-llama-lora")).unwrap();
-    save_adapter(&mut model, &config, &dir).unwrap();
+    save_adapter(&mut model, &config, dir.path()).unwrap();
     let original =
         SafetensorsFile::open(&fixture("tiny-llama-lora/adapter_model.safetensors")).unwrap();
-    let saved = SafetensorsFile::open(&dir.join("adapter_model.safetensors")).unwrap();
+    let saved = SafetensorsFile::open(&dir.path().join("adapter_model.safetensors")).unwrap();
     let mut a = original.names();
     let mut b = saved.names();
     a.sort();
@@ -78,11 +78,11 @@ fn peft_adapter_round_trips_byte_identical() {
         let yb: Vec<u32> = y.data.iter().map(|v| v.to_bits()).collect();
         assert_eq!(xb, yb, "{name}: bytes differ");
     }
-    let written: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
-            .unwrap();
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(written["r"], 4);
     assert_eq!(written["peft_type"], "LORA");
     assert_eq!(written["task_type"], "CAUSAL_LM");
-    std::fs::remove_dir_all(&dir).ok();
 }

@@ -23,7 +23,7 @@ fn synthetic_run(steps: usize) -> Vec<String> {
 
 #[test]
 fn plot_draws_loss_and_lr_curves_into_a_png() {
-    let dir = TempDir::new("plot-png");
+    let dir = temp_dir("plot-png");
     let metrics = write_metrics(&dir, &synthetic_run(40));
     let out = dir.path().join("loss.png");
     let run = tune_ok(&[
@@ -63,7 +63,7 @@ fn plot_draws_loss_and_lr_curves_into_a_png() {
 
 #[test]
 fn plot_writes_svg_by_extension() {
-    let dir = TempDir::new("plot-svg");
+    let dir = temp_dir("plot-svg");
     let metrics = write_metrics(&dir, &synthetic_run(5));
     let out = dir.path().join("loss.svg");
     tune_ok(&[
@@ -78,7 +78,7 @@ fn plot_writes_svg_by_extension() {
 
 #[test]
 fn bad_metrics_lines_name_the_file_and_line() {
-    let dir = TempDir::new("plot-bad");
+    let dir = temp_dir("plot-bad");
     let mut lines = synthetic_run(3);
     lines.insert(2, "{\"step\": 3, \"loss\": ".to_string());
     let metrics = write_metrics(&dir, &lines);
@@ -106,7 +106,7 @@ fn bad_metrics_lines_name_the_file_and_line() {
 
 #[test]
 fn missing_file_and_unknown_format_are_errors() {
-    let dir = TempDir::new("plot-missing");
+    let dir = temp_dir("plot-missing");
     let run = tune(&["plot", dir.path().join("nope.jsonl").to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{stderr}");

@@ -3,14 +3,14 @@
 
 use crate::support;
 
-use crate::lora_recipe::lora_run as lora;
+use crate::lora_recipes::lora_run as lora;
 use support::*;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::model_io::hf::load_model;
 
 #[test]
 fn bf16_lora_training_follows_fp32_and_writes_loadable_outputs() {
-    let (bf16, fp32) = (TempDir::new("bf16-lora"), TempDir::new("fp32-lora"));
+    let (bf16, fp32) = (temp_dir("bf16-lora"), temp_dir("fp32-lora"));
     let args = ["batch_size=2", "max_steps_per_epoch=30"];
     let bf16_loss = column(&lora(&bf16, &[&args[..], &["dtype=bf16"]].concat()), "loss");
     let fp32_loss = column(&lora(&fp32, &args), "loss");
@@ -49,7 +49,7 @@ fn bf16_lora_training_follows_fp32_and_writes_loadable_outputs() {
 
 #[test]
 fn bf16_full_finetune_trains_and_saves_a_checkpoint() {
-    let out = TempDir::new("bf16-full");
+    let out = temp_dir("bf16-full");
     let metrics = run_recipe(
         "full_finetune_single_device",
         "tiny/full_single_device",
@@ -71,7 +71,7 @@ fn bf16_full_finetune_trains_and_saves_a_checkpoint() {
 
 #[test]
 fn fp16_training_is_refused_with_the_fix() {
-    let out = TempDir::new("fp16");
+    let out = temp_dir("fp16");
     let run = tiny_lora(&out, &["dtype=fp16"]);
     assert_eq!(run.status.code(), Some(2), "a config error");
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -128,7 +128,7 @@ fn bf16_runs_every_training_recipe() {
             "",
         ),
     ] {
-        let out = TempDir::new(&format!("bf16-{recipe}"));
+        let out = temp_dir(&format!("bf16-{recipe}"));
         let mut args = vec!["dtype=bf16", "max_steps_per_epoch=3", "epochs=1"];
         if !extra.is_empty() {
             args.push(extra);

@@ -182,16 +182,16 @@ fn quantized_export_reloads_to_the_fake_quantized_model_exactly() {
         .unwrap()
         .model;
     prepare(&mut model, SCHEME).unwrap();
-    let dir = std::env::temp_dir().join(format!("tune-qat-export-{}", std::process::id()));
+    let dir = temp_dir("qat-export");
     save_quantized(
         &mut model,
         SCHEME,
-        &dir,
+        dir.path(),
         StorageDtype::F32,
         Some(&fixture("tiny-llama")),
     )
     .unwrap();
-    let loaded = load_quantized_model::<Cpu>(&dir, &device).unwrap();
+    let loaded = load_quantized_model::<Cpu>(dir.path(), &device).unwrap();
     let (want, got) = (batch_logits(&model), batch_logits(&loaded));
     assert_eq!(
         max_abs_diff("export logits", &got, &want),
@@ -199,7 +199,8 @@ fn quantized_export_reloads_to_the_fake_quantized_model_exactly() {
         "dequantized export == fake-quantized model"
     );
     let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
     assert_eq!(config["quantization_config"]["weight"]["group_size"], 32);
     assert_eq!(
         config["quantization_config"]["modules"]
@@ -208,6 +209,5 @@ fn quantized_export_reloads_to_the_fake_quantized_model_exactly() {
             .len(),
         14
     );
-    assert!(dir.join("tokenizer.json").is_file());
-    let _ = std::fs::remove_dir_all(&dir);
+    assert!(dir.path().join("tokenizer.json").is_file());
 }

@@ -5,7 +5,7 @@
 
 use crate::support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use support::*;
@@ -19,12 +19,6 @@ use tune::modules::ForwardMode;
 use tune::modules::fake_quant::QuantScheme;
 use tune::setup::quant::prepare;
 use tune::tokenizer::Tokenizer;
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tune-qat-e2e-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
 
 fn tune(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_tune"))
@@ -88,18 +82,18 @@ fn linear_weight_bytes(float_file: &SafetensorsFile, export: &SafetensorsFile) -
 
 #[test]
 fn qat_lora_trains_and_its_quantized_export_matches_the_fake_quantized_model() {
-    let out = temp_dir("lora");
+    let out = temp_dir("qat-lora");
     let run = tune(&[
         "run",
         "qat_lora_finetune_single_device",
         "--config",
         "tiny/qat_lora_single_device",
-        &format!("output_dir={}", out.display()),
+        &format!("output_dir={}", out.path().display()),
     ]);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{stderr}");
 
-    let l = losses(&out);
+    let l = losses(out.path());
     let n = l.len();
     assert!(n >= 10, "{n} steps logged");
     let head: f64 = l[..3].iter().sum::<f64>() / 3.0;
@@ -111,7 +105,7 @@ fn qat_lora_trains_and_its_quantized_export_matches_the_fake_quantized_model() {
     );
 
     // The merged float model, fake-quantized as in training, against the dequantized export.
-    let ckpt = out.join("epoch_0");
+    let ckpt = out.path().join("epoch_0");
     let device = Default::default();
     let mut merged = load_model::<Cpu>(&ckpt, None, &device).unwrap().model;
     prepare(
@@ -142,18 +136,17 @@ fn qat_lora_trains_and_its_quantized_export_matches_the_fake_quantized_model() {
         "linear weights: {float_bytes} B float32 -> {quant_bytes} B int4 + scales ({factor:.2}x smaller)"
     );
     assert!((6.3..6.5).contains(&factor), "size factor {factor}");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn qat_full_writes_a_loadable_quantized_export() {
-    let out = temp_dir("full");
+    let out = temp_dir("qat-full");
     let run = tune(&[
         "run",
         "qat_single_device",
         "--config",
         "tiny/qat_single_device",
-        &format!("output_dir={}", out.display()),
+        &format!("output_dir={}", out.path().display()),
         "max_steps_per_epoch=4",
         "fake_quant_after_n_steps=2",
     ]);
@@ -162,7 +155,7 @@ fn qat_full_writes_a_loadable_quantized_export() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let ckpt = out.join("epoch_0");
+    let ckpt = out.path().join("epoch_0");
     let device = Default::default();
     let mut float = load_model::<Cpu>(&ckpt, None, &device).unwrap().model;
     prepare(
@@ -215,18 +208,17 @@ fn qat_full_writes_a_loadable_quantized_export() {
         String::from_utf8_lossy(&run.stdout).trim_end(),
         tok.decode(&expected.tokens, true).unwrap().trim_end()
     );
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn group_size_not_dividing_a_layer_is_a_clear_error() {
-    let out = temp_dir("badgroup");
+    let out = temp_dir("qat-badgroup");
     let run = tune(&[
         "run",
         "qat_single_device",
         "--config",
         "tiny/qat_single_device",
-        &format!("output_dir={}", out.display()),
+        &format!("output_dir={}", out.path().display()),
         "quantizer.groupsize=48",
     ]);
     let stderr = String::from_utf8_lossy(&run.stderr);
@@ -237,34 +229,32 @@ fn group_size_not_dividing_a_layer_is_a_clear_error() {
         ),
         "{stderr}"
     );
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn unknown_quantizer_is_a_config_error() {
-    let out = temp_dir("badquant");
+    let out = temp_dir("qat-badquant");
     let run = tune(&[
         "run",
         "qat_single_device",
         "--config",
         "tiny/qat_single_device",
-        &format!("output_dir={}", out.display()),
+        &format!("output_dir={}", out.path().display()),
         "quantizer._component_=torchtune.training.quantization.Int2Quantizer",
     ]);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
     assert!(stderr.contains("quantizer._component_"), "{stderr}");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn tune_quantize_writes_an_export_of_the_checkpointer_model() {
-    let out = temp_dir("quantize");
+    let out = temp_dir("qat-quantize");
     let run = tune(&[
         "quantize",
         "--config",
         "tiny/qat_single_device",
-        &format!("output_dir={}", out.display()),
+        &format!("output_dir={}", out.path().display()),
     ]);
     assert!(
         run.status.success(),
@@ -272,7 +262,7 @@ fn tune_quantize_writes_an_export_of_the_checkpointer_model() {
         String::from_utf8_lossy(&run.stderr)
     );
     let device = Default::default();
-    let exported = load_quantized_model::<Cpu>(&out.join(QUANTIZED_DIR), &device).unwrap();
+    let exported = load_quantized_model::<Cpu>(&out.path().join(QUANTIZED_DIR), &device).unwrap();
     let mut float = load_model::<Cpu>(Path::new("assets/tiny-llama"), None, &device)
         .unwrap()
         .model;
@@ -290,5 +280,4 @@ fn tune_quantize_writes_an_export_of_the_checkpointer_model() {
         ),
         0.0
     );
-    let _ = std::fs::remove_dir_all(&out);
 }

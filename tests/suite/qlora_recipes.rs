@@ -45,7 +45,7 @@ const STEPS: &[&str] = &[
 
 #[test]
 fn qlora_trains_saves_a_merged_bf16_model_resumes_exactly_and_generates() {
-    let full = TempDir::new("qlora-full");
+    let full = temp_dir("qlora-full");
     let mut extra = STEPS.to_vec();
     extra.push("epochs=2");
     let out = run(
@@ -100,7 +100,7 @@ fn qlora_trains_saves_a_merged_bf16_model_resumes_exactly_and_generates() {
     );
 
     // Stopped after one epoch and resumed: every loss and the adapter bit-identical.
-    let split = TempDir::new("qlora-split");
+    let split = temp_dir("qlora-split");
     let mut first = STEPS.to_vec();
     first.push("epochs=1");
     run(
@@ -143,7 +143,7 @@ fn qlora_trains_saves_a_merged_bf16_model_resumes_exactly_and_generates() {
 
 #[test]
 fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
-    let dpo = TempDir::new("qlora-dpo");
+    let dpo = temp_dir("qlora-dpo");
     run(
         "lora_dpo_single_device",
         "tiny/lora_dpo_single_device",
@@ -156,7 +156,7 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
             .is_file()
     );
 
-    let kd = TempDir::new("qlora-kd");
+    let kd = temp_dir("qlora-kd");
     run(
         "knowledge_distillation_single_device",
         "tiny/kd_lora_single_device",
@@ -169,7 +169,7 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
     );
     assert_eq!(losses(kd.path()).len(), 3);
 
-    let bf16 = TempDir::new("qlora-bf16");
+    let bf16 = temp_dir("qlora-bf16");
     run(
         "lora_finetune_single_device",
         "tiny/lora_single_device",
@@ -179,8 +179,8 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
     assert!(losses(bf16.path()).iter().all(|l| l.is_finite()));
 
     // Two workers with batch 2 equal one device with batch 4.
-    let one = TempDir::new("qlora-dp1");
-    let two = TempDir::new("qlora-dp2");
+    let one = temp_dir("qlora-dp1");
+    let two = temp_dir("qlora-dp2");
     let common = ["max_steps_per_epoch=4", "save_adapter_weights_only=True"];
     let mut single = common.to_vec();
     single.push("batch_size=4");
@@ -204,7 +204,7 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
 
 #[test]
 fn qlora_on_a_model_torchao_cannot_quantize_names_the_weight_and_the_rule() {
-    let out = TempDir::new("qlora-refused");
+    let out = temp_dir("qlora-refused");
     let run = tiny_lora(
         &out,
         &["model._component_=tune.models.llama3.qlora_llama3_tiny"],

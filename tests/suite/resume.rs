@@ -38,13 +38,13 @@ fn adapter_bytes(dir: &Path) -> Vec<u8> {
 
 #[test]
 fn a_run_stopped_halfway_and_resumed_matches_an_uninterrupted_one() {
-    let full = TempDir::new("resume-full");
+    let full = temp_dir("resume-full");
     let out_full = format!("output_dir={}", full.path().display());
     // A constant LR: stopping after one epoch here means `epochs=1`, which would otherwise
     // change the cosine schedule's length. (The SIGKILL test below keeps the schedule.)
     tune_ok(&args(&out_full, &["epochs=2", "~lr_scheduler"]));
 
-    let split = TempDir::new("resume-split");
+    let split = temp_dir("resume-split");
     let out_split = format!("output_dir={}", split.path().display());
     tune_ok(&args(&out_split, &["epochs=1", "~lr_scheduler"]));
     assert!(split.path().join("epoch_0/tune_checkpoint.json").is_file());
@@ -67,7 +67,7 @@ fn a_run_stopped_halfway_and_resumed_matches_an_uninterrupted_one() {
 
 #[test]
 fn resuming_with_a_changed_dataset_is_refused_naming_the_key() {
-    let dir = TempDir::new("resume-changed");
+    let dir = temp_dir("resume-changed");
     let out = format!("output_dir={}", dir.path().display());
     tune_ok(&args(&out, &["epochs=1", "max_steps_per_epoch=2"]));
     let res = tune(&args(
@@ -92,12 +92,12 @@ fn resuming_with_a_changed_dataset_is_refused_naming_the_key() {
 #[test]
 fn sigkill_during_a_checkpoint_write_loses_nothing() {
     let extra = ["epochs=2", "save_every_n_steps=2"];
-    let reference = TempDir::new("crash-ref");
+    let reference = temp_dir("crash-ref");
     let out_ref = format!("output_dir={}", reference.path().display());
     tune_ok(&args(&out_ref, &extra));
 
     for kill_at in [2usize, 6, 10] {
-        let dir = TempDir::new("crash");
+        let dir = temp_dir("crash");
         let out = format!("output_dir={}", dir.path().display());
         let mut child = tune_command(&args(&out, &extra))
             .stdout(std::process::Stdio::null())
@@ -166,7 +166,7 @@ fn sigkill_during_a_checkpoint_write_loses_nothing() {
 /// (exit 1) and skipped on resume, which continues from the newest checkpoint that verifies.
 #[test]
 fn a_damaged_checkpoint_is_reported_and_skipped_on_resume() {
-    let dir = TempDir::new("resume-damaged");
+    let dir = temp_dir("resume-damaged");
     let out = format!("output_dir={}", dir.path().display());
     tune_ok(&args(
         &out,
@@ -198,21 +198,28 @@ fn a_damaged_checkpoint_is_reported_and_skipped_on_resume() {
     assert!(log.contains("step_4 at step 4"), "{log}");
 }
 
-/// One run per output directory: a second `tune run` on the directory of a run in progress
-/// fails at once naming the holder's pid, and leaves the first run's files alone.
-#[test]
-fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
-    let dir = TempDir::new("locked");
-    let out = format!("output_dir={}", dir.path().display());
-    let mut first = tune_command(&args(&out, &["epochs=50"]))
+/// Starts `tune <args>` in the background and returns once it is training (its metrics file
+/// in `output_dir` exists, or after a minute).
+fn training_in(output_dir: &Path, args: &[&str]) -> std::process::Child {
+    let child = tune_command(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
+    while !output_dir.join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
+    child
+}
+
+/// One run per output directory: a second `tune run` on the directory of a run in progress
+/// fails at once naming the holder's pid, and leaves the first run's files alone.
+#[test]
+fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
+    let dir = temp_dir("locked");
+    let out = format!("output_dir={}", dir.path().display());
+    let mut first = training_in(dir.path(), &args(&out, &["epochs=50"]));
     let config_before = std::fs::read(dir.path().join("tune_config.yaml")).unwrap();
     let second = tune(&args(&out, &["epochs=1", "seed=7"]));
     let _ = first.kill();
@@ -237,21 +244,13 @@ fn a_second_run_on_a_busy_output_dir_is_refused_naming_the_holder() {
 /// the second is refused naming that key and the holder, and writes nothing there.
 #[test]
 fn a_second_run_sharing_only_the_checkpoint_dir_is_refused() {
-    let first_dir = TempDir::new("locked-ckpt-a");
-    let second_dir = TempDir::new("locked-ckpt-b");
-    let checkpoints = TempDir::new("locked-ckpt-shared");
+    let first_dir = temp_dir("locked-ckpt-a");
+    let second_dir = temp_dir("locked-ckpt-b");
+    let checkpoints = temp_dir("locked-ckpt-shared");
     let shared = format!("checkpointer.output_dir={}", checkpoints.path().display());
     let out_first = format!("output_dir={}", first_dir.path().display());
     let out_second = format!("output_dir={}", second_dir.path().display());
-    let mut first = tune_command(&args(&out_first, &["epochs=50", &shared]))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !first_dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut first = training_in(first_dir.path(), &args(&out_first, &["epochs=50", &shared]));
     let second = tune(&args(&out_second, &["epochs=1", "seed=7", &shared]));
     let _ = first.kill();
     let _ = first.wait();
@@ -274,7 +273,7 @@ fn a_second_run_sharing_only_the_checkpoint_dir_is_refused() {
 /// `resume_from_checkpoint=True` with nothing to resume says so, then trains from the start.
 #[test]
 fn resuming_with_nothing_to_resume_says_so() {
-    let dir = TempDir::new("resume-nothing");
+    let dir = temp_dir("resume-nothing");
     let out = format!("output_dir={}", dir.path().display());
     let run = tune_ok(&args(
         &out,
@@ -297,7 +296,7 @@ fn resuming_with_nothing_to_resume_says_so() {
 /// start a new file (the old one is kept beside it); a rerun of the same run is allowed.
 #[test]
 fn a_fresh_run_into_another_runs_output_dir_is_refused() {
-    let dir = TempDir::new("rerun");
+    let dir = temp_dir("rerun");
     let out = format!("output_dir={}", dir.path().display());
     let short = ["epochs=1", "max_steps_per_epoch=2"];
     tune_ok(&args(&out, &short));
@@ -352,7 +351,7 @@ fn a_fresh_run_into_another_runs_output_dir_is_refused() {
 /// checkpoint; a resume may change only the learning rate (here: to a diverging one).
 #[test]
 fn a_diverged_run_publishes_nothing_and_names_the_last_healthy_checkpoint() {
-    let dir = TempDir::new("diverged");
+    let dir = temp_dir("diverged");
     let out = format!("output_dir={}", dir.path().display());
     let base = ["max_steps_per_epoch=3", "~lr_scheduler"];
     tune_ok(&args(&out, &[&base[..], &["epochs=1"]].concat()));
@@ -405,12 +404,12 @@ fn a_diverged_run_publishes_nothing_and_names_the_last_healthy_checkpoint() {
 #[test]
 fn a_signal_stops_at_a_step_boundary_and_the_resumed_run_matches() {
     let extra = ["epochs=3", "save_every_n_steps=2"];
-    let reference = TempDir::new("signal-ref");
+    let reference = temp_dir("signal-ref");
     let out_ref = format!("output_dir={}", reference.path().display());
     tune_ok(&args(&out_ref, &extra));
 
     for (signal, code, preempt) in [("INT", 130, false), ("TERM", 143, true)] {
-        let dir = TempDir::new("signal");
+        let dir = temp_dir("signal");
         let out = format!("output_dir={}", dir.path().display());
         let preempt_arg = format!("save_on_preempt={}", if preempt { "True" } else { "False" });
         let child = tune_command(&args(&out, &[&extra[..], &[&preempt_arg]].concat()))

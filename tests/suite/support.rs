@@ -1,6 +1,11 @@
-//! Shared helpers for the golden-value tests: fixture paths and tolerance checks.
+//! Shared helpers for the integration tests (and the bf16 binary, which includes this file):
+//! fixture paths and tolerance checks for the golden-value tests, temporary directories
+//! (`tempfile`, removed when dropped), running the `tune` binary, and a temporary tree of the
+//! files the tiny configs name under `assets/` for the config tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use serde_yaml::Value;
 
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
@@ -76,28 +81,73 @@ pub fn positions(batch: usize, seq: usize) -> Vec<u32> {
     (0..batch).flat_map(|_| 0..seq as u32).collect()
 }
 
-/// A fresh temporary directory, removed when dropped.
-pub struct TempDir(pub PathBuf);
+pub use tempfile::TempDir;
 
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!("tune-test-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
+/// A fresh temporary directory named `tune-<tag>-<random>`, removed when dropped: keep the
+/// value alive while anything (a spawned `tune` included) still uses the directory.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("tune-{tag}-"))
+        .tempdir()
+        .expect("create temp dir")
+}
+
+/// Writes `{}` to `rel` under `dir`, creating its folders; returns the file's path.
+pub fn touch(dir: &Path, rel: &str) -> PathBuf {
+    let p = dir.join(rel);
+    if let Some(parent) = p.parent() {
+        std::fs::create_dir_all(parent).expect("mkdir");
     }
-    pub fn path(&self) -> &std::path::Path {
-        &self.0
+    std::fs::write(&p, "{}").expect("write");
+    p
+}
+
+/// `rel` under `dir`, as the string a config override takes.
+pub fn path_in(dir: &Path, rel: &str) -> String {
+    dir.join(rel).display().to_string()
+}
+
+/// A temp root holding the files the tiny configs name under `assets/`.
+pub fn tiny_assets() -> TempDir {
+    let t = temp_dir("assets");
+    for model in ["tiny-llama", "tiny-llama-teacher"] {
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
+            touch(t.path(), &format!("assets/{model}/{f}"));
+        }
+    }
+    for f in [
+        "alpaca_tiny.json",
+        "hh_rlhf_tiny.json",
+        "stack_exchange_paired_tiny.json",
+        "alpaca_pairs_tiny.json",
+    ] {
+        touch(t.path(), &format!("assets/data/{f}"));
+    }
+    t
+}
+
+/// Rewrites every string starting with `assets/` to live under `root`, so
+/// relative asset paths resolve without changing the process's cwd.
+pub fn rebase_assets(value: &mut Value, root: &Path) {
+    match value {
+        Value::String(s) if s.starts_with("assets/") => {
+            *s = root.join(&*s).display().to_string();
+        }
+        Value::Mapping(m) => m.values_mut().for_each(|v| rebase_assets(v, root)),
+        Value::Sequence(items) => items.iter_mut().for_each(|v| rebase_assets(v, root)),
+        _ => {}
     }
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// Owned copies of string arguments (config overrides).
+pub fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
 }
 
 /// `tune <args>` run from the repository root (so `assets/` resolves); returns the output.
@@ -292,4 +342,18 @@ pub fn to_peft(name: &str) -> String {
         "b" => peft_key(module, 'B'),
         _ => magnitude_key(module),
     }
+}
+
+/// A tokenized row of `n` tokens (ids from `seed`), its first `prompt` labels masked, as a
+/// dataset with its prompt not trained gives it.
+pub fn masked_row(n: usize, prompt: usize, seed: u32) -> tune::data::SftSample {
+    let tokens: Vec<u32> = (0..n as u32)
+        .map(|t| (seed * 97 + t * 31) % 1900 + 3)
+        .collect();
+    let labels = tokens
+        .iter()
+        .enumerate()
+        .map(|(t, &tok)| if t < prompt { -100 } else { tok as i64 })
+        .collect();
+    tune::data::SftSample { tokens, labels }
 }

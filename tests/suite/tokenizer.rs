@@ -1,3 +1,5 @@
+use crate::support::{TempDir, temp_dir};
+
 use std::path::{Path, PathBuf};
 use tune::tokenizer::{Message, Role, Tokenizer, TokenizerError};
 
@@ -21,17 +23,15 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 }
 
 /// A fresh temp folder with the tiny-llama tokenizer.json and the given extra files.
-fn temp_checkpoint(name: &str, files: &[(&str, &str)]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tune-tok-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("mkdir");
+fn temp_checkpoint(name: &str, files: &[(&str, &str)]) -> TempDir {
+    let dir = temp_dir(&format!("tok-{name}"));
     std::fs::copy(
         fixture("tiny-llama/tokenizer.json"),
-        dir.join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
     )
     .expect("copy");
     for (f, text) in files {
-        std::fs::write(dir.join(f), text).expect("write");
+        std::fs::write(dir.path().join(f), text).expect("write");
     }
     dir
 }
@@ -113,7 +113,7 @@ fn config_variants() {
             ),
         ],
     );
-    let tok = Tokenizer::from_path(&dir).expect("load");
+    let tok = Tokenizer::from_path(dir.path()).expect("load");
     assert_eq!(tok.bos_id(), Some(2000));
     assert_eq!(tok.eos_id(), Some(2001));
     assert_eq!(tok.stop_ids(), &[2001, 2004]);
@@ -123,17 +123,16 @@ fn config_variants() {
         .expect("render");
     assert_eq!(out, "<|begin_of_text|>user:x");
     std::fs::write(
-        dir.join("chat_template.jinja"),
+        dir.path().join("chat_template.jinja"),
         "J{{ messages | length }}\n",
     )
     .expect("write");
-    let tok = Tokenizer::from_path(&dir).expect("load");
+    let tok = Tokenizer::from_path(dir.path()).expect("load");
     assert_eq!(
         tok.apply_chat_template(&[Message::user("x")], false)
             .expect("render"),
         "J1"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -142,7 +141,7 @@ fn config_errors_are_specific() {
         "errors",
         &[("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#)],
     );
-    let err = Tokenizer::from_path(&dir).expect_err("unknown token");
+    let err = Tokenizer::from_path(dir.path()).expect_err("unknown token");
     assert!(
         matches!(err, TokenizerError::UnknownSpecialToken { .. }),
         "{err}"
@@ -151,29 +150,28 @@ fn config_errors_are_specific() {
         err.to_string().contains("tokenizer_config.json") && err.to_string().contains("<nope>")
     );
     std::fs::write(
-        dir.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
         r#"{"chat_template": [{"name": "rag", "template": "x"}]}"#,
     )
     .expect("write");
-    let err = Tokenizer::from_path(&dir).expect_err("no default");
+    let err = Tokenizer::from_path(dir.path()).expect_err("no default");
     assert!(err.to_string().contains("rag"), "{err}");
     std::fs::write(
-        dir.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
         r#"{"chat_template": "{% for %}"}"#,
     )
     .expect("write");
     assert!(matches!(
-        Tokenizer::from_path(&dir),
+        Tokenizer::from_path(dir.path()),
         Err(TokenizerError::TemplateSyntax { .. })
     ));
-    std::fs::write(dir.join("tokenizer_config.json"), "{}").expect("write");
-    let tok = Tokenizer::from_path(&dir).expect("load");
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}").expect("write");
+    let tok = Tokenizer::from_path(dir.path()).expect("load");
     assert!(!tok.has_chat_template());
     assert!(matches!(
         tok.apply_chat_template(&[Message::user("x")], false),
         Err(TokenizerError::NoChatTemplate)
     ));
-    let _ = std::fs::remove_dir_all(&dir);
     let err = Tokenizer::from_path(fixture("tiny-llama/..")).expect_err("no tokenizer.json");
     assert!(matches!(err, TokenizerError::NotFound { .. }), "{err}");
 }
@@ -191,13 +189,13 @@ fn tokenizer_and_dataset_are_send_sync() {
 #[test]
 fn huggingface_model_tokenizer_arguments_name_the_files_used() {
     let dir = temp_checkpoint("hfmt", &[]);
-    let config = dir.join("elsewhere_tokenizer_config.json");
+    let config = dir.path().join("elsewhere_tokenizer_config.json");
     std::fs::write(
         &config,
         r#"{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"}"#,
     )
     .unwrap();
-    let generation = dir.join("elsewhere_generation_config.json");
+    let generation = dir.path().join("elsewhere_generation_config.json");
     std::fs::write(&generation, r#"{"eos_token_id": [2004, 7]}"#).unwrap();
     let yaml = format!(
         "_component_: torchtune.modules.transforms.tokenizers.HuggingFaceModelTokenizer\ntokenizer_json_path: {}\ntokenizer_config_json_path: {}\ngeneration_config_path: {}\nmax_seq_len: 64\n",
@@ -218,7 +216,6 @@ fn huggingface_model_tokenizer_arguments_name_the_files_used() {
     let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml).unwrap();
     let err = tune::setup::data::tokenizer(&cfg).unwrap_err().to_string();
     assert!(err.contains("missing.json"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// torchtune's `special_tokens_path` gives the special tokens' ids; tune reads them from the
@@ -236,7 +233,7 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
     let cfg: tune::config::schema::TokenizerConfig = serde_yaml::from_str(&yaml(&json)).unwrap();
     tune::setup::data::tokenizer(&cfg).unwrap();
     let dir = temp_checkpoint("special", &[]);
-    let other = dir.join("special.json");
+    let other = dir.path().join("special.json");
     std::fs::write(
         &other,
         r#"{"added_tokens": [{"id": 7, "content": "<|eot_id|>"}]}"#,
@@ -248,5 +245,4 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
         err.contains("special_tokens_path") && err.contains("<|eot_id|>") && err.contains("id 7"),
         "{err}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

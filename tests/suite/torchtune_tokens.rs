@@ -219,7 +219,7 @@ fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
 
     // The batch itself, through the config -> tokenizer -> dataset path.
     let cfg =
-        tune::config::load_config("tiny/lora_single_device", &crate::common::args(&overrides))
+        tune::config::load_config("tiny/lora_single_device", &crate::support::args(&overrides))
             .unwrap();
     let (typed, _) = tune::config::validate_with(
         "lora_finetune_single_device",
@@ -245,7 +245,7 @@ fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
     assert_eq!(batch.labels, rows("labels"));
 
     // The recipe's first step on it.
-    let out = crate::support::TempDir::new("first-batch");
+    let out = crate::support::temp_dir("first-batch");
     let metrics = crate::support::run_recipe(
         "lora_finetune_single_device",
         "tiny/lora_single_device",

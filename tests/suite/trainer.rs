@@ -17,21 +17,12 @@ use crate::support::*;
 
 /// Rows of 9 to 30 tokens with their prompts masked.
 fn rows() -> Vec<SftSample> {
-    [(9, 3), (30, 8), (17, 0), (22, 5)]
-        .iter()
-        .enumerate()
-        .map(|(seed, &(n, prompt))| {
-            let tokens: Vec<u32> = (0..n as u32)
-                .map(|t| (seed as u32 * 131 + t * 37) % 1900 + 3)
-                .collect();
-            let labels = tokens
-                .iter()
-                .enumerate()
-                .map(|(t, &tok)| if t < prompt { -100 } else { tok as i64 })
-                .collect();
-            SftSample { tokens, labels }
-        })
-        .collect()
+    vec![
+        masked_row(9, 3, 1),
+        masked_row(30, 8, 2),
+        masked_row(17, 0, 3),
+        masked_row(22, 5, 4),
+    ]
 }
 
 fn batch(rows: &[SftSample]) -> Batch {

@@ -4,7 +4,7 @@
 
 use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
-use tune::data::{Batch, SftSample, collate_sft, unpad};
+use tune::data::{Batch, collate_sft, unpad};
 use tune::models::{CausalLm, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::kd::{KdLoss, KdObjective, forward_kl, total_loss};
@@ -28,17 +28,7 @@ const INFO: StepInfo = StepInfo {
 /// Five rows of 5 to 40 tokens: prompts masked, one with trailing ignored labels, one with no
 /// counted label at all; padded to 40 (200 positions, 79 of them needed).
 fn padded_batch() -> Batch {
-    let row = |n: usize, prompt: usize, seed: u32| {
-        let tokens: Vec<u32> = (0..n as u32)
-            .map(|t| (seed * 97 + t * 31) % 1900 + 3)
-            .collect();
-        let labels = tokens
-            .iter()
-            .enumerate()
-            .map(|(t, &tok)| if t < prompt { -100 } else { tok as i64 })
-            .collect();
-        SftSample { tokens, labels }
-    };
+    let row = masked_row;
     let mut trailing = row(17, 4, 3);
     trailing.labels[13..].fill(-100);
     let rows = [

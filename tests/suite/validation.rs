@@ -23,9 +23,9 @@ fn steps(lines: &[&serde_json::Value]) -> Vec<u64> {
 
 #[test]
 fn lora_validation_runs_at_the_configured_steps_without_dropout_and_equals_a_recomputation() {
-    let out = TempDir::new("val-lora");
+    let out = temp_dir("val-lora");
     // Dropout on: validation must switch it off, or the recomputation below would not match.
-    let metrics = crate::lora_recipe::lora_run(
+    let metrics = crate::lora_recipes::lora_run(
         &out,
         &[
             "max_steps_per_epoch=5",
@@ -87,7 +87,7 @@ fn lora_validation_runs_at_the_configured_steps_without_dropout_and_equals_a_rec
 
 #[test]
 fn validation_needs_a_validation_set_and_enough_rows_for_a_batch() {
-    let out = TempDir::new("val-errors");
+    let out = temp_dir("val-errors");
     let err = tiny_lora(&out, &["run_val_every_n_steps=2"]);
     let stderr = String::from_utf8_lossy(&err.stderr);
     assert!(!err.status.success());
@@ -127,7 +127,7 @@ fn dpo_kd_and_qat_recipes_validate_too() {
             "val_loss",
         ),
     ] {
-        let out = TempDir::new("val-recipes");
+        let out = temp_dir("val-recipes");
         let metrics = run_recipe(
             recipe,
             config,
@@ -149,7 +149,7 @@ fn dpo_kd_and_qat_recipes_validate_too() {
         }
     }
     // DPO validates on pairs: an SFT validation set is refused by name.
-    let out = TempDir::new("val-dpo-sft");
+    let out = temp_dir("val-dpo-sft");
     let output_dir = format!("output_dir={}", out.path().display());
     let err = tune(&[
         "run",

@@ -1,5 +1,5 @@
 use super::fake_hub::{self, FakeRepo};
-use super::support::TempDir;
+use super::support::temp_dir;
 use crate::hub::datasets::{DatasetFetchOptions, fetch_dataset_files_with_env, is_hub_source};
 use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
@@ -19,7 +19,7 @@ fn dataset_repo() -> FakeRepo {
 #[test]
 fn dataset_files_come_from_the_dataset_repo() {
     let (server, _state) = fake_hub::start(vec![("datasets/org/data", dataset_repo())]);
-    let tmp = TempDir::new("datasets");
+    let tmp = temp_dir("datasets");
     let env = HubEnv::isolated(tmp.path().join("home"));
     let opts = DatasetFetchOptions {
         endpoint: Some(server.url()),

@@ -1,7 +1,7 @@
 use std::path::Path;
 
 use super::fake_hub::{self, COMMIT, FakeRepo, sha256_hex};
-use super::support::{TempDir, refused_endpoint};
+use super::support::{TempDir, refused_endpoint, temp_dir};
 use crate::hub::download::{DownloadOptions, download_with_env};
 use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
@@ -41,7 +41,7 @@ fn env(home: &TempDir) -> HubEnv {
 #[test]
 fn download_writes_the_standard_cache_layout_and_output_dir() {
     let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
-    let tmp = TempDir::new("layout");
+    let tmp = temp_dir("layout");
     let cache = tmp.path().join("hub");
     let out = tmp.path().join("out");
     let mut options = opts(&server.url(), &cache);
@@ -148,7 +148,7 @@ fn download_writes_the_standard_cache_layout_and_output_dir() {
 
 #[test]
 fn offline_without_any_snapshot_says_so() {
-    let tmp = TempDir::new("offline-empty");
+    let tmp = temp_dir("offline-empty");
     let mut options = opts(&refused_endpoint(), &tmp.path().join("hub"));
     options.offline = Some(true);
     let err = download_with_env(options, &env(&tmp)).expect_err("empty cache");
@@ -161,7 +161,7 @@ fn offline_without_any_snapshot_says_so() {
 #[test]
 fn unreachable_hub_falls_back_to_a_cached_snapshot() {
     let (server, _state) = fake_hub::start(vec![("models/org/model", model_repo())]);
-    let tmp = TempDir::new("fallback");
+    let tmp = temp_dir("fallback");
     let cache = tmp.path().join("hub");
     download_with_env(opts(&server.url(), &cache), &env(&tmp)).expect("download");
     drop(server);
@@ -180,7 +180,7 @@ fn an_interrupted_download_leaves_no_partial_file() {
         ..model_repo()
     };
     let (server, _state) = fake_hub::start(vec![("models/org/model", repo)]);
-    let tmp = TempDir::new("interrupted");
+    let tmp = temp_dir("interrupted");
     let cache = tmp.path().join("hub");
     let mut options = opts(&server.url(), &cache);
     options.allow_patterns = vec!["model.safetensors".into()];
@@ -208,7 +208,7 @@ fn a_corrupted_download_is_detected_by_sha256_and_removed() {
         ..model_repo()
     };
     let (server, state) = fake_hub::start(vec![("models/org/model", repo)]);
-    let tmp = TempDir::new("corrupt");
+    let tmp = temp_dir("corrupt");
     let cache = tmp.path().join("hub");
     let mut options = opts(&server.url(), &cache);
     options.allow_patterns = vec!["model.safetensors".into()];
@@ -256,7 +256,7 @@ fn token_is_sent_as_bearer() {
         ..model_repo()
     };
     let (server, _state) = fake_hub::start(vec![("models/org/model", repo)]);
-    let tmp = TempDir::new("token");
+    let tmp = temp_dir("token");
     let mut options = opts(&server.url(), &tmp.path().join("hub"));
     options.token = Some(fake_hub::GOOD_TOKEN.into());
     options.allow_patterns = vec!["config.json".into()];

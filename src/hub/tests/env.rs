@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use super::support::TempDir;
+use super::support::temp_dir;
 use crate::hub::env::{DEFAULT_ENDPOINT, HubEnv};
 
 fn env(vars: &[(&str, &str)]) -> HubEnv {
@@ -59,7 +59,7 @@ fn variables_override_defaults() {
 
 #[test]
 fn token_priority_is_option_then_env_then_file() {
-    let tmp = TempDir::new("token-file");
+    let tmp = temp_dir("token-file");
     std::fs::write(tmp.path().join("token"), "hf_file\n").expect("token file");
     let home = tmp.path().to_string_lossy().into_owned();
     let with_env = env(&[("HF_HOME", &home), ("HF_TOKEN", "hf_env")]);

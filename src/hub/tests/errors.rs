@@ -1,11 +1,11 @@
 use super::fake_hub::{self, FakeRepo};
-use super::support::{TempDir, refused_endpoint};
+use super::support::{refused_endpoint, temp_dir};
 use crate::hub::download::{DownloadOptions, download_with_env};
 use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
 
 fn run(endpoint: &str, repo_id: &str, token: Option<&str>, revision: Option<&str>) -> HubError {
-    let tmp = TempDir::new("errors");
+    let tmp = temp_dir("errors");
     let options = DownloadOptions {
         repo_id: repo_id.into(),
         endpoint: Some(endpoint.into()),

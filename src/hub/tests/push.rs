@@ -1,7 +1,7 @@
 use std::path::Path;
 
 use super::fake_hub::{self, FakeRepo};
-use super::support::{TempDir, refused_endpoint};
+use super::support::{TempDir, refused_endpoint, temp_dir};
 use crate::hub::env::HubEnv;
 use crate::hub::error::HubError;
 use crate::hub::push::{PushOptions, ReadmeSource, push_with_env};
@@ -39,7 +39,7 @@ fn env(tmp: &TempDir) -> HubEnv {
 #[test]
 fn push_uploads_every_adapter_file_with_identical_bytes_and_a_card() {
     let (server, state) = fake_hub::start(vec![]);
-    let tmp = TempDir::new("push");
+    let tmp = temp_dir("push");
     let dir = adapter_dir(tmp.path());
     let mut opts = options(&dir, &server.url());
     opts.private = true;
@@ -114,7 +114,7 @@ fn push_uploads_every_adapter_file_with_identical_bytes_and_a_card() {
 #[test]
 fn push_full_checkpoint_keeps_readme_and_commits_to_the_revision() {
     let (server, state) = fake_hub::start(vec![("models/me/full", FakeRepo::default())]);
-    let tmp = TempDir::new("push-full");
+    let tmp = temp_dir("push-full");
     let dir = tmp.path().join("ckpt");
     std::fs::create_dir_all(dir.join("sub")).expect("dir");
     std::fs::write(dir.join("config.json"), "{}").expect("config");
@@ -146,7 +146,7 @@ fn push_full_checkpoint_keeps_readme_and_commits_to_the_revision() {
 #[test]
 fn supplied_card_replaces_the_folder_readme() {
     let (server, state) = fake_hub::start(vec![]);
-    let tmp = TempDir::new("push-card");
+    let tmp = temp_dir("push-card");
     let dir = adapter_dir(tmp.path());
     std::fs::write(dir.join("README.md"), "old").expect("readme");
     let mut opts = options(&dir, &server.url());
@@ -165,7 +165,7 @@ fn refused(dir: &Path, tmp: &TempDir) -> HubError {
 
 #[test]
 fn push_refuses_folders_that_are_not_adapters_or_checkpoints() {
-    let tmp = TempDir::new("push-invalid");
+    let tmp = temp_dir("push-invalid");
     let dir = tmp.path().join("junk");
     std::fs::create_dir_all(&dir).expect("dir");
     std::fs::write(dir.join("notes.txt"), "x").expect("notes");
@@ -215,7 +215,7 @@ fn push_refuses_folders_that_are_not_adapters_or_checkpoints() {
 
 #[test]
 fn push_without_any_token_says_how_to_get_one() {
-    let tmp = TempDir::new("push-token");
+    let tmp = temp_dir("push-token");
     let dir = adapter_dir(tmp.path());
     let mut opts = options(&dir, &refused_endpoint());
     opts.token = None;
@@ -228,7 +228,7 @@ fn push_without_any_token_says_how_to_get_one() {
 
 #[test]
 fn push_to_an_unreachable_hub_is_reported() {
-    let tmp = TempDir::new("push-refused");
+    let tmp = temp_dir("push-refused");
     let dir = adapter_dir(tmp.path());
     let err = refused(&dir, &tmp);
     assert!(matches!(err, HubError::Unreachable { .. }), "{err}");
@@ -238,7 +238,7 @@ fn push_to_an_unreachable_hub_is_reported() {
 /// state (one file or per-rank shards) and the manifest stay home unless asked for.
 #[test]
 fn training_state_is_not_pushed_unless_asked() {
-    let tmp = TempDir::new("push-state");
+    let tmp = temp_dir("push-state");
     let dir = adapter_dir(tmp.path());
     for name in [
         "optimizer.safetensors",
@@ -305,7 +305,7 @@ fn training_state_is_not_pushed_unless_asked() {
 #[test]
 fn push_in_offline_mode_is_refused_before_any_request() {
     let (server, state) = fake_hub::start(vec![]);
-    let tmp = TempDir::new("push-offline");
+    let tmp = temp_dir("push-offline");
     let dir = adapter_dir(tmp.path());
     let home = tmp.path().join("home");
     let env = HubEnv::from_lookup(|name| match name {

@@ -16,7 +16,7 @@ pub(crate) fn lora_run(out: &TempDir, extra: &[&str]) -> Vec<serde_json::Value> 
 
 #[test]
 fn thirty_lora_steps_lower_the_loss_and_write_a_peft_adapter() {
-    let out = TempDir::new("lora30");
+    let out = temp_dir("lora30");
     let metrics = lora_run(&out, &["batch_size=2", "max_steps_per_epoch=30"]);
     assert_eq!(metrics.len(), 30, "one metrics line per step");
     let loss = column(&metrics, "loss");
@@ -66,7 +66,7 @@ fn thirty_lora_steps_lower_the_loss_and_write_a_peft_adapter() {
 
 #[test]
 fn the_same_seed_gives_identical_losses() {
-    let (a, b) = (TempDir::new("seed-a"), TempDir::new("seed-b"));
+    let (a, b) = (temp_dir("seed-a"), temp_dir("seed-b"));
     // Dropout on, so the per-step reseeding is exercised too.
     let args = ["max_steps_per_epoch=8", "model.lora_dropout=0.1"];
     let la = column(&lora_run(&a, &args), "loss");
@@ -76,7 +76,7 @@ fn the_same_seed_gives_identical_losses() {
 
 #[test]
 fn clipping_logs_the_gradient_norm() {
-    let out = TempDir::new("clip");
+    let out = temp_dir("clip");
     let metrics = lora_run(&out, &["max_steps_per_epoch=3", "clip_grad_norm=1.0"]);
     assert!(
         column(&metrics, "grad_norm")
@@ -87,7 +87,7 @@ fn clipping_logs_the_gradient_norm() {
 
 #[test]
 fn a_diverging_run_stops_with_a_clear_message() {
-    let out = TempDir::new("nan");
+    let out = temp_dir("nan");
     let res = tiny_lora(
         &out,
         &[
@@ -106,7 +106,7 @@ fn a_diverging_run_stops_with_a_clear_message() {
 /// A `tokenizer.max_seq_len` past the model's positions is lowered to them with a warning.
 #[test]
 fn max_seq_len_past_the_models_positions_is_lowered_with_a_warning() {
-    let out = TempDir::new("positions");
+    let out = temp_dir("positions");
     let output_dir = format!("output_dir={}", out.path().display());
     let res = tune_ok(&[
         "run",
@@ -130,7 +130,7 @@ fn max_seq_len_past_the_models_positions_is_lowered_with_a_warning() {
 /// (the plain "Not a directory (os error 20)" named neither).
 #[test]
 fn an_unusable_output_or_log_dir_is_named_with_its_key() {
-    let tmp = TempDir::new("unusable");
+    let tmp = temp_dir("unusable");
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "not a directory").unwrap();
     let under_file = file.join("out");
@@ -164,8 +164,8 @@ fn an_unusable_output_or_log_dir_is_named_with_its_key() {
 /// of the tiny model and data embedded in the binary, written once into the user cache.
 #[test]
 fn the_tiny_config_runs_from_a_directory_outside_the_repository() {
-    let cwd = TempDir::new("outside");
-    let cache = TempDir::new("outside-cache");
+    let cwd = temp_dir("outside");
+    let cache = temp_dir("outside-cache");
     let out = cwd.path().join("run");
     let run = || {
         std::process::Command::new(env!("CARGO_BIN_EXE_tune"))
@@ -213,7 +213,7 @@ fn the_tiny_config_runs_from_a_directory_outside_the_repository() {
 /// error names the config key, its value, the path that failed and the ways out; no panic.
 #[test]
 fn an_unwritable_cache_for_the_shipped_assets_is_named() {
-    let cwd = TempDir::new("outside-nocache");
+    let cwd = temp_dir("outside-nocache");
     let blocker = cwd.path().join("not-a-dir");
     std::fs::write(&blocker, "x").unwrap();
     let res = std::process::Command::new(env!("CARGO_BIN_EXE_tune"))
@@ -238,7 +238,7 @@ fn an_unwritable_cache_for_the_shipped_assets_is_named() {
 /// the optimizer state or the manifest; no token or network needed (offline mode set).
 #[test]
 fn push_dry_run_lists_what_a_hub_user_loads() {
-    let out = TempDir::new("push-dry-run");
+    let out = temp_dir("push-dry-run");
     lora_run(&out, &["max_steps_per_epoch=2"]);
     let checkpoint = out.path().join("epoch_0");
     assert!(checkpoint.join("optimizer.safetensors").is_file());
@@ -285,7 +285,7 @@ fn push_dry_run_lists_what_a_hub_user_loads() {
 
 #[test]
 fn a_generic_builders_architecture_must_match_the_checkpoint() {
-    let out = TempDir::new("arch");
+    let out = temp_dir("arch");
     let output_dir = format!("output_dir={}", out.path().display());
     let run = tiny_lora(
         &out,
@@ -340,7 +340,7 @@ fn a_generic_builders_architecture_must_match_the_checkpoint() {
 /// merged model; `tune run generate` applies the saved adapter.
 #[test]
 fn dora_trains_and_saves_a_peft_dora_adapter() {
-    let out = TempDir::new("dora");
+    let out = temp_dir("dora");
     let metrics = lora_run(
         &out,
         &[
@@ -410,7 +410,7 @@ fn dora_trains_and_saves_a_peft_dora_adapter() {
 #[cfg(not(feature = "wgpu"))]
 #[test]
 fn device_wgpu_without_the_feature_says_how_to_build_it() {
-    let out = TempDir::new("no-wgpu");
+    let out = temp_dir("no-wgpu");
     let res = tiny_lora(&out, &["device=wgpu"]);
     let err = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(2), "{err}");

@@ -5,9 +5,9 @@
 
 use crate::support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use support::{TempDir, read_metrics, tune_command};
+use support::{read_metrics, temp_dir, tune_command};
 
 const RECIPE: &str = "knowledge_distillation_single_device";
 const CONFIG: &str = "tiny/kd_lora_single_device";
@@ -46,9 +46,9 @@ fn mean_value(xs: &[(u64, f64)]) -> f64 {
 
 #[test]
 fn distillation_lowers_the_kd_loss() {
-    let out = TempDir::new("kd-train");
+    let out = temp_dir("kd-train");
     let (ok, stderr) = tune_run(
-        &out.0,
+        out.path(),
         &overrides(&[
             "epochs=2",
             "max_steps_per_epoch=20",
@@ -56,7 +56,7 @@ fn distillation_lowers_the_kd_loss() {
         ]),
     );
     assert!(ok, "{stderr}");
-    let rows = metrics(&out.0);
+    let rows = metrics(out.path());
     let kd = series(&rows, "kd_loss");
     let class = series(&rows, "class_loss");
     assert_eq!(kd.len(), 40, "one kd_loss per step: {rows:?}");
@@ -74,7 +74,7 @@ fn distillation_lowers_the_kd_loss() {
             "loss {l} != 0.5 * {c} + 0.5 * {k}"
         );
     }
-    let last_ckpt = out.0.join("epoch_1");
+    let last_ckpt = out.path().join("epoch_1");
     assert!(
         last_ckpt.join("adapter_model.safetensors").is_file(),
         "the student's adapter is saved"
@@ -104,22 +104,22 @@ fn resuming_from_a_mid_run_checkpoint_is_exact() {
         "save_adapter_weights_only=True",
     ];
     // The uninterrupted run: 8 steps, with a checkpoint at step 4.
-    let full = TempDir::new("kd-full");
-    let (ok, stderr) = tune_run(&full.0, &overrides(&common_args));
+    let full = temp_dir("kd-full");
+    let (ok, stderr) = tune_run(full.path(), &overrides(&common_args));
     assert!(ok, "{stderr}");
     // Half of it resumed: a fresh output_dir holding only the step-4 checkpoint.
-    let resumed = TempDir::new("kd-resumed");
-    copy_dir(&full.0.join("step_4"), &resumed.0.join("step_4"));
+    let resumed = temp_dir("kd-resumed");
+    copy_dir(&full.path().join("step_4"), &resumed.path().join("step_4"));
     let mut args = overrides(&common_args);
     args.push("resume_from_checkpoint=True".into());
-    let (ok, stderr) = tune_run(&resumed.0, &args);
+    let (ok, stderr) = tune_run(resumed.path(), &args);
     assert!(ok, "{stderr}");
     assert!(
         stderr.contains("at step 4"),
         "resumed from step 4: {stderr}"
     );
 
-    let (a, b) = (metrics(&full.0), metrics(&resumed.0));
+    let (a, b) = (metrics(full.path()), metrics(resumed.path()));
     for key in ["loss", "class_loss", "kd_loss", "lr"] {
         let want: Vec<(u64, f64)> = series(&a, key)
             .into_iter()
@@ -130,9 +130,9 @@ fn resuming_from_a_mid_run_checkpoint_is_exact() {
         assert_eq!(got, want, "{key}: per-step values identical after resuming");
     }
     let adapter =
-        |dir: &PathBuf| std::fs::read(dir.join("epoch_0/adapter_model.safetensors")).unwrap();
+        |dir: &Path| std::fs::read(dir.join("epoch_0/adapter_model.safetensors")).unwrap();
     assert!(
-        adapter(&full.0) == adapter(&resumed.0),
+        adapter(full.path()) == adapter(resumed.path()),
         "the final adapters are byte-identical"
     );
 }
@@ -140,21 +140,21 @@ fn resuming_from_a_mid_run_checkpoint_is_exact() {
 #[test]
 fn a_teacher_with_another_vocabulary_is_refused() {
     // A copy of the teacher whose config.json claims a 32000-token vocabulary.
-    let teacher = TempDir::new("kd-bad-teacher");
+    let teacher = temp_dir("kd-bad-teacher");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama-teacher");
-    copy_dir(&src, &teacher.0);
-    let config_path = teacher.0.join("config.json");
+    copy_dir(&src, teacher.path());
+    let config_path = teacher.path().join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
     config["vocab_size"] = 32000.into();
     std::fs::write(&config_path, config.to_string()).unwrap();
 
-    let out = TempDir::new("kd-refused");
+    let out = temp_dir("kd-refused");
     let (ok, stderr) = tune_run(
-        &out.0,
+        out.path(),
         &[format!(
             "teacher_checkpointer.checkpoint_dir={}",
-            teacher.0.display()
+            teacher.path().display()
         )],
     );
     assert!(!ok, "a mismatched teacher must be refused");
