@@ -186,37 +186,14 @@ impl<T> Key<T> {
     }
 }
 
-/// One key as `tune validate` and tests see it, whatever its Rust type.
+/// One key as the walk ("did you mean", the sections a type enters) and tests see it,
+/// whatever its Rust type.
 #[derive(Debug)]
 pub struct KeyInfo {
     pub name: &'static str,
     /// The doc comment of its declaration.
     pub doc: &'static str,
     pub ty: &'static Ty,
-    pub required: bool,
-    /// The range in words, when it has one.
-    pub range: Option<&'static str>,
-    pub has_rule: bool,
-    pub note: Note,
-    pub fingerprint: Fingerprint,
-}
-
-impl KeyInfo {
-    pub const fn of<T: ConfigValue>(name: &'static str, doc: &'static str, key: Key<T>) -> Self {
-        KeyInfo {
-            name,
-            doc,
-            ty: T::TY,
-            required: key.default.is_none(),
-            range: match key.range {
-                Some((_, allowed)) => Some(allowed),
-                None => None,
-            },
-            has_rule: key.rule.is_some(),
-            note: key.note,
-            fingerprint: key.fingerprint,
-        }
-    }
 }
 
 /// A section: a mapping of keys, usually picked by a `_component_`.
@@ -324,11 +301,6 @@ impl Checker {
 
     pub fn warn(&mut self, key: impl Into<String>, message: impl Into<String>) {
         self.warnings.push(Warning::new(key, message));
-    }
-
-    /// Whether a problem was reported at `path`.
-    pub fn reported(&self, path: &str) -> bool {
-        self.problems.iter().any(|p| p.key == path)
     }
 
     /// Reads one value of type `T` at `path`, reporting a wrong shape.
@@ -618,11 +590,11 @@ macro_rules! keys {
             /// Every key this struct declares, as `tune validate` and tests see them.
             pub const KEYS: &'static [$crate::config::keys::KeyInfo] = &[
                 $(
-                    $crate::config::keys::KeyInfo::of::<$ty>(
-                        stringify!($field),
-                        concat!($($doc, "\n",)*),
-                        $key,
-                    ),
+                    $crate::config::keys::KeyInfo {
+                        name: stringify!($field),
+                        doc: concat!($($doc, "\n",)*),
+                        ty: <$ty as $crate::config::keys::ConfigValue>::TY,
+                    },
                 )*
             ];
 

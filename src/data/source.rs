@@ -119,7 +119,7 @@ pub fn load_rows(spec: &DatasetSpec, base_dir: &Path) -> Result<Vec<Row>> {
             value,
         }));
     }
-    apply_split(rows, Some(&spec.split))
+    apply_split(rows, &spec.split)
 }
 
 /// Reads one file into JSON values (one per row).
@@ -265,10 +265,8 @@ pub(crate) fn kind_name(v: &Value) -> &'static str {
 }
 
 /// `train`, `train[a:b]` (row numbers, either side optional) or `train[a%:b%]`.
-fn apply_split(rows: Vec<Row>, split: Option<&str>) -> Result<Vec<Row>> {
-    let Some(split) = split.map(str::trim) else {
-        return Ok(rows);
-    };
+fn apply_split(rows: Vec<Row>, split: &str) -> Result<Vec<Row>> {
+    let split = split.trim();
     let bad = || DataError::Spec {
         message: format!(
             "`split: {split}` is not available for local files: they only have `train` (optionally sliced: `train[:100]`, `train[10:20]`, `train[:10%]`)"
@@ -327,7 +325,7 @@ mod tests {
     #[test]
     fn splits() {
         let idx = |s| {
-            apply_split(rows(10), Some(s))
+            apply_split(rows(10), s)
                 .expect("split")
                 .iter()
                 .map(|r| r.index)
@@ -338,6 +336,6 @@ mod tests {
         assert_eq!(idx("train[8:]"), vec![8, 9]);
         assert_eq!(idx("train[:20%]"), vec![0, 1]);
         assert_eq!(idx("train[-1:]"), vec![9]);
-        assert!(apply_split(rows(3), Some("validation")).is_err());
+        assert!(apply_split(rows(3), "validation").is_err());
     }
 }

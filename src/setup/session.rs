@@ -109,7 +109,7 @@ pub fn session<B: AutodiffBackend>(
     // gathers the whole state through the collective and writes it alone.
     let per_rank_files = trainer.settings.shard_optimizer
         && world.is_distributed()
-        && output_dir_is_shared::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?;
+        && dir_is_shared::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?;
     trainer.save_optimizer_shards = per_rank_files;
     let saver = if world.is_main() {
         let mut saver =
@@ -133,7 +133,7 @@ pub fn session<B: AutodiffBackend>(
 /// Whether every rank sees the file rank 0 writes into `dir` (named after a random nonce that
 /// travels through the collective). The probe is named like a partial checkpoint, so the
 /// checkpoint client's clean-up removes one a crash leaves behind.
-fn output_dir_is_shared<B: burn::tensor::backend::Backend>(
+fn dir_is_shared<B: burn::tensor::backend::Backend>(
     world: &World,
     dir: &std::path::Path,
     device: &B::Device,

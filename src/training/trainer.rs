@@ -153,7 +153,6 @@ pub struct Trainer<B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A trainer at `state` (zero for a fresh run, a checkpoint's for a resume).
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         settings: TrainerSettings,
         model: CausalLm<B>,

@@ -787,3 +787,68 @@ fn a_generation_prompt_that_would_not_reach_the_model_as_written_is_refused() {
         &["prompt={system: Be brief., user: Hi}", "chat=True"],
     );
 }
+
+/// Checks setup used to make after loading (so a run failed minutes in) are the keys' own
+/// now, refused by `tune validate` with the key and the range; and components and keys tune
+/// cannot honour are refused by name rather than failing in setup or being ignored.
+#[test]
+fn ranges_setup_used_to_check_and_unbuilt_datasets_are_refused_at_validation() {
+    for (config, recipe, over, key, says) in [
+        (
+            "tiny/lora_dpo_single_device",
+            "lora_dpo",
+            "loss.label_smoothing=0.5",
+            "loss.label_smoothing",
+            "0.5 is out of range: it must be from 0 up to, not including, 0.5",
+        ),
+        (
+            "tiny/qat_single_device",
+            "qat",
+            "quantizer.groupsize=1",
+            "quantizer.groupsize",
+            "1 is out of range: it must be at least 2",
+        ),
+        (
+            "tiny/lora_single_device",
+            "lora_finetune",
+            "dataset.name=wikitext-103-v1",
+            "dataset.name",
+            "select its files with `data_files`",
+        ),
+    ] {
+        let e = errors(config, recipe, &[over]);
+        assert!(e.has(key, says), "{over}: {e}");
+    }
+    let e = errors(
+        "tiny/kd_lora_single_device",
+        "kd",
+        &[
+            "kd_loss=torchtune.modules.loss.SymmetricKLLoss",
+            "kd_loss.sym_kd_ratio=1.5",
+        ],
+    );
+    assert!(
+        e.has(
+            "kd_loss.sym_kd_ratio",
+            "1.5 is out of range: it must be from 0 to 1"
+        ),
+        "{e}"
+    );
+    for (builder, instead) in [
+        ("samsum_dataset", "instruct_dataset"),
+        ("grammar_dataset", "instruct_dataset"),
+        ("wikitext_dataset", "text_completion_dataset"),
+    ] {
+        let e = errors(
+            "tiny/lora_single_device",
+            "lora_finetune",
+            &[&format!("dataset._component_=torchtune.datasets.{builder}")],
+        );
+        assert!(
+            e.problems.iter().any(|p| p.key == "dataset._component_"
+                && p.kind == ProblemKind::UnsupportedComponent
+                && p.message.contains(instead)),
+            "{builder}: {e}"
+        );
+    }
+}
