@@ -160,12 +160,12 @@ impl<B: AutodiffBackend> ModuleMapper<B> for SetParams<B> {
 }
 
 /// Puts flat gradients back into `GradientsParams`, shaped as their parameters.
-struct Scatter<B: AutodiffBackend> {
+struct Scatter<'a, B: AutodiffBackend> {
     grads: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
-    out: GradientsParams,
+    out: &'a mut GradientsParams,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(flat) = self.grads.remove(&param.id) {
             let shape = param.val().shape();
@@ -178,11 +178,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<B> {
 /// Takes each trainable parameter's gradient out of `grads`, flattened, by id.
 struct TakeGrads<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
+    wanted: std::collections::HashSet<ParamId>,
     out: HashMap<ParamId, Tensor<B::InnerBackend, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !self.wanted.contains(&param.id) {
+            return;
+        }
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             let n = g.shape().num_elements();
             self.out.insert(param.id, g.reshape([n]));
@@ -190,7 +194,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
     }
 }
 
-/// Sums every trainable parameter's gradient over the world. A parameter no worker has a
+/// Sums every trainable parameter's gradient over the world (FSDP's shards excepted: their
+/// layers' backward passes reduce-scattered them). A parameter no worker has a
 /// gradient for stays without one (the optimizer skips it, as on one device); one that only
 /// some workers have counts as zero on the others.
 pub fn all_reduce_grads<B: AutodiffBackend>(
@@ -201,19 +206,30 @@ pub fn all_reduce_grads<B: AutodiffBackend>(
     if !world.is_distributed() {
         return Ok(grads);
     }
-    let params = model.trainable_params();
+    let params = whole_trainable_params(model);
     let mut take = TakeGrads::<B> {
         grads: &mut grads,
+        wanted: params.iter().map(|p| p.id).collect(),
         out: HashMap::new(),
     };
     model.visit(&mut take);
-    let grads = sum_by_param(world, &params, take.out, &model.device(), "gradients")?;
+    let summed = sum_by_param(world, &params, take.out, &model.device(), "gradients")?;
     let mut scatter = Scatter::<B> {
-        grads,
-        out: GradientsParams::new(),
+        grads: summed,
+        out: &mut grads,
     };
     model.visit(&mut scatter);
-    Ok(scatter.out)
+    Ok(grads)
+}
+
+/// The trainable parameters every rank holds whole: all of them, less FSDP's shards (whose
+/// gradients and updates are each rank's own rows).
+pub fn whole_trainable_params<B: Backend>(model: &CausalLm<B>) -> Vec<TrainableParam> {
+    let mut params = model.trainable_params();
+    if let Some(shards) = &model.shards {
+        params.retain(|p| !shards.is_sharded(&p.id));
+    }
+    params
 }
 
 /// Rank 0's `value` on every rank (the others' own values are ignored). It travels as its 8

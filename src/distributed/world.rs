@@ -17,6 +17,18 @@ pub enum DistributedError {
         what: &'static str,
         detail: String,
     },
+    #[error("the all-gather of {what} failed ({detail})")]
+    AllGather {
+        rank: usize,
+        what: &'static str,
+        detail: String,
+    },
+    #[error("the reduce-scatter of {what} failed ({detail})")]
+    ReduceScatter {
+        rank: usize,
+        what: &'static str,
+        detail: String,
+    },
     #[error(
         "the workers of this run were started with a different {what}; start every node with the same tune binary and the same config and overrides"
     )]
@@ -26,7 +38,13 @@ pub enum DistributedError {
 impl DistributedError {
     /// The collective call itself failed (not a refusal such as different configs).
     pub fn is_transport(&self) -> bool {
-        matches!(self, Self::AllReduce { .. } | Self::Join { .. })
+        matches!(
+            self,
+            Self::AllReduce { .. }
+                | Self::AllGather { .. }
+                | Self::ReduceScatter { .. }
+                | Self::Join { .. }
+        )
     }
 }
 
@@ -152,5 +170,72 @@ impl World {
         } else {
             summed
         })
+    }
+
+    /// Every rank's `piece` (lengths may differ, and may be 0), concatenated in rank order, on
+    /// every rank.
+    pub fn all_gather<B: Backend>(
+        &self,
+        piece: Tensor<B, 1>,
+        what: &'static str,
+    ) -> Result<Tensor<B, 1>, DistributedError> {
+        if !self.is_distributed() {
+            return Ok(piece);
+        }
+        // FALLBACK until the vendored ring all-gather lands: lengths, then a zero-padded sum.
+        let device = piece.device();
+        let len = piece.shape().num_elements();
+        let mut lens = vec![0.0f32; self.size];
+        lens[self.rank] = len as f32;
+        let lens =
+            self.all_reduce_sum(Tensor::<B, 1>::from_floats(lens.as_slice(), &device), what)?;
+        let lens: Vec<usize> = lens.into_data().iter::<f32>().map(|v| v as usize).collect();
+        let before: usize = lens[..self.rank].iter().sum();
+        let total: usize = lens.iter().sum();
+        let dtype = piece.dtype();
+        let mut parts = Vec::new();
+        if before > 0 {
+            parts.push(crate::precision::to_dtype(
+                Tensor::<B, 1>::zeros([before], &device),
+                dtype,
+            ));
+        }
+        if len > 0 {
+            parts.push(piece);
+        }
+        if total - before - len > 0 {
+            parts.push(crate::precision::to_dtype(
+                Tensor::<B, 1>::zeros([total - before - len], &device),
+                dtype,
+            ));
+        }
+        let gathered = self.all_reduce_sum(Tensor::cat(parts, 0), what)?;
+        if true {
+            return Ok(gathered);
+        }
+        let gathered = gathered.into_primitive().tensor();
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(gathered)))
+    }
+
+    /// The element-wise sum of `tensor` over every rank, of which rank `k` gets elements
+    /// `sizes[..k].sum()..sizes[..=k].sum()` (`sizes` has one length per rank, summing to the
+    /// tensor's length, the same on every rank).
+    pub fn reduce_scatter_sum<B: Backend>(
+        &self,
+        tensor: Tensor<B, 1>,
+        sizes: &[usize],
+        what: &'static str,
+    ) -> Result<Tensor<B, 1>, DistributedError> {
+        if !self.is_distributed() {
+            return Ok(tensor);
+        }
+        // FALLBACK until the vendored ring reduce-scatter lands.
+        let start: usize = sizes[..self.rank].iter().sum();
+        let summed = self.all_reduce_sum(tensor, what)?;
+        let scattered = summed
+            .slice(start..start + sizes[self.rank])
+            .into_primitive()
+            .tensor();
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(scattered)))
     }
 }

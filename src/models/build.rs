@@ -287,6 +287,7 @@ impl<B: Backend> Builder<'_, B> {
             args: a.clone(),
             rope: Rope::new(a),
             rope_local: Rope::local(a),
+            shards: None,
         })
     }
 }

@@ -216,6 +216,10 @@ pub struct CausalLm<B: Backend> {
     pub rope: rope::Rope,
     /// Gemma 3's sliding layers' RoPE.
     pub rope_local: Option<rope::Rope>,
+    /// FSDP: this rank keeps only its rows of each decoder layer's weights, gathered per use
+    /// ([`Self::layer`]); `None` holds every layer whole.
+    #[module(skip)]
+    pub shards: Option<std::sync::Arc<super::shards::LayerShards>>,
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -236,17 +240,43 @@ impl<B: Backend> CausalLm<B> {
         let ctx = self.pass_context::<B>(input, offset, mode, &self.device());
         match cache {
             Some(cache) => {
-                for (layer, layer_cache) in self.model.layers.iter().zip(cache.layers.iter_mut()) {
-                    x = layer.forward(x, &ctx, Some(layer_cache));
+                for (i, layer_cache) in cache.layers.iter_mut().enumerate() {
+                    x = self.layer(i).forward(x, &ctx, Some(layer_cache));
                 }
             }
             None => {
-                for layer in &self.model.layers {
-                    x = layer.forward(x, &ctx, None);
+                for i in 0..self.model.layers.len() {
+                    x = self.layer(i).forward(x, &ctx, None);
                 }
             }
         }
         self.model.norm.forward(x)
+    }
+
+    /// Decoder layer `i` with its whole weights: gathered from every rank's rows when the
+    /// model is sharded (one collective call, the same on every rank), else the layer itself.
+    pub fn layer(&self, i: usize) -> std::borrow::Cow<'_, DecoderLayer<B>> {
+        match &self.shards {
+            Some(shards) => std::borrow::Cow::Owned(shards.gather(&self.model.layers[i])),
+            None => std::borrow::Cow::Borrowed(&self.model.layers[i]),
+        }
+    }
+
+    /// Every layer whole (every rank takes part when sharded): what checkpoints and exports
+    /// read. Holds the whole model, as one device does.
+    pub fn unsharded(&self) -> Self {
+        let Some(shards) = &self.shards else {
+            return self.clone();
+        };
+        let mut whole = self.clone();
+        whole.model.layers = self
+            .model
+            .layers
+            .iter()
+            .map(|layer| shards.gather(layer))
+            .collect();
+        whole.shards = None;
+        whole
     }
 
     /// Token embeddings `[batch, seq, hidden]` (scaled for Gemma).

@@ -8,6 +8,7 @@ pub mod decoder;
 pub mod mask;
 pub mod params;
 pub mod rope;
+pub mod shards;
 
 use std::path::PathBuf;
 

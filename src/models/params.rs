@@ -69,6 +69,21 @@ impl<B: Backend> CausalLm<B> {
 
     /// The parameters that train, by module path, in model order, without copying their
     /// values (the data-parallel collectives list them every step).
+    /// Bytes of the float parameters this model holds (with FSDP, this rank's rows of each
+    /// sharded one); NF4 bases are not parameters and not counted.
+    pub fn parameter_bytes(&self) -> usize {
+        struct Bytes(usize);
+        impl<B: Backend> ModuleVisitor<B> for Bytes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let value = param.val();
+                self.0 += value.shape().num_elements() * value.dtype().size();
+            }
+        }
+        let mut bytes = Bytes(0);
+        self.visit(&mut bytes);
+        bytes.0
+    }
+
     pub fn trainable_params(&self) -> Vec<TrainableParam> {
         struct List {
             path: Vec<String>,

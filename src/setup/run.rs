@@ -59,6 +59,8 @@ pub struct RunStart {
     /// The latest complete checkpoint, when `resume_from_checkpoint` is set and one exists.
     pub resume: Option<Resume>,
     pub world: World,
+    /// FSDP: the decoder layers shard over the ranks ([`fully_sharded`]).
+    pub fsdp: bool,
 }
 
 impl RunStart {
@@ -85,6 +87,7 @@ pub fn start<B: Backend>(
     device: &B::Device,
 ) -> Result<RunStart, SetupError> {
     use crate::distributed::sync::{all_reduce_scalars, check_same, from_rank_zero, hash64};
+    let fsdp = fully_sharded(cfg, &world)?;
     check_same::<B>(
         &world,
         device,
@@ -139,6 +142,7 @@ pub fn start<B: Backend>(
         fingerprint,
         resume,
         world,
+        fsdp,
     };
     match &run.resume {
         Some(r) => run.announce(|| {
@@ -343,4 +347,27 @@ fn lock_dir(dir: &std::path::Path, key: &'static str) -> Result<std::fs::File, S
     let _ = write!(file, "pid {}", std::process::id());
     let _ = file.flush();
     Ok(file)
+}
+
+/// Whether the decoder layers shard over the ranks (FSDP): on several ranks unless
+/// `data_parallel_shard_dim` is 1, as torchtune's `-1` default shards over all of them.
+fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<bool, SetupError> {
+    if !world.is_distributed() {
+        return Ok(false);
+    }
+    let fsdp = match cfg.data_parallel_shard_dim {
+        Some(1.0) => false,
+        None => true,
+        Some(d) if d == -1.0 || d == world.size as f64 => true,
+        Some(d) => {
+            return Err(SetupError::ShardDim {
+                dim: d as i64,
+                world: world.size,
+            });
+        }
+    };
+    if fsdp && cfg.model.quantizes_base() {
+        return Err(SetupError::ShardedNf4);
+    }
+    Ok(fsdp)
 }

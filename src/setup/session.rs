@@ -104,11 +104,17 @@ pub fn session<B: AutodiffBackend>(
 ) -> Result<Session<B>, SetupError> {
     let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
     let world = run.world.clone();
+    let fsdp = run.fsdp;
+    if fsdp {
+        trainer.model = crate::training::fsdp::shard_model(trainer.model, &world);
+    }
     // ZeRO-1 ranks write their own optimizer shards when they all see the output directory
     // (threads of one process always do; nodes do on a shared file system); otherwise rank 0
     // gathers the whole state through the collective and writes it alone.
+    // With FSDP, rank 0 writes the whole state gathered from every rank's rows.
     let per_rank_files = trainer.settings.shard_optimizer
         && world.is_distributed()
+        && !fsdp
         && dir_is_shared::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?;
     trainer.save_optimizer_shards = per_rank_files;
     let saver = if world.is_main() {

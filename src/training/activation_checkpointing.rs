@@ -45,7 +45,12 @@ pub fn forward_backward<B: AutodiffBackend>(
     for (i, layer) in layers.iter().enumerate() {
         layer_inputs.push(h.clone());
         B::seed(&device, layer_seed(step_seed, i));
-        h = layer.valid().forward(h, &inner_ctx, None);
+        // FSDP: the layer's whole weights exist only for its forward.
+        let layer = match &model.shards {
+            Some(shards) => shards.gather(&layer.valid()),
+            None => layer.valid(),
+        };
+        h = layer.forward(h, &inner_ctx, None);
     }
 
     // The head (final norm, projection, loss) with autodiff from the top layer's output.
@@ -58,15 +63,21 @@ pub fn forward_backward<B: AutodiffBackend>(
 
     // Back through the layers, recomputing each.
     let ctx = model.pass_context::<B>(input, 0, mode, &device);
-    for (i, layer) in layers.iter().enumerate().rev() {
+    for i in (0..layers.len()).rev() {
         let (Some(grad), Some(x)) = (upstream.take(), layer_inputs.pop()) else {
             break;
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
         B::seed(&device, layer_seed(step_seed, i));
+        // FSDP: gathered again, and its weight gradients reduce-scattered to each rank's rows
+        // as soon as its backward ends, so no rank holds the whole model's gradients.
+        let layer = model.layer(i);
         let y = layer.forward(x.clone(), &ctx, None);
-        let layer_grads = (y * Tensor::from_inner(grad)).sum().backward();
+        let mut layer_grads = (y * Tensor::from_inner(grad)).sum().backward();
         upstream = x.grad(&layer_grads);
+        if let Some(shards) = &model.shards {
+            shards.scatter_grads::<B, _>(&mut layer_grads, layer.as_ref());
+        }
         grads.push(layer_grads);
     }
 
@@ -91,7 +102,9 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     weight: f64,
     loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
 ) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
-    if checkpointing {
+    // A sharded model trains only through per-layer passes: its layers are whole one at a
+    // time, and their gradients reach its shards only from here.
+    if checkpointing || model.shards.is_some() {
         let head = |top: Tensor<B, 3>| {
             let loss = loss_of_logits(model.logits(model.model.norm.forward(top), mode));
             let grads = (loss.clone() * weight).backward();

@@ -5,6 +5,7 @@ pub mod checkpointing;
 pub mod chunked_loss;
 pub mod dpo;
 pub mod error;
+pub mod fsdp;
 pub mod grads;
 pub mod kd;
 pub mod loss;

@@ -189,6 +189,17 @@ impl<B: Backend> Optimizer<B> {
         self.state.retain(|name, _| keep(name));
     }
 
+    /// FSDP after a resume restored whole moments: keeps elements `range(name)` of each
+    /// parameter's moments that `range` names (a rank's rows); a moment already that short is
+    /// kept as it is.
+    pub fn narrow(&mut self, range: impl Fn(&str) -> Option<std::ops::Range<usize>>) {
+        for (name, s) in self.state.iter_mut() {
+            let Some(r) = range(name) else { continue };
+            s.exp_avg = rows_of(&s.exp_avg, &r);
+            s.exp_avg_sq = s.exp_avg_sq.as_ref().map(|t| rows_of(t, &r));
+        }
+    }
+
     /// Bytes of state held on the device (the moments of the parameters this optimizer
     /// updates: all of them, or a ZeRO-1 rank's share), for the metrics.
     pub fn state_bytes(&self) -> usize {
@@ -243,6 +254,15 @@ impl<B: Backend> Optimizer<B> {
                 s.exp_avg_sq = Some(HostTensor::new(vec![t.numel()], t.data).to_tensor(device));
             }
         }
+    }
+}
+
+/// Elements `r` of a whole moment; one already that short is this rank's own.
+fn rows_of<B: Backend>(t: &Tensor<B, 1>, r: &std::ops::Range<usize>) -> Tensor<B, 1> {
+    if t.shape().num_elements() == r.len() {
+        t.clone()
+    } else {
+        t.clone().slice(r.clone())
     }
 }
 

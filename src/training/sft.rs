@@ -66,7 +66,7 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     }
     let head =
         |hidden| chunked_loss::cross_entropy_backward(model, hidden, labels, mode, weight, &chunks);
-    let (loss, grads) = if checkpointing {
+    let (loss, grads) = if checkpointing || model.shards.is_some() {
         activation_checkpointing::forward_backward(model, input, mode, step_seed, |top| {
             head(model.model.norm.forward(top))
         })

@@ -11,7 +11,9 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
-use crate::distributed::sync::{Entry, SetParams, all_reduce_entries, sum_by_param};
+use crate::distributed::sync::{
+    Entry, SetParams, all_reduce_entries, sum_by_param, whole_trainable_params,
+};
 use crate::distributed::{DistributedError, World};
 use crate::models::CausalLm;
 
@@ -28,7 +30,7 @@ impl OptimizerShard {
     /// Contiguous runs of the trainable parameters in model order, balanced by element count:
     /// a parameter belongs to the rank whose share holds its middle element.
     pub fn new<B: AutodiffBackend>(model: &CausalLm<B>, world: &World) -> Self {
-        let params = model.trainable_params();
+        let params = whole_trainable_params(model);
         let total: usize = params.iter().map(|p| p.numel).sum::<usize>().max(1);
         let size = world.size.max(1);
         let mut before = 0usize;
@@ -48,10 +50,13 @@ impl OptimizerShard {
         }
     }
 
+    /// Whether this rank updates `name`: its share of the whole parameters, and every FSDP
+    /// shard (each rank's own rows), which ZeRO-1 does not place.
     pub fn owns(&self, name: &str) -> bool {
         self.owners
             .iter()
-            .any(|(n, _, owner)| n == name && *owner == self.rank)
+            .find(|(n, _, _)| n == name)
+            .is_none_or(|(_, _, owner)| *owner == self.rank)
     }
 }
 
@@ -74,7 +79,7 @@ pub fn gather_params<B: AutodiffBackend>(
             }
         }
     }
-    let params = model.trainable_params();
+    let params = whole_trainable_params(&model);
     let mut values = Values::<B> {
         wanted: params.iter().map(|p| (p.id, shard.owns(&p.name))).collect(),
         out: HashMap::new(),
@@ -92,7 +97,7 @@ pub fn gather_optimizer_state<B: AutodiffBackend>(
     model: &CausalLm<B>,
     optimizer: &Optimizer<B::InnerBackend>,
 ) -> Result<Vec<(String, HostTensor)>, DistributedError> {
-    let params = model.trainable_params();
+    let params = whole_trainable_params(model);
     let mut keys = Vec::new();
     let mut entries = Vec::new();
     for p in &params {

@@ -1,7 +1,7 @@
 //! One optimizer step over a model's trainable parameters: gradient accumulation across
 //! micro-batches, the global gradient norm and clipping, and the update itself.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -36,13 +36,17 @@ impl<B: AutodiffBackend> GradAccumulator<B> {
 }
 
 /// The squares of every gradient summed on the device, so the norm costs one read-back.
-struct SquaredNorm<'a, B: AutodiffBackend> {
+struct SquaredNorm<'a, B: AutodiffBackend, F: Fn(&ParamId) -> bool> {
     grads: &'a GradientsParams,
+    keep: F,
     total: Option<Tensor<B::InnerBackend, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B> {
+impl<B: AutodiffBackend, F: Fn(&ParamId) -> bool> ModuleVisitor<B> for SquaredNorm<'_, B, F> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !(self.keep)(&param.id) {
+            return;
+        }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let square = crate::precision::to_f32(g).powi_scalar(2).sum();
             self.total = Some(match self.total.take() {
@@ -59,7 +63,20 @@ pub fn squared_grad_norm<B: AutodiffBackend>(
     model: &CausalLm<B>,
     grads: &GradientsParams,
 ) -> Option<Tensor<B::InnerBackend, 1>> {
-    let mut v = SquaredNorm::<B> { grads, total: None };
+    squared_grad_norm_of(model, grads, |_| true)
+}
+
+/// [`squared_grad_norm`] over the parameters `keep` picks.
+pub fn squared_grad_norm_of<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    grads: &GradientsParams,
+    keep: impl Fn(&ParamId) -> bool,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    let mut v = SquaredNorm::<B, _> {
+        grads,
+        keep,
+        total: None,
+    };
     model.visit(&mut v);
     v.total
 }

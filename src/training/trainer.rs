@@ -22,6 +22,7 @@ use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::error::{Divergence, EXPLODING_LOSS_FACTOR, MAX_GRAD_NORM, TrainError};
+use super::fsdp;
 use super::loss_step::{LossStep, StepInfo, check_vocabulary};
 use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
 use super::optimizer::Optimizer;
@@ -256,6 +257,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             tokens += out.tokens;
         }
         let mut grads = accumulator.take();
+        if let Some(shards) = &self.model.shards {
+            // FSDP: the layers' gradients, already summed over the world to this rank's rows.
+            fsdp::check(&self.model, world.rank)?;
+            shards.take_grads::<B, _>(&self.model, &mut grads);
+        }
         // On one device the gradient norm joins the same read.
         let squared_norm =
             (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
@@ -282,8 +288,24 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         if world.is_distributed() {
             grads = sync::all_reduce_grads(&world, &self.model, grads)?;
-            squared_norm = step::squared_grad_norm(&self.model, &grads)
-                .map_or(0.0, |t| t.into_scalar().elem());
+            // Whole gradients are the same on every rank; FSDP's rows are summed over ranks.
+            let model = &self.model;
+            let norm_of = |sharded: bool| {
+                step::squared_grad_norm_of(model, &grads, |id| {
+                    fsdp::is_sharded(model, id) == sharded
+                })
+                .map_or(0.0, |t| t.into_scalar().elem::<f64>())
+            };
+            squared_norm = norm_of(false);
+            if model.shards.is_some() {
+                let rows = norm_of(true);
+                squared_norm += sync::all_reduce_scalars::<B::InnerBackend>(
+                    &world,
+                    &[rows],
+                    &device,
+                    "the gradient norm",
+                )?[0];
+            }
         }
         Ok(StepResult {
             totals,
@@ -382,6 +404,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         m.extend(done.metrics.iter().map(|(k, v)| ((*k).into(), *v)));
         m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
+        // This rank's weights: with FSDP its rows of each decoder layer, the rest whole.
+        m.push((
+            "parameter_bytes".into(),
+            self.model.parameter_bytes() as f64,
+        ));
         // This rank's optimizer state: a 1/W share with a sharded optimizer.
         m.push((
             "optimizer_state_bytes".into(),
@@ -419,7 +446,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         progress: Option<&EpochProgress>,
     ) -> Result<(), TrainError> {
         let optimizer = self.snapshot()?;
-        let mut save = || saver.save(kind, &mut self.model, &optimizer, &self.state);
+        // FSDP: every rank gathers the layers; the save hook sees the whole model.
+        let mut whole = self.model.shards.is_some().then(|| self.model.unsharded());
+        fsdp::check(&self.model, self.world.rank)?;
+        let model = whole.as_mut().unwrap_or(&mut self.model);
+        let mut save = || saver.save(kind, model, &optimizer, &self.state);
         match progress {
             Some(p) => p.suspend(save),
             None => save(),
@@ -430,7 +461,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// writes its own) or the whole state gathered from every rank; otherwise the state on rank
     /// 0, the one that writes, and nothing elsewhere.
     fn snapshot(&self) -> Result<OptimizerSnapshot, TrainError> {
-        let state = match &self.shard {
+        let mut state = match &self.shard {
             Some(_) if self.save_optimizer_shards => self.optimizer.state_dict(),
             Some(_) => sharded_optimizer::gather_optimizer_state(
                 &self.world,
@@ -440,6 +471,28 @@ impl<B: AutodiffBackend> Trainer<B> {
             None if self.world.is_main() => self.optimizer.state_dict(),
             None => Vec::new(),
         };
+        if self.model.shards.is_some() {
+            // FSDP: a sharded parameter's moments are this rank's rows; the checkpoint holds
+            // them whole.
+            let sharded: std::collections::HashSet<String> = self
+                .model
+                .trainable_params()
+                .into_iter()
+                .filter(|p| fsdp::is_sharded(&self.model, &p.id))
+                .map(|p| p.name)
+                .collect();
+            state.retain(|(key, _)| {
+                let name = key
+                    .strip_prefix("exp_avg_sq.")
+                    .or_else(|| key.strip_prefix("exp_avg."))
+                    .unwrap_or(key);
+                !sharded.contains(name)
+            });
+            let whole = fsdp::optimizer_state(&self.world, &self.model, &self.optimizer)?;
+            if self.world.is_main() {
+                state.extend(whole);
+            }
+        }
         Ok(OptimizerSnapshot {
             step: self.optimizer.step,
             state,
@@ -513,6 +566,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.optimizer.retain(|name| shard.owns(name));
             self.shard = Some(shard);
         }
+        // FSDP: a resumed run's whole moments keep this rank's rows.
+        fsdp::keep_own_rows(&self.model, &mut self.optimizer);
         let mut losses = Vec::new();
         let mut last_metrics = Metrics::new();
         let mut validated_at: Option<usize> = None;
@@ -590,13 +645,16 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.save(kind, saver, None)?;
         }
         self.loggers.flush()?;
+        // FSDP: the recipe gets the whole model (every rank gathers it).
+        let model = self.model.unsharded();
+        fsdp::check(&self.model, self.world.rank)?;
         Ok((
             TrainSummary {
                 state: self.state,
                 losses,
                 last_metrics,
             },
-            self.model,
+            model,
         ))
     }
 }

@@ -220,8 +220,9 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
     assert!(meta.contains("lora_finetune_distributed"), "{meta}");
 }
 
-/// Full fine-tuning with gradient accumulation and clipping: the accumulated, all-reduced
-/// gradient is normalised by the global token count and clipped on its global norm.
+/// Full fine-tuning with gradient accumulation and clipping, ZeRO-1 (`data_parallel_shard_dim:
+/// 1`): the accumulated, all-reduced gradient is normalised by the global token count and
+/// clipped on its global norm.
 #[test]
 fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
     let one = temp_dir("dp-full-1");
@@ -240,14 +241,10 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
         4,
         &common,
     );
-    train(
-        2,
-        "full_finetune_distributed",
-        "tiny/full",
-        &two,
-        2,
-        &common,
-    );
+    // ZeRO-1: whole weights on every rank, the optimizer state split.
+    let mut zero1 = common.to_vec();
+    zero1.push("data_parallel_shard_dim=1");
+    train(2, "full_finetune_distributed", "tiny/full", &two, 2, &zero1);
 
     let want = column_by_step(one.path(), "grad_norm");
     // Clipping is active: the norms exceed the limit.
@@ -340,18 +337,162 @@ fn two_nodes_shard_full_fine_tuning_like_one_device() {
         &column_by_step(one.path(), "loss"),
         1e-4,
     );
+    // FSDP over two processes: the layers' rows gathered and their gradients
+    // reduce-scattered between nodes; rank 0 writes the whole optimizer state.
     let epoch = two.path().join("epoch_0");
-    for shard in ["optimizer-00001-of-00002", "optimizer-00002-of-00002"] {
-        assert!(
-            epoch.join(format!("{shard}.safetensors")).is_file(),
-            "{shard}"
+    assert!(!epoch.join("optimizer-00001-of-00002.safetensors").exists());
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        assert_same_weights(
+            &epoch.join(file),
+            &one.path().join("epoch_0").join(file),
+            1e-5,
         );
     }
+}
+
+/// Bytes of the tensors of a safetensors file whose names start with `prefix`.
+fn bytes_named(file: &Path, prefix: &str) -> f64 {
+    let f = SafetensorsFile::open(file).unwrap();
+    f.names()
+        .iter()
+        .filter(|n| n.starts_with(prefix))
+        .map(|n| f.read(n).unwrap().numel() as f64 * 4.0)
+        .sum()
+}
+
+/// FSDP (torchtune's default, `data_parallel_shard_dim: -1`) with gradient accumulation and
+/// clipping: each rank holds half of every decoder layer's rows, and the run is one device's
+/// (losses, clipped gradient norms, weights and the optimizer state rank 0 gathers).
+#[test]
+fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
+    let one = temp_dir("fsdp-full-1");
+    let two = temp_dir("fsdp-full-2");
+    let common = [
+        STEPS,
+        "gradient_accumulation_steps=2",
+        "clip_grad_norm=0.5",
+        "optimizer.lr=1e-4",
+    ];
+    train(
+        1,
+        "full_finetune_single_device",
+        "tiny/full",
+        &one,
+        4,
+        &common,
+    );
+    train(
+        2,
+        "full_finetune_distributed",
+        "tiny/full",
+        &two,
+        2,
+        &common,
+    );
+    let want = column_by_step(one.path(), "grad_norm");
+    assert!(want.iter().all(|(_, n)| *n > 0.5), "{want:?}");
+    assert_same_curve(
+        "grad_norm",
+        &column_by_step(two.path(), "grad_norm"),
+        &want,
+        1e-4,
+    );
+    assert_same_run(two.path(), one.path(), "model.safetensors");
+    let epoch = |dir: &TempDir| dir.path().join("epoch_0");
     assert_same_weights(
-        &epoch.join("model.safetensors"),
-        &one.path().join("epoch_0/model.safetensors"),
+        &epoch(&two).join("optimizer.safetensors"),
+        &epoch(&one).join("optimizer.safetensors"),
         1e-5,
     );
+    // Rank 0 holds the embeddings and norms whole and half of the layers' rows.
+    let held = |dir: &TempDir| column_by_step(dir.path(), "parameter_bytes")[0].1;
+    let layers = bytes_named(&epoch(&one).join("model.safetensors"), "model.layers.");
+    let dropped = held(&one) - held(&two);
+    assert!(
+        dropped > 0.45 * layers && dropped <= 0.5 * layers,
+        "rank 0 holds {} of {} bytes; the layers are {layers}",
+        held(&two),
+        held(&one)
+    );
+}
+
+/// DPO (policy and, for LoRA, the reference as the base without adapters) and knowledge
+/// distillation shard their layers too and take one device's steps.
+#[test]
+fn fsdp_dpo_and_distillation_on_two_workers_match_one_device() {
+    for (single, distributed, config, batch) in [
+        (
+            "lora_dpo_single_device",
+            "lora_dpo_distributed",
+            "tiny/lora_dpo",
+            2,
+        ),
+        (
+            "knowledge_distillation_single_device",
+            "knowledge_distillation_distributed",
+            "tiny/kd_lora_distributed",
+            4,
+        ),
+    ] {
+        let one = temp_dir("fsdp-1");
+        let two = temp_dir("fsdp-2");
+        let common = [
+            "max_steps_per_epoch=4",
+            "epochs=1",
+            "save_adapter_weights_only=True",
+        ];
+        train(1, single, config, &one, batch, &common);
+        train(2, distributed, config, &two, batch / 2, &common);
+        assert_same_curve(
+            distributed,
+            &column_by_step(two.path(), "loss"),
+            &column_by_step(one.path(), "loss"),
+            1e-4,
+        );
+        let held = |dir: &TempDir| column_by_step(dir.path(), "parameter_bytes")[0].1;
+        assert!(held(&two) < held(&one), "{distributed}: nothing sharded");
+    }
+}
+
+/// What FSDP cannot do yet, and shard dimensions other than all ranks or none, are refused
+/// by name before training.
+#[test]
+fn fsdp_refuses_nf4_bases_and_partial_shard_groups() {
+    for (config, extra, expect) in [
+        (
+            "tiny/lora",
+            "model.quantize_base=True",
+            "NF4 (QLoRA) base weights do not shard yet",
+        ),
+        (
+            "tiny/full",
+            "data_parallel_shard_dim=3",
+            "data_parallel_shard_dim: 3 with 2 ranks",
+        ),
+    ] {
+        let dir = temp_dir("fsdp-refused");
+        let out = output(&dir);
+        let recipe = if config == "tiny/lora" {
+            "lora_finetune_distributed"
+        } else {
+            "full_finetune_distributed"
+        };
+        let res = tune_command(&[
+            "run",
+            "--nproc_per_node",
+            "2",
+            recipe,
+            "--config",
+            config,
+            &out,
+            extra,
+        ])
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "{err}");
+        assert!(err.contains(expect), "{err}");
+    }
 }
 
 /// Nodes that do not share the output directory (here: each its own) cannot write one
@@ -381,6 +522,7 @@ fn nodes_without_a_shared_output_dir_gather_the_optimizer_state_to_rank_zero() {
             "tiny/full",
             out.as_str(),
             "batch_size=2",
+            "data_parallel_shard_dim=1",
         ];
         args.extend(common);
         node(port, rank, &args)

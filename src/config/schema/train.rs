@@ -61,8 +61,10 @@ fn trains_in(dtype: &Dtype, path: &str, cx: &mut Checker) {
     }
 }
 
-/// The warning for torchtune's FSDP sharding knobs.
-const NO_FSDP: &str = "tune shards no parameters: every rank holds the whole model (full-weight training shards only the optimizer state), so the FSDP sharding this key tunes does not apply";
+/// What `custom_sharded_layers` changes: tune's FSDP shards decoder layers only.
+const WHOLE_EMBEDDINGS: &str = "tune's FSDP shards every decoder layer; the embeddings, final norm and output projection stay whole on every rank (their gradients summed, their optimizer state split as ZeRO-1 splits it), so this list changes nothing";
+/// What `fsdp_reshard_after_forward: False` changes: nothing a run computes.
+const ALWAYS_RESHARD: &str = "tune's FSDP always frees a layer's gathered weights after its forward and gathers them again for its backward (it recomputes each layer there), so False's trade of memory for one all-gather per layer is not made; losses and weights are the same";
 
 keys! {
     /// `push_to_hub`: upload the final checkpoint when the run finishes.
@@ -156,10 +158,15 @@ keys! {
     optimizer_in_bwd: bool = off().warn(
         "optimizer-in-backward is not supported; the optimizer steps after backward",
     ),
-    /// FSDP's layers sharded on their own: no parameters are sharded.
-    custom_sharded_layers: Option<Vec<String>> = optional().warn(NO_FSDP),
-    /// FSDP's resharding: no parameters are sharded.
-    fsdp_reshard_after_forward: Option<bool> = optional().warn(NO_FSDP),
+    /// FSDP's layers sharded as units of their own besides the decoder layers: tune keeps them
+    /// whole.
+    custom_sharded_layers: Option<Vec<String>> = optional().warn(WHOLE_EMBEDDINGS),
+    /// FSDP's resharding after each layer's forward: always True here.
+    fsdp_reshard_after_forward: Option<bool> = optional().rule(|v, path, cx| {
+        if *v == Some(false) {
+            cx.warn(path, ALWAYS_RESHARD);
+        }
+    }),
     /// FSDP's CPU offload: only False (parameters stay on the device).
     fsdp_cpu_offload: bool = off().refuse(
         "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
@@ -171,7 +178,9 @@ keys! {
     ),
     /// A tensor-parallel plan: unused at `tensor_parallel_dim: 1`.
     tensor_parallel_plan: Option<Value> = optional(),
-    /// Data-parallel ranks: -1 (all) or the number of ranks.
+    /// FSDP: -1 (the default) or the number of ranks shards every decoder layer's weights,
+    /// gradients and optimizer state over the ranks; 1 keeps whole weights on every rank
+    /// (optimizer state split, ZeRO-1). Only with several ranks.
     data_parallel_shard_dim: Option<f64> = optional().range(
         |v| v == -1.0 || (v >= 1.0 && v.fract() == 0.0),
         "-1 (all ranks) or the number of ranks",

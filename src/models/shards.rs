@@ -1,0 +1,444 @@
+//! Fully sharded decoder layers (FSDP; `data_parallel_shard_dim: -1` on several ranks): each
+//! rank keeps only its rows of every decoder-layer weight, gathers a layer's whole weights just
+//! before it runs and drops them after, and keeps only its rows of their gradients.
+//!
+//! Invariants:
+//! - A sharded parameter holds this rank's dim-0 rows [`LayerShards::rows`] of the whole
+//!   tensor (FSDP2's even split: `ceil(rows / W)` rows each, the last ranks' shorter or
+//!   empty). Rows are contiguous in row-major order, so a shard is one contiguous range of the
+//!   flattened tensor and the rank-ordered concatenation of every rank's shard is the whole.
+//! - A gathered layer's parameters keep the sharded ones' ids, so gradients, optimizer state
+//!   and checkpoints name a parameter alike whether it is sharded or whole.
+//! - Every rank makes the same collective calls in the same order: one all-gather per layer
+//!   per pass, one reduce-scatter per layer per backward, at points that do not depend on the
+//!   data (a rank's batch may be shorter than another's, never a different number of layers).
+//! - Only decoder layers shard; LoRA/DoRA adapter weights inside them do not (they stay whole
+//!   on every rank, their gradients summed as on one rank's data-parallel path), nor do the
+//!   embeddings, final norm and output projection.
+//! - A failed collective call is kept and the pass goes on with zeros; the trainer asks
+//!   [`LayerShards::check`] at the end of every step, before anything is updated, and later
+//!   calls fail at once, so every rank stops at the same step with the first error.
+//!
+//! This module knows no collective library: the trainer's setup hands it each backend's
+//! all-gather and reduce-scatter ([`Collectives`]), keyed by backend type. Why: one model
+//! value is used on its autodiff backend (training) and on the inner one (validation,
+//! references), and the collective runs on the inner one; keying by type lets `hidden()` stay
+//! generic over the backend, and keeps `models` free of `distributed` (which imports models).
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+/// A collective call's failure, as the distributed layer reports it.
+pub type CollectiveFailure = Box<dyn std::error::Error + Send + Sync>;
+
+type GatherFn<X> = dyn Fn(Tensor<X, 1>) -> Result<Tensor<X, 1>, CollectiveFailure> + Send + Sync;
+type ScatterFn<X> =
+    dyn Fn(Tensor<X, 1>, &[usize]) -> Result<Tensor<X, 1>, CollectiveFailure> + Send + Sync;
+
+/// One backend's collective calls over the ranks of the run.
+pub struct Collectives<X: Backend> {
+    /// Every rank's flat piece, concatenated in rank order.
+    pub all_gather: Box<GatherFn<X>>,
+    /// The sum over ranks of a flat tensor, of which rank `k` keeps the `k`-th of the given
+    /// lengths.
+    pub reduce_scatter: Box<ScatterFn<X>>,
+}
+
+/// This rank's share of every decoder layer's weights, and how to gather them.
+pub struct LayerShards {
+    rank: usize,
+    world: usize,
+    /// The whole shape of every sharded parameter.
+    full_shapes: HashMap<ParamId, Vec<usize>>,
+    /// `Collectives<X>` by `TypeId::of::<X>()`.
+    collectives: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    failure: Mutex<Option<CollectiveFailure>>,
+    /// Gradients handed over by layer backward passes since the last
+    /// [`take_grads`](Self::take_grads): flat `Tensor<inner backend, 1>` by parameter id.
+    grads: Mutex<HashMap<ParamId, Box<dyn Any + Send>>>,
+}
+
+impl std::fmt::Debug for LayerShards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerShards")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("sharded_params", &self.full_shapes.len())
+            .finish()
+    }
+}
+
+/// Whether a module path (inside a decoder layer) names an adapter weight, which stays whole.
+fn is_adapter(path: &[String]) -> bool {
+    path.iter().any(|p| p == "lora")
+}
+
+impl LayerShards {
+    pub fn new(rank: usize, world: usize) -> Self {
+        Self {
+            rank,
+            world: world.max(1),
+            full_shapes: HashMap::new(),
+            collectives: HashMap::new(),
+            failure: Mutex::new(None),
+            grads: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Adds backend `X`'s collective calls.
+    pub fn with_collectives<X: Backend>(mut self, collectives: Collectives<X>) -> Self {
+        self.collectives
+            .insert(TypeId::of::<X>(), Arc::new(collectives));
+        self
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The rows of a `rows`-row tensor that `rank` keeps: `ceil(rows / W)` each, in rank order.
+    pub fn rows(&self, rows: usize, rank: usize) -> Range<usize> {
+        let chunk = rows.div_ceil(self.world);
+        let start = (rank * chunk).min(rows);
+        start..(start + chunk).min(rows)
+    }
+
+    /// The flat element range of the whole parameter `id` that `rank` keeps; `None` when the
+    /// parameter is not sharded.
+    pub fn elements(&self, id: &ParamId, rank: usize) -> Option<Range<usize>> {
+        let shape = self.full_shapes.get(id)?;
+        let row_len: usize = shape[1..].iter().product();
+        let rows = self.rows(shape[0], rank);
+        Some(rows.start * row_len..rows.end * row_len)
+    }
+
+    pub fn is_sharded(&self, id: &ParamId) -> bool {
+        self.full_shapes.contains_key(id)
+    }
+
+    /// The whole shape of sharded parameter `id`.
+    pub fn full_shape(&self, id: &ParamId) -> Option<&[usize]> {
+        self.full_shapes.get(id).map(Vec::as_slice)
+    }
+
+    /// Keeps this rank's rows of every parameter of `module` (a decoder layer), adapters
+    /// excepted; a parameter that trains stays one that trains.
+    pub fn shard<X: Backend, M: Module<X>>(&mut self, module: M) -> M {
+        struct Shard<'a> {
+            shards: &'a mut LayerShards,
+            path: Vec<String>,
+        }
+        impl<X: Backend> ModuleMapper<X> for Shard<'_> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<X, D>>,
+            ) -> Param<Tensor<X, D>> {
+                let (id, tensor, mapper) = param.consume();
+                if is_adapter(&self.path) {
+                    return Param::from_mapped_value(id, tensor, mapper);
+                }
+                let dims = tensor.dims();
+                let trains = tensor.is_require_grad();
+                let rows = self.shards.rows(dims[0], self.shards.rank);
+                let mut ranges = dims.map(|d| 0..d);
+                ranges[0] = rows;
+                let piece = tensor.slice(ranges).detach();
+                let piece = if trains { piece.require_grad() } else { piece };
+                self.shards.full_shapes.insert(id, dims.to_vec());
+                Param::from_mapped_value(id, piece, mapper)
+            }
+        }
+        module.map(&mut Shard {
+            shards: self,
+            path: Vec::new(),
+        })
+    }
+
+    fn collectives<X: Backend>(&self) -> &Collectives<X> {
+        self.collectives
+            .get(&TypeId::of::<X>())
+            .and_then(|c| c.downcast_ref::<Collectives<X>>())
+            .unwrap_or_else(|| {
+                panic!(
+                    "invariant: the trainer's setup gives LayerShards the collectives of every backend the model runs on ({})",
+                    std::any::type_name::<X>()
+                )
+            })
+    }
+
+    fn failed(&self) -> bool {
+        self.failure.lock().map_or(true, |f| f.is_some())
+    }
+
+    fn keep_failure(&self, e: CollectiveFailure) {
+        if let Ok(mut f) = self.failure.lock()
+            && f.is_none()
+        {
+            *f = Some(e);
+        }
+    }
+
+    /// The first collective failure since the run began, if any (see the module doc).
+    pub fn check(&self) -> Result<(), CollectiveFailure> {
+        match self.failure.lock() {
+            Ok(mut f) => f.take().map_or(Ok(()), Err),
+            Err(_) => Err("a worker thread panicked while holding the shard state".into()),
+        }
+    }
+
+    /// `module` (a sharded decoder layer) with every sharded parameter whole: one all-gather.
+    /// A gathered parameter is a new leaf that trains when its shard does.
+    pub fn gather<X: Backend, M: Module<X>>(&self, module: &M) -> M {
+        struct Pieces<'a, X: Backend> {
+            shards: &'a LayerShards,
+            order: Vec<ParamId>,
+            pieces: Vec<Tensor<X, 1>>,
+        }
+        impl<X: Backend> ModuleVisitor<X> for Pieces<'_, X> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
+                if self.shards.is_sharded(&param.id) {
+                    let value = param.val();
+                    let n = value.shape().num_elements();
+                    self.order.push(param.id);
+                    if n > 0 {
+                        self.pieces.push(value.reshape([n]));
+                    }
+                }
+            }
+        }
+        let mut pieces = Pieces::<X> {
+            shards: self,
+            order: Vec::new(),
+            pieces: Vec::new(),
+        };
+        module.visit(&mut pieces);
+        if pieces.order.is_empty() {
+            return module.clone();
+        }
+        let device = module.devices().into_iter().next().unwrap_or_default();
+        let local = concat(pieces.pieces, &device);
+        let total: usize = pieces
+            .order
+            .iter()
+            .map(|id| self.full_shapes[id].iter().product::<usize>())
+            .sum();
+        let whole = if self.failed() {
+            None
+        } else {
+            match (self.collectives::<X>().all_gather)(local) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    self.keep_failure(e);
+                    None
+                }
+            }
+        };
+        let whole = whole.unwrap_or_else(|| Tensor::zeros([total], &device));
+        // Rank-major: rank r's pieces of every parameter, in visit order, then rank r + 1's.
+        let mut parts: HashMap<ParamId, Vec<Tensor<X, 1>>> = HashMap::new();
+        let mut offset = 0;
+        for rank in 0..self.world {
+            for id in &pieces.order {
+                let len = self.elements(id, rank).map_or(0, |r| r.len());
+                if len > 0 {
+                    parts
+                        .entry(*id)
+                        .or_default()
+                        .push(whole.clone().slice(offset..offset + len));
+                }
+                offset += len;
+            }
+        }
+        struct Fill<'a, X: Backend> {
+            shards: &'a LayerShards,
+            parts: HashMap<ParamId, Vec<Tensor<X, 1>>>,
+        }
+        impl<X: Backend> ModuleMapper<X> for Fill<'_, X> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<X, D>>,
+            ) -> Param<Tensor<X, D>> {
+                let (id, tensor, mapper) = param.consume();
+                let Some(parts) = self.parts.remove(&id) else {
+                    return Param::from_mapped_value(id, tensor, mapper);
+                };
+                let shape: [usize; D] = self.shards.full_shapes[&id]
+                    .clone()
+                    .try_into()
+                    .expect("invariant: a shard keeps its tensor's rank");
+                let whole = Tensor::cat(parts, 0).reshape(shape);
+                let whole = if tensor.is_require_grad() {
+                    whole.require_grad()
+                } else {
+                    whole
+                };
+                Param::from_mapped_value(id, whole, mapper)
+            }
+        }
+        module.clone().map(&mut Fill {
+            shards: self,
+            parts,
+        })
+    }
+
+    /// After a gathered layer's backward pass: takes its parameters' gradients out of
+    /// `grads`, reduce-scatters the sharded ones (one call) so this rank keeps the sum over
+    /// ranks of its rows, and keeps them, with the adapters' whole gradients, until
+    /// [`take_grads`](Self::take_grads).
+    pub fn scatter_grads<X: AutodiffBackend, M: AutodiffModule<X>>(
+        &self,
+        grads: &mut X::Gradients,
+        gathered: &M,
+    ) {
+        let params = GradientsParams::from_module::<X, M>(grads, gathered);
+        struct Take<'a, X: AutodiffBackend> {
+            shards: &'a LayerShards,
+            params: GradientsParams,
+            sharded: Vec<(ParamId, Tensor<X::InnerBackend, 1>)>,
+            whole: Vec<(ParamId, Tensor<X::InnerBackend, 1>)>,
+        }
+        impl<X: AutodiffBackend> ModuleVisitor<X> for Take<'_, X> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
+                if let Some(g) = self.params.remove::<X::InnerBackend, D>(param.id) {
+                    let n = g.shape().num_elements();
+                    let flat = g.reshape([n]);
+                    if self.shards.is_sharded(&param.id) {
+                        self.sharded.push((param.id, flat));
+                    } else {
+                        self.whole.push((param.id, flat));
+                    }
+                }
+            }
+        }
+        let mut take = Take::<X> {
+            shards: self,
+            params,
+            sharded: Vec::new(),
+            whole: Vec::new(),
+        };
+        gathered.visit(&mut take);
+        let (sharded, whole) = (take.sharded, take.whole);
+        for (id, g) in whole {
+            self.keep_grad(id, g);
+        }
+        if sharded.is_empty() {
+            return;
+        }
+        let device = sharded[0].1.device();
+        // Rank-major, as the reduce-scatter splits it: every parameter's rows of rank 0, ...
+        let mut sizes = vec![0usize; self.world];
+        let mut parts = Vec::new();
+        for (rank, size) in sizes.iter_mut().enumerate() {
+            for (id, g) in &sharded {
+                let range = self
+                    .elements(id, rank)
+                    .expect("invariant: only sharded parameters are here");
+                *size += range.len();
+                if !range.is_empty() {
+                    parts.push(g.clone().slice(range));
+                }
+            }
+        }
+        let local_len = sizes[self.rank];
+        let buffer = concat(parts, &device);
+        let mine = if self.failed() {
+            None
+        } else {
+            match (self.collectives::<X::InnerBackend>().reduce_scatter)(buffer, &sizes) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    self.keep_failure(e);
+                    None
+                }
+            }
+        };
+        let mine = mine.unwrap_or_else(|| Tensor::zeros([local_len], &device));
+        let mut offset = 0;
+        for (id, _) in &sharded {
+            let len = self.elements(id, self.rank).map_or(0, |r| r.len());
+            if len > 0 {
+                self.keep_grad(*id, mine.clone().slice(offset..offset + len));
+            }
+            offset += len;
+        }
+    }
+
+    fn keep_grad<X: Backend>(&self, id: ParamId, g: Tensor<X, 1>) {
+        let Ok(mut grads) = self.grads.lock() else {
+            return;
+        };
+        let sum = match grads.remove(&id) {
+            Some(prev) => match prev.downcast::<Tensor<X, 1>>() {
+                Ok(prev) => *prev + g,
+                Err(_) => g,
+            },
+            None => g,
+        };
+        grads.insert(id, Box::new(sum));
+    }
+
+    /// Registers the gradients kept since the last call into `out`, shaped as `model`'s
+    /// parameters (a shard's rows for a sharded one).
+    pub fn take_grads<X: AutodiffBackend, M: Module<X>>(
+        &self,
+        model: &M,
+        out: &mut GradientsParams,
+    ) {
+        let kept = match self.grads.lock() {
+            Ok(mut g) => std::mem::take(&mut *g),
+            Err(_) => return,
+        };
+        struct Register<'a, X: AutodiffBackend> {
+            kept: HashMap<ParamId, Box<dyn Any + Send>>,
+            out: &'a mut GradientsParams,
+            _x: std::marker::PhantomData<X>,
+        }
+        impl<X: AutodiffBackend> ModuleVisitor<X> for Register<'_, X> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
+                let Some(g) = self.kept.remove(&param.id) else {
+                    return;
+                };
+                let Ok(g) = g.downcast::<Tensor<X::InnerBackend, 1>>() else {
+                    return;
+                };
+                let g = g.reshape(param.val().shape());
+                let g = match self.out.remove::<X::InnerBackend, D>(param.id) {
+                    Some(prev) => prev + g,
+                    None => g,
+                };
+                self.out.register::<X::InnerBackend, D>(param.id, g);
+            }
+        }
+        model.visit(&mut Register::<X> {
+            kept,
+            out,
+            _x: std::marker::PhantomData,
+        });
+    }
+}
+
+/// The concatenation of `parts`, or an empty tensor when there are none.
+fn concat<X: Backend>(parts: Vec<Tensor<X, 1>>, device: &X::Device) -> Tensor<X, 1> {
+    if parts.is_empty() {
+        Tensor::zeros([0], device)
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}

@@ -1,0 +1,145 @@
+//! Fully sharded data parallel (`data_parallel_shard_dim: -1`, torchtune's default for its
+//! `*_distributed` recipes): the trainer's side of [`LayerShards`].
+//!
+//! - [`shard_model`]: keeps this rank's rows of every decoder-layer weight and wires the
+//!   world's all-gather and reduce-scatter in, on the autodiff backend and its inner one.
+//! - The step: the loss steps' per-layer passes (`activation_checkpointing`) gather each layer
+//!   for its forward and again for its backward, and reduce-scatter its gradients; the
+//!   trainer then takes them ([`LayerShards::take_grads`]), sums the rest over the world as on
+//!   the replicated path, and each rank's optimizer updates its own rows (the AdamW moments
+//!   are its rows' only).
+//! - Checkpoints: the whole model and optimizer state are gathered for rank 0 to write, as
+//!   with replicated weights ([`optimizer_state`]); a resumed run keeps its rows of the state
+//!   ([`keep_own_rows`]), whatever world size wrote it.
+//!
+//! Why per-layer passes always: burn's autodiff graph keeps every tensor a backward needs, a
+//! gathered weight included, until the backward; recomputing each layer from its saved input
+//! is what lets a layer's whole weights be dropped after its forward
+//! (`fsdp_reshard_after_forward: True`), at the price of one extra forward, as activation
+//! checkpointing pays it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+use super::optimizer::Optimizer;
+use crate::checkpoint::HostTensor;
+use crate::distributed::{DistributedError, World};
+use crate::models::CausalLm;
+use crate::models::shards::{CollectiveFailure, Collectives, LayerShards};
+
+/// The world's collective calls on backend `X`, as boxed closures for [`LayerShards`].
+fn collectives<X: Backend>(world: &World) -> Collectives<X> {
+    let gather_world = world.clone();
+    let scatter_world = world.clone();
+    Collectives {
+        all_gather: Box::new(move |piece| {
+            gather_world
+                .all_gather(piece, "a sharded layer's weights")
+                .map_err(|e| Box::new(e) as CollectiveFailure)
+        }),
+        reduce_scatter: Box::new(move |tensor, sizes| {
+            scatter_world
+                .reduce_scatter_sum(tensor, sizes, "a sharded layer's gradients")
+                .map_err(|e| Box::new(e) as CollectiveFailure)
+        }),
+    }
+}
+
+/// The autodiff backend's calls: through the inner backend, the one the world joined.
+fn autodiff_collectives<B: AutodiffBackend>(world: &World) -> Collectives<B> {
+    let inner = Arc::new(collectives::<B::InnerBackend>(world));
+    let scatter = inner.clone();
+    Collectives {
+        all_gather: Box::new(move |piece: Tensor<B, 1>| {
+            (inner.all_gather)(piece.inner()).map(Tensor::from_inner)
+        }),
+        reduce_scatter: Box::new(move |tensor: Tensor<B, 1>, sizes| {
+            (scatter.reduce_scatter)(tensor.inner(), sizes).map(Tensor::from_inner)
+        }),
+    }
+}
+
+/// `model` with this rank's rows of every decoder-layer weight (adapters stay whole).
+pub fn shard_model<B: AutodiffBackend>(mut model: CausalLm<B>, world: &World) -> CausalLm<B> {
+    let mut shards = LayerShards::new(world.rank, world.size)
+        .with_collectives(autodiff_collectives::<B>(world))
+        .with_collectives(collectives::<B::InnerBackend>(world));
+    model.model.layers = std::mem::take(&mut model.model.layers)
+        .into_iter()
+        .map(|layer| shards.shard(layer))
+        .collect();
+    model.shards = Some(Arc::new(shards));
+    model
+}
+
+/// The first failed collective call of a sharded model's passes since the last check.
+pub fn check<B: Backend>(model: &CausalLm<B>, rank: usize) -> Result<(), DistributedError> {
+    let Some(shards) = &model.shards else {
+        return Ok(());
+    };
+    shards
+        .check()
+        .map_err(|e| match e.downcast::<DistributedError>() {
+            Ok(e) => *e,
+            Err(e) => DistributedError::AllGather {
+                rank,
+                what: "a sharded layer's weights",
+                detail: e.to_string(),
+            },
+        })
+}
+
+/// Whether parameter `id` is one of `model`'s FSDP shards.
+pub fn is_sharded<B: Backend>(model: &CausalLm<B>, id: &ParamId) -> bool {
+    model.shards.as_ref().is_some_and(|s| s.is_sharded(id))
+}
+
+/// The whole optimizer moments of every sharded parameter (every rank takes part), named as
+/// [`Optimizer::state_dict`] names them; every rank gets them.
+pub fn optimizer_state<B: AutodiffBackend>(
+    world: &World,
+    model: &CausalLm<B>,
+    optimizer: &Optimizer<B::InnerBackend>,
+) -> Result<Vec<(String, HostTensor)>, DistributedError> {
+    let Some(shards) = &model.shards else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for p in model.trainable_params() {
+        if !shards.is_sharded(&p.id) {
+            continue;
+        }
+        for (moment, value) in optimizer.moments(&p.name) {
+            // Before the first step a rank has no moments yet: every rank has none then.
+            let Some(value) = value else { continue };
+            // Flat, as the optimizer keeps every moment.
+            let whole = world.all_gather(value, "optimizer state")?;
+            out.push((
+                format!("{moment}.{}", p.name),
+                HostTensor::from_tensor(&whole),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// After a resumed run restored the whole optimizer state: each sharded parameter's moments
+/// keep this rank's elements only.
+pub fn keep_own_rows<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    optimizer: &mut Optimizer<B::InnerBackend>,
+) {
+    let Some(shards) = &model.shards else {
+        return;
+    };
+    let ranges: HashMap<String, std::ops::Range<usize>> = model
+        .trainable_params()
+        .into_iter()
+        .filter_map(|p| Some((p.name, shards.elements(&p.id, shards.rank())?)))
+        .collect();
+    optimizer.narrow(|name| ranges.get(name).cloned());
+}
