@@ -10,6 +10,7 @@ use tune::models::Trainable;
 use tune::setup::{data, loss, model, session};
 use tune::training::checkpointing::SaveContent;
 use tune::training::dpo::{DpoLoss, DpoReference};
+use tune::training::fsdp;
 
 use super::RunContext;
 use tune::distributed::WorkerError;
@@ -28,6 +29,11 @@ pub fn run<B: AutodiffBackend>(
     // Reference: frozen, on the backend without autodiff, so it never joins the graph.
     let ref_cfg = &dpo_keys.ref_checkpointer;
     let reference = model::load::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &ctx.device)?.model;
+    // FSDP: the reference shards its layers as the policy does.
+    let reference = match run.fsdp {
+        true => fsdp::shard_frozen(reference, &run.world),
+        false => reference,
+    };
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;

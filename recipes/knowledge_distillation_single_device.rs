@@ -15,6 +15,7 @@ use tune::config::schema::{KdKeys, TrainConfig};
 use tune::models::Trainable;
 use tune::setup::{data, model, session, teacher};
 use tune::training::checkpointing::SaveContent;
+use tune::training::fsdp;
 use tune::training::kd::KdLoss;
 
 use super::RunContext;
@@ -60,6 +61,11 @@ pub fn run<B: AutodiffBackend>(
         &ctx.device,
     )?;
     model::check_architecture("teacher_model", &kd.teacher_model, &teacher_model.args)?;
+    // FSDP: the teacher shards its layers as the student does.
+    let teacher_model = match run.fsdp {
+        true => fsdp::shard_frozen(teacher_model, &run.world),
+        false => teacher_model,
+    };
 
     let seed = run.seed;
     let session = session::session(

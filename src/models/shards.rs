@@ -442,3 +442,175 @@ fn concat<X: Backend>(parts: Vec<Tensor<X, 1>>, device: &X::Device) -> Tensor<X,
         Tensor::cat(parts, 0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! W ranks simulated in one thread: each rank's collectives return what the real calls
+    //! would, computed from every rank's shard of the same module.
+
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::tensor::TensorData;
+
+    type A = Autodiff<Flex>;
+
+    /// Shapes with uneven splits and empty shards over 3 ranks: 5 rows (2, 2, 1), 2 rows
+    /// (1, 1, 0), 1 row (1, 0, 0).
+    #[derive(Module, Debug)]
+    struct Block<B: Backend> {
+        w: Param<Tensor<B, 2>>,
+        norm: Param<Tensor<B, 1>>,
+        row: Param<Tensor<B, 2>>,
+    }
+
+    fn block(device: &burn::tensor::Device<A>) -> Block<A> {
+        let values =
+            |n: usize, from: f32| -> Vec<f32> { (0..n).map(|i| from + i as f32).collect() };
+        let t2 = |shape: [usize; 2], from| {
+            Tensor::<A, 2>::from_data(
+                TensorData::new(values(shape[0] * shape[1], from), shape),
+                device,
+            )
+            .require_grad()
+        };
+        Block {
+            w: Param::from_tensor(t2([5, 3], 0.0)),
+            norm: Param::from_tensor(
+                Tensor::<A, 1>::from_data(TensorData::new(values(2, 100.0), [2]), device)
+                    .require_grad(),
+            ),
+            row: Param::from_tensor(t2([1, 4], 200.0)),
+        }
+    }
+
+    fn flat<X: Backend, const D: usize>(t: Tensor<X, D>) -> Vec<f32> {
+        t.into_data().convert::<f32>().to_vec().unwrap()
+    }
+
+    /// Every rank's flat local buffer, in visit order (what `gather` sends).
+    fn local_buffer(shards: &LayerShards, module: &Block<A>) -> Vec<f32> {
+        let mut out = Vec::new();
+        for id in [module.w.id, module.norm.id, module.row.id] {
+            assert!(shards.is_sharded(&id));
+        }
+        out.extend(flat(module.w.val()));
+        out.extend(flat(module.norm.val()));
+        out.extend(flat(module.row.val()));
+        out
+    }
+
+    #[test]
+    fn every_rank_gathers_the_whole_layer_from_uneven_and_empty_shards() {
+        let device = Default::default();
+        let whole = block(&device);
+        let world = 3;
+        let sharded: Vec<(LayerShards, Block<A>)> = (0..world)
+            .map(|rank| {
+                let mut s = LayerShards::new(rank, world);
+                let m = s.shard(whole.clone());
+                (s, m)
+            })
+            .collect();
+        let lens: Vec<usize> = sharded.iter().map(|(_, m)| m.w.val().dims()[0]).collect();
+        assert_eq!(lens, [2, 2, 1]);
+        assert_eq!(sharded[2].1.norm.val().dims(), [0]);
+        assert_eq!(sharded[1].1.row.val().dims(), [0, 4]);
+        let everything: Vec<f32> = sharded
+            .iter()
+            .flat_map(|(s, m)| local_buffer(s, m))
+            .collect();
+        for (shards, module) in sharded {
+            let everything = everything.clone();
+            let shards = shards.with_collectives(Collectives::<A> {
+                all_gather: Box::new(move |_| {
+                    let n = everything.len();
+                    Ok(Tensor::from_data(
+                        TensorData::new(everything.clone(), [n]),
+                        &Default::default(),
+                    ))
+                }),
+                reduce_scatter: Box::new(|_, _| Err("unused".into())),
+            });
+            let gathered = shards.gather(&module);
+            assert_eq!(flat(gathered.w.val()), flat(whole.w.val()));
+            assert_eq!(flat(gathered.norm.val()), flat(whole.norm.val()));
+            assert_eq!(flat(gathered.row.val()), flat(whole.row.val()));
+            assert_eq!(gathered.w.id, whole.w.id, "ids are kept");
+            assert!(gathered.w.val().is_require_grad());
+            shards.check().unwrap();
+        }
+    }
+
+    /// Rank `rank`'s backward through the whole layer: its gradient of every weight is
+    /// `(rank + 1) * weight` (its loss sums `(rank + 1) w^2 / 2`).
+    fn backward(rank: usize, whole: &Block<A>) -> <A as AutodiffBackend>::Gradients {
+        let loss = (whole.w.val().powf_scalar(2.0).sum()
+            + whole.norm.val().powf_scalar(2.0).sum()
+            + whole.row.val().powf_scalar(2.0).sum())
+            * ((rank + 1) as f64 / 2.0);
+        loss.backward()
+    }
+
+    #[test]
+    fn each_rank_keeps_the_sum_of_its_rows_of_the_gradients() {
+        let device = Default::default();
+        let whole = block(&device);
+        let world = 3;
+        // First what each rank sends: its whole gradients, rank-major.
+        let mut sent: Vec<Vec<f32>> = Vec::new();
+        for rank in 0..world {
+            let mut shards = LayerShards::new(rank, world);
+            let _ = shards.shard(whole.clone());
+            let record = std::sync::Arc::new(Mutex::new(Vec::new()));
+            let recorder = record.clone();
+            let shards = shards.with_collectives(Collectives::<Flex> {
+                all_gather: Box::new(|_| Err("unused".into())),
+                reduce_scatter: Box::new(move |buffer, sizes| {
+                    assert_eq!(sizes, [2 * 3 + 1 + 4, 2 * 3 + 1, 3]);
+                    recorder.lock().unwrap().push(flat(buffer));
+                    Err("recorded".into())
+                }),
+            });
+            shards.scatter_grads::<A, _>(&mut backward(rank, &whole), &whole);
+            assert!(shards.check().is_err(), "a failed call is reported");
+            sent.push(record.lock().unwrap().remove(0));
+        }
+        let summed: Vec<f32> = (0..21).map(|i| sent.iter().map(|b| b[i]).sum()).collect();
+        let segments = [0..11, 11..18, 18..21];
+        // Then each rank keeps its segment of the sum, as its rows' gradients: 6 * weight.
+        for rank in 0..world {
+            let mut shards = LayerShards::new(rank, world);
+            let module = shards.shard(whole.clone());
+            let mine = summed[segments[rank].clone()].to_vec();
+            let shards = shards.with_collectives(Collectives::<Flex> {
+                all_gather: Box::new(|_| Err("unused".into())),
+                reduce_scatter: Box::new(move |_, _| {
+                    let n = mine.len();
+                    Ok(Tensor::from_data(
+                        TensorData::new(mine.clone(), [n]),
+                        &Default::default(),
+                    ))
+                }),
+            });
+            shards.scatter_grads::<A, _>(&mut backward(rank, &whole), &whole);
+            shards.check().unwrap();
+            let mut grads = GradientsParams::new();
+            shards.take_grads::<A, _>(&module, &mut grads);
+            let six = |t: Tensor<A, 2>| flat(t.inner() * 6.0);
+            let w = grads.get::<Flex, 2>(module.w.id).unwrap();
+            assert_eq!(w.dims(), module.w.val().dims());
+            assert_eq!(flat(w), six(module.w.val()));
+            let norm = grads.get::<Flex, 1>(module.norm.id);
+            let norm_rows = module.norm.val().dims()[0];
+            match norm {
+                Some(g) => assert_eq!(flat(g), flat(module.norm.val().inner() * 6.0)),
+                None => assert_eq!(norm_rows, 0, "only an empty shard has no gradient"),
+            }
+            assert_eq!(
+                grads.get::<Flex, 2>(module.row.id).map(flat),
+                (rank == 0).then(|| six(module.row.val()))
+            );
+        }
+    }
+}

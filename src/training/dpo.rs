@@ -176,6 +176,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
             }
             DpoReference::Frozen(reference) => {
                 let (lp, _) = concatenated_forward(reference, batch, mode)?;
+                super::fsdp::check(reference)?;
                 PairLogProbs {
                     chosen: Tensor::from_inner(lp.chosen),
                     rejected: Tensor::from_inner(lp.rejected),

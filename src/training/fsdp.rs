@@ -77,7 +77,7 @@ pub fn shard_model<B: AutodiffBackend>(mut model: CausalLm<B>, world: &World) ->
 }
 
 /// The first failed collective call of a sharded model's passes since the last check.
-pub fn check<B: Backend>(model: &CausalLm<B>, rank: usize) -> Result<(), DistributedError> {
+pub fn check<B: Backend>(model: &CausalLm<B>) -> Result<(), DistributedError> {
     let Some(shards) = &model.shards else {
         return Ok(());
     };
@@ -86,11 +86,24 @@ pub fn check<B: Backend>(model: &CausalLm<B>, rank: usize) -> Result<(), Distrib
         .map_err(|e| match e.downcast::<DistributedError>() {
             Ok(e) => *e,
             Err(e) => DistributedError::AllGather {
-                rank,
+                rank: shards.rank(),
                 what: "a sharded layer's weights",
                 detail: e.to_string(),
             },
         })
+}
+
+/// A frozen model (DPO's reference, a distillation teacher) on the backend the world joined,
+/// with this rank's rows of every decoder-layer weight.
+pub fn shard_frozen<X: Backend>(mut model: CausalLm<X>, world: &World) -> CausalLm<X> {
+    let mut shards =
+        LayerShards::new(world.rank, world.size).with_collectives(collectives::<X>(world));
+    model.model.layers = std::mem::take(&mut model.model.layers)
+        .into_iter()
+        .map(|layer| shards.shard(layer))
+        .collect();
+    model.shards = Some(Arc::new(shards));
+    model
 }
 
 /// Whether parameter `id` is one of `model`'s FSDP shards.

@@ -259,7 +259,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut grads = accumulator.take();
         if let Some(shards) = &self.model.shards {
             // FSDP: the layers' gradients, already summed over the world to this rank's rows.
-            fsdp::check(&self.model, world.rank)?;
+            fsdp::check(&self.model)?;
             shards.take_grads::<B, _>(&self.model, &mut grads);
         }
         // On one device the gradient norm joins the same read.
@@ -448,7 +448,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let optimizer = self.snapshot()?;
         // FSDP: every rank gathers the layers; the save hook sees the whole model.
         let mut whole = self.model.shards.is_some().then(|| self.model.unsharded());
-        fsdp::check(&self.model, self.world.rank)?;
+        fsdp::check(&self.model)?;
         let model = whole.as_mut().unwrap_or(&mut self.model);
         let mut save = || saver.save(kind, model, &optimizer, &self.state);
         match progress {
@@ -509,6 +509,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         progress: &EpochProgress,
     ) -> Result<(), TrainError> {
         let metrics = validation.run(&self.model, loss_step, &self.world, info)?;
+        fsdp::check(&self.model)?;
         if self.world.is_main() {
             let line = metrics
                 .iter()
@@ -647,7 +648,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.loggers.flush()?;
         // FSDP: the recipe gets the whole model (every rank gathers it).
         let model = self.model.unsharded();
-        fsdp::check(&self.model, self.world.rank)?;
+        fsdp::check(&self.model)?;
         Ok((
             TrainSummary {
                 state: self.state,
