@@ -42,15 +42,22 @@ pub fn forward_backward<B: AutodiffBackend>(
     let inner_ctx = model.pass_context::<B::InnerBackend>(input, 0, mode, &device);
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
-    for (i, layer) in layers.iter().enumerate() {
+    let sharded = model.shards.is_some();
+    // FSDP: a layer's whole weights exist only for its forward; the next layer's gather runs
+    // beside this one's compute.
+    let gather_inner = |i: usize| match &model.shards {
+        Some(shards) => shards.gather(&layers[i].valid()),
+        None => layers[i].valid(),
+    };
+    let mut next = (!layers.is_empty()).then(|| gather_inner(0));
+    for i in 0..layers.len() {
+        let Some(layer) = next.take() else { break };
         layer_inputs.push(h.clone());
         B::seed(&device, layer_seed(step_seed, i));
-        // FSDP: the layer's whole weights exist only for its forward.
-        let layer = match &model.shards {
-            Some(shards) => shards.gather(&layer.valid()),
-            None => layer.valid(),
-        };
-        h = layer.forward(h, &inner_ctx, None);
+        let prefetch = (sharded && i + 1 < layers.len()).then_some(|| gather_inner(i + 1));
+        let (out, prefetched) = overlap(prefetch, || layer.forward(h, &inner_ctx, None));
+        h = out;
+        next = prefetched.or_else(|| (i + 1 < layers.len()).then(|| gather_inner(i + 1)));
     }
 
     // The head (final norm, projection, loss) with autodiff from the top layer's output.
@@ -63,22 +70,30 @@ pub fn forward_backward<B: AutodiffBackend>(
 
     // Back through the layers, recomputing each.
     let ctx = model.pass_context::<B>(input, 0, mode, &device);
+    // FSDP: each layer is gathered again (the one below it meanwhile), and its weight
+    // gradients are reduce-scattered to each rank's rows as soon as its backward ends, so no
+    // rank holds the whole model's gradients. The reduce-scatter waits for the prefetch:
+    // every rank then makes its collective calls in the same order.
+    let gather = |i: usize| model.layer(i).into_owned();
+    let mut next = (!layers.is_empty()).then(|| gather(layers.len() - 1));
     for i in (0..layers.len()).rev() {
-        let (Some(grad), Some(x)) = (upstream.take(), layer_inputs.pop()) else {
+        let (Some(grad), Some(x), Some(layer)) = (upstream.take(), layer_inputs.pop(), next.take())
+        else {
             break;
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
         B::seed(&device, layer_seed(step_seed, i));
-        // FSDP: gathered again, and its weight gradients reduce-scattered to each rank's rows
-        // as soon as its backward ends, so no rank holds the whole model's gradients.
-        let layer = model.layer(i);
-        let y = layer.forward(x.clone(), &ctx, None);
-        let mut layer_grads = (y * Tensor::from_inner(grad)).sum().backward();
+        let prefetch = (sharded && i > 0).then_some(|| gather(i - 1));
+        let (mut layer_grads, prefetched) = overlap(prefetch, || {
+            let y = layer.forward(x.clone(), &ctx, None);
+            (y * Tensor::from_inner(grad)).sum().backward()
+        });
         upstream = x.grad(&layer_grads);
         if let Some(shards) = &model.shards {
-            shards.scatter_grads::<B, _>(&mut layer_grads, layer.as_ref());
+            shards.scatter_grads::<B, _>(&mut layer_grads, &layer);
         }
         grads.push(layer_grads);
+        next = prefetched.or_else(|| (i > 0).then(|| gather(i - 1)));
     }
 
     // The embeddings, when they train (full fine-tuning).
@@ -87,6 +102,26 @@ pub fn forward_backward<B: AutodiffBackend>(
         grads.push((embedded * Tensor::from_inner(grad)).sum().backward());
     }
     (loss, grads)
+}
+
+/// `work`, with `prefetch` (FSDP's gather of the next layer) on a thread beside it. Why: a
+/// gather is memory traffic and, between nodes, network waits; on CPU workers it measurably
+/// hides behind the layer's compute (see BENCHMARKS.md, "FSDP").
+fn overlap<T, P: Send>(
+    prefetch: Option<impl FnOnce() -> P + Send>,
+    work: impl FnOnce() -> T,
+) -> (T, Option<P>) {
+    let Some(prefetch) = prefetch else {
+        return (work(), None);
+    };
+    std::thread::scope(|scope| {
+        let gathering = scope.spawn(prefetch);
+        let done = work();
+        let gathered = gathering
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (done, Some(gathered))
+    })
 }
 
 /// A loss step's forward (and, with checkpointing, backward) pass: `(loss, None)` for the
