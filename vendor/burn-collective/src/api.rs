@@ -34,6 +34,24 @@ pub enum CollectiveError {
     BroadcastNoTensor,
     /// Trying to broadcast but multiple peers sent a tensor
     BroadcastMultipleTensors,
+    /// tune's patch: all-gather takes 1-D tensors
+    AllGatherNotOneDimensional,
+    /// tune's patch: all-gather pieces must all have the same dtype
+    AllGatherDTypeMismatch,
+    /// tune's patch: a peer called all-gather twice before the others called it once
+    AllGatherCalledTwice,
+    /// tune's patch: reduce-scatter takes 1-D tensors
+    ReduceScatterNotOneDimensional,
+    /// tune's patch: reduce-scatter tensors must have the same length and dtype on every peer
+    ReduceScatterShapeMismatch,
+    /// tune's patch: every peer must pass the same `sizes` to reduce-scatter
+    ReduceScatterSizesMismatch,
+    /// tune's patch: `sizes` must have one entry per peer (of all nodes) and sum to the length
+    ReduceScatterInvalidSizes,
+    /// tune's patch: every peer must pass the same operation (sum or mean) to reduce-scatter
+    ReduceScatterOperationMismatch,
+    /// tune's patch: a peer called reduce-scatter twice before the others called it once
+    ReduceScatterCalledTwice,
     /// Local collective server couldn't respond
     LocalServerMissing,
     /// Another operation was called before Register
@@ -74,6 +92,45 @@ pub fn all_reduce<B: Backend>(
 ) -> Result<B::FloatTensorPrimitive, CollectiveError> {
     let client = get_collective_client::<B>();
     client.all_reduce(id, tensor, op)
+}
+
+/// tune's patch: all-gather.
+///
+/// Every peer's 1-D tensor (lengths may differ between peers, and may be 0), concatenated in
+/// PeerId order; every peer gets the whole result on its own device. Locally a ring (each
+/// piece is forwarded N-1 times); with several nodes, each node's pieces are concatenated and
+/// the node pieces go around a ring of nodes. The result is an exact concatenation.
+///
+/// * `id` - The peer id of the caller
+/// * `tensor` - The caller's piece (1-D, same dtype on every peer)
+pub fn all_gather<B: Backend>(
+    id: PeerId,
+    tensor: B::FloatTensorPrimitive,
+) -> Result<B::FloatTensorPrimitive, CollectiveError> {
+    let client = get_collective_client::<B>();
+    client.all_gather(id, tensor)
+}
+
+/// tune's patch: reduce-scatter.
+///
+/// Every peer passes a 1-D tensor of the same length L and the same `sizes` (one length per
+/// peer, in PeerId order, summing to L; entries may be 0). Peer k gets elements
+/// `[sizes[..k].sum(), sizes[..=k].sum())` of the element-wise sum (or mean, per `op`) over
+/// all peers, on its own device (a zero-length tensor of the input's dtype when its size is 0).
+///
+/// Locally a ring (the first half of a ring all-reduce, with `sizes`-defined slices); with
+/// several nodes, each node sums its peers' tensors, the node sums are reduce-scattered around
+/// a ring of nodes, and each node's slice is split among its peers. The sum of slice k runs
+/// around the ring starting after its owner (see `local/reduce_scatter.rs`), so it may differ
+/// in the last bits from a sum in PeerId order.
+pub fn reduce_scatter<B: Backend>(
+    id: PeerId,
+    tensor: B::FloatTensorPrimitive,
+    op: ReduceOperation,
+    sizes: Vec<usize>,
+) -> Result<B::FloatTensorPrimitive, CollectiveError> {
+    let client = get_collective_client::<B>();
+    client.reduce_scatter(id, tensor, op, sizes)
 }
 
 /// Broadcasts, or receives a broadcasted tensor.

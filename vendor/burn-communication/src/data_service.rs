@@ -144,7 +144,9 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
     ) -> Option<TensorData> {
         log::info!("Downloading tensor from {remote:?}");
 
-        let stream = self.get_data_stream(remote).await;
+        // tune's patch: a peer that cannot be reached, or whose connection broke, gives None
+        // (the caller's "peer lost") instead of a panic.
+        let stream = self.get_data_stream(remote.clone()).await?;
         let mut stream = stream.lock().await;
 
         // Send the download request with the download id
@@ -152,10 +154,10 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
             rmp_serde::to_vec(&DataServiceMessage::TensorRequest(transfer_id))
                 .unwrap()
                 .into();
-        stream
-            .send(Message::new(bytes))
-            .await
-            .expect("Failed to send download id");
+        if let Err(err) = stream.send(Message::new(bytes)).await {
+            log::warn!("Cannot request a tensor from {remote:?}: {err:?}");
+            return None;
+        }
 
         if let Ok(msg) = stream.recv().await {
             let Some(msg) = msg else {
@@ -178,10 +180,10 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
     async fn get_data_stream(
         &self,
         address: Address,
-    ) -> Arc<Mutex<<P::Client as ProtocolClient>::Channel>> {
+    ) -> Option<Arc<Mutex<<P::Client as ProtocolClient>::Channel>>> {
         let mut streams = self.channels.lock().await;
         match streams.get(&address) {
-            Some(stream) => stream.clone(),
+            Some(stream) => Some(stream.clone()),
             None => {
                 // Open a new WebSocket connection to the address.
                 // tune's patch: a peer's data server starts in a background task while it
@@ -195,13 +197,15 @@ impl<B: Backend, P: Protocol> TensorDataService<B, P> {
                 }
 
                 let Some(stream) = stream else {
-                    panic!("Failed to connect to data server at {address:?}");
+                    // tune's patch: None (the peer is lost), not a panic
+                    log::warn!("Failed to connect to data server at {address:?}");
+                    return None;
                 };
 
                 let stream = Arc::new(Mutex::new(stream));
                 streams.insert(address.clone(), stream.clone());
 
-                stream
+                Some(stream)
             }
         }
     }

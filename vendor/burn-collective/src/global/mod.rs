@@ -8,3 +8,5 @@ pub use orchestrator::*;
 
 mod base;
 pub use base::*;
+// tune's patch: callers can name the errors inside `CollectiveError::Global` (PeerLost, ...)
+pub use shared::GlobalCollectiveError;

@@ -80,6 +80,9 @@ pub(crate) enum RemoteResponse {
         nodes: HashMap<NodeId, Address>,
         /// How many devices exist globally? For averaging values
         num_global_devices: u32,
+        /// tune's patch: the peers of every node, so that all-gather and reduce-scatter order
+        /// the nodes by PeerId (node ids follow the order of registration)
+        node_peers: HashMap<NodeId, Vec<PeerId>>,
     },
 
     // Finish
@@ -116,6 +119,9 @@ pub enum GlobalCollectiveError {
     PeerSentIncoherentTensor,
     /// Tried to download from a peer, but the peer closed or lost the connection
     PeerLost(NodeId),
+    /// tune's patch: all-gather and reduce-scatter need each node's peers to be a contiguous
+    /// run of PeerIds (node pieces are concatenated in PeerId order)
+    PeersNotContiguous,
     /// Error from the coordinator
     Server(String),
 

@@ -1,7 +1,7 @@
 use crate::{
     CollectiveConfig, CollectiveError, PeerId, ReduceOperation,
     local::{
-        BroadcastResult, ReduceResult,
+        AllGatherResult, BroadcastResult, ReduceResult, ReduceScatterResult,
         all_reduce::AllReduceResult,
         server::{FinishResult, Message, RegisterResult},
     },
@@ -259,6 +259,38 @@ impl<B: Backend> LocalCollectiveClient<B> {
             tensor,
             callback,
         })
+    }
+
+    /// tune's patch: all-gather of 1-D pieces, concatenated in PeerId order.
+    pub fn all_gather(
+        &self,
+        id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+    ) -> AllGatherResult<B::FloatTensorPrimitive> {
+        self.start_operation(|callback| Message::AllGather {
+            device_id: id,
+            tensor,
+            callback,
+        })
+        .wait()
+    }
+
+    /// tune's patch: reduce-scatter into `sizes`-defined slices, one per peer.
+    pub fn reduce_scatter(
+        &self,
+        id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+        op: ReduceOperation,
+        sizes: Vec<usize>,
+    ) -> ReduceScatterResult<B::FloatTensorPrimitive> {
+        self.start_operation(|callback| Message::ReduceScatter {
+            device_id: id,
+            tensor,
+            op,
+            sizes,
+            callback,
+        })
+        .wait()
     }
 
     pub(crate) fn finish(&self, id: PeerId) -> FinishResult {

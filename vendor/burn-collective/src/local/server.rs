@@ -2,7 +2,8 @@ use crate::{
     CollectiveConfig, CollectiveError, PeerId, ReduceOperation,
     global::node::base::Node,
     local::{
-        AllReduceOp, AllReduceResult, BroadcastOp, BroadcastResult, ReduceOp, ReduceResult,
+        AllGatherOp, AllGatherResult, AllReduceOp, AllReduceResult, BroadcastOp, BroadcastResult,
+        ReduceOp, ReduceResult, ReduceScatterOp, ReduceScatterResult,
         client::LocalCollectiveClient,
     },
 };
@@ -57,6 +58,12 @@ pub(crate) struct LocalCollectiveServer<B: Backend> {
     /// Uncompleted broadcast calls, one for each calling device.
     broadcast_op: Option<BroadcastOp<B>>,
 
+    /// tune's patch: current uncompleted all-gather
+    all_gather_op: Option<AllGatherOp<B>>,
+
+    /// tune's patch: current uncompleted reduce-scatter
+    reduce_scatter_op: Option<ReduceScatterOp<B>>,
+
     /// Client for global collective operations
     global_client: Option<Node<B, Network>>,
 }
@@ -90,6 +97,20 @@ pub(crate) enum Message<B: Backend> {
         device_id: PeerId,
         tensor: Option<B::FloatTensorPrimitive>,
         callback: SyncSender<BroadcastResult<B::FloatTensorPrimitive>>,
+    },
+    /// tune's patch: perform an all-gather of 1-D pieces.
+    AllGather {
+        device_id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+        callback: SyncSender<AllGatherResult<B::FloatTensorPrimitive>>,
+    },
+    /// tune's patch: perform a reduce-scatter into `sizes`-defined slices.
+    ReduceScatter {
+        device_id: PeerId,
+        tensor: B::FloatTensorPrimitive,
+        op: ReduceOperation,
+        sizes: Vec<usize>,
+        callback: SyncSender<ReduceScatterResult<B::FloatTensorPrimitive>>,
     },
     /// Reset the collective server.
     Reset,
@@ -177,6 +198,8 @@ impl<B: Backend> LocalCollectiveServer<B> {
             all_reduce_op: None,
             reduce_op: None,
             broadcast_op: None,
+            all_gather_op: None,
+            reduce_scatter_op: None,
             callbacks_register: vec![],
             global_client: None,
         }
@@ -257,6 +280,24 @@ impl<B: Backend> LocalCollectiveServer<B> {
                 callback,
             } => {
                 self.process_broadcast_message(device_id, tensor, callback)
+                    .await
+            }
+            Message::AllGather {
+                device_id,
+                tensor,
+                callback,
+            } => {
+                self.process_all_gather_message(device_id, tensor, callback)
+                    .await
+            }
+            Message::ReduceScatter {
+                device_id,
+                tensor,
+                op,
+                sizes,
+                callback,
+            } => {
+                self.process_reduce_scatter_message(device_id, tensor, op, sizes, callback)
                     .await
             }
             Message::Reset => self.reset(),
@@ -468,12 +509,83 @@ impl<B: Backend> LocalCollectiveServer<B> {
         }
     }
 
+    /// tune's patch: processes a Message::AllGather. A call whose arguments do not fit the
+    /// operation fails it for every caller so far, and for itself.
+    async fn process_all_gather_message(
+        &mut self,
+        peer_id: PeerId,
+        tensor: FloatTensor<B>,
+        callback: SyncSender<AllGatherResult<FloatTensor<B>>>,
+    ) {
+        if !self.peers.contains(&peer_id) {
+            let _ = callback.send(Err(CollectiveError::RegisterNotFirstOperation));
+            return;
+        }
+        let mut op = self
+            .all_gather_op
+            .take()
+            .unwrap_or_else(|| AllGatherOp::new(tensor.dtype()));
+        match op.register_call(peer_id, tensor, callback.clone(), self.peers.len()) {
+            Ok(true) => op.execute(&mut self.global_client).await,
+            Ok(false) => self.all_gather_op = Some(op),
+            Err(err) => {
+                let _ = callback.send(Err(err.clone()));
+                op.fail(err);
+            }
+        }
+    }
+
+    /// tune's patch: processes a Message::ReduceScatter. A call whose arguments do not fit the
+    /// operation fails it for every caller so far, and for itself.
+    async fn process_reduce_scatter_message(
+        &mut self,
+        peer_id: PeerId,
+        tensor: FloatTensor<B>,
+        op: ReduceOperation,
+        sizes: Vec<usize>,
+        callback: SyncSender<ReduceScatterResult<FloatTensor<B>>>,
+    ) {
+        if !self.peers.contains(&peer_id) {
+            let _ = callback.send(Err(CollectiveError::RegisterNotFirstOperation));
+            return;
+        }
+        if let Err(err) = ReduceScatterOp::<B>::check_call(&tensor, &sizes) {
+            let _ = callback.send(Err(err.clone()));
+            if let Some(pending) = self.reduce_scatter_op.take() {
+                pending.fail(err);
+            }
+            return;
+        }
+        let mut pending = self
+            .reduce_scatter_op
+            .take()
+            .unwrap_or_else(|| ReduceScatterOp::new(&tensor, op, sizes.clone()));
+        match pending.register_call(
+            peer_id,
+            tensor,
+            callback.clone(),
+            op,
+            &sizes,
+            self.peers.len(),
+        ) {
+            Ok(true) => pending.execute(&mut self.global_client).await,
+            Ok(false) => self.reduce_scatter_op = Some(pending),
+            Err(err) => {
+                let _ = callback.send(Err(err.clone()));
+                pending.fail(err);
+            }
+        }
+    }
+
     /// Reinitializes the collective server
     fn reset(&mut self) {
         self.peers.clear();
         self.all_reduce_op = None;
         self.reduce_op = None;
         self.broadcast_op = None;
+        // tune's patch
+        self.all_gather_op = None;
+        self.reduce_scatter_op = None;
     }
 
     /// Processes a Message::Finish.

@@ -1,3 +1,6 @@
 mod all_reduce;
 mod broadcast;
+mod gather_scatter;
+#[cfg(feature = "orchestrator")]
+mod multi_node;
 mod reduce;

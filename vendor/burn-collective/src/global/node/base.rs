@@ -7,6 +7,7 @@ use std::{marker::PhantomData, sync::Arc};
 use tokio::sync::RwLock;
 use tokio_util::sync::CancellationToken;
 
+use crate::node::gather_scatter::{node_ring, ring_all_gather, ring_reduce_scatter};
 use crate::node::sync::SyncService;
 use crate::{
     AllReduceStrategy, PeerId, ReduceOperation,
@@ -20,12 +21,21 @@ use crate::{
     local::server::get_collective_server_runtime,
 };
 use crate::{BroadcastStrategy, GlobalRegisterParams, NodeId, ReduceStrategy};
+use crate::{
+    CollectiveError,
+    local::{apply_mean, size_ranges, slice_1d},
+};
+use burn_backend::TensorData;
+use burn_std::DType;
+use std::ops::Range;
 
 /// Must be synchronized between all nodes for collective operations to work
 pub(crate) struct NodeState {
     pub node_id: NodeId,
     pub nodes: HashMap<NodeId, Address>,
     pub num_global_devices: u32,
+    /// tune's patch: each node's peers, for the ring order of all-gather and reduce-scatter
+    pub node_peers: HashMap<NodeId, Vec<PeerId>>,
 }
 
 /// A node talks to the global orchestrator as well as other nodes with a peer-to-peer service
@@ -96,12 +106,14 @@ where
                 node_id,
                 nodes,
                 num_global_devices,
+                node_peers,
             } => {
                 let mut state = self.state.write().await;
                 *state = Some(NodeState {
                     node_id,
                     nodes,
                     num_global_devices,
+                    node_peers,
                 });
             }
             RemoteResponse::Error(err) => {
@@ -171,6 +183,110 @@ where
         }
 
         Ok(result)
+    }
+
+    /// tune's patch: all-gather of one 1-D piece per node (see `gather_scatter.rs`). Returns
+    /// every node's piece, ordered by the nodes' lowest PeerId.
+    pub async fn all_gather(
+        &self,
+        piece: TensorData,
+        dtype: DType,
+    ) -> Result<Vec<TensorData>, GlobalCollectiveError> {
+        let state = self.state.read().await;
+        let Some(ref state) = *state else {
+            return Err(GlobalCollectiveError::AllReduceBeforeRegister);
+        };
+        let ring = node_ring(&state.nodes, &state.node_peers)?;
+        ring_all_gather(
+            state.node_id,
+            &ring,
+            &state.nodes,
+            &self.data_service,
+            &self.sync_service,
+            piece,
+            dtype,
+        )
+        .await
+    }
+
+    /// tune's patch: reduce-scatter with several nodes. `peers` are this node's peers in
+    /// PeerId order and `inputs` their tensors; `sizes` has one length per peer of all nodes,
+    /// in PeerId order. The local tensors are summed in PeerId order on the first peer's
+    /// device, the node sums are reduce-scattered around the ring of nodes (a node's slice is
+    /// the union of its peers'), and the node's slice is split among its peers, each on its
+    /// own device.
+    pub async fn reduce_scatter(
+        &self,
+        peers: &[PeerId],
+        inputs: Vec<B::FloatTensorPrimitive>,
+        sizes: &[usize],
+        op: ReduceOperation,
+    ) -> Result<Vec<B::FloatTensorPrimitive>, CollectiveError> {
+        let global = CollectiveError::Global;
+        let state = self.state.read().await;
+        let Some(ref state) = *state else {
+            return Err(global(GlobalCollectiveError::AllReduceBeforeRegister));
+        };
+        let ring = node_ring(&state.nodes, &state.node_peers).map_err(global)?;
+        let all_peers: Vec<PeerId> = ring.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+        if sizes.len() != all_peers.len() {
+            return Err(CollectiveError::ReduceScatterInvalidSizes);
+        }
+        let peer_ranges = size_ranges(sizes);
+        let position = |peer: &PeerId| all_peers.iter().position(|p| p == peer);
+        let node_ranges: Vec<Range<usize>> = ring
+            .iter()
+            .map(|(_, p)| {
+                let first = position(&p[0]).expect("the peer is in the ring");
+                let last = position(p.last().unwrap()).expect("the peer is in the ring");
+                peer_ranges[first].start..peer_ranges[last].end
+            })
+            .collect();
+        let pos = ring
+            .iter()
+            .position(|(id, _)| *id == state.node_id)
+            .ok_or(global(GlobalCollectiveError::WrongOrchestratorResponse))?;
+        if ring[pos].1 != peers {
+            return Err(global(GlobalCollectiveError::WrongOrchestratorResponse));
+        }
+
+        // this node's sum, in PeerId order, on the first peer's device
+        let devices: Vec<_> = inputs.iter().map(B::float_device).collect();
+        let mut sum = inputs[0].clone();
+        for input in &inputs[1..] {
+            sum = B::float_add(sum, B::float_to_device(input.clone(), &devices[0]));
+        }
+
+        let node_slice = ring_reduce_scatter(
+            state.node_id,
+            &ring,
+            &state.nodes,
+            &self.data_service,
+            &self.sync_service,
+            sum,
+            &node_ranges,
+        )
+        .await
+        .map_err(global)?;
+
+        let node_start = node_ranges[pos].start;
+        let count = all_peers.len();
+        Ok(peers
+            .iter()
+            .zip(inputs)
+            .zip(devices)
+            .map(|((peer, input), device)| {
+                let range = peer_ranges[position(peer).expect("the peer is in the ring")].clone();
+                match &node_slice {
+                    Some(slice) if !range.is_empty() => {
+                        let local = range.start - node_start..range.end - node_start;
+                        let mine = slice_1d::<B>(slice.clone(), local);
+                        apply_mean::<B>(B::float_to_device(mine, &device), op, count)
+                    }
+                    _ => slice_1d::<B>(input, 0..0),
+                }
+            })
+            .collect())
     }
 
     pub async fn reduce(

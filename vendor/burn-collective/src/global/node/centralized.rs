@@ -82,7 +82,8 @@ where
     };
 
     // Wait for all nodes to finish
-    sync_service.sync().await;
+    // tune's patch: a peer lost during the barrier is an error
+    sync_service.sync().await?;
 
     Ok(res)
 }

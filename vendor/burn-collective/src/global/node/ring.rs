@@ -109,7 +109,8 @@ where
     .await?;
 
     // Wait for all nodes to finish
-    sync_service.sync().await;
+    // tune's patch: a peer lost during the barrier is an error
+    sync_service.sync().await?;
 
     // merge slices
     Ok(B::float_cat(slices, slice_dim))
@@ -123,6 +124,8 @@ where
 /// * `is_phase_one` - In phase 1, the tensors are aggregated. Otherwise, they are overridden
 /// * `data_service` - TensorDataService for peer-to-peer tensor transfers
 /// * `device` - The device on which all local tensors are stored. Should match `slices`
+// tune's patch: allowed, so clippy -D warnings passes on the crate (upstream code)
+#[allow(clippy::too_many_arguments)]
 async fn do_cycles<B, P>(
     slices: &mut [B::FloatTensorPrimitive],
     transfer_counter: &mut u64,

@@ -8,7 +8,7 @@ use burn_communication::{CommunicationChannel, Message, Protocol, ProtocolClient
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, RwLock};
 
-use crate::{NodeId, node::base::NodeState};
+use crate::{NodeId, global::shared::GlobalCollectiveError, node::base::NodeState};
 
 /// Handles the status of sync requests from other nodes
 pub(crate) struct SyncService<P: Protocol> {
@@ -41,12 +41,15 @@ impl<P: Protocol> SyncService<P> {
     }
 
     /// Sync with all peers.
-    pub async fn sync(&self) {
+    ///
+    /// tune's patch: a peer that cannot be reached, or closes the connection, is an error
+    /// (`PeerLost`) instead of a panic of the collective server's thread.
+    pub async fn sync(&self) -> Result<(), GlobalCollectiveError> {
         // we can't sync while we register
         let node_state = self.node_state.read().await;
         let node_state = node_state
             .as_ref()
-            .expect("Trying to sync a node before having registered to the orchestrator");
+            .ok_or(GlobalCollectiveError::AllReduceBeforeRegister)?;
 
         // this peer is syncing
         self.add_syncing_peer(node_state.node_id);
@@ -55,15 +58,18 @@ impl<P: Protocol> SyncService<P> {
                 continue;
             }
 
-            let mut connection = P::Client::connect(addr.clone(), "sync")
-                .await
-                .expect("Couldn't connect to peer for sync");
+            let Some(mut connection) = P::Client::connect(addr.clone(), "sync").await else {
+                return Err(GlobalCollectiveError::PeerLost(*id));
+            };
             let msg = SyncRequest(node_state.node_id);
             let sync_bytes = rmp_serde::to_vec(&msg).unwrap();
-            connection
+            if connection
                 .send(Message::new(sync_bytes.into()))
                 .await
-                .expect("Peer closed connection unexpectedly");
+                .is_err()
+            {
+                return Err(GlobalCollectiveError::PeerLost(*id));
+            }
         }
         // tune's patch: upstream cleared a copy of the list (so from the second sync on the
         // list never matched and every later sync waited forever), and looked before it
@@ -85,7 +91,7 @@ impl<P: Protocol> SyncService<P> {
                             syncing_peers.remove(pos);
                         }
                     }
-                    return;
+                    return Ok(());
                 }
             }
             // Wait for the next sync to come in

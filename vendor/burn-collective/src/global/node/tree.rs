@@ -89,7 +89,8 @@ where
     }
 
     // Final barrier
-    sync_service.sync().await;
+    // tune's patch: a peer lost during the barrier is an error
+    sync_service.sync().await?;
 
     Ok(result)
 }

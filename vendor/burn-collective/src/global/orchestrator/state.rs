@@ -205,6 +205,7 @@ impl GlobalCollectiveState {
                     node_id,
                     nodes: self.node_addresses.clone(),
                     num_global_devices: self.num_global_peers,
+                    node_peers: self.node_peers.clone(),
                 };
                 let resp = CollectiveMessageResponse {
                     request_id: request,
