@@ -182,38 +182,13 @@ impl World {
         if !self.is_distributed() {
             return Ok(piece);
         }
-        // FALLBACK until the vendored ring all-gather lands: lengths, then a zero-padded sum.
-        let device = piece.device();
-        let len = piece.shape().num_elements();
-        let mut lens = vec![0.0f32; self.size];
-        lens[self.rank] = len as f32;
-        let lens =
-            self.all_reduce_sum(Tensor::<B, 1>::from_floats(lens.as_slice(), &device), what)?;
-        let lens: Vec<usize> = lens.into_data().iter::<f32>().map(|v| v as usize).collect();
-        let before: usize = lens[..self.rank].iter().sum();
-        let total: usize = lens.iter().sum();
-        let dtype = piece.dtype();
-        let mut parts = Vec::new();
-        if before > 0 {
-            parts.push(crate::precision::to_dtype(
-                Tensor::<B, 1>::zeros([before], &device),
-                dtype,
-            ));
-        }
-        if len > 0 {
-            parts.push(piece);
-        }
-        if total - before - len > 0 {
-            parts.push(crate::precision::to_dtype(
-                Tensor::<B, 1>::zeros([total - before - len], &device),
-                dtype,
-            ));
-        }
-        let gathered = self.all_reduce_sum(Tensor::cat(parts, 0), what)?;
-        if true {
-            return Ok(gathered);
-        }
-        let gathered = gathered.into_primitive().tensor();
+        let gathered =
+            burn_collective::all_gather::<B>(self.peer(), piece.into_primitive().tensor())
+                .map_err(|e| DistributedError::AllGather {
+                    rank: self.rank,
+                    what,
+                    detail: format!("{e:?}"),
+                })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(gathered)))
     }
 
@@ -229,13 +204,17 @@ impl World {
         if !self.is_distributed() {
             return Ok(tensor);
         }
-        // FALLBACK until the vendored ring reduce-scatter lands.
-        let start: usize = sizes[..self.rank].iter().sum();
-        let summed = self.all_reduce_sum(tensor, what)?;
-        let scattered = summed
-            .slice(start..start + sizes[self.rank])
-            .into_primitive()
-            .tensor();
+        let scattered = burn_collective::reduce_scatter::<B>(
+            self.peer(),
+            tensor.into_primitive().tensor(),
+            ReduceOperation::Sum,
+            sizes.to_vec(),
+        )
+        .map_err(|e| DistributedError::ReduceScatter {
+            rank: self.rank,
+            what,
+            detail: format!("{e:?}"),
+        })?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(scattered)))
     }
 }

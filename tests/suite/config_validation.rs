@@ -600,13 +600,29 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
             "data_parallel_shard_dim=-1",
             "data_parallel_replicate_dim=1",
             "fsdp_reshard_after_forward=True",
+            "custom_sharded_layers=[tok_embeddings, output]",
         ],
+    );
+    // True is what tune does; the embeddings and output stay whole, which is said.
+    assert!(
+        !warned.iter().any(|w| w.key == "fsdp_reshard_after_forward"),
+        "{warned:?}"
     );
     assert!(
         warned
             .iter()
-            .any(|w| w.key == "fsdp_reshard_after_forward"
-                && w.message.contains("shards no parameters")),
+            .any(|w| w.key == "custom_sharded_layers"
+                && w.message.contains("stay whole on every rank")),
+        "{warned:?}"
+    );
+    let warned = warnings(
+        "tiny/full",
+        "full_finetune_distributed",
+        &["fsdp_reshard_after_forward=False"],
+    );
+    assert!(
+        warned.iter().any(|w| w.key == "fsdp_reshard_after_forward"
+            && w.message.contains("losses and weights are the same")),
         "{warned:?}"
     );
     for (over, key, says) in [
