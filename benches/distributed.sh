@@ -4,9 +4,10 @@
 #
 # 1. tiny shape, LoRA and full fine-tuning, the same global batch of 8: one worker (batch 8)
 #    vs 2 workers as threads of one process (batch 4 each): tokens/s over all ranks, wall time.
-# 2. SmolLM2-135M shape (random weights) full fine-tuning, global batch 2: one rank vs 2 ranks
-#    as 2 processes joined over loopback (`--nnodes 2`), so each process is one rank: peak RSS
-#    per rank (/usr/bin/time) and the optimizer state each rank holds (ZeRO-1).
+# 2. SmolLM2-135M shape (random weights) full fine-tuning, global batch 4: one device vs 2 and 4
+#    ranks, each a process joined over loopback (`--nnodes W`), FSDP (data_parallel_shard_dim
+#    -1) and ZeRO-1 (1): peak RSS per rank (/usr/bin/time), the weights (`parameter_bytes`) and
+#    optimizer state rank 0 holds, tokens/s.
 #
 #     benches/distributed.sh            # prints markdown rows
 set -euo pipefail
@@ -48,25 +49,38 @@ done
 
 CKPT="$OUT/smollm2-135m-random"
 target/release/examples/random_checkpoint smollm2-135m "$CKPT" >/dev/null
+# Global batch 4 on 1, 2 and 4 ranks; each rank is a process of its own (`--nnodes W`), so a
+# process's peak RSS (/usr/bin/time -v) is one rank's.
 common=(--config tiny/full "checkpointer.checkpoint_dir=$CKPT" max_steps_per_epoch=6 epochs=1)
+mb() { echo "$(metric "$1" "$2") / 1048576" | bc -l; }
 echo
-echo "| shape | mode | ranks | batch per rank | peak RSS per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
-echo "| --- | --- | --- | --- | --- | --- | --- |"
+echo "| shape | mode | ranks | batch per rank | peak RSS per rank, max (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
 dir="$OUT/135m-1"
-/usr/bin/time -v -o "$OUT/time-1.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
-  output_dir="$dir" batch_size=2 2>/dev/null
-printf "| smollm2-135m | full | 1 | 2 | %s | %.0f | %s |\n" "$(peak_mb "$OUT/time-1.txt")" \
-  "$(echo "$(metric "$dir/logs/metrics.jsonl" optimizer_state_bytes) / 1048576" | bc -l)" \
+/usr/bin/time -v -o "$OUT/time-1-0.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
+  output_dir="$dir" batch_size=4 2>/dev/null
+printf "| smollm2-135m | one device | 1 | 4 | %s | %.0f | %.0f | %s |\n" "$(peak_mb "$OUT/time-1-0.txt")" \
+  "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
+  "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
   "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
-dir="$OUT/135m-2"
-port=$((20000 + RANDOM % 20000))
-for rank in 0 1; do
-  /usr/bin/time -v -o "$OUT/time-2-$rank.txt" "$TUNE" run --nnodes 2 --node_rank $rank \
-    --rdzv_endpoint 127.0.0.1:$port full_finetune_distributed "${common[@]}" \
-    output_dir="$dir" batch_size=1 >/dev/null 2>&1 &
+for ranks in 2 4; do
+  for mode in fsdp zero1; do
+    dir="$OUT/135m-$mode-$ranks"
+    dim=-1; [ "$mode" = zero1 ] && dim=1
+    port=$((20000 + RANDOM % 20000))
+    for rank in $(seq 0 $((ranks - 1))); do
+      /usr/bin/time -v -o "$OUT/time-$mode-$ranks-$rank.txt" "$TUNE" run --nnodes "$ranks" \
+        --node_rank "$rank" --rdzv_endpoint 127.0.0.1:$port full_finetune_distributed "${common[@]}" \
+        output_dir="$dir" batch_size=$((4 / ranks)) data_parallel_shard_dim=$dim >/dev/null 2>&1 &
+    done
+    wait
+    peak=0
+    for rank in $(seq 0 $((ranks - 1))); do
+      p=$(peak_mb "$OUT/time-$mode-$ranks-$rank.txt"); [ "$p" -gt "$peak" ] && peak=$p
+    done
+    printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %s |\n" "$mode" "$ranks" \
+      $((4 / ranks)) "$peak" "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
+      "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
+      "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
+  done
 done
-wait
-printf "| smollm2-135m | full | 2 (2 processes) | 1 | %s / %s | %.0f (rank 0) | %s |\n" \
-  "$(peak_mb "$OUT/time-2-0.txt")" "$(peak_mb "$OUT/time-2-1.txt")" \
-  "$(echo "$(metric "$dir/logs/metrics.jsonl" optimizer_state_bytes) / 1048576" | bc -l)" \
-  "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"

@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor};
 
 /// A collective call's failure, as the distributed layer reports it.
 pub type CollectiveFailure = Box<dyn std::error::Error + Send + Sync>;
@@ -210,12 +210,14 @@ impl LayerShards {
             shards: &'a LayerShards,
             order: Vec<ParamId>,
             pieces: Vec<Tensor<X, 1>>,
+            dtype: Option<DType>,
         }
         impl<X: Backend> ModuleVisitor<X> for Pieces<'_, X> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
                 if self.shards.is_sharded(&param.id) {
                     let value = param.val();
                     let n = value.shape().num_elements();
+                    self.dtype.get_or_insert(value.dtype());
                     self.order.push(param.id);
                     if n > 0 {
                         self.pieces.push(value.reshape([n]));
@@ -227,13 +229,16 @@ impl LayerShards {
             shards: self,
             order: Vec::new(),
             pieces: Vec::new(),
+            dtype: None,
         };
         module.visit(&mut pieces);
         if pieces.order.is_empty() {
             return module.clone();
         }
         let device = module.devices().into_iter().next().unwrap_or_default();
-        let local = concat(pieces.pieces, &device);
+        // Every rank sends the layer's dtype, an empty piece included.
+        let dtype = pieces.dtype.unwrap_or(DType::F32);
+        let local = concat(pieces.pieces, dtype, &device);
         let total: usize = pieces
             .order
             .iter()
@@ -250,7 +255,7 @@ impl LayerShards {
                 }
             }
         };
-        let whole = whole.unwrap_or_else(|| Tensor::zeros([total], &device));
+        let whole = whole.unwrap_or_else(|| zeros(total, dtype, &device));
         // Rank-major: rank r's pieces of every parameter, in visit order, then rank r + 1's.
         let mut parts: HashMap<ParamId, Vec<Tensor<X, 1>>> = HashMap::new();
         let mut offset = 0;
@@ -357,7 +362,8 @@ impl LayerShards {
             }
         }
         let local_len = sizes[self.rank];
-        let buffer = concat(parts, &device);
+        let dtype = sharded[0].1.dtype();
+        let buffer = concat(parts, dtype, &device);
         let mine = if self.failed() {
             None
         } else {
@@ -369,7 +375,7 @@ impl LayerShards {
                 }
             }
         };
-        let mine = mine.unwrap_or_else(|| Tensor::zeros([local_len], &device));
+        let mine = mine.unwrap_or_else(|| zeros(local_len, dtype, &device));
         let mut offset = 0;
         for (id, _) in &sharded {
             let len = self.elements(id, self.rank).map_or(0, |r| r.len());
@@ -434,13 +440,17 @@ impl LayerShards {
     }
 }
 
-/// The concatenation of `parts`, or an empty tensor when there are none.
-fn concat<X: Backend>(parts: Vec<Tensor<X, 1>>, device: &X::Device) -> Tensor<X, 1> {
+/// The concatenation of `parts`, or an empty tensor of `dtype` when there are none.
+fn concat<X: Backend>(parts: Vec<Tensor<X, 1>>, dtype: DType, device: &X::Device) -> Tensor<X, 1> {
     if parts.is_empty() {
-        Tensor::zeros([0], device)
+        zeros(0, dtype, device)
     } else {
         Tensor::cat(parts, 0)
     }
+}
+
+fn zeros<X: Backend>(n: usize, dtype: DType, device: &X::Device) -> Tensor<X, 1> {
+    crate::precision::to_dtype(Tensor::zeros([n], device), dtype)
 }
 
 #[cfg(test)]

@@ -11,11 +11,10 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
-use crate::distributed::sync::{
-    Entry, SetParams, all_reduce_entries, sum_by_param, whole_trainable_params,
-};
+use crate::distributed::sync::BUCKET_ELEMENTS;
+use crate::distributed::sync::{Entry, SetParams, all_reduce_entries, whole_trainable_params};
 use crate::distributed::{DistributedError, World};
-use crate::models::CausalLm;
+use crate::models::{CausalLm, TrainableParam};
 
 /// ZeRO-1: which rank updates, and keeps the optimizer state of, each trainable parameter.
 #[derive(Debug, Clone)]
@@ -85,9 +84,45 @@ pub fn gather_params<B: AutodiffBackend>(
         out: HashMap::new(),
     };
     model.visit(&mut values);
+    let mut owned = values.out;
+    let dtype = owned.values().next().map(|t| t.dtype());
     let device = model.device();
-    let values = sum_by_param(world, &params, values.out, &device, "updated parameters")?;
+    // Owners rise with model order (each rank's share is one contiguous run), so the rank-
+    // ordered all-gather of each rank's owned parameters in a bucket is the bucket in model
+    // order: every element travels once, not as the zero-padded sum it used to be.
+    let mut values = HashMap::new();
+    for bucket in buckets(&params) {
+        let mine: Vec<_> = bucket.iter().filter_map(|p| owned.remove(&p.id)).collect();
+        let local = match (mine.is_empty(), dtype) {
+            (false, _) => Tensor::cat(mine, 0),
+            (true, Some(d)) => crate::precision::to_dtype(Tensor::zeros([0], &device), d),
+            (true, None) => Tensor::zeros([0], &device),
+        };
+        let whole = world.all_gather(local, "updated parameters")?;
+        let mut offset = 0;
+        for p in bucket {
+            values.insert(p.id, whole.clone().slice(offset..offset + p.numel));
+            offset += p.numel;
+        }
+    }
     Ok(model.map(&mut SetParams::<B> { values }))
+}
+
+/// Consecutive runs of `params` of at most [`BUCKET_ELEMENTS`] elements (or one parameter).
+fn buckets(params: &[TrainableParam]) -> Vec<&[TrainableParam]> {
+    let mut out = Vec::new();
+    let (mut start, mut len) = (0, 0);
+    for (i, p) in params.iter().enumerate() {
+        if len + p.numel > BUCKET_ELEMENTS && i > start {
+            out.push(&params[start..i]);
+            (start, len) = (i, 0);
+        }
+        len += p.numel;
+    }
+    if start < params.len() {
+        out.push(&params[start..]);
+    }
+    out
 }
 
 /// The whole optimizer state (as [`Optimizer::state_dict`] names it) from every rank's shard,
