@@ -56,6 +56,10 @@ pub const VERSION_KEY: &str = "DCP_VERSION";
 pub const VERSION: &str = "1.0";
 /// The key of a piece's offsets inside `DCP_SHARDING_INFO` (`SAVED_OFFSETS_KEY`).
 pub const SAVED_OFFSETS_KEY: &str = "saved_offsets";
+/// tune's own `__metadata__` key (torch ignores it): JSON name -> full shape of every tensor of
+/// the file. Torch stores no full shape, so a lost shard file of the *last* rank would go
+/// unnoticed (the inferred shape just shrinks); for files tune wrote the reader compares.
+pub const FULL_SHAPES_KEY: &str = "TUNE_FULL_SHAPES";
 
 /// `shard-{rank + 1:05}-model-{file:05}-of-{files:05}.safetensors`: `rank` from 0 as tune counts
 /// ranks, `file` from 1 as torch counts files.
@@ -195,6 +199,7 @@ pub fn write_shard(
         )));
     }
     let mut info = serde_json::Map::new();
+    let mut full_shapes = serde_json::Map::new();
     let mut views = Vec::with_capacity(pieces.len());
     for p in pieces {
         if p.shape.len() != p.full_shape.len() || p.offsets.len() != p.full_shape.len() {
@@ -225,6 +230,7 @@ pub fn write_shard(
             p.name.clone(),
             serde_json::json!({ SAVED_OFFSETS_KEY: p.offsets }),
         );
+        full_shapes.insert(p.name.clone(), serde_json::json!(p.full_shape));
         let view = TensorView::new(p.dtype, p.shape.clone(), &p.bytes)
             .map_err(|e| invalid(format!("{}: {e}", p.name)))?;
         views.push((p.name.clone(), view));
@@ -235,6 +241,10 @@ pub fn write_shard(
             serde_json::Value::Object(info).to_string(),
         ),
         (VERSION_KEY.to_string(), VERSION.to_string()),
+        (
+            FULL_SHAPES_KEY.to_string(),
+            serde_json::Value::Object(full_shapes).to_string(),
+        ),
         ("format".to_string(), "pt".to_string()),
     ]
     .into();
@@ -282,6 +292,8 @@ struct TensorEntry {
     /// The consolidated file it goes to, from 1.
     file_index: usize,
     pieces: Vec<PieceRef>,
+    /// The full shape tune's writer recorded ([`FULL_SHAPES_KEY`]), if any file had one.
+    recorded: Option<Vec<usize>>,
 }
 
 /// One shard file and what its name says.
@@ -361,6 +373,11 @@ impl DcpCheckpoint {
             }
             let file = SafetensorsFile::open(&path)?;
             let info = sharding_info(&file)?;
+            let recorded_shapes: HashMap<String, Vec<usize>> = file
+                .user_metadata()
+                .and_then(|m| m.get(FULL_SHAPES_KEY))
+                .and_then(|text| serde_json::from_str(text).ok())
+                .unwrap_or_default();
             for tensor in file.names() {
                 let offsets = info.get(&tensor).cloned().ok_or_else(|| {
                     invalid(format!(
@@ -407,6 +424,7 @@ impl DcpCheckpoint {
                                 shape: end,
                                 file_index: k,
                                 pieces: vec![piece],
+                                recorded: recorded_shapes.get(&tensor).cloned(),
                             },
                         );
                     }
@@ -429,6 +447,15 @@ impl DcpCheckpoint {
                                 "a piece is in output file {k}, another in file {}",
                                 entry.file_index
                             )));
+                        }
+                        if let Some(rec) = recorded_shapes.get(&tensor) {
+                            if entry.recorded.as_ref().is_some_and(|r| r != rec) {
+                                return Err(piece_err(format!(
+                                    "{FULL_SHAPES_KEY} says {rec:?} here and {:?} elsewhere",
+                                    entry.recorded
+                                )));
+                            }
+                            entry.recorded = Some(rec.clone());
                         }
                         for (full, e) in entry.shape.iter_mut().zip(end) {
                             *full = (*full).max(e);
@@ -466,6 +493,12 @@ impl DcpCheckpoint {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default()
         };
+        if let Some(recorded) = entry.recorded.as_ref().filter(|r| **r != entry.shape) {
+            return Err(err(format!(
+                "the pieces reach only {:?} of the full shape {recorded:?} the save recorded ({FULL_SHAPES_KEY}): the shard files of the last rank(s) are missing",
+                entry.shape
+            )));
+        }
         let full = volume(&entry.shape)
             .ok_or_else(|| err(format!("full shape {:?} overflows", entry.shape)))?;
         let mut sum = 0usize;

@@ -348,6 +348,20 @@ fn dcp_missing_rank_file_is_named() {
 }
 
 #[test]
+fn dcp_missing_last_rank_is_caught_by_the_recorded_full_shape() {
+    let t = temp_dir("dcp-missing-last");
+    write_pieces(t.path(), 3, &[(0, 0..2), (1, 2..4), (2, 4..6)]);
+    std::fs::remove_file(t.path().join(shard_file_name(2, 1, 1))).expect("rm");
+    let err = open_err(t.path());
+    let msg = err.to_string();
+    assert!(matches!(err, CheckpointError::DcpPieces { .. }), "{msg}");
+    assert!(
+        msg.contains("a.weight") && msg.contains("[6, 2]") && msg.contains("last rank"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn dcp_truncated_shard_file_is_named() {
     let t = torch_shards_copy("dcp-truncated");
     let path = t
