@@ -24,7 +24,9 @@
 //! # Invariants [`DcpCheckpoint::open`] checks
 //!
 //! - The ranks in the file names are 1..=R with none missing. A missing *last* rank cannot be
-//!   told from the names: that is what the coverage check below is for, as far as it can be.
+//!   told from the names, nor from torch's metadata (the inferred full shape just shrinks); tune's
+//!   writer also records each tensor's full shape ([`FULL_SHAPES_KEY`], which torch ignores), and
+//!   where it is recorded the inferred shape must equal it.
 //! - Every tensor's pieces have one dtype, one number of dims, one output file `k` (of one
 //!   `n`), and tile the full shape exactly: the pieces' volumes add up to the full volume and no
 //!   two pieces overlap (so there is no gap either). Torch checks none of this and would
