@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::anyhow;
 use clap::Parser;
 
-use tune::cli::{Cli, CliError, Command, commands};
+use tune::cli::{CheckpointsAction, Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
 use tune::distributed::launch::{LaunchError, LaunchPlan, run_workers};
@@ -74,9 +74,19 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             recipe,
         } => commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out),
         Command::Checkpoints {
+            action: Some(CheckpointsAction::Consolidate { dir }),
+            ..
+        } => commands::consolidate(&dir, &mut out),
+        Command::Checkpoints {
+            action: None,
             output_dir,
             no_verify,
-        } => commands::checkpoints(&output_dir, !no_verify, &mut out),
+        } => match output_dir {
+            Some(dir) => commands::checkpoints(&dir, !no_verify, &mut out),
+            None => Err(CliError::bad(anyhow!(
+                "tune checkpoints needs an OUTPUT_DIR (or the consolidate subcommand)"
+            ))),
+        },
         Command::Rendezvous { port } => {
             tune::distributed::launch::serve_rendezvous(port);
             Ok(())

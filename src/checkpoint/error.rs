@@ -72,6 +72,25 @@ pub enum CheckpointError {
     UnexpectedTensors { dir: PathBuf, names: String },
     #[error("{path}: {message}")]
     Invalid { path: PathBuf, message: String },
+    /// The pieces of a tensor in a PyTorch DCP sharded checkpoint leave a gap, overlap, or
+    /// disagree (dtype, rank of the shape, output file).
+    #[error(
+        "tensor {name} in {dir}: {message}; the shard files are not one complete save: copy every shard-*.safetensors file that save wrote, and only those"
+    )]
+    DcpPieces {
+        name: String,
+        dir: PathBuf,
+        message: String,
+    },
+    /// A DCP sharded checkpoint whose shard files skip a rank.
+    #[error(
+        "{dir}: no shard file of rank {missing} (files of ranks up to {highest} exist; ranks are numbered from 1): copy that rank's shard-{missing:05}-*.safetensors files from the save"
+    )]
+    DcpMissingRank {
+        dir: PathBuf,
+        missing: usize,
+        highest: usize,
+    },
 }
 
 impl CheckpointError {

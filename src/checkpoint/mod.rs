@@ -1,7 +1,8 @@
-//! Hugging Face compatible checkpoint files: safetensors (memory-mapped, sharded or not), host
-//! tensors and weight lookup by name. Knows no model: building models from these files, and
+//! Hugging Face compatible checkpoint files: safetensors (memory-mapped, sharded or not), PyTorch
+//! DCP per-rank shard files and their consolidation, host tensors and weight lookup by name. Knows no model: building models from these files, and
 //! writing them back, is `model_io`'s.
 
+pub mod dcp;
 pub mod error;
 pub mod host;
 pub mod safetensors_io;

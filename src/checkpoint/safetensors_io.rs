@@ -156,6 +156,11 @@ impl SafetensorsFile {
     pub fn dtype(&self, name: &str) -> Option<Dtype> {
         self.meta.info(name).map(|i| i.dtype)
     }
+
+    /// The header's `__metadata__` string map (`{"format": "pt"}`, DCP's sharding info), if any.
+    pub fn user_metadata(&self) -> Option<&HashMap<String, String>> {
+        self.meta.metadata().as_ref()
+    }
 }
 
 /// The largest header safetensors reads (its `MAX_HEADER_SIZE`); larger ones it refuses itself.

@@ -1,10 +1,12 @@
 //! `Weights`: all tensors of a Hugging Face checkpoint directory (one file, or shards listed by
-//! `model.safetensors.index.json`), memory-mapped and decoded one tensor at a time as the model
+//! `model.safetensors.index.json`, or, when neither is there, PyTorch DCP per-rank shard files in
+//! `sharded/` or in the directory itself), memory-mapped and decoded one tensor at a time as the model
 //! takes them by name, with shape checks: a load never holds the whole checkpoint in f32.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use super::dcp::{DcpCheckpoint, SHARDED_DIR, is_dcp_dir};
 use super::error::CheckpointError;
 use super::host::HostTensor;
 use super::safetensors_io::{INDEX_FILE, SINGLE_FILE, SafetensorsFile, StorageDtype};
@@ -12,7 +14,9 @@ use super::safetensors_io::{INDEX_FILE, SINGLE_FILE, SafetensorsFile, StorageDty
 pub struct Weights {
     pub dir: PathBuf,
     files: Vec<SafetensorsFile>,
-    /// Tensor name -> index into `files`, for the tensors not yet taken.
+    /// The DCP shard files, when the directory holds those instead (then `files` is empty).
+    dcp: Option<DcpCheckpoint>,
+    /// Tensor name -> index into `files` (0 for DCP), for the tensors not yet taken.
     tensors: HashMap<String, usize>,
     taken: BTreeSet<String>,
     /// The dtype most tensors were stored in, so saves can keep it.
@@ -100,8 +104,30 @@ pub fn checkpoint_files(
     })
 }
 
+/// The directory of DCP shard files to load `dir` from: `dir/sharded/` or `dir` itself, when
+/// `dir` has neither `model.safetensors.index.json` nor `model.safetensors` (a consolidated
+/// checkpoint wins over the shards it was made from).
+pub fn dcp_source(dir: &Path) -> Option<PathBuf> {
+    if dir.join(INDEX_FILE).is_file() || dir.join(SINGLE_FILE).is_file() {
+        return None;
+    }
+    let sharded = dir.join(SHARDED_DIR);
+    if is_dcp_dir(&sharded) {
+        Some(sharded)
+    } else if is_dcp_dir(dir) {
+        Some(dir.to_path_buf())
+    } else {
+        None
+    }
+}
+
 impl Weights {
     pub fn open(dir: &Path, explicit_files: Option<&[String]>) -> Result<Self, CheckpointError> {
+        if explicit_files.is_none_or(<[String]>::is_empty)
+            && let Some(sharded) = dcp_source(dir)
+        {
+            return Self::open_dcp(dir, &sharded);
+        }
         let paths = checkpoint_files(dir, explicit_files)?;
         let mut files = Vec::with_capacity(paths.len());
         let mut tensors = HashMap::new();
@@ -123,6 +149,34 @@ impl Weights {
         Ok(Self {
             dir: dir.to_path_buf(),
             files,
+            dcp: None,
+            tensors,
+            taken: BTreeSet::new(),
+            storage_dtype,
+        })
+    }
+
+    fn open_dcp(dir: &Path, sharded: &Path) -> Result<Self, CheckpointError> {
+        let dcp = DcpCheckpoint::open(sharded)?;
+        let mut dtype_counts: HashMap<StorageDtype, usize> = HashMap::new();
+        let mut tensors = HashMap::new();
+        for name in dcp.names() {
+            let dtype = dcp
+                .dtype(name)
+                .map(StorageDtype::from_safetensors)
+                .unwrap_or(StorageDtype::F32);
+            *dtype_counts.entry(dtype).or_default() += 1;
+            tensors.insert(name.clone(), 0);
+        }
+        let storage_dtype = dtype_counts
+            .into_iter()
+            .max_by_key(|(d, n)| (*n, *d == StorageDtype::F32))
+            .map(|(d, _)| d)
+            .unwrap_or(StorageDtype::F32);
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files: vec![],
+            dcp: Some(dcp),
             tensors,
             taken: BTreeSet::new(),
             storage_dtype,
@@ -139,6 +193,10 @@ impl Weights {
 
     /// The dtype tensor `name` is stored in (before it is taken).
     pub fn dtype(&self, name: &str) -> Option<StorageDtype> {
+        if let Some(dcp) = &self.dcp {
+            self.tensors.get(name)?;
+            return dcp.dtype(name).map(StorageDtype::from_safetensors);
+        }
         let file = &self.files[*self.tensors.get(name)?];
         Some(stored_dtype(file, name))
     }
@@ -154,6 +212,22 @@ impl Weights {
                     dir: self.dir.clone(),
                     expected: expected.to_vec(),
                 })?;
+        if let Some(dcp) = &self.dcp {
+            let found = dcp.shape(name).unwrap_or_default().to_vec();
+            if found != expected {
+                return Err(CheckpointError::ShapeMismatch {
+                    name: name.to_string(),
+                    file: dcp.dir.clone(),
+                    expected: expected.to_vec(),
+                    found,
+                });
+            }
+            let tensor = dcp.read(name)?;
+            dcp.release(name);
+            self.tensors.remove(name);
+            self.taken.insert(name.to_string());
+            return Ok(tensor);
+        }
         let file = &self.files[index];
         let found = file.shape(name).unwrap_or_default();
         if found != expected {

@@ -222,15 +222,36 @@ pub enum Command {
         #[arg(long)]
         port: u16,
     },
-    /// List the checkpoints in an output directory and verify their checksums.
+    /// List the checkpoints in an output directory and verify their checksums, or (`consolidate`)
+    /// turn PyTorch DCP per-rank shard files into an ordinary Hugging Face checkpoint.
     #[command(
-        after_help = "Example:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device"
+        after_help = "Examples:\n  tune checkpoints /tmp/tune/tiny/lora_finetune_single_device\n  tune checkpoints consolidate /tmp/tune/tiny/epoch_0",
+        subcommand_negates_reqs = true,
+        args_conflicts_with_subcommands = true
     )]
     Checkpoints {
-        output_dir: PathBuf,
+        #[command(subcommand)]
+        action: Option<CheckpointsAction>,
+        /// The run's output directory (its checkpoints are listed).
+        #[arg(required = true)]
+        output_dir: Option<PathBuf>,
         /// Skip checksum verification (only check that files are present).
         #[arg(long)]
         no_verify: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CheckpointsAction {
+    /// Consolidate DIR/sharded/ (torch.distributed.checkpoint's per-rank
+    /// shard-0000r-model-0000k-of-0000N.safetensors files) into DIR: model-0000k-of-0000N.safetensors
+    /// and model.safetensors.index.json, as torch's consolidate_safetensors_files writes them.
+    /// Staged under hidden names and renamed into place at the end; refuses a DIR that already
+    /// holds a consolidated checkpoint.
+    #[command(after_help = "Example:\n  tune checkpoints consolidate /tmp/tune/tiny/epoch_0")]
+    Consolidate {
+        /// A checkpoint directory holding sharded/.
+        dir: PathBuf,
     },
 }
 

@@ -234,6 +234,22 @@ pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Resu
     }
 }
 
+/// `tune checkpoints consolidate DIR`: DIR/sharded/'s DCP shard files into DIR, all or nothing
+/// (see `checkpoint::dcp::consolidate_dir`).
+pub fn consolidate(dir: &Path, out: &mut dyn Write) -> Result<(), CliError> {
+    if !dir.is_dir() {
+        return Err(CliError::bad(anyhow!(
+            "{} is not a directory",
+            dir.display()
+        )));
+    }
+    let written = crate::checkpoint::dcp::consolidate_dir(dir).map_err(CliError::failed)?;
+    for name in &written {
+        writeln!(out, "{}", dir.join(name).display()).map_err(CliError::failed)?;
+    }
+    Ok(())
+}
+
 pub fn download(
     repo_id: String,
     output_dir: Option<std::path::PathBuf>,

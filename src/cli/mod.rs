@@ -6,5 +6,5 @@ pub mod commands;
 pub mod exit;
 pub mod quantize;
 
-pub use args::{Cli, Command};
+pub use args::{CheckpointsAction, Cli, Command};
 pub use exit::CliError;

@@ -11,6 +11,7 @@ mod config_keys;
 mod config_torchtune_fixture;
 mod config_validation;
 mod data;
+mod dcp;
 mod distributed;
 mod dora;
 mod dpo;
