@@ -12,8 +12,11 @@
 #     benches/distributed.sh            # prints markdown rows
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --quiet --bin tune --example random_checkpoint
-TUNE=target/release/tune
+# PROFILE=dev: the dev profile's build (dependencies at opt-level 3, tune at 1), for a quick run.
+PROFILE=${PROFILE:-release}
+cargo build --profile "$PROFILE" --quiet --bin tune --example random_checkpoint
+DIR=target/$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")
+TUNE=$DIR/tune
 OUT=${OUT:-/tmp/tune-dp-bench}
 rm -rf "$OUT" && mkdir -p "$OUT"
 
@@ -48,18 +51,21 @@ for mode in lora full; do
 done
 
 CKPT="$OUT/smollm2-135m-random"
-target/release/examples/random_checkpoint smollm2-135m "$CKPT" >/dev/null
+$DIR/examples/random_checkpoint smollm2-135m "$CKPT" >/dev/null
 # Global batch 4 on 1, 2 and 4 ranks; each rank is a process of its own (`--nnodes W`), so a
 # process's peak RSS (/usr/bin/time -v) is one rank's.
 common=(--config tiny/full "checkpointer.checkpoint_dir=$CKPT" max_steps_per_epoch=6 epochs=1)
 mb() { echo "$(metric "$1" "$2") / 1048576" | bc -l; }
+# rank 0's peak RSS at its last step, before the final save (`peak_memory_bytes`)
+last_mb() { python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(r[-1]['peak_memory_bytes']/1048576)" "$1"; }
 echo
-echo "| shape | mode | ranks | batch per rank | peak RSS per rank, max (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| shape | mode | ranks | batch per rank | peak RSS per rank, max (MB) | rank 0 peak RSS before the final save (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 dir="$OUT/135m-1"
 /usr/bin/time -v -o "$OUT/time-1-0.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
   output_dir="$dir" batch_size=4 2>/dev/null
-printf "| smollm2-135m | one device | 1 | 4 | %s | %.0f | %.0f | %s |\n" "$(peak_mb "$OUT/time-1-0.txt")" \
+printf "| smollm2-135m | one device | 1 | 4 | %s | %.0f | %.0f | %.0f | %s |\n" "$(peak_mb "$OUT/time-1-0.txt")" \
+  "$(last_mb "$dir/logs/metrics.jsonl")" \
   "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
   "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
   "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
@@ -78,8 +84,9 @@ for ranks in 2 4; do
     for rank in $(seq 0 $((ranks - 1))); do
       p=$(peak_mb "$OUT/time-$mode-$ranks-$rank.txt"); [ "$p" -gt "$peak" ] && peak=$p
     done
-    printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %s |\n" "$mode" "$ranks" \
-      $((4 / ranks)) "$peak" "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
+    printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %.0f | %s |\n" "$mode" "$ranks" \
+      $((4 / ranks)) "$peak" "$(last_mb "$dir/logs/metrics.jsonl")" \
+      "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
       "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
       "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
   done

@@ -279,6 +279,15 @@ impl<B: Backend> CausalLm<B> {
         whole
     }
 
+    /// Takes part in another rank's [`Self::unsharded`]: the same gathers, nothing kept.
+    pub fn join_unsharding(&self) {
+        if let Some(shards) = &self.shards {
+            for layer in &self.model.layers {
+                drop(shards.gather(layer));
+            }
+        }
+    }
+
     /// Token embeddings `[batch, seq, hidden]` (scaled for Gemma).
     pub fn embed(&self, input: TokenBatch<'_>) -> Tensor<B, 3> {
         let device = self.device();

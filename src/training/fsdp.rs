@@ -112,7 +112,8 @@ pub fn is_sharded<B: Backend>(model: &CausalLm<B>, id: &ParamId) -> bool {
 }
 
 /// The whole optimizer moments of every sharded parameter (every rank takes part), named as
-/// [`Optimizer::state_dict`] names them; every rank gets them.
+/// [`Optimizer::state_dict`] names them; rank 0 gets them, the other ranks nothing (each
+/// moment is dropped as soon as it is gathered).
 pub fn optimizer_state<B: AutodiffBackend>(
     world: &World,
     model: &CausalLm<B>,
@@ -121,20 +122,27 @@ pub fn optimizer_state<B: AutodiffBackend>(
     let Some(shards) = &model.shards else {
         return Ok(Vec::new());
     };
+    let (device, dtype) = (model.device(), model.model.norm.weight.val().dtype());
     let mut out = Vec::new();
     for p in model.trainable_params() {
         if !shards.is_sharded(&p.id) {
             continue;
         }
         for (moment, value) in optimizer.moments(&p.name) {
-            // Before the first step a rank has no moments yet: every rank has none then.
-            let Some(value) = value else { continue };
-            // Flat, as the optimizer keeps every moment.
+            // A rank without the moment (before the first step, or with no rows of this
+            // parameter) sends nothing, so every rank makes the same calls; flat, as the
+            // optimizer keeps every moment.
+            let value = value.unwrap_or_else(|| {
+                let empty = Tensor::<B::InnerBackend, 1>::zeros([0], &device);
+                crate::precision::to_dtype(empty, dtype)
+            });
             let whole = world.all_gather(value, "optimizer state")?;
-            out.push((
-                format!("{moment}.{}", p.name),
-                HostTensor::from_tensor(&whole),
-            ));
+            if whole.shape().num_elements() > 0 && world.is_main() {
+                out.push((
+                    format!("{moment}.{}", p.name),
+                    HostTensor::from_tensor(&whole),
+                ));
+            }
         }
     }
     Ok(out)

@@ -446,8 +446,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         progress: Option<&EpochProgress>,
     ) -> Result<(), TrainError> {
         let optimizer = self.snapshot()?;
-        // FSDP: every rank gathers the layers; the save hook sees the whole model.
-        let mut whole = self.model.shards.is_some().then(|| self.model.unsharded());
+        // FSDP: every rank takes part in gathering the layers; rank 0's save hook, the one
+        // that writes the model, gets them whole, and the other ranks keep nothing.
+        let mut whole = match &self.model.shards {
+            Some(_) if self.world.is_main() => Some(self.model.unsharded()),
+            Some(_) => {
+                self.model.join_unsharding();
+                None
+            }
+            None => None,
+        };
         fsdp::check(&self.model)?;
         let model = whole.as_mut().unwrap_or(&mut self.model);
         let mut save = || saver.save(kind, model, &optimizer, &self.state);
@@ -488,10 +496,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                     .unwrap_or(key);
                 !sharded.contains(name)
             });
-            let whole = fsdp::optimizer_state(&self.world, &self.model, &self.optimizer)?;
-            if self.world.is_main() {
-                state.extend(whole);
-            }
+            state.extend(fsdp::optimizer_state(
+                &self.world,
+                &self.model,
+                &self.optimizer,
+            )?);
         }
         Ok(OptimizerSnapshot {
             step: self.optimizer.step,
@@ -646,16 +655,15 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.save(kind, saver, None)?;
         }
         self.loggers.flush()?;
-        // FSDP: the recipe gets the whole model (every rank gathers it).
-        let model = self.model.unsharded();
-        fsdp::check(&self.model)?;
+        // With FSDP the model stays this rank's shards: `unsharded()` gathers it (every rank
+        // taking part) for a caller that needs the whole weights.
         Ok((
             TrainSummary {
                 state: self.state,
                 losses,
                 last_metrics,
             },
-            model,
+            self.model,
         ))
     }
 }
