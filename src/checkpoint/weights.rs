@@ -212,34 +212,35 @@ impl Weights {
                     dir: self.dir.clone(),
                     expected: expected.to_vec(),
                 })?;
-        if let Some(dcp) = &self.dcp {
-            let found = dcp.shape(name).unwrap_or_default().to_vec();
-            if found != expected {
-                return Err(CheckpointError::ShapeMismatch {
-                    name: name.to_string(),
-                    file: dcp.dir.clone(),
-                    expected: expected.to_vec(),
-                    found,
-                });
-            }
-            let tensor = dcp.read(name)?;
-            dcp.release(name);
-            self.tensors.remove(name);
-            self.taken.insert(name.to_string());
-            return Ok(tensor);
-        }
-        let file = &self.files[index];
-        let found = file.shape(name).unwrap_or_default();
+        // Where the tensor is: a sharded (DCP) checkpoint's pieces, or one safetensors file.
+        let (path, found) = match &self.dcp {
+            Some(dcp) => (&dcp.dir, dcp.shape(name).unwrap_or_default().to_vec()),
+            None => (
+                &self.files[index].path,
+                self.files[index].shape(name).unwrap_or_default(),
+            ),
+        };
         if found != expected {
             return Err(CheckpointError::ShapeMismatch {
                 name: name.to_string(),
-                file: file.path.clone(),
+                file: path.clone(),
                 expected: expected.to_vec(),
                 found,
             });
         }
-        let tensor = file.read(name)?;
-        file.release(name);
+        let tensor = match &self.dcp {
+            Some(dcp) => {
+                let tensor = dcp.read(name)?;
+                dcp.release(name);
+                tensor
+            }
+            None => {
+                let file = &self.files[index];
+                let tensor = file.read(name)?;
+                file.release(name);
+                tensor
+            }
+        };
         self.tensors.remove(name);
         self.taken.insert(name.to_string());
         Ok(tensor)

@@ -105,8 +105,10 @@ pub fn forward_backward<B: AutodiffBackend>(
 }
 
 /// `work`, with `prefetch` (FSDP's gather of the next layer) on a thread beside it. Why: a
-/// gather is memory traffic and, between nodes, network waits; on CPU workers it measurably
-/// hides behind the layer's compute (see BENCHMARKS.md, "FSDP").
+/// gather is memory traffic and, between nodes, network waits that need not hold up the layer's
+/// compute. Measured on the 2-core machine (SmolLM2-135M, 2 processes): 32-34 tokens/s with
+/// and without it over two runs each, i.e. no difference where both ranks already keep both
+/// cores busy (BENCHMARKS.md, "FSDP"); it is for machines with a core or a link to spare.
 fn overlap<T, P: Send>(
     prefetch: Option<impl FnOnce() -> P + Send>,
     work: impl FnOnce() -> T,

@@ -64,10 +64,14 @@ fn autodiff_collectives<B: AutodiffBackend>(world: &World) -> Collectives<B> {
 }
 
 /// `model` with this rank's rows of every decoder-layer weight (adapters stay whole).
-pub fn shard_model<B: AutodiffBackend>(mut model: CausalLm<B>, world: &World) -> CausalLm<B> {
-    let mut shards = LayerShards::new(world.rank, world.size)
+pub fn shard_model<B: AutodiffBackend>(model: CausalLm<B>, world: &World) -> CausalLm<B> {
+    let shards = LayerShards::new(world.rank, world.size)
         .with_collectives(autodiff_collectives::<B>(world))
         .with_collectives(collectives::<B::InnerBackend>(world));
+    shard_layers(model, shards)
+}
+
+fn shard_layers<X: Backend>(mut model: CausalLm<X>, mut shards: LayerShards) -> CausalLm<X> {
     model.model.layers = std::mem::take(&mut model.model.layers)
         .into_iter()
         .map(|layer| shards.shard(layer))
@@ -95,15 +99,9 @@ pub fn check<B: Backend>(model: &CausalLm<B>) -> Result<(), DistributedError> {
 
 /// A frozen model (DPO's reference, a distillation teacher) on the backend the world joined,
 /// with this rank's rows of every decoder-layer weight.
-pub fn shard_frozen<X: Backend>(mut model: CausalLm<X>, world: &World) -> CausalLm<X> {
-    let mut shards =
-        LayerShards::new(world.rank, world.size).with_collectives(collectives::<X>(world));
-    model.model.layers = std::mem::take(&mut model.model.layers)
-        .into_iter()
-        .map(|layer| shards.shard(layer))
-        .collect();
-    model.shards = Some(Arc::new(shards));
-    model
+pub fn shard_frozen<X: Backend>(model: CausalLm<X>, world: &World) -> CausalLm<X> {
+    let shards = LayerShards::new(world.rank, world.size).with_collectives(collectives::<X>(world));
+    shard_layers(model, shards)
 }
 
 /// Whether parameter `id` is one of `model`'s FSDP shards.

@@ -220,13 +220,12 @@ fn two_lora_workers_match_one_device_with_twice_the_batch() {
     assert!(meta.contains("lora_finetune_distributed"), "{meta}");
 }
 
-/// Full fine-tuning with gradient accumulation and clipping, ZeRO-1 (`data_parallel_shard_dim:
-/// 1`): the accumulated, all-reduced gradient is normalised by the global token count and
-/// clipped on its global norm.
-#[test]
-fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
-    let one = temp_dir("dp-full-1");
-    let two = temp_dir("dp-full-2");
+/// Full fine-tuning for 10 steps with gradient accumulation and clipping on one device (batch
+/// 4) and on two workers (batch 2, with `mode`): the same clipped gradient norms (clipping is
+/// active), losses and weights. Returns the two output directories.
+fn full_runs_with_accumulation_and_clipping(name: &str, mode: &str) -> (TempDir, TempDir) {
+    let one = temp_dir(&format!("{name}-1"));
+    let two = temp_dir(&format!("{name}-2"));
     let common = [
         STEPS,
         "gradient_accumulation_steps=2",
@@ -241,13 +240,17 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
         4,
         &common,
     );
-    // ZeRO-1: whole weights on every rank, the optimizer state split.
-    let mut zero1 = common.to_vec();
-    zero1.push("data_parallel_shard_dim=1");
-    train(2, "full_finetune_distributed", "tiny/full", &two, 2, &zero1);
-
+    let mut distributed = common.to_vec();
+    distributed.push(mode);
+    train(
+        2,
+        "full_finetune_distributed",
+        "tiny/full",
+        &two,
+        2,
+        &distributed,
+    );
     let want = column_by_step(one.path(), "grad_norm");
-    // Clipping is active: the norms exceed the limit.
     assert!(want.iter().all(|(_, n)| *n > 0.5), "{want:?}");
     assert_same_curve(
         "grad_norm",
@@ -256,6 +259,17 @@ fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
         1e-4,
     );
     assert_same_run(two.path(), one.path(), "model.safetensors");
+    (one, two)
+}
+
+/// Full fine-tuning with gradient accumulation and clipping, ZeRO-1 (`data_parallel_shard_dim:
+/// 1`): the accumulated, all-reduced gradient is normalised by the global token count and
+/// clipped on its global norm.
+#[test]
+fn two_full_workers_with_accumulation_and_clipping_match_one_device() {
+    // ZeRO-1: whole weights on every rank, the optimizer state split.
+    let (one, two) =
+        full_runs_with_accumulation_and_clipping("dp-full", "data_parallel_shard_dim=1");
     // ZeRO-1: rank 0 holds about half of AdamW's moments; the checkpoint holds all of them,
     // the same as one device's.
     let state = |dir: &TempDir| column_by_step(dir.path(), "optimizer_state_bytes")[9].1;
@@ -365,39 +379,8 @@ fn bytes_named(file: &Path, prefix: &str) -> f64 {
 /// (losses, clipped gradient norms, weights and the optimizer state rank 0 gathers).
 #[test]
 fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
-    let one = temp_dir("fsdp-full-1");
-    let two = temp_dir("fsdp-full-2");
-    let common = [
-        STEPS,
-        "gradient_accumulation_steps=2",
-        "clip_grad_norm=0.5",
-        "optimizer.lr=1e-4",
-    ];
-    train(
-        1,
-        "full_finetune_single_device",
-        "tiny/full",
-        &one,
-        4,
-        &common,
-    );
-    train(
-        2,
-        "full_finetune_distributed",
-        "tiny/full",
-        &two,
-        2,
-        &common,
-    );
-    let want = column_by_step(one.path(), "grad_norm");
-    assert!(want.iter().all(|(_, n)| *n > 0.5), "{want:?}");
-    assert_same_curve(
-        "grad_norm",
-        &column_by_step(two.path(), "grad_norm"),
-        &want,
-        1e-4,
-    );
-    assert_same_run(two.path(), one.path(), "model.safetensors");
+    let (one, two) =
+        full_runs_with_accumulation_and_clipping("fsdp-full", "data_parallel_shard_dim=-1");
     let epoch = |dir: &TempDir| dir.path().join("epoch_0");
     assert_same_weights(
         &epoch(&two).join("optimizer.safetensors"),
