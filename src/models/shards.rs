@@ -60,6 +60,10 @@ pub struct LayerShards {
     /// `Collectives<X>` by `TypeId::of::<X>()`.
     collectives: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
     failure: Mutex<Option<CollectiveFailure>>,
+    /// `fsdp_reshard_after_forward`: drop a layer's gathered weights after its forward and
+    /// gather them again for its backward (true), or keep them from the forward (false: one
+    /// gather per layer per step, the whole layers held until the backward).
+    pub reshard_after_forward: bool,
     /// Gradients handed over by layer backward passes since the last
     /// [`take_grads`](Self::take_grads): flat `Tensor<inner backend, 1>` by parameter id.
     grads: Mutex<HashMap<ParamId, Box<dyn Any + Send>>>,
@@ -88,6 +92,7 @@ impl LayerShards {
             full_shapes: HashMap::new(),
             collectives: HashMap::new(),
             failure: Mutex::new(None),
+            reshard_after_forward: true,
             grads: Mutex::new(HashMap::new()),
         }
     }

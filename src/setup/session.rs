@@ -106,7 +106,11 @@ pub fn session<B: AutodiffBackend>(
     let world = run.world.clone();
     let fsdp = run.fsdp;
     if fsdp {
-        trainer.model = crate::training::fsdp::shard_model(trainer.model, &world);
+        trainer.model = crate::training::fsdp::shard_model(
+            trainer.model,
+            &world,
+            cfg.fsdp_reshard_after_forward.unwrap_or(true),
+        );
     }
     // ZeRO-1 ranks write their own optimizer shards when they all see the output directory
     // (threads of one process always do; nodes do on a shared file system); otherwise rank 0

@@ -13,6 +13,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
+use crate::models::decoder::DecoderLayer;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
@@ -43,17 +44,30 @@ pub fn forward_backward<B: AutodiffBackend>(
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
     let sharded = model.shards.is_some();
+    // FSDP keeping the gathered layers for the backward (`fsdp_reshard_after_forward: False`):
+    // gathered once, on the autodiff backend, and run here without autodiff.
+    let keep = model
+        .shards
+        .as_ref()
+        .is_some_and(|s| !s.reshard_after_forward);
+    let mut kept: Vec<DecoderLayer<B>> = Vec::new();
     // FSDP: a layer's whole weights exist only for its forward; the next layer's gather runs
     // beside this one's compute.
     let gather_inner = |i: usize| match &model.shards {
         Some(shards) => shards.gather(&layers[i].valid()),
         None => layers[i].valid(),
     };
-    let mut next = (!layers.is_empty()).then(|| gather_inner(0));
+    let mut next = (!layers.is_empty() && !keep).then(|| gather_inner(0));
     for i in 0..layers.len() {
-        let Some(layer) = next.take() else { break };
         layer_inputs.push(h.clone());
         B::seed(&device, layer_seed(step_seed, i));
+        if keep {
+            let whole = model.layer(i).into_owned();
+            h = whole.valid().forward(h, &inner_ctx, None);
+            kept.push(whole);
+            continue;
+        }
+        let Some(layer) = next.take() else { break };
         let prefetch = (sharded && i + 1 < layers.len()).then_some(|| gather_inner(i + 1));
         let (out, prefetched) = overlap(prefetch, || layer.forward(h, &inner_ctx, None));
         h = out;
@@ -75,7 +89,10 @@ pub fn forward_backward<B: AutodiffBackend>(
     // rank holds the whole model's gradients. The reduce-scatter waits for the prefetch:
     // every rank then makes its collective calls in the same order.
     let gather = |i: usize| model.layer(i).into_owned();
-    let mut next = (!layers.is_empty()).then(|| gather(layers.len() - 1));
+    let mut next = match kept.pop() {
+        Some(layer) => Some(layer),
+        None => (!layers.is_empty()).then(|| gather(layers.len() - 1)),
+    };
     for i in (0..layers.len()).rev() {
         let (Some(grad), Some(x), Some(layer)) = (upstream.take(), layer_inputs.pop(), next.take())
         else {
@@ -83,7 +100,7 @@ pub fn forward_backward<B: AutodiffBackend>(
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
         B::seed(&device, layer_seed(step_seed, i));
-        let prefetch = (sharded && i > 0).then_some(|| gather(i - 1));
+        let prefetch = (sharded && !keep && i > 0).then_some(|| gather(i - 1));
         let (mut layer_grads, prefetched) = overlap(prefetch, || {
             let y = layer.forward(x.clone(), &ctx, None);
             (y * Tensor::from_inner(grad)).sum().backward()
@@ -93,7 +110,10 @@ pub fn forward_backward<B: AutodiffBackend>(
             shards.scatter_grads::<B, _>(&mut layer_grads, &layer);
         }
         grads.push(layer_grads);
-        next = prefetched.or_else(|| (i > 0).then(|| gather(i - 1)));
+        next = match kept.pop() {
+            Some(layer) => Some(layer),
+            None => prefetched.or_else(|| (i > 0).then(|| gather(i - 1))),
+        };
     }
 
     // The embeddings, when they train (full fine-tuning).

@@ -63,9 +63,16 @@ fn autodiff_collectives<B: AutodiffBackend>(world: &World) -> Collectives<B> {
     }
 }
 
-/// `model` with this rank's rows of every decoder-layer weight (adapters stay whole).
-pub fn shard_model<B: AutodiffBackend>(model: CausalLm<B>, world: &World) -> CausalLm<B> {
-    let shards = LayerShards::new(world.rank, world.size)
+/// `model` with this rank's rows of every decoder-layer weight (adapters stay whole);
+/// `reshard_after_forward` is torchtune's `fsdp_reshard_after_forward`.
+pub fn shard_model<B: AutodiffBackend>(
+    model: CausalLm<B>,
+    world: &World,
+    reshard_after_forward: bool,
+) -> CausalLm<B> {
+    let mut shards = LayerShards::new(world.rank, world.size);
+    shards.reshard_after_forward = reshard_after_forward;
+    let shards = shards
         .with_collectives(autodiff_collectives::<B>(world))
         .with_collectives(collectives::<B::InnerBackend>(world));
     shard_layers(model, shards)

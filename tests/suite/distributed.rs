@@ -381,6 +381,23 @@ fn bytes_named(file: &Path, prefix: &str) -> f64 {
 fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
     let (one, two) =
         full_runs_with_accumulation_and_clipping("fsdp-full", "data_parallel_shard_dim=-1");
+    // Keeping the gathered layers from the forward for the backward changes nothing computed.
+    let kept = temp_dir("fsdp-kept");
+    train(
+        2,
+        "full_finetune_distributed",
+        "tiny/full",
+        &kept,
+        2,
+        &[
+            STEPS,
+            "gradient_accumulation_steps=2",
+            "clip_grad_norm=0.5",
+            "optimizer.lr=1e-4",
+            "fsdp_reshard_after_forward=False",
+        ],
+    );
+    assert_same_run(kept.path(), one.path(), "model.safetensors");
     let epoch = |dir: &TempDir| dir.path().join("epoch_0");
     assert_same_weights(
         &epoch(&two).join("optimizer.safetensors"),

@@ -63,9 +63,6 @@ fn trains_in(dtype: &Dtype, path: &str, cx: &mut Checker) {
 
 /// What `custom_sharded_layers` changes: tune's FSDP shards decoder layers only.
 const WHOLE_EMBEDDINGS: &str = "tune's FSDP shards every decoder layer; the embeddings, final norm and output projection stay whole on every rank (their gradients summed, their optimizer state split as ZeRO-1 splits it), so this list changes nothing";
-/// What `fsdp_reshard_after_forward: False` changes: nothing a run computes.
-const ALWAYS_RESHARD: &str = "tune's FSDP always frees a layer's gathered weights after its forward and gathers them again for its backward (it recomputes each layer there), so False's trade of memory for one all-gather per layer is not made; losses and weights are the same";
-
 keys! {
     /// `push_to_hub`: upload the final checkpoint when the run finishes.
     pub struct PushToHub {
@@ -161,12 +158,10 @@ keys! {
     /// FSDP's layers sharded as units of their own besides the decoder layers: tune keeps them
     /// whole.
     custom_sharded_layers: Option<Vec<String>> = optional().warn(WHOLE_EMBEDDINGS),
-    /// FSDP's resharding after each layer's forward: always True here.
-    fsdp_reshard_after_forward: Option<bool> = optional().rule(|v, path, cx| {
-        if *v == Some(false) {
-            cx.warn(path, ALWAYS_RESHARD);
-        }
-    }),
+    /// FSDP: free each layer's gathered weights after its forward and gather them again for
+    /// its backward (True, the default), or keep them from the forward until the backward
+    /// (False: one all-gather per layer per step, the whole layers held meanwhile).
+    fsdp_reshard_after_forward: Option<bool> = optional(),
     /// FSDP's CPU offload: only False (parameters stay on the device).
     fsdp_cpu_offload: bool = off().refuse(
         "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
