@@ -141,11 +141,7 @@ impl Weights {
             }
             files.push(file);
         }
-        let storage_dtype = dtype_counts
-            .into_iter()
-            .max_by_key(|(d, n)| (*n, *d == StorageDtype::F32))
-            .map(|(d, _)| d)
-            .unwrap_or(StorageDtype::F32);
+        let storage_dtype = most_common(dtype_counts);
         Ok(Self {
             dir: dir.to_path_buf(),
             files,
@@ -168,11 +164,7 @@ impl Weights {
             *dtype_counts.entry(dtype).or_default() += 1;
             tensors.insert(name.clone(), 0);
         }
-        let storage_dtype = dtype_counts
-            .into_iter()
-            .max_by_key(|(d, n)| (*n, *d == StorageDtype::F32))
-            .map(|(d, _)| d)
-            .unwrap_or(StorageDtype::F32);
+        let storage_dtype = most_common(dtype_counts);
         Ok(Self {
             dir: dir.to_path_buf(),
             files: vec![],
@@ -269,5 +261,14 @@ impl Weights {
 fn stored_dtype(file: &SafetensorsFile, name: &str) -> StorageDtype {
     file.dtype(name)
         .map(StorageDtype::from_safetensors)
+        .unwrap_or(StorageDtype::F32)
+}
+
+/// The dtype most tensors are stored in (fp32 on a tie, or with no tensors).
+fn most_common(counts: HashMap<StorageDtype, usize>) -> StorageDtype {
+    counts
+        .into_iter()
+        .max_by_key(|(d, n)| (*n, *d == StorageDtype::F32))
+        .map(|(d, _)| d)
         .unwrap_or(StorageDtype::F32)
 }

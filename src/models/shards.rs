@@ -35,6 +35,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 
+use crate::checkpoint::dcp::row_range;
+
 /// A collective call's failure, as the distributed layer reports it.
 pub type CollectiveFailure = Box<dyn std::error::Error + Send + Sync>;
 
@@ -108,15 +110,10 @@ impl LayerShards {
         self.rank
     }
 
-    pub fn world(&self) -> usize {
-        self.world
-    }
-
-    /// The rows of a `rows`-row tensor that `rank` keeps: `ceil(rows / W)` each, in rank order.
+    /// The rows of a `rows`-row tensor that `rank` keeps: `ceil(rows / W)` each, in rank order,
+    /// as FSDP2 (and the sharded checkpoints, [`row_range`]) split them.
     pub fn rows(&self, rows: usize, rank: usize) -> Range<usize> {
-        let chunk = rows.div_ceil(self.world);
-        let start = (rank * chunk).min(rows);
-        start..(start + chunk).min(rows)
+        row_range(rows, rank, self.world)
     }
 
     /// The flat element range of the whole parameter `id` that `rank` keeps; `None` when the
@@ -130,11 +127,6 @@ impl LayerShards {
 
     pub fn is_sharded(&self, id: &ParamId) -> bool {
         self.full_shapes.contains_key(id)
-    }
-
-    /// The whole shape of sharded parameter `id`.
-    pub fn full_shape(&self, id: &ParamId) -> Option<&[usize]> {
-        self.full_shapes.get(id).map(Vec::as_slice)
     }
 
     /// Keeps this rank's rows of every parameter of `module` (a decoder layer), adapters

@@ -458,13 +458,15 @@ fn fsdp_dpo_and_distillation_on_two_workers_match_one_device() {
 /// by name before training.
 #[test]
 fn fsdp_refuses_nf4_bases_and_partial_shard_groups() {
-    for (config, extra, expect) in [
+    for (recipe, config, extra, expect) in [
         (
+            "lora_finetune_distributed",
             "tiny/lora",
             "model.quantize_base=True",
             "NF4 (QLoRA) base weights do not shard yet",
         ),
         (
+            "full_finetune_distributed",
             "tiny/full",
             "data_parallel_shard_dim=3",
             "data_parallel_shard_dim: 3 with 2 ranks",
@@ -472,11 +474,6 @@ fn fsdp_refuses_nf4_bases_and_partial_shard_groups() {
     ] {
         let dir = temp_dir("fsdp-refused");
         let out = output(&dir);
-        let recipe = if config == "tiny/lora" {
-            "lora_finetune_distributed"
-        } else {
-            "full_finetune_distributed"
-        };
         let res = tune_command(&[
             "run",
             "--nproc_per_node",
