@@ -337,6 +337,25 @@ pub fn write_mixed(
     })
 }
 
+/// The file (from 0) each tensor of a state dict goes to, given each one's size in bytes, as
+/// transformers' `save_pretrained` splits them: in order, a new file whenever the next tensor
+/// would take the current one over `max_shard_bytes` (a tensor larger than that gets a file of
+/// its own). Sharded saves use it too, so every rank puts a tensor in the same file.
+pub fn file_of_each(sizes: impl IntoIterator<Item = usize>, max_shard_bytes: usize) -> Vec<usize> {
+    let (mut file, mut current, mut in_file, mut out) = (0usize, 0usize, 0usize, Vec::new());
+    for size in sizes {
+        if current + size > max_shard_bytes && in_file > 0 {
+            file += 1;
+            current = 0;
+            in_file = 0;
+        }
+        current += size;
+        in_file += 1;
+        out.push(file);
+    }
+    out
+}
+
 /// Saves a state dict the way transformers' `save_pretrained` does: one `model.safetensors`
 /// when it fits in `max_shard_bytes`, otherwise `model-0000i-of-0000n.safetensors` shards plus
 /// `model.safetensors.index.json`. Returns the written file names.
@@ -346,18 +365,15 @@ pub fn save_sharded(
     dtype: StorageDtype,
     max_shard_bytes: usize,
 ) -> Result<Vec<String>, CheckpointError> {
-    let mut shards: Vec<Vec<&(String, HostTensor)>> = vec![vec![]];
-    let mut current = 0usize;
-    for entry in tensors {
-        let size = entry.1.numel() * dtype.bytes_per_element();
-        if current + size > max_shard_bytes && !shards.last().is_some_and(Vec::is_empty) {
-            shards.push(vec![]);
-            current = 0;
-        }
-        current += size;
-        if let Some(last) = shards.last_mut() {
-            last.push(entry);
-        }
+    let bytes = dtype.bytes_per_element();
+    let files = file_of_each(
+        tensors.iter().map(|(_, t)| t.numel() * bytes),
+        max_shard_bytes,
+    );
+    let mut shards: Vec<Vec<&(String, HostTensor)>> =
+        vec![vec![]; files.last().map_or(1, |last| last + 1)];
+    for (entry, file) in tensors.iter().zip(files) {
+        shards[file].push(entry);
     }
     if shards.len() == 1 {
         write_file(&dir.join(SINGLE_FILE), tensors, dtype)?;

@@ -73,11 +73,12 @@ pub struct PushReport {
 }
 
 /// Files of a tune checkpoint that only resuming the run needs (fnmatch patterns): the
-/// optimizer state (one file, or one shard per rank), the checkpoint manifest, and
-/// torchtune's recipe state.
+/// optimizer state (one file, one shard per rank, or every rank's share of an FSDP run's
+/// moments), the checkpoint manifest, and torchtune's recipe state.
 pub const TRAINING_STATE: &[&str] = &[
     "optimizer.safetensors",
     "optimizer-*-of-*.safetensors",
+    "optimizer_sharded/",
     "tune_checkpoint.json",
     "recipe_state.pt",
 ];

@@ -103,6 +103,20 @@ pub fn save_hf_dir(
 ) -> Result<Vec<String>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
     let mut files = save_sharded(dir, state, dtype, max_shard_bytes)?;
+    files.extend(save_hf_companions(dir, config_json, dtype, source_dir)?);
+    Ok(files)
+}
+
+/// What a Hugging Face model directory holds besides its weights: `config.json` with the
+/// storage dtype, and the tokenizer and generation files copied from `source_dir`. Returns the
+/// written file names.
+pub fn save_hf_companions(
+    dir: &Path,
+    config_json: &serde_json::Value,
+    dtype: StorageDtype,
+    source_dir: Option<&Path>,
+) -> Result<Vec<String>, CheckpointError> {
+    let mut files = Vec::new();
     let mut config = config_json.clone();
     if let Some(obj) = config.as_object_mut() {
         // Keep whichever dtype key the source used (transformers 5 writes `dtype`).

@@ -125,6 +125,11 @@ impl LayerShards {
         Some(rows.start * row_len..rows.end * row_len)
     }
 
+    /// The whole shape of sharded parameter `id` (its value holds this rank's rows of it).
+    pub fn full_shape(&self, id: &ParamId) -> Option<&[usize]> {
+        self.full_shapes.get(id).map(Vec::as_slice)
+    }
+
     pub fn is_sharded(&self, id: &ParamId) -> bool {
         self.full_shapes.contains_key(id)
     }

@@ -13,8 +13,9 @@ use crate::data::{DataLoader, Dataset};
 use crate::distributed::{Ending, Ends, World};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
-use crate::training::checkpointing::{RunCheckpointer, SaveContent};
+use crate::training::checkpointing::{RunCheckpointer, SaveContent, ShardedRun};
 use crate::training::optimizer_shards::ShardWriter;
+use crate::training::sharded_checkpoint::RankShareWriter;
 use crate::training::trainer::TrainSummary;
 use crate::training::validation::Validation;
 use crate::training::{LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState};
@@ -85,8 +86,8 @@ pub struct Session<B: AutodiffBackend> {
     pub trainer: Trainer<B>,
     /// Rank 0's checkpoint client; `None` on the other ranks.
     pub saver: Option<RunCheckpointer>,
-    /// The other ranks' writer of their optimizer shards, when each rank writes its own.
-    shard_writer: Option<ShardWriter>,
+    /// The other ranks' writer of their own files of each checkpoint, when they write any.
+    rank_writer: Option<RankWriter>,
     /// Where the metrics go, for the recipe's start-up line.
     pub log_dir: String,
 }
@@ -112,42 +113,75 @@ pub fn session<B: AutodiffBackend>(
             cfg.fsdp_reshard_after_forward.unwrap_or(true),
         );
     }
-    // ZeRO-1 ranks write their own optimizer shards when they all see the output directory
+    // Ranks write their own files of a checkpoint when they all see the output directory
     // (threads of one process always do; nodes do on a shared file system); otherwise rank 0
-    // gathers the whole state through the collective and writes it alone.
-    // With FSDP, rank 0 writes the whole state gathered from every rank's rows.
-    let per_rank_files = trainer.settings.shard_optimizer
-        && world.is_distributed()
-        && !fsdp
-        && dir_is_shared::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?;
+    // gathers what it writes through the collectives.
+    let shared_run = if world.is_distributed() && (fsdp || trainer.settings.shard_optimizer) {
+        shared_dir_run::<B::InnerBackend>(&world, &run.checkpoint_dir, device)?
+    } else {
+        None
+    };
+    // FSDP: every rank writes its rows of the model and its optimizer state
+    // (`sharded_checkpoint`). Not for LoRA (an adapter is saved whole, and its merged model
+    // needs whole base weights), nor for families whose checkpoints fuse projections that
+    // shard apart (Phi-3's `qkv_proj`: a rank's rows of q, k and v are not one block of it):
+    // their ranks gather for rank 0.
+    let sharded_saves =
+        fsdp && matches!(content, SaveContent::FullModel) && !trainer.model.args.fused_projections;
+    let sharded = shared_run.filter(|_| sharded_saves).map(|id| ShardedRun {
+        id,
+        world: world.size,
+    });
+    // ZeRO-1 ranks (and FSDP ranks that gather the model) write their own optimizer shards;
+    // with FSDP's rows, rank 0 writes the whole state gathered from every rank's rows.
+    let per_rank_files = trainer.settings.shard_optimizer && !fsdp && shared_run.is_some();
     trainer.save_optimizer_shards = per_rank_files;
+    trainer.sharded_saves = sharded.is_some();
+    let max_shard_bytes = crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES;
     let saver = if world.is_main() {
         let mut saver =
             settings::checkpointer(cfg, recipe, content, run.fingerprint, storage_dtype)?;
         saver.world_size = world.size;
         saver.optimizer_shards = per_rank_files.then_some(world.size);
+        saver.sharded = sharded;
         Some(saver)
     } else {
         None
     };
-    let shard_writer = (per_rank_files && !world.is_main())
-        .then(|| ShardWriter::new(run.checkpoint_dir.clone(), world.rank, world.size));
+    let rank_writer = match sharded {
+        _ if world.is_main() => None,
+        Some(run_id) => Some(RankWriter::Share(RankShareWriter::new(
+            run.checkpoint_dir.clone(),
+            run_id.id,
+            world.rank,
+            world.size,
+            storage_dtype,
+            max_shard_bytes,
+        ))),
+        None if per_rank_files => Some(RankWriter::Optimizer(ShardWriter::new(
+            run.checkpoint_dir.clone(),
+            world.rank,
+            world.size,
+        ))),
+        None => None,
+    };
     Ok(Session {
         trainer,
         saver,
-        shard_writer,
+        rank_writer,
         log_dir,
     })
 }
 
-/// Whether every rank sees the file rank 0 writes into `dir` (named after a random nonce that
-/// travels through the collective). The probe is named like a partial checkpoint, so the
-/// checkpoint client's clean-up removes one a crash leaves behind.
-fn dir_is_shared<B: burn::tensor::backend::Backend>(
+/// When every rank sees the file rank 0 writes into `dir` (named after a random nonce that
+/// travels through the collective), the nonce: every rank then names the run's staging
+/// directories with it. The probe is named like a partial checkpoint, so the checkpoint
+/// client's clean-up removes one a crash leaves behind.
+fn shared_dir_run<B: burn::tensor::backend::Backend>(
     world: &World,
     dir: &std::path::Path,
     device: &B::Device,
-) -> Result<bool, SetupError> {
+) -> Result<Option<u64>, SetupError> {
     use crate::distributed::sync::{all_reduce_scalars, from_rank_zero, hash64};
     let io = |source| SetupError::Io {
         what: "output_dir",
@@ -176,7 +210,31 @@ fn dir_is_shared<B: burn::tensor::backend::Backend>(
     if let Some(path) = probe {
         let _ = std::fs::remove_file(path);
     }
-    Ok(seen[0].round() as usize == world.size)
+    Ok((seen[0].round() as usize == world.size).then_some(nonce))
+}
+
+/// What a rank other than 0 writes of each checkpoint.
+enum RankWriter {
+    /// ZeRO-1: its optimizer shard.
+    Optimizer(ShardWriter),
+    /// FSDP: its rows of the model and its optimizer state.
+    Share(RankShareWriter),
+}
+
+impl RankWriter {
+    fn hook<B: AutodiffBackend>(&mut self) -> &mut dyn SaveHook<B> {
+        match self {
+            Self::Optimizer(w) => w,
+            Self::Share(w) => w,
+        }
+    }
+
+    fn finish(&mut self) -> Result<(), TrainError> {
+        match self {
+            Self::Optimizer(w) => w.finish(),
+            Self::Share(w) => w.finish(),
+        }
+    }
 }
 
 /// The save hook of ranks that do not write.
@@ -199,10 +257,16 @@ impl<B: AutodiffBackend> Session<B> {
         &self.trainer.world
     }
 
-    /// QAT: the final checkpoint also holds the int4 export.
+    /// QAT: the final checkpoint also holds the int4 export. Quantizing needs every weight
+    /// whole, so an FSDP run's ranks gather the model for rank 0 instead of writing shares.
     pub fn with_quantized_export(mut self, scheme: QuantScheme) -> Self {
         if let Some(saver) = &mut self.saver {
             saver.quantized_export = Some(scheme);
+            saver.sharded = None;
+        }
+        self.trainer.sharded_saves = false;
+        if matches!(self.rank_writer, Some(RankWriter::Share(_))) {
+            self.rank_writer = None;
         }
         self
     }
@@ -225,12 +289,12 @@ impl<B: AutodiffBackend> Session<B> {
         let Session {
             trainer,
             mut saver,
-            mut shard_writer,
+            mut rank_writer,
             ..
         } = self;
-        let hook: &mut dyn SaveHook<B> = match (saver.as_mut(), shard_writer.as_mut()) {
+        let hook: &mut dyn SaveHook<B> = match (saver.as_mut(), rank_writer.as_mut()) {
             (Some(s), _) => s,
-            (None, Some(w)) => w,
+            (None, Some(w)) => w.hook(),
             (None, None) => &mut NoSave,
         };
         let fitted = trainer.fit(
@@ -240,7 +304,7 @@ impl<B: AutodiffBackend> Session<B> {
             hook,
             data.validation.as_ref(),
         );
-        if let Some(writer) = shard_writer.as_mut() {
+        if let Some(writer) = rank_writer.as_mut() {
             writer.finish()?;
         }
         let Some(mut saver) = saver else {

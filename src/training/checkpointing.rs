@@ -21,13 +21,17 @@ use serde::{Deserialize, Serialize};
 use super::error::{CheckpointingError, Divergence, MAX_WEIGHT, TrainError};
 use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
 use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
+use super::sharded_checkpoint::{
+    RankShare, SHARE_TIMEOUT, collect_into, consolidates, read_optimizer_state,
+    staging_dir as sharded_staging_dir, write_share,
+};
 use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
     CheckpointClient, CheckpointMeta, ClientOptions, PublishedCheckpoint, SaveRequest, WriteError,
-    clean_partial, latest_complete, latest_verified,
+    WriterFn, clean_partial, latest_complete, latest_verified,
 };
-use crate::model_io::hf::save_hf_dir;
+use crate::model_io::hf::{save_hf_companions, save_hf_dir};
 use crate::model_io::peft::{AdapterConfig, adapter_state_dict, write_adapter};
 use crate::model_io::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::models::CausalLm;
@@ -144,6 +148,10 @@ struct ResumeInfo {
     /// Data-parallel workers of the run that wrote it (a resume may use another number).
     #[serde(default = "one")]
     world_size: usize,
+    /// Every rank wrote its share of the optimizer state into `optimizer_sharded/`
+    /// (an FSDP run's sharded checkpoint, see `sharded_checkpoint`).
+    #[serde(default)]
+    optimizer_sharded: bool,
 }
 
 fn one() -> usize {
@@ -169,7 +177,18 @@ pub struct RunCheckpointer {
     pub optimizer_shards: Option<usize>,
     /// Data-parallel workers of the run, recorded in every checkpoint.
     pub world_size: usize,
+    /// FSDP with an output directory every rank sees: every rank writes its share of each
+    /// checkpoint (`sharded_checkpoint`); this writer moves the others' in.
+    pub sharded: Option<ShardedRun>,
     output_dir: PathBuf,
+}
+
+/// A run whose ranks write their own shares of each checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardedRun {
+    /// The number every rank names the run's staging directories with.
+    pub id: u64,
+    pub world: usize,
 }
 
 impl RunCheckpointer {
@@ -199,6 +218,7 @@ impl RunCheckpointer {
             quantized_export: None,
             optimizer_shards: None,
             world_size: 1,
+            sharded: None,
             output_dir,
         })
     }
@@ -226,16 +246,17 @@ impl RunCheckpointer {
     }
 }
 
-impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
-    fn save(
-        &mut self,
+impl RunCheckpointer {
+    /// The writer of a checkpoint rank 0 saves alone: the adapter and/or the whole model, the
+    /// optimizer state (gathered, or each rank's file moved in), the int4 export.
+    fn whole_writer<B: AutodiffBackend>(
+        &self,
         kind: SaveKind,
         model: &mut CausalLm<B>,
         optimizer: &OptimizerSnapshot,
         state: &TrainState,
-    ) -> Result<(), TrainError> {
-        // Everything below up to the request is the blocking part: copying state to the host.
-        let started = std::time::Instant::now();
+        name: &str,
+    ) -> Result<WriterFn, TrainError> {
         let adapter = match &self.content {
             SaveContent::Adapter { config, .. } => {
                 Some((adapter_state_dict(model), config.clone()))
@@ -280,28 +301,12 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             self.storage_dtype,
             self.max_shard_bytes,
         );
-        let snapshot_time = started.elapsed();
-
-        let name = checkpoint_name(kind, state);
-        let mut meta = CheckpointMeta::new(
-            &self.recipe,
-            self.fingerprint.hash(),
-            state.global_step as u64,
-            state.epoch as u64,
+        let (shards, output_dir, checkpoint) = (
+            self.optimizer_shards,
+            self.output_dir.clone(),
+            name.to_string(),
         );
-        meta.steps_in_epoch = Some(state.steps_per_epoch as u64);
-        let info = ResumeInfo {
-            state: state.clone(),
-            optimizer_step: optimizer.step,
-            fingerprint: self.fingerprint.clone(),
-            optimizer_shards: self.optimizer_shards.unwrap_or(1),
-            world_size: self.world_size,
-        };
-        let (shards, output_dir, checkpoint) =
-            (self.optimizer_shards, self.output_dir.clone(), name.clone());
-        meta.extra = serde_json::to_value(&info).unwrap_or_default();
-
-        let writer = move |dir: &Path| -> Result<(), WriteError> {
+        Ok(Box::new(move |dir: &Path| -> Result<(), WriteError> {
             let fail = |e: crate::checkpoint::CheckpointError| WriteError::Other(Box::new(e));
             if let Some((tensors, config)) = adapter {
                 write_adapter(dir, &tensors, &config).map_err(fail)?;
@@ -340,7 +345,76 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
                 .map_err(fail)?,
             }
             Ok(())
+        }))
+    }
+
+    /// The writer of a checkpoint every rank writes its share of (`sharded_checkpoint`): rank
+    /// 0's share, every other rank's moved in, consolidated at epoch ends; `config.json` and
+    /// the tokenizer files beside them. The trainer checked every rank's weights are healthy.
+    fn sharded_writer<B: AutodiffBackend>(
+        &self,
+        kind: SaveKind,
+        model: &CausalLm<B>,
+        optimizer: &OptimizerSnapshot,
+        name: &str,
+        run: ShardedRun,
+    ) -> Result<WriterFn, TrainError> {
+        let share = RankShare::new(
+            model,
+            &optimizer.state,
+            run.world,
+            self.storage_dtype,
+            self.max_shard_bytes,
+        )
+        .map_err(CheckpointingError::from)?;
+        let staging = sharded_staging_dir(&self.output_dir, name, run.id);
+        let consolidate = consolidates(kind);
+        let config_json = model.args.raw.clone();
+        let (source_dir, dtype) = (self.source_dir.clone(), self.storage_dtype);
+        Ok(Box::new(move |dir: &Path| -> Result<(), WriteError> {
+            write_share(&staging, &share, consolidate, SHARE_TIMEOUT)?;
+            collect_into(dir, &staging, run.world, consolidate, SHARE_TIMEOUT)?;
+            save_hf_companions(dir, &config_json, dtype, Some(&source_dir))
+                .map_err(|e| WriteError::Other(Box::new(e)))?;
+            Ok(())
+        }))
+    }
+}
+
+impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
+    fn save(
+        &mut self,
+        kind: SaveKind,
+        model: &mut CausalLm<B>,
+        optimizer: &OptimizerSnapshot,
+        state: &TrainState,
+    ) -> Result<(), TrainError> {
+        // Everything up to the request is the blocking part: copying state to the host.
+        let started = std::time::Instant::now();
+        let name = checkpoint_name(kind, state);
+        let writer = match self.sharded {
+            Some(run) => self.sharded_writer(kind, model, optimizer, &name, run)?,
+            None => self.whole_writer(kind, model, optimizer, state, &name)?,
         };
+        let snapshot_time = started.elapsed();
+
+        let mut meta = CheckpointMeta::new(
+            &self.recipe,
+            self.fingerprint.hash(),
+            state.global_step as u64,
+            state.epoch as u64,
+        );
+        meta.steps_in_epoch = Some(state.steps_per_epoch as u64);
+        let info = ResumeInfo {
+            state: state.clone(),
+            optimizer_step: optimizer.step,
+            fingerprint: self.fingerprint.clone(),
+            optimizer_shards: self.optimizer_shards.unwrap_or(1),
+            world_size: self.world_size,
+            optimizer_sharded: self.sharded.is_some(),
+        };
+        meta.extra = serde_json::to_value(&info).unwrap_or_default();
+
         let request = SaveRequest::new(name.clone(), meta, writer);
         let report = if kind.blocks() {
             self.client.save_blocking(request)
@@ -495,8 +569,12 @@ pub fn find_resume(
         }
         .into());
     }
-    let optimizer_state = read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards)
-        .map_err(CheckpointingError::from)?;
+    let optimizer_state = if info.optimizer_sharded {
+        read_optimizer_state(&found.dir)
+    } else {
+        read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards)
+    }
+    .map_err(CheckpointingError::from)?;
     Ok(Some(Resume {
         dir: found.dir.clone(),
         state: info.state,

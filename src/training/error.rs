@@ -22,6 +22,10 @@ pub enum Divergence {
         name: String,
         value: f32,
     },
+    /// As `Weight`, in rows of a sharded weight that another rank holds.
+    WeightOnAnotherRank {
+        name: String,
+    },
 }
 
 /// A step whose loss exceeds this many times the run's first loss (or 1, if larger) has
@@ -47,6 +51,10 @@ impl std::fmt::Display for Divergence {
             ),
             Self::Gradients(norm) => write!(f, "the gradient norm became {norm}"),
             Self::Weight { name, value } => write!(f, "the weight {name} holds {value:e}"),
+            Self::WeightOnAnotherRank { name } => write!(
+                f,
+                "another rank's rows of the weight {name} hold a value that is not finite or over {MAX_WEIGHT:e}"
+            ),
         }
     }
 }

@@ -8,9 +8,12 @@
 //!   trainer then takes them ([`LayerShards::take_grads`]), sums the rest over the world as on
 //!   the replicated path, and each rank's optimizer updates its own rows (the AdamW moments
 //!   are its rows' only).
-//! - Checkpoints: the whole model and optimizer state are gathered for rank 0 to write, as
-//!   with replicated weights ([`optimizer_state`]); a resumed run keeps its rows of the state
-//!   ([`keep_own_rows`]), whatever world size wrote it.
+//! - Checkpoints: with an output directory every rank sees, every rank writes its own rows of
+//!   the model and of the optimizer state (`sharded_checkpoint`), after [`unhealthy_weight`]
+//!   decided with every rank that the weights are fit to save; otherwise (and for LoRA, QAT
+//!   and fused projections) the whole model and optimizer state are gathered for rank 0 to
+//!   write, as with replicated weights ([`optimizer_state`]). A resumed run keeps its rows of
+//!   the state ([`keep_own_rows`]), whatever world size wrote it.
 //!
 //! Why per-layer passes always: burn's autodiff graph keeps every tensor a backward needs, a
 //! gathered weight included, until the backward; recomputing each layer from its saved input
@@ -21,10 +24,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use burn::module::ParamId;
-use burn::tensor::Tensor;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
 
+use super::error::{Divergence, MAX_WEIGHT};
 use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
 use crate::distributed::{DistributedError, World};
@@ -168,4 +172,81 @@ pub fn keep_own_rows<B: AutodiffBackend>(
         .filter_map(|p| Some((p.name, shards.elements(&p.id, shards.rank())?)))
         .collect();
     optimizer.narrow(|name| ranges.get(name).cloned());
+}
+
+/// Before every rank writes its own share of a checkpoint: the first of `model`'s weights
+/// (this rank's rows of the sharded ones) that is not finite or exceeds [`MAX_WEIGHT`] in
+/// magnitude, decided with every rank, so that all of them refuse the save together (a rank
+/// whose own rows are healthy names the weight another rank found). Every rank takes part.
+pub fn unhealthy_weight<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    world: &World,
+) -> Result<Option<Divergence>, DistributedError> {
+    struct Check {
+        path: Vec<String>,
+        names: Vec<String>,
+        /// Per parameter: this rank's largest magnitude where it is unhealthy, else 0.
+        bad: Vec<f64>,
+    }
+    impl<X: Backend> ModuleVisitor<X> for Check {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
+            let value = param.val();
+            let bad = if value.shape().num_elements() == 0 {
+                0.0
+            } else {
+                let largest: f32 = value.clone().abs().max().into_scalar().elem();
+                let sum: f32 = value.sum().into_scalar().elem();
+                // `!(x <= MAX)` is true for NaN too; a sum that is not finite holds a NaN the
+                // maximum may have skipped.
+                if !(largest <= MAX_WEIGHT) {
+                    f64::from(largest)
+                } else if !sum.is_finite() {
+                    f64::from(sum)
+                } else {
+                    0.0
+                }
+            };
+            self.names.push(self.path.join("."));
+            self.bad.push(bad);
+        }
+    }
+    let mut check = Check {
+        path: Vec::new(),
+        names: Vec::new(),
+        bad: Vec::new(),
+    };
+    model.visit(&mut check);
+    // NaN != 0 too: a NaN weight is flagged.
+    let flags: Vec<f64> = check
+        .bad
+        .iter()
+        .map(|&b| f64::from(u8::from(b != 0.0)))
+        .collect();
+    let device = model.device();
+    // On the inner backend, the one the world joined.
+    let anywhere = crate::distributed::sync::all_reduce_scalars::<B::InnerBackend>(
+        world,
+        &flags,
+        &device,
+        "the weights' health before a sharded checkpoint",
+    )?;
+    let Some(i) = anywhere.iter().position(|&f| f > 0.0) else {
+        return Ok(None);
+    };
+    let name = check.names[i].clone();
+    let value = check.bad[i];
+    Ok(Some(if value == 0.0 {
+        Divergence::WeightOnAnotherRank { name }
+    } else {
+        Divergence::Weight {
+            name,
+            value: value as f32,
+        }
+    }))
 }

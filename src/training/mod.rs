@@ -18,6 +18,7 @@ pub mod progress;
 pub mod save_hook;
 pub mod schedule;
 pub mod sft;
+pub mod sharded_checkpoint;
 pub mod sharded_optimizer;
 pub mod step;
 pub mod step_totals;

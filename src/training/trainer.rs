@@ -143,6 +143,9 @@ pub struct Trainer<B: AutodiffBackend> {
     /// With a sharded optimizer: every rank hands its own share to its save hook (which writes
     /// it as a file of the checkpoint) instead of gathering the whole state for rank 0.
     pub save_optimizer_shards: bool,
+    /// FSDP: every rank writes its own share of each checkpoint (its rows of the model and its
+    /// optimizer state, `sharded_checkpoint`) instead of gathering them for rank 0.
+    pub sharded_saves: bool,
     /// Measure [`StepTimes`], synchronising the device at each phase's end (a GPU then loses
     /// its overlap between phases: for benchmarks, not runs).
     pub time_phases: bool,
@@ -172,6 +175,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             show_progress,
             world,
             save_optimizer_shards: false,
+            sharded_saves: false,
             time_phases: false,
             first_loss: None,
             shard: None,
@@ -445,6 +449,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         saver: &mut dyn SaveHook<B>,
         progress: Option<&EpochProgress>,
     ) -> Result<(), TrainError> {
+        if self.sharded_saves && self.model.shards.is_some() {
+            return self.save_shares(kind, saver, progress);
+        }
         let optimizer = self.snapshot()?;
         // FSDP: every rank takes part in gathering the layers; rank 0's save hook, the one
         // that writes the model, gets them whole, and the other ranks keep nothing.
@@ -459,6 +466,34 @@ impl<B: AutodiffBackend> Trainer<B> {
         fsdp::check(&self.model)?;
         let model = whole.as_mut().unwrap_or(&mut self.model);
         let mut save = || saver.save(kind, model, &optimizer, &self.state);
+        match progress {
+            Some(p) => p.suspend(save),
+            None => save(),
+        }
+    }
+
+    /// FSDP with sharded checkpoints: every rank's save hook gets the model as this rank holds
+    /// it (its rows) and the optimizer state it holds, and writes its own share
+    /// (`sharded_checkpoint`); nothing is gathered. The weights' health is decided with every
+    /// rank first, so that all of them refuse an unhealthy save together.
+    fn save_shares(
+        &mut self,
+        kind: SaveKind,
+        saver: &mut dyn SaveHook<B>,
+        progress: Option<&EpochProgress>,
+    ) -> Result<(), TrainError> {
+        if let Some(cause) = fsdp::unhealthy_weight(&self.model, &self.world)? {
+            return Err(TrainError::Diverged {
+                cause,
+                step: self.state.global_step,
+                epoch: self.state.epoch,
+            });
+        }
+        let optimizer = OptimizerSnapshot {
+            step: self.optimizer.step,
+            state: self.optimizer.state_dict(),
+        };
+        let mut save = || saver.save(kind, &mut self.model, &optimizer, &self.state);
         match progress {
             Some(p) => p.suspend(save),
             None => save(),

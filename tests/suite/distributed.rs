@@ -10,8 +10,10 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use support::*;
-use tune::checkpoint::safetensors_io::SafetensorsFile;
+use tune::checkpoint::HostTensor;
+use tune::checkpoint::safetensors_io::{INDEX_FILE, SafetensorsFile};
 use tune::training::optimizer_shards::read_state;
+use tune::training::sharded_checkpoint::read_optimizer_state;
 
 const STEPS: &str = "max_steps_per_epoch=10";
 
@@ -36,34 +38,100 @@ fn assert_same_curve(what: &str, got: &[(u64, f64)], want: &[(u64, f64)], rel: f
     }
 }
 
-/// The same losses (1e-4 relative) and final `epoch_0/<weights>` (1e-5) as the run in `want`.
-fn assert_same_run(got: &Path, want: &Path, weights: &str) {
+/// The same losses (1e-4 relative) and final `epoch_0` model (1e-5) as the run in `want`.
+fn assert_same_run(got: &Path, want: &Path) {
     assert_same_curve(
         "loss",
         &column_by_step(got, "loss"),
         &column_by_step(want, "loss"),
         1e-4,
     );
-    let file = Path::new("epoch_0").join(weights);
-    assert_same_weights(&got.join(&file), &want.join(&file), 1e-5);
+    let epoch = Path::new("epoch_0");
+    assert_same_tensors(
+        &got.join(epoch).display().to_string(),
+        model_of(&got.join(epoch)),
+        model_of(&want.join(epoch)),
+        1e-5,
+    );
 }
 
 /// Every tensor of two safetensors files agrees within `tol` absolute.
 fn assert_same_weights(got: &Path, want: &Path, tol: f32) {
-    let (g, w) = (
-        SafetensorsFile::open(got).unwrap(),
-        SafetensorsFile::open(want).unwrap(),
+    assert_same_tensors(
+        &got.display().to_string(),
+        file_tensors(got),
+        file_tensors(want),
+        tol,
     );
-    let names = w.names();
-    assert!(!names.is_empty());
-    assert_eq!(g.names().len(), names.len());
+}
+
+/// The same tensor names, and every tensor within `tol` absolute.
+fn assert_same_tensors(
+    what: &str,
+    mut got: Vec<(String, HostTensor)>,
+    mut want: Vec<(String, HostTensor)>,
+    tol: f32,
+) {
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(!want.is_empty());
+    let names = |v: &[(String, HostTensor)]| v.iter().map(|t| t.0.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&got), names(&want), "{what}");
     let mut worst = 0f32;
-    for name in names {
-        let d = max_abs_diff(&name, &g.read(&name).unwrap(), &w.read(&name).unwrap());
-        assert!(d <= tol, "{name}: max abs diff {d} > {tol}");
+    for ((name, g), (_, w)) in got.iter().zip(&want) {
+        let d = max_abs_diff(name, g, w);
+        assert!(d <= tol, "{what}: {name}: max abs diff {d} > {tol}");
         worst = worst.max(d);
     }
-    eprintln!("{}: weights max abs diff {worst}", got.display());
+    eprintln!("{what}: max abs diff {worst}");
+}
+
+fn file_tensors(file: &Path) -> Vec<(String, HostTensor)> {
+    let f = SafetensorsFile::open(file).unwrap();
+    f.names()
+        .into_iter()
+        .map(|n| {
+            let t = f.read(&n).unwrap();
+            (n, t)
+        })
+        .collect()
+}
+
+/// The Hugging Face model of a checkpoint: `model.safetensors`, or the files its index names.
+fn model_of(dir: &Path) -> Vec<(String, HostTensor)> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return file_tensors(&single);
+    }
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(INDEX_FILE)).unwrap()).unwrap();
+    let mut files: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|v| v.as_str())
+        .collect();
+    files.sort_unstable();
+    files.dedup();
+    files
+        .into_iter()
+        .flat_map(|f| file_tensors(&dir.join(f)))
+        .collect()
+}
+
+/// The optimizer state of a checkpoint, whichever way its ranks wrote it.
+fn optimizer_of(dir: &Path) -> Vec<(String, HostTensor)> {
+    if dir.join("optimizer_sharded").is_dir() {
+        read_optimizer_state(dir).unwrap()
+    } else {
+        let shards = (1..=8)
+            .find(|n| {
+                dir.join(format!("optimizer-00001-of-0000{n}.safetensors"))
+                    .is_file()
+            })
+            .unwrap_or(1);
+        read_state(dir, "optimizer.safetensors", shards).unwrap()
+    }
 }
 
 fn output(dir: &TempDir) -> String {
@@ -258,7 +326,7 @@ fn full_runs_with_accumulation_and_clipping(name: &str, mode: &str) -> (TempDir,
         &want,
         1e-4,
     );
-    assert_same_run(two.path(), one.path(), "model.safetensors");
+    assert_same_run(two.path(), one.path());
     (one, two)
 }
 
@@ -321,7 +389,14 @@ fn two_processes_as_two_nodes_match_one_device() {
         &common,
     );
     train_on_two_nodes("lora_finetune_distributed", "tiny/lora", &two, 2, &common);
-    assert_same_run(two.path(), one.path(), "adapter_model.safetensors");
+    assert_same_curve(
+        "loss",
+        &column_by_step(two.path(), "loss"),
+        &column_by_step(one.path(), "loss"),
+        1e-4,
+    );
+    let adapter = Path::new("epoch_0/adapter_model.safetensors");
+    assert_same_weights(&two.path().join(adapter), &one.path().join(adapter), 1e-5);
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -352,16 +427,15 @@ fn two_nodes_shard_full_fine_tuning_like_one_device() {
         1e-4,
     );
     // FSDP over two processes: the layers' rows gathered and their gradients
-    // reduce-scattered between nodes; rank 0 writes the whole optimizer state.
-    let epoch = two.path().join("epoch_0");
-    assert!(!epoch.join("optimizer-00001-of-00002.safetensors").exists());
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        assert_same_weights(
-            &epoch.join(file),
-            &one.path().join("epoch_0").join(file),
-            1e-5,
-        );
+    // reduce-scattered between nodes; each node writes its share of the checkpoint (they share
+    // this machine's output directory), consolidated at the epoch's end.
+    let (epoch, want) = (two.path().join("epoch_0"), one.path().join("epoch_0"));
+    for rank in ["00001", "00002"] {
+        let share = format!("optimizer_sharded/shard-{rank}-model-00001-of-00001.safetensors");
+        assert!(epoch.join(share).is_file(), "node {rank}'s optimizer share");
     }
+    assert_same_tensors("model", model_of(&epoch), model_of(&want), 1e-5);
+    assert_same_tensors("optimizer", optimizer_of(&epoch), optimizer_of(&want), 1e-5);
 }
 
 /// Bytes of the tensors of a safetensors file whose names start with `prefix`.
@@ -397,11 +471,44 @@ fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
             "fsdp_reshard_after_forward=False",
         ],
     );
-    assert_same_run(kept.path(), one.path(), "model.safetensors");
+    assert_same_run(kept.path(), one.path());
+    // Every rank wrote its rows of the model and its optimizer state; the epoch's checkpoint
+    // is consolidated into the Hugging Face model, and nothing was left in staging.
     let epoch = |dir: &TempDir| dir.path().join("epoch_0");
-    assert_same_weights(
-        &epoch(&two).join("optimizer.safetensors"),
-        &epoch(&one).join("optimizer.safetensors"),
+    let files = |dir: &Path| {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let written = files(&epoch(&two));
+    for name in [
+        "model-00001-of-00001.safetensors",
+        INDEX_FILE,
+        "config.json",
+        "optimizer_sharded",
+    ] {
+        assert!(written.iter().any(|n| n == name), "{name} in {written:?}");
+    }
+    assert!(!written.iter().any(|n| n == "sharded"), "{written:?}");
+    assert_eq!(
+        files(&epoch(&two).join("optimizer_sharded")),
+        [
+            "shard-00001-model-00001-of-00001.safetensors",
+            "shard-00002-model-00001-of-00001.safetensors"
+        ]
+    );
+    let staged: Vec<String> = files(two.path())
+        .into_iter()
+        .filter(|n| n.starts_with(".tmp"))
+        .collect();
+    assert!(staged.is_empty(), "left behind: {staged:?}");
+    assert_same_tensors(
+        "optimizer",
+        optimizer_of(&epoch(&two)),
+        optimizer_of(&epoch(&one)),
         1e-5,
     );
     // Rank 0 holds the embeddings and norms whole and half of the layers' rows.
@@ -594,8 +701,9 @@ fn a_random_seed_is_drawn_once_for_all_ranks() {
 }
 
 /// A full fine-tune on W ranks killed after a step checkpoint resumes on another number of
-/// ranks with the same global batch (4) and continues with the uninterrupted run's losses: the
-/// sharded optimizer state is gathered into the checkpoint and re-sharded on resume.
+/// ranks with the same global batch (4) and continues with the uninterrupted run's losses:
+/// FSDP ranks write their rows of the model and their optimizer state into the checkpoint
+/// (torch's sharded layout), and a resume on any number of ranks re-shards both.
 #[test]
 fn a_killed_run_resumes_on_another_number_of_ranks() {
     let extra = [
@@ -652,11 +760,24 @@ fn a_killed_run_resumes_on_another_number_of_ranks() {
         let got: Vec<(u64, f64)> = got.into_iter().collect();
         let want = column_by_step(reference.path(), "loss");
         assert_same_curve(&format!("{from} -> {to} loss"), &got, &want, 1e-4);
-        assert_same_weights(
-            &crashed.path().join("epoch_0/model.safetensors"),
-            &reference.path().join("epoch_0/model.safetensors"),
+        let epoch = Path::new("epoch_0");
+        assert_same_tensors(
+            &format!("{from} -> {to} model"),
+            model_of(&crashed.path().join(epoch)),
+            model_of(&reference.path().join(epoch)),
             1e-5,
         );
+        // FSDP ranks wrote their own rows of the step checkpoint it resumed from.
+        if from > 1 {
+            let shard = format!("step_4/sharded/shard-0000{from}-model-00001-of-00001.safetensors");
+            assert!(crashed.path().join(&shard).is_file(), "{shard}");
+            let report = tune_ok(&["checkpoints", &crashed.path().display().to_string()]);
+            let report = String::from_utf8_lossy(&report.stdout).into_owned();
+            assert!(
+                report.contains("step_4") && report.contains("complete"),
+                "{report}"
+            );
+        }
     }
 }
 
