@@ -183,6 +183,50 @@ pub struct Embedding<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
 }
 
+/// The output end of the model, whole: the final norm and the vocabulary projection (the
+/// output layer, or the embedding matrix when tied). [`CausalLm::head`] makes it: one
+/// all-gather when the model is sharded, so that a loss projecting in chunks gathers once.
+#[derive(Module, Debug)]
+pub struct OutputHead<B: Backend> {
+    pub norm: RmsNorm<B>,
+    pub lm_head: Option<Linear<B>>,
+    /// Tied embeddings: the projection is the embedding matrix, transposed.
+    pub tied: Option<Param<Tensor<B, 2>>>,
+    pub vocab_size: usize,
+    pub final_logit_softcap: Option<f64>,
+}
+
+impl<B: Backend> OutputHead<B> {
+    /// The final norm.
+    pub fn norm<const D: usize>(&self, hidden: Tensor<B, D>) -> Tensor<B, D> {
+        self.norm.forward(hidden)
+    }
+
+    /// Vocabulary logits for hidden states `[rows, hidden]` (final norm applied) ->
+    /// `[rows, vocab]`.
+    pub fn project(&self, hidden: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
+        let logits = match (&self.lm_head, &self.tied) {
+            (Some(head), _) => head.forward(hidden, mode),
+            (None, Some(embeddings)) => {
+                crate::kernels::matmul(hidden, embeddings.val().transpose())
+            }
+            (None, None) => unreachable!("invariant: CausalLm::head sets a projection"),
+        };
+        match self.final_logit_softcap {
+            Some(cap) => softcap(logits, cap),
+            None => logits,
+        }
+    }
+
+    /// Full logits `[batch, seq, vocab]` of hidden states `[batch, seq, hidden]` (final norm
+    /// applied).
+    pub fn logits(&self, hidden: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+        let [batch, seq, h] = hidden.dims();
+        self.project(hidden.reshape([batch * seq, h]), mode)
+            .reshape([batch, seq, self.vocab_size])
+    }
+}
+
 /// Hugging Face's `model.*`: embeddings, layers, final norm.
 #[derive(Module, Debug)]
 pub struct DecoderBody<B: Backend> {
@@ -216,8 +260,9 @@ pub struct CausalLm<B: Backend> {
     pub rope: rope::Rope,
     /// Gemma 3's sliding layers' RoPE.
     pub rope_local: Option<rope::Rope>,
-    /// FSDP: this rank keeps only its rows of each decoder layer's weights, gathered per use
-    /// ([`Self::layer`]); `None` holds every layer whole.
+    /// FSDP: this rank keeps only its rows of every weight (decoder layers, embeddings, final
+    /// norm, output), gathered per use ([`Self::layer`], [`Self::embedding`], [`Self::head`]);
+    /// `None` holds every weight whole.
     #[module(skip)]
     pub shards: Option<std::sync::Arc<super::shards::LayerShards>>,
 }
@@ -250,7 +295,44 @@ impl<B: Backend> CausalLm<B> {
                 }
             }
         }
-        self.model.norm.forward(x)
+        self.final_norm().forward(x)
+    }
+
+    /// The final norm, whole (gathered when sharded).
+    fn final_norm(&self) -> std::borrow::Cow<'_, RmsNorm<B>> {
+        match &self.shards {
+            Some(shards) => std::borrow::Cow::Owned(shards.gather(&self.model.norm)),
+            None => std::borrow::Cow::Borrowed(&self.model.norm),
+        }
+    }
+
+    /// The token embeddings, whole: gathered from every rank's rows when the model is
+    /// sharded (one collective call, the same on every rank). A gathered weight is a leaf of
+    /// its own: FSDP's passes reduce-scatter its gradient (`LayerShards::scatter_grads`).
+    pub fn embedding(&self) -> Embedding<B> {
+        match &self.shards {
+            Some(shards) => shards.gather(&self.model.embed_tokens),
+            None => self.model.embed_tokens.clone(),
+        }
+    }
+
+    /// The output end, whole ([`OutputHead`]): gathered when sharded, as
+    /// [`Self::embedding`]; otherwise the model's own parameters.
+    pub fn head(&self) -> OutputHead<B> {
+        let head = OutputHead {
+            norm: self.model.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            tied: match self.lm_head {
+                Some(_) => None,
+                None => Some(self.model.embed_tokens.weight.clone()),
+            },
+            vocab_size: self.args.vocab_size,
+            final_logit_softcap: self.args.final_logit_softcap,
+        };
+        match &self.shards {
+            Some(shards) => shards.gather(&head),
+            None => head,
+        }
     }
 
     /// Decoder layer `i` with its whole weights: gathered from every rank's rows when the
@@ -262,41 +344,43 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// Every layer whole (every rank takes part when sharded): what checkpoints and exports
+    /// Every weight whole (every rank takes part when sharded): what checkpoints and exports
     /// read. Holds the whole model, as one device does.
     pub fn unsharded(&self) -> Self {
         let Some(shards) = &self.shards else {
             return self.clone();
         };
         let mut whole = self.clone();
+        whole.model.embed_tokens = shards.gather(&self.model.embed_tokens);
         whole.model.layers = self
             .model
             .layers
             .iter()
             .map(|layer| shards.gather(layer))
             .collect();
+        whole.model.norm = shards.gather(&self.model.norm);
+        whole.lm_head = self.lm_head.as_ref().map(|head| shards.gather(head));
         whole.shards = None;
         whole
     }
 
     /// Takes part in another rank's [`Self::unsharded`]: the same gathers, nothing kept.
     pub fn join_unsharding(&self) {
-        if let Some(shards) = &self.shards {
-            for layer in &self.model.layers {
-                drop(shards.gather(layer));
-            }
-        }
+        drop(self.unsharded());
     }
 
     /// Token embeddings `[batch, seq, hidden]` (scaled for Gemma).
     pub fn embed(&self, input: TokenBatch<'_>) -> Tensor<B, 3> {
+        self.embed_with(&self.embedding(), input)
+    }
+
+    /// [`Self::embed`] with `embedding`, the whole embeddings ([`Self::embedding`]).
+    pub fn embed_with(&self, embedding: &Embedding<B>, input: TokenBatch<'_>) -> Tensor<B, 3> {
         let device = self.device();
         let (batch, seq) = (input.batch, input.seq_len());
         let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
-        let x = self
-            .model
-            .embed_tokens
+        let x = embedding
             .weight
             .val()
             .select(0, ids)
@@ -342,30 +426,16 @@ impl<B: Backend> CausalLm<B> {
         }
     }
 
-    /// Vocabulary logits for hidden states `[rows, hidden]` -> `[rows, vocab]`.
-    pub fn project(&self, hidden: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(hidden, mode),
-            None => {
-                crate::kernels::matmul(hidden, self.model.embed_tokens.weight.val().transpose())
-            }
-        };
-        match self.args.final_logit_softcap {
-            Some(cap) => softcap(logits, cap),
-            None => logits,
-        }
-    }
-
     /// Full logits `[batch, seq, vocab]`.
     pub fn forward(&self, input: TokenBatch<'_>, mode: ForwardMode) -> Tensor<B, 3> {
         let hidden = self.hidden(input, mode, None);
         self.logits(hidden, mode)
     }
 
+    /// Logits of hidden states `[batch, seq, hidden]` (final norm applied); see
+    /// [`OutputHead::logits`], and [`Self::head`] to project several times.
     pub fn logits(&self, hidden: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
-        let [batch, seq, h] = hidden.dims();
-        self.project(hidden.reshape([batch * seq, h]), mode)
-            .reshape([batch, seq, self.args.vocab_size])
+        self.head().logits(hidden, mode)
     }
 
     pub fn new_cache(&self) -> KvCache<B> {

@@ -1,6 +1,7 @@
-//! Fully sharded decoder layers (FSDP; `data_parallel_shard_dim: -1` on several ranks): each
-//! rank keeps only its rows of every decoder-layer weight, gathers a layer's whole weights just
-//! before it runs and drops them after, and keeps only its rows of their gradients.
+//! Fully sharded models (FSDP; `data_parallel_shard_dim: -1` on several ranks): each rank keeps
+//! only its rows of every weight, gathers a unit's whole weights (a decoder layer, the
+//! embeddings, the output end) just before it runs and drops them after, and keeps only its
+//! rows of their gradients.
 //!
 //! Invariants:
 //! - A sharded parameter holds this rank's dim-0 rows [`LayerShards::rows`] of the whole
@@ -9,12 +10,11 @@
 //!   flattened tensor and the rank-ordered concatenation of every rank's shard is the whole.
 //! - A gathered layer's parameters keep the sharded ones' ids, so gradients, optimizer state
 //!   and checkpoints name a parameter alike whether it is sharded or whole.
-//! - Every rank makes the same collective calls in the same order: one all-gather per layer
-//!   per pass, one reduce-scatter per layer per backward, at points that do not depend on the
+//! - Every rank makes the same collective calls in the same order: one all-gather per unit
+//!   per pass, one reduce-scatter per unit per backward, at points that do not depend on the
 //!   data (a rank's batch may be shorter than another's, never a different number of layers).
-//! - Only decoder layers shard; LoRA/DoRA adapter weights inside them do not (they stay whole
-//!   on every rank, their gradients summed as on one rank's data-parallel path), nor do the
-//!   embeddings, final norm and output projection.
+//! - LoRA/DoRA adapter weights do not shard (they stay whole on every rank, their gradients
+//!   summed as on one rank's data-parallel path).
 //! - A failed collective call is kept and the pass goes on with zeros; the trainer asks
 //!   [`LayerShards::check`] at the end of every step, before anything is updated, and later
 //!   calls fail at once, so every rank stops at the same step with the first error.
@@ -53,7 +53,7 @@ pub struct Collectives<X: Backend> {
     pub reduce_scatter: Box<ScatterFn<X>>,
 }
 
-/// This rank's share of every decoder layer's weights, and how to gather them.
+/// This rank's share of every weight, and how to gather them.
 pub struct LayerShards {
     rank: usize,
     world: usize,
@@ -81,7 +81,7 @@ impl std::fmt::Debug for LayerShards {
     }
 }
 
-/// Whether a module path (inside a decoder layer) names an adapter weight, which stays whole.
+/// Whether a module path (inside a sharded unit) names an adapter weight, which stays whole.
 fn is_adapter(path: &[String]) -> bool {
     path.iter().any(|p| p == "lora")
 }
@@ -134,7 +134,8 @@ impl LayerShards {
         self.full_shapes.contains_key(id)
     }
 
-    /// Keeps this rank's rows of every parameter of `module` (a decoder layer), adapters
+    /// Keeps this rank's rows of every parameter of `module` (a unit: a decoder layer, the
+    /// embeddings, the final norm, the output layer), adapters
     /// excepted; a parameter that trains stays one that trains.
     pub fn shard<X: Backend, M: Module<X>>(&mut self, module: M) -> M {
         struct Shard<'a> {
@@ -205,7 +206,7 @@ impl LayerShards {
         }
     }
 
-    /// `module` (a sharded decoder layer) with every sharded parameter whole: one all-gather.
+    /// `module` (a sharded unit) with every sharded parameter whole: one all-gather.
     /// A gathered parameter is a new leaf that trains when its shard does.
     pub fn gather<X: Backend, M: Module<X>>(&self, module: &M) -> M {
         struct Pieces<'a, X: Backend> {

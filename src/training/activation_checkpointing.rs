@@ -13,7 +13,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::models::decoder::DecoderLayer;
+use crate::models::decoder::{DecoderLayer, OutputHead};
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
@@ -24,22 +24,30 @@ fn layer_seed(step_seed: u64, layer: usize) -> u64 {
 }
 
 /// Forward and backward of the model under `head`, with per-layer recomputation. `head` gets
-/// the top layer's output as a leaf that requires a gradient, and returns the loss and the
-/// gradient sets of its own backward passes (already weighted), which must include that leaf's
-/// gradient. Returns the loss and one gradient set per backward pass; their sum is the
-/// gradient of the whole model.
+/// the model's output end whole ([`CausalLm::head`]) and the top layer's output (before the
+/// final norm) as a leaf that requires a gradient, and returns the loss and the gradient sets
+/// of its own backward passes (already weighted), which must include that leaf's gradient.
+/// Returns the loss and one gradient set per backward pass; their sum is the gradient of the
+/// whole model (for a sharded model: of its whole parameters, the sharded ones' rows being
+/// reduce-scattered into its `LayerShards`).
 pub fn forward_backward<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
     step_seed: u64,
-    head: impl FnOnce(Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
+    head: impl FnOnce(&OutputHead<B>, Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
 ) -> (Tensor<B, 1>, Vec<B::Gradients>) {
     let device = model.device();
     let layers = &model.model.layers;
 
+    // FSDP: the embeddings are gathered for their forward and, when they train, kept until
+    // their gradient is reduce-scattered at the end.
+    let embeddings_train = model.model.embed_tokens.weight.val().is_require_grad();
+    let embedding = model.embedding();
+    let embedded = model.embed_with(&embedding, input);
+    let embedding = embeddings_train.then_some(embedding);
+
     // Forward without autodiff, keeping each layer's input.
-    let embedded = model.embed(input);
     let inner_ctx = model.pass_context::<B::InnerBackend>(input, 0, mode, &device);
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
@@ -74,13 +82,21 @@ pub fn forward_backward<B: AutodiffBackend>(
         next = prefetched.or_else(|| (i + 1 < layers.len()).then(|| gather_inner(i + 1)));
     }
 
-    // The head (final norm, projection, loss) with autodiff from the top layer's output.
+    // The head (final norm, projection, loss) with autodiff from the top layer's output;
+    // FSDP gathers the output end for it and reduce-scatters its gradients.
     let top = Tensor::<B, 3>::from_inner(h).require_grad();
-    let (loss, mut grads) = head(top.clone());
+    let output = model.head();
+    let (loss, mut grads) = head(&output, top.clone());
     let mut upstream = grads
         .iter()
         .filter_map(|g| top.grad(g))
         .reduce(|a, b| a + b);
+    if let Some(shards) = &model.shards {
+        for set in &mut grads {
+            shards.scatter_grads::<B, _>(set, &output);
+        }
+    }
+    drop(output);
 
     // Back through the layers, recomputing each.
     let ctx = model.pass_context::<B>(input, 0, mode, &device);
@@ -117,9 +133,12 @@ pub fn forward_backward<B: AutodiffBackend>(
     }
 
     // The embeddings, when they train (full fine-tuning).
-    let embeddings_train = model.model.embed_tokens.weight.val().is_require_grad();
-    if let Some(grad) = upstream.filter(|_| embeddings_train) {
-        grads.push((embedded * Tensor::from_inner(grad)).sum().backward());
+    if let (Some(grad), Some(embedding)) = (upstream, embedding) {
+        let mut set = (embedded * Tensor::from_inner(grad)).sum().backward();
+        if let Some(shards) = &model.shards {
+            shards.scatter_grads::<B, _>(&mut set, &embedding);
+        }
+        grads.push(set);
     }
     (loss, grads)
 }
@@ -162,8 +181,8 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     // A sharded model trains only through per-layer passes: its layers are whole one at a
     // time, and their gradients reach its shards only from here.
     if checkpointing || model.shards.is_some() {
-        let head = |top: Tensor<B, 3>| {
-            let loss = loss_of_logits(model.logits(model.model.norm.forward(top), mode));
+        let head = |output: &OutputHead<B>, top: Tensor<B, 3>| {
+            let loss = loss_of_logits(output.logits(output.norm(top), mode));
             let grads = (loss.clone() * weight).backward();
             (loss, vec![grads])
         };

@@ -18,6 +18,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::loss::next_token_targets;
 use crate::models::CausalLm;
+use crate::models::decoder::OutputHead;
 use crate::modules::ForwardMode;
 use crate::{kernels, precision};
 
@@ -48,13 +49,13 @@ pub fn chunk_ranges(rows: usize, chunks: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Mean cross-entropy of the shifted `labels` under `model`'s output projection of `hidden`
+/// Mean cross-entropy of the shifted `labels` under `head`'s output projection of `hidden`
 /// (`[batch, seq, hidden]`, final norm applied, attached to the graph that produced it), and
 /// the gradients of `loss * weight`: one set per chunk of rows (`chunks` cover
 /// `0..batch * seq`, as [`chunk_ranges`] makes them), then the set from back-propagating the
 /// hidden states' gradient through that graph. Returns the loss without a graph.
 pub fn cross_entropy_backward<B: AutodiffBackend>(
-    model: &CausalLm<B>,
+    head: &OutputHead<B>,
     hidden: Tensor<B, 3>,
     labels: &[i64],
     mode: ForwardMode,
@@ -74,7 +75,7 @@ pub fn cross_entropy_backward<B: AutodiffBackend>(
     for range in chunks.iter().cloned() {
         let n = range.len();
         let rows_in = Tensor::<B, 2>::from_inner(flat.clone().slice(range.clone())).require_grad();
-        let logits = precision::to_f32(model.project(rows_in.clone(), mode));
+        let logits = precision::to_f32(head.project(rows_in.clone(), mode));
         let chunk_mask = precision::f32_tensor::<B, 1>(mask[range.clone()].to_vec(), [n], &device);
         let log_probs = kernels::target_log_probs(logits, &targets[range]) * chunk_mask;
         let chunk_loss = log_probs.sum().neg() / count;

@@ -1,8 +1,9 @@
 //! Fully sharded data parallel (`data_parallel_shard_dim: -1`, torchtune's default for its
 //! `*_distributed` recipes): the trainer's side of [`LayerShards`].
 //!
-//! - [`shard_model`]: keeps this rank's rows of every decoder-layer weight and wires the
-//!   world's all-gather and reduce-scatter in, on the autodiff backend and its inner one.
+//! - [`shard_model`]: keeps this rank's rows of every weight (decoder layers, embeddings,
+//!   final norm, output) and wires the world's all-gather and reduce-scatter in, on the
+//!   autodiff backend and its inner one.
 //! - The step: the loss steps' per-layer passes (`activation_checkpointing`) gather each layer
 //!   for its forward and again for its backward, and reduce-scatter its gradients; the
 //!   trainer then takes them ([`LayerShards::take_grads`]), sums the rest over the world as on
@@ -67,7 +68,7 @@ fn autodiff_collectives<B: AutodiffBackend>(world: &World) -> Collectives<B> {
     }
 }
 
-/// `model` with this rank's rows of every decoder-layer weight (adapters stay whole);
+/// `model` with this rank's rows of every weight (adapters stay whole);
 /// `reshard_after_forward` is torchtune's `fsdp_reshard_after_forward`.
 pub fn shard_model<B: AutodiffBackend>(
     model: CausalLm<B>,
@@ -82,11 +83,18 @@ pub fn shard_model<B: AutodiffBackend>(
     shard_layers(model, shards)
 }
 
+/// Keeps this rank's rows of every weight: each decoder layer, and the embeddings, final norm
+/// and output layer, each a unit gathered on its own as torchtune's `custom_sharded_layers`
+/// (`tok_embeddings`, `output`) and its root unit (the final norm) shard them.
 fn shard_layers<X: Backend>(mut model: CausalLm<X>, mut shards: LayerShards) -> CausalLm<X> {
     model.model.layers = std::mem::take(&mut model.model.layers)
         .into_iter()
         .map(|layer| shards.shard(layer))
         .collect();
+    let body = &mut model.model;
+    body.embed_tokens = shards.shard(body.embed_tokens.clone());
+    body.norm = shards.shard(body.norm.clone());
+    model.lm_head = model.lm_head.map(|head| shards.shard(head));
     model.shards = Some(Arc::new(shards));
     model
 }
@@ -109,7 +117,7 @@ pub fn check<B: Backend>(model: &CausalLm<B>) -> Result<(), DistributedError> {
 }
 
 /// A frozen model (DPO's reference, a distillation teacher) on the backend the world joined,
-/// with this rank's rows of every decoder-layer weight.
+/// with this rank's rows of every weight.
 pub fn shard_frozen<X: Backend>(model: CausalLm<X>, world: &World) -> CausalLm<X> {
     let shards = LayerShards::new(world.rank, world.size).with_collectives(collectives::<X>(world));
     shard_layers(model, shards)

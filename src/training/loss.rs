@@ -89,13 +89,15 @@ pub fn chunked_cross_entropy<B: Backend>(
     let count = mask.iter().filter(|m| **m > 0.0).count();
     let flat = hidden.reshape([batch * seq, width]);
     let device = flat.device();
+    // Gathered once, whatever the data (FSDP: every rank makes the same collective calls).
+    let head = model.head();
     let mut total = 0.0;
     let rows = batch * seq;
     let mut start = 0;
     while start < rows {
         let end = (start + EVAL_CHUNK_ROWS).min(rows);
         if mask[start..end].iter().any(|m| *m > 0.0) {
-            let logits = precision::to_f32(model.project(flat.clone().slice(start..end), mode));
+            let logits = precision::to_f32(head.project(flat.clone().slice(start..end), mode));
             let m =
                 precision::f32_tensor::<B, 1>(mask[start..end].to_vec(), [end - start], &device);
             let lp = target_log_probs(logits, &targets[start..end]) * m;

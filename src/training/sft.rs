@@ -9,6 +9,7 @@ use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::{activation_checkpointing, chunked_loss, loss};
 use crate::data::{Batch, IGNORE_INDEX, LONG_PACK, unpad};
 use crate::kernels;
+use crate::models::decoder::OutputHead;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
 
@@ -64,14 +65,15 @@ pub fn loss_and_grads<B: AutodiffBackend>(
             loss_of_logits,
         );
     }
-    let head =
-        |hidden| chunked_loss::cross_entropy_backward(model, hidden, labels, mode, weight, &chunks);
+    let head = |output: &OutputHead<B>, hidden| {
+        chunked_loss::cross_entropy_backward(output, hidden, labels, mode, weight, &chunks)
+    };
     let (loss, grads) = if checkpointing || model.shards.is_some() {
-        activation_checkpointing::forward_backward(model, input, mode, step_seed, |top| {
-            head(model.model.norm.forward(top))
+        activation_checkpointing::forward_backward(model, input, mode, step_seed, |output, top| {
+            head(output, output.norm(top))
         })
     } else {
-        head(model.hidden(input, mode, None))
+        head(&model.head(), model.hidden(input, mode, None))
     };
     (loss, Some(grads))
 }

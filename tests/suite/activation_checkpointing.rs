@@ -31,8 +31,8 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
     acc.add(&model, (plain_loss.clone() * weight).backward());
     let plain = grad_values(&model, acc.take());
 
-    let head = |top| {
-        let logits = model.logits(model.model.norm.forward(top), mode);
+    let head = |head: &tune::models::decoder::OutputHead<_>, top| {
+        let logits = head.logits(head.norm(top), mode);
         let loss = loss::cross_entropy(logits, &labels);
         let grads = (loss.clone() * weight).backward();
         (loss, vec![grads])

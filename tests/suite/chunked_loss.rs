@@ -53,7 +53,7 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
 
     let chunks = uneven_chunks(tokens.len());
     let (loss, parts) = chunked_loss::cross_entropy_backward(
-        &model,
+        &model.head(),
         model.hidden(input, MODE, None),
         &labels,
         MODE,
@@ -79,16 +79,17 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
     assert_same_grads(&plain, &chunked);
 
     // The same head under per-layer recomputation.
-    let (loss, parts) = activation_checkpointing::forward_backward(&model, input, MODE, 7, |top| {
-        chunked_loss::cross_entropy_backward(
-            &model,
-            model.model.norm.forward(top),
-            &labels,
-            MODE,
-            weight,
-            &chunks,
-        )
-    });
+    let (loss, parts) =
+        activation_checkpointing::forward_backward(&model, input, MODE, 7, |head, top| {
+            chunked_loss::cross_entropy_backward(
+                head,
+                head.norm(top),
+                &labels,
+                MODE,
+                weight,
+                &chunks,
+            )
+        });
     let both: f32 = loss.into_scalar();
     assert!(
         (plain_loss - both).abs() < 1e-5,

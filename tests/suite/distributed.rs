@@ -449,7 +449,7 @@ fn bytes_named(file: &Path, prefix: &str) -> f64 {
 }
 
 /// FSDP (torchtune's default, `data_parallel_shard_dim: -1`) with gradient accumulation and
-/// clipping: each rank holds half of every decoder layer's rows, and the run is one device's
+/// clipping: each rank holds half of every weight's rows, and the run is one device's
 /// (losses, clipped gradient norms, weights and the optimizer state rank 0 gathers).
 #[test]
 fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
@@ -511,16 +511,49 @@ fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
         optimizer_of(&epoch(&one)),
         1e-5,
     );
-    // Rank 0 holds the embeddings and norms whole and half of the layers' rows.
+    // Rank 0 holds half of every weight's rows: the layers', the embeddings', the norms'.
     let held = |dir: &TempDir| column_by_step(dir.path(), "parameter_bytes")[0].1;
-    let layers = bytes_named(&epoch(&one).join("model.safetensors"), "model.layers.");
+    let whole = bytes_named(&epoch(&one).join("model.safetensors"), "");
     let dropped = held(&one) - held(&two);
     assert!(
-        dropped > 0.45 * layers && dropped <= 0.5 * layers,
-        "rank 0 holds {} of {} bytes; the layers are {layers}",
+        dropped > 0.45 * whole && dropped <= 0.5 * whole,
+        "rank 0 holds {} of {} bytes; the model is {whole}",
         held(&two),
         held(&one)
     );
+}
+
+/// A model whose output layer is not tied to its embeddings (the distillation teacher): FSDP
+/// shards the output layer as a unit of its own, reduce-scatters its gradient, and the run is
+/// one device's (losses, every weight).
+#[test]
+fn fsdp_shards_an_untied_output_layer_like_one_device() {
+    let one = temp_dir("fsdp-untied-1");
+    let two = temp_dir("fsdp-untied-2");
+    let common = [
+        "max_steps_per_epoch=4",
+        "optimizer.lr=1e-4",
+        "checkpointer.checkpoint_dir=assets/tiny-llama-teacher",
+    ];
+    train(
+        1,
+        "full_finetune_single_device",
+        "tiny/full",
+        &one,
+        4,
+        &common,
+    );
+    train(
+        2,
+        "full_finetune_distributed",
+        "tiny/full",
+        &two,
+        2,
+        &common,
+    );
+    let model = model_of(&one.path().join("epoch_0"));
+    assert!(model.iter().any(|(name, _)| name == "lm_head.weight"));
+    assert_same_run(two.path(), one.path());
 }
 
 /// DPO (policy and, for LoRA, the reference as the base without adapters) and knowledge

@@ -61,8 +61,28 @@ fn trains_in(dtype: &Dtype, path: &str, cx: &mut Checker) {
     }
 }
 
-/// What `custom_sharded_layers` changes: tune's FSDP shards decoder layers only.
-const WHOLE_EMBEDDINGS: &str = "tune's FSDP shards every decoder layer; the embeddings, final norm and output projection stay whole on every rank (their gradients summed, their optimizer state split as ZeRO-1 splits it), so this list changes nothing";
+/// The modules `custom_sharded_layers` may name, as torchtune's configs name them: tune's FSDP
+/// shards every weight and always makes these units of their own (gathered for their own
+/// forward and backward, apart from the decoder layers), so listing them, or leaving them out,
+/// changes nothing; torchtune's root unit (the final norm) is one too.
+const OWN_UNITS: &[&str] = &["tok_embeddings", "output"];
+
+fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
+    for name in names.iter().flatten() {
+        if !OWN_UNITS.contains(&name.as_str()) {
+            cx.problem(
+                Problem::new(
+                    ProblemKind::InvalidValue,
+                    path,
+                    format!("expected names among {}, found `{name}`", OWN_UNITS.join(", ")),
+                )
+                .with_fix(
+                    "tune's FSDP units are the decoder layers, tok_embeddings and output: remove the name",
+                ),
+            );
+        }
+    }
+}
 keys! {
     /// `push_to_hub`: upload the final checkpoint when the run finishes.
     pub struct PushToHub {
@@ -155,9 +175,9 @@ keys! {
     optimizer_in_bwd: bool = off().warn(
         "optimizer-in-backward is not supported; the optimizer steps after backward",
     ),
-    /// FSDP's layers sharded as units of their own besides the decoder layers: tune keeps them
-    /// whole.
-    custom_sharded_layers: Option<Vec<String>> = optional().warn(WHOLE_EMBEDDINGS),
+    /// FSDP's units of their own besides the decoder layers (`tok_embeddings`, `output`):
+    /// tune always shards both as units of their own.
+    custom_sharded_layers: Option<Vec<String>> = optional().rule(own_units),
     /// FSDP: free each layer's gathered weights after its forward and gather them again for
     /// its backward (True, the default), or keep them from the forward until the backward
     /// (False: one all-gather per layer per step, the whole layers held meanwhile).
