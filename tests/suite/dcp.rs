@@ -13,7 +13,7 @@ use tune::checkpoint::dcp::{
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights};
 
-use crate::support::{fixture, temp_dir, tune};
+use crate::support::{column, fixture, max_abs_diff, read_metrics, temp_dir, tune};
 
 const INDEX: &str = "model.safetensors.index.json";
 
@@ -548,5 +548,60 @@ fn dcp_write_for_torch_check() {
     }
     for rank in (0..world).rev() {
         consolidate(&sharded, &out, rank, world).expect("consolidate");
+    }
+}
+
+/// A model PyTorch saved from two FSDP ranks (`HuggingFaceStorageWriter`, shard files only:
+/// tests/fixtures/make_dcp_model_fixture.py) is a checkpoint tune trains from, on one device
+/// and on two FSDP workers: the same losses and weights as from the consolidated model.
+#[test]
+fn training_starts_from_a_model_torch_saved_sharded() {
+    let torch_dir = fixture("dcp-tiny-llama");
+    assert!(!torch_dir.join("model.safetensors").exists());
+    let dir = format!("checkpointer.checkpoint_dir={}", torch_dir.display());
+    // The config names `model.safetensors`; a directory of shards is loaded whole.
+    let from = [dir.as_str(), "checkpointer.checkpoint_files=null"];
+    let common = ["max_steps_per_epoch=3", "optimizer.lr=1e-4"];
+    let run = |workers: usize, extra: &[&str]| {
+        let out = temp_dir("dcp-train");
+        let mut args = common.to_vec();
+        args.extend_from_slice(extra);
+        let (recipe, batch) = match workers {
+            1 => ("full_finetune_single_device", 4),
+            _ => ("full_finetune_distributed", 2),
+        };
+        crate::distributed::train(workers, recipe, "tiny/full", &out, batch, &args);
+        out
+    };
+    let losses = |dir: &tempfile::TempDir| {
+        let metrics = read_metrics(&dir.path().join("logs/metrics.jsonl"));
+        column(&metrics, "loss")
+    };
+    let reference = run(1, &[]);
+    for workers in [1, 2] {
+        let got = run(workers, &from);
+        let (g, w) = (losses(&got), losses(&reference));
+        assert_eq!(g.len(), 3);
+        for (a, b) in g.iter().zip(&w) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "{workers} workers: {g:?} vs {w:?}"
+            );
+        }
+        let mut tune_model = Weights::open(&got.path().join("epoch_0"), None).expect("tune's");
+        let mut want = Weights::open(&reference.path().join("epoch_0"), None).expect("reference");
+        let names: Vec<String> = want.names().cloned().collect();
+        for name in names {
+            let shape = SafetensorsFile::open(&reference.path().join("epoch_0/model.safetensors"))
+                .expect("open")
+                .shape(&name)
+                .expect("shape");
+            let d = max_abs_diff(
+                &name,
+                &tune_model.take(&name, &shape).expect("tune's"),
+                &want.take(&name, &shape).expect("want"),
+            );
+            assert!(d <= 1e-5, "{workers} workers: {name} differs by {d}");
+        }
     }
 }
