@@ -23,12 +23,18 @@ pub fn run<B: AutodiffBackend>(
     run: RunStart,
 ) -> Result<(), WorkerError> {
     // Policy: from the checkpointer, or from the checkpoint being resumed.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
+    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
     // Reference: frozen, on the backend without autodiff, so it never joins the graph.
     let ref_cfg = &dpo_keys.ref_checkpointer;
-    let reference = model::load::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &ctx.device)?.model;
+    let reference = model::load_rows::<B::InnerBackend>(
+        ref_cfg,
+        "ref_checkpointer",
+        run.load_rows(),
+        &ctx.device,
+    )?
+    .model;
     // FSDP: the reference shards its layers as the policy does.
     let reference = match run.fsdp {
         true => fsdp::shard_frozen(reference, &run.world),

@@ -20,7 +20,7 @@ pub fn run<B: AutodiffBackend>(
     run: RunStart,
 ) -> Result<(), WorkerError> {
     // Model: from the checkpointer, or from the checkpoint being resumed.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
+    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;

@@ -44,8 +44,7 @@ pub fn run<B: AutodiffBackend>(
         let shape = format!("LoRA {}", plan.describe());
         (student, loaded.storage_dtype, content, shape)
     } else {
-        let loaded =
-            model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
+        let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
         let student = loaded.model.set_trainable(Trainable::All);
         let shape = format!("full, {} parameters", student.args.num_params());
         (student, loaded.storage_dtype, SaveContent::FullModel, shape)

@@ -27,7 +27,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Model: from the checkpointer, or from the checkpoint being resumed (it holds every
     // float weight); then the quantizer on the decoder's linear layers.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, run.resume.as_ref(), &ctx.device)?;
+    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
     let mut policy = loaded.model;
     let quantized = quant::prepare(&mut policy, scheme)?;
     let policy = policy.set_trainable(Trainable::All);

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -82,6 +83,37 @@ impl SafetensorsFile {
             dtype: format!("{:?}", info.dtype),
         })?;
         Ok(HostTensor::new(info.shape.clone(), data))
+    }
+
+    /// Rows `rows` (of dim 0) of tensor `name`, decoded from the mapped file: only those rows'
+    /// bytes are read (a tensor is row-major, so they are one contiguous range).
+    pub fn read_rows(&self, name: &str, rows: Range<usize>) -> Result<HostTensor, CheckpointError> {
+        let info = self
+            .meta
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+                expected: vec![],
+            })?;
+        let mut shape = info.shape.clone();
+        let row_bytes = shape.iter().skip(1).product::<usize>() * info.dtype.bitsize() / 8;
+        let (start, end) = info.data_offsets;
+        let (from, to) = (start + rows.start * row_bytes, start + rows.end * row_bytes);
+        if shape.is_empty() || rows.start > rows.end || to > end {
+            return Err(CheckpointError::BadSafetensors {
+                path: self.path.clone(),
+                message: format!("{name} has no rows {rows:?} (shape {shape:?})"),
+            });
+        }
+        let bytes = &self.mmap[8 + self.header_len + from..8 + self.header_len + to];
+        let data = decode(bytes, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
+            name: name.to_string(),
+            file: self.path.clone(),
+            dtype: format!("{:?}", info.dtype),
+        })?;
+        shape[0] = rows.len();
+        Ok(HostTensor::new(shape, data))
     }
 
     /// Drops tensor `name`'s pages from this process's memory once it has been read: the
@@ -400,4 +432,29 @@ pub fn save_sharded(
     std::fs::write(&path, text + "\n").map_err(CheckpointError::io(&path))?;
     names.push(INDEX_FILE.to_string());
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_rows_reads_those_rows_in_every_dtype_and_refuses_others() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let whole = HostTensor::new(vec![5, 3], (0..15).map(|x| x as f32).collect());
+        for dtype in [StorageDtype::F32, StorageDtype::BF16] {
+            let path = dir.path().join("w.safetensors");
+            write_file(&path, &[("w".to_string(), whole.clone())], dtype).expect("write");
+            let file = SafetensorsFile::open(&path).expect("open");
+            for rows in [0..3, 3..5, 5..5] {
+                assert_eq!(
+                    file.read_rows("w", rows.clone()).expect("rows"),
+                    whole.rows(rows.start, rows.len()),
+                    "{dtype:?} {rows:?}"
+                );
+            }
+            let err = file.read_rows("w", 4..6).expect_err("past the end");
+            assert!(err.to_string().contains("no rows 4..6"), "{err}");
+        }
+    }
 }

@@ -195,6 +195,26 @@ impl Weights {
 
     /// Takes tensor `name`, checking it has `expected` shape.
     pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, CheckpointError> {
+        self.take_part(name, expected, None)
+    }
+
+    /// Takes rows `rows` (of dim 0) of tensor `name`, checking the whole tensor has `expected`
+    /// shape: only those rows are read and decoded (FSDP's per-rank load).
+    pub fn take_rows(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        rows: std::ops::Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        self.take_part(name, expected, Some(rows))
+    }
+
+    fn take_part(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<HostTensor, CheckpointError> {
         let index =
             self.tensors
                 .get(name)
@@ -220,15 +240,21 @@ impl Weights {
                 found,
             });
         }
-        let tensor = match &self.dcp {
-            Some(dcp) => {
-                let tensor = dcp.read(name)?;
+        let tensor = match (&self.dcp, rows) {
+            (Some(dcp), rows) => {
+                let tensor = match rows {
+                    Some(rows) => dcp.read_rows(name, rows)?,
+                    None => dcp.read(name)?,
+                };
                 dcp.release(name);
                 tensor
             }
-            None => {
+            (None, rows) => {
                 let file = &self.files[index];
-                let tensor = file.read(name)?;
+                let tensor = match rows {
+                    Some(rows) => file.read_rows(name, rows)?,
+                    None => file.read(name)?,
+                };
                 file.release(name);
                 tensor
             }

@@ -8,9 +8,8 @@ use burn::tensor::backend::Backend;
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::safetensors_io::{StorageDtype, save_sharded};
 use crate::checkpoint::weights::Weights;
-use crate::models::{
-    BaseWeights, CausalLm, ModelArgs, ModelError, build::ignorable_tensor, build_with,
-};
+use crate::models::build::{RowsOf, build_rows, ignorable_tensor};
+use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError, build_with};
 
 /// Files copied next to saved weights so the output directory is a complete model.
 pub const COMPANION_FILES: &[&str] = &[
@@ -65,6 +64,29 @@ pub fn load_model_with<B: Backend>(
     let mut weights = Weights::open(dir, files)?;
     let storage_dtype = weights.storage_dtype;
     let model = build_with::<B>(&args, &mut weights, device, base)?;
+    weights.finish(|name| ignorable_tensor(&args, name))?;
+    Ok(LoadedModel {
+        model,
+        storage_dtype,
+    })
+}
+
+/// [`load_model`] as FSDP's rank `rows.rank` keeps it: only its rows of every weight are read
+/// and built (`models::build::build_rows`), so no rank holds the whole model; a family whose
+/// checkpoint fuses projections (Phi-3) loads whole, to be sharded after.
+pub fn load_model_rows<B: Backend>(
+    dir: &Path,
+    files: Option<&[String]>,
+    device: &B::Device,
+    rows: RowsOf,
+) -> Result<LoadedModel<B>, ModelError> {
+    let args = load_args(dir)?;
+    let mut weights = Weights::open(dir, files)?;
+    let storage_dtype = weights.storage_dtype;
+    let model = match build_rows::<B>(&args, &mut weights, device, rows)? {
+        Some(model) => model,
+        None => build_with::<B>(&args, &mut weights, device, BaseWeights::Float)?,
+    };
     weights.finish(|name| ignorable_tensor(&args, name))?;
     Ok(LoadedModel {
         model,

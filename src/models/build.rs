@@ -15,6 +15,12 @@ use crate::modules::frozen_nf4::{FrozenNf4, RowOrder};
 use crate::modules::nf4::Nf4Dtype;
 use crate::modules::{Linear, RmsNorm};
 use burn::module::Param;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::shards::LayerShards;
+use crate::checkpoint::dcp::row_range;
 
 /// How the decoder layers' linear base weights are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,6 +39,17 @@ pub enum BaseWeights {
 pub trait ParamSource {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError>;
 
+    /// Rows `rows` of tensor `name` (whole shape `shape`); a source that can read only those
+    /// rows does.
+    fn take_rows(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        Ok(self.take(name, shape)?.rows(rows.start, rows.len()))
+    }
+
     /// The dtype tensor `name` is stored in, when it comes from a file.
     fn stored_dtype(&self, _name: &str) -> Option<StorageDtype> {
         None
@@ -42,6 +59,15 @@ pub trait ParamSource {
 impl ParamSource for Weights {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError> {
         Weights::take(self, name, shape)
+    }
+
+    fn take_rows(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        Weights::take_rows(self, name, shape, rows)
     }
 
     fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
@@ -314,6 +340,63 @@ pub fn build_with<B: Backend>(
         base,
     }
     .build()
+}
+
+/// FSDP's per-rank load: rank `rank` of `world` reads only its rows of each weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsOf {
+    pub rank: usize,
+    pub world: usize,
+}
+
+/// Hands out a rank's rows ([`row_range`], FSDP2's split) of every tensor it is asked for and
+/// remembers each one's whole shape.
+struct RowsSource<'a> {
+    inner: &'a mut dyn ParamSource,
+    rows: RowsOf,
+    full_shapes: HashMap<String, Vec<usize>>,
+}
+
+impl ParamSource for RowsSource<'_> {
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError> {
+        let Some(&first) = shape.first() else {
+            return self.inner.take(name, shape);
+        };
+        let rows = row_range(first, self.rows.rank, self.rows.world);
+        self.full_shapes.insert(name.to_string(), shape.to_vec());
+        self.inner.take_rows(name, shape, rows)
+    }
+
+    fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
+        self.inner.stored_dtype(name)
+    }
+}
+
+/// The model as FSDP's rank `rows.rank` keeps it, built from its rows of every weight only:
+/// the whole model never exists on this rank, and only those rows are read from `src`. Its
+/// `shards` record every weight's whole shape and have no collectives yet (the trainer's
+/// setup wires them in: `training::fsdp`); until then nothing may run it. `None` for models
+/// whose checkpoint fuses projections a rank's rows cannot be read from (Phi-3's
+/// `qkv_proj`): load those whole and shard them after.
+pub fn build_rows<B: Backend>(
+    args: &ModelArgs,
+    src: &mut dyn ParamSource,
+    device: &B::Device,
+    rows: RowsOf,
+) -> Result<Option<CausalLm<B>>, CheckpointError> {
+    if args.fused_projections {
+        return Ok(None);
+    }
+    let mut source = RowsSource {
+        inner: src,
+        rows,
+        full_shapes: HashMap::new(),
+    };
+    let mut model = build(args, &mut source, device)?;
+    let mut shards = LayerShards::new(rows.rank, rows.world);
+    shards.adopt(&model, &source.full_shapes);
+    model.shards = Some(Arc::new(shards));
+    Ok(Some(model))
 }
 
 /// The NF4 quantization dtype of a weight stored in `dtype`.

@@ -174,6 +174,38 @@ impl LayerShards {
         })
     }
 
+    /// Records the whole shape of every parameter of `module` (holding this rank's rows
+    /// already, as a per-rank load builds them) that `full_shapes` names by module path.
+    pub fn adopt<X: Backend, M: Module<X>>(
+        &mut self,
+        module: &M,
+        full_shapes: &HashMap<String, Vec<usize>>,
+    ) {
+        struct Adopt<'a> {
+            shards: &'a mut LayerShards,
+            full_shapes: &'a HashMap<String, Vec<usize>>,
+            path: Vec<String>,
+        }
+        impl<X: Backend> ModuleVisitor<X> for Adopt<'_> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
+                if let Some(full) = self.full_shapes.get(&self.path.join(".")) {
+                    self.shards.full_shapes.insert(param.id, full.clone());
+                }
+            }
+        }
+        module.visit(&mut Adopt {
+            shards: self,
+            full_shapes,
+            path: Vec::new(),
+        });
+    }
+
     fn collectives<X: Backend>(&self) -> &Collectives<X> {
         self.collectives
             .get(&TypeId::of::<X>())

@@ -7,10 +7,11 @@ use burn::tensor::backend::Backend;
 use super::SetupError;
 use crate::checkpoint::StorageDtype;
 use crate::config::schema::{CheckpointerConfig, ModelConfig, TrainConfig};
-use crate::model_io::hf::{LoadedModel, load_model, load_model_with};
+use crate::model_io::hf::{LoadedModel, load_model, load_model_rows, load_model_with};
 use crate::model_io::{peft, quantized};
 use crate::models::BaseWeights;
 use crate::models::CausalLm;
+use crate::models::build::RowsOf;
 use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
 use crate::precision::Dtype;
@@ -212,18 +213,41 @@ pub fn adapter_dir(checkpoint_dir: &Path, adapter: &str) -> std::path::PathBuf {
 }
 
 /// The weights a full-weight recipe trains: the checkpoint being resumed (it holds every
-/// weight) when there is one, else the checkpointer's.
+/// weight) when there is one, else the checkpointer's. With FSDP (`run.load_rows()`), only this
+/// rank's rows of each weight are read ([`load_rows`]).
 pub fn load_or_resume<B: Backend>(
     cfg: &CheckpointerConfig,
-    resume: Option<&crate::training::checkpointing::Resume>,
+    run: &super::run::RunStart,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
-    match resume {
-        Some(r) => load_model::<B>(&r.dir, None, device).map_err(|source| SetupError::Model {
-            key: "resume_from_checkpoint",
-            source,
-        }),
-        None => load(cfg, "checkpointer", device),
+    let rows = run.load_rows();
+    match (&run.resume, rows) {
+        (Some(r), Some(rows)) => load_model_rows::<B>(&r.dir, None, device, rows),
+        (Some(r), None) => load_model::<B>(&r.dir, None, device),
+        (None, _) => return load_rows(cfg, "checkpointer", rows, device),
+    }
+    .map_err(|source| SetupError::Model {
+        key: "resume_from_checkpoint",
+        source,
+    })
+}
+
+/// [`load`], reading only rank `rows.rank`'s rows of each weight when `rows` is set (FSDP's
+/// per-rank load: the model is sharded as it is built, never whole on this rank); a tune int4
+/// export loads whole and is sharded after.
+pub fn load_rows<B: Backend>(
+    cfg: &CheckpointerConfig,
+    key: &'static str,
+    rows: Option<RowsOf>,
+    device: &B::Device,
+) -> Result<LoadedModel<B>, SetupError> {
+    match rows {
+        Some(rows) if !quantized::is_quantized_export(&cfg.checkpoint_dir) => {
+            let files = cfg.files();
+            load_model_rows::<B>(&cfg.checkpoint_dir, files.as_deref(), device, rows)
+                .map_err(|source| SetupError::Model { key, source })
+        }
+        _ => load(cfg, key, device),
     }
 }
 

@@ -64,6 +64,14 @@ pub struct RunStart {
 }
 
 impl RunStart {
+    /// FSDP's per-rank load: this rank's rows of every weight, when the model shards.
+    pub fn load_rows(&self) -> Option<crate::models::build::RowsOf> {
+        (self.fsdp && self.world.is_distributed()).then_some(crate::models::build::RowsOf {
+            rank: self.world.rank,
+            world: self.world.size,
+        })
+    }
+
     /// Prints on rank 0 only: one line per run, not one per worker.
     pub fn announce(&self, line: impl FnOnce() -> String) {
         if self.world.is_main() {

@@ -75,18 +75,44 @@ pub fn shard_model<B: AutodiffBackend>(
     world: &World,
     reshard_after_forward: bool,
 ) -> CausalLm<B> {
-    let mut shards = LayerShards::new(world.rank, world.size);
+    let (model, loaded) = loaded_shards(model, world);
+    let rows_loaded = loaded.is_some();
+    let mut shards = loaded.unwrap_or_else(|| LayerShards::new(world.rank, world.size));
     shards.reshard_after_forward = reshard_after_forward;
     let shards = shards
         .with_collectives(autodiff_collectives::<B>(world))
         .with_collectives(collectives::<B::InnerBackend>(world));
-    shard_layers(model, shards)
+    shard_layers(model, shards, rows_loaded)
+}
+
+/// The shards a per-rank load left on `model` (`models::build::build_rows`: it holds this
+/// rank's rows already), taken out to be given their collectives.
+fn loaded_shards<X: Backend>(
+    mut model: CausalLm<X>,
+    world: &World,
+) -> (CausalLm<X>, Option<LayerShards>) {
+    let loaded = model
+        .shards
+        .take()
+        .and_then(|s| Arc::try_unwrap(s).ok())
+        .filter(|s| s.rank() == world.rank);
+    (model, loaded)
 }
 
 /// Keeps this rank's rows of every weight: each decoder layer, and the embeddings, final norm
 /// and output layer, each a unit gathered on its own as torchtune's `custom_sharded_layers`
-/// (`tok_embeddings`, `output`) and its root unit (the final norm) shard them.
-fn shard_layers<X: Backend>(mut model: CausalLm<X>, mut shards: LayerShards) -> CausalLm<X> {
+/// (`tok_embeddings`, `output`) and its root unit (the final norm) shard them. A model a
+/// per-rank load built (`rows_loaded`: its weights are rows already, `shards` records them)
+/// keeps its weights.
+fn shard_layers<X: Backend>(
+    mut model: CausalLm<X>,
+    mut shards: LayerShards,
+    rows_loaded: bool,
+) -> CausalLm<X> {
+    if rows_loaded {
+        model.shards = Some(Arc::new(shards));
+        return model;
+    }
     model.model.layers = std::mem::take(&mut model.model.layers)
         .into_iter()
         .map(|layer| shards.shard(layer))
@@ -119,8 +145,12 @@ pub fn check<B: Backend>(model: &CausalLm<B>) -> Result<(), DistributedError> {
 /// A frozen model (DPO's reference, a distillation teacher) on the backend the world joined,
 /// with this rank's rows of every weight.
 pub fn shard_frozen<X: Backend>(model: CausalLm<X>, world: &World) -> CausalLm<X> {
-    let shards = LayerShards::new(world.rank, world.size).with_collectives(collectives::<X>(world));
-    shard_layers(model, shards)
+    let (model, loaded) = loaded_shards(model, world);
+    let rows_loaded = loaded.is_some();
+    let shards = loaded
+        .unwrap_or_else(|| LayerShards::new(world.rank, world.size))
+        .with_collectives(collectives::<X>(world));
+    shard_layers(model, shards, rows_loaded)
 }
 
 /// Whether parameter `id` is one of `model`'s FSDP shards.

@@ -605,3 +605,43 @@ fn training_starts_from_a_model_torch_saved_sharded() {
         }
     }
 }
+
+/// FSDP's per-rank load: each rank of 3 builds the model from its rows of every weight only
+/// (read from the safetensors file, or from torch's shard files), and those are exactly the
+/// rows of the whole model; the shards record every weight's whole shape.
+#[test]
+fn each_rank_loads_only_its_rows_of_every_weight() {
+    use tune::model_io::hf::{load_model, load_model_rows};
+    use tune::models::build::RowsOf;
+    type B = crate::support::Cpu;
+    let device = Default::default();
+    let whole = load_model::<B>(&fixture("tiny-llama"), None, &device)
+        .expect("whole")
+        .model
+        .named_params();
+    for source in ["tiny-llama", "dcp-tiny-llama"] {
+        for rank in 0..3 {
+            let rows = RowsOf { rank, world: 3 };
+            let model = load_model_rows::<B>(&fixture(source), None, &device, rows)
+                .expect("rows")
+                .model;
+            let shards = model.shards.clone().expect("the load records its shards");
+            let params = model.named_params();
+            assert_eq!(params.len(), whole.len());
+            for (got, want) in params.iter().zip(&whole) {
+                assert_eq!(got.name, want.name);
+                assert_eq!(
+                    shards.full_shape(&got.id),
+                    Some(want.value.shape.as_slice())
+                );
+                let r = row_range(want.value.shape[0], rank, 3);
+                assert_eq!(
+                    got.value,
+                    want.value.rows(r.start, r.len()),
+                    "{source} {}",
+                    got.name
+                );
+            }
+        }
+    }
+}
