@@ -484,3 +484,76 @@ impl RecipeKeys {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{ValidateOptions, ValidationErrors, Warning, load_config, validate_with};
+
+    use super::TrainConfig;
+
+    const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
+
+    fn validated(overrides: &[&str]) -> Result<(TrainConfig, Vec<Warning>), ValidationErrors> {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        let cfg = load_config("tiny/full", &overrides).expect("loads");
+        validate_with("full_finetune_distributed", &cfg, &NO_PATHS)
+            .map(|(typed, warnings)| (typed.as_train().expect("train").clone(), warnings))
+    }
+
+    #[test]
+    fn fsdp_block_cpu_offload_is_fsdp_cpu_offload() {
+        // What torchtune's llama2/7B_qlora and llama3_1/405B_qlora write.
+        let (c, warnings) = validated(&["fsdp={cpu_offload: False}"]).unwrap();
+        assert!(!c.cpu_offload());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        // tiny/full runs on the CPU: offloading is accepted, and said once, at the key set.
+        for (over, key) in [
+            ("fsdp={cpu_offload: True}", "fsdp.cpu_offload"),
+            ("fsdp_cpu_offload=True", "fsdp_cpu_offload"),
+        ] {
+            let (c, warnings) = validated(&[over]).unwrap();
+            assert!(c.cpu_offload(), "{over}");
+            let said: Vec<_> = warnings.iter().filter(|w| w.key == key).collect();
+            assert_eq!(said.len(), 1, "{over}: {warnings:?}");
+            assert!(said[0].message.contains("changes nothing"), "{said:?}");
+            // On a GPU it is refused, naming the key and the fix.
+            let e = validated(&[over, "device=cuda"]).unwrap_err();
+            assert!(
+                e.has(key, "only supported on the CPU device so far")
+                    && e.has(key, &format!("set `{key}: False`")),
+                "{e}"
+            );
+        }
+        assert!(!validated(&["fsdp_cpu_offload=null"]).unwrap().0.cpu_offload());
+    }
+
+    #[test]
+    fn fsdp_block_keys_tune_cannot_honour_are_refused_by_name() {
+        let e = validated(&["fsdp={cpu_offload: False, reshard_after_forward: False, mp_policy: x}"])
+            .unwrap_err();
+        assert_eq!(e.problems.len(), 2, "{e}");
+        assert!(
+            e.has(
+                "fsdp.reshard_after_forward",
+                "set the top-level `fsdp_reshard_after_forward` instead"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.has("fsdp.mp_policy", "remove it (`~fsdp.mp_policy`)"),
+            "{e}"
+        );
+        let e = validated(&["fsdp={cpu_offload: 1}"]).unwrap_err();
+        assert!(e.has("fsdp.cpu_offload", "expected a boolean"), "{e}");
+        let e = validated(&["fsdp=[cpu_offload]"]).unwrap_err();
+        assert!(e.has("fsdp", "the `fsdp` section"), "{e}");
+        // The two spellings disagreeing is refused rather than one silently winning.
+        let e = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=False"]).unwrap_err();
+        assert!(
+            e.has("fsdp.cpu_offload", "is true, but fsdp_cpu_offload is false"),
+            "{e}"
+        );
+        let (c, _) = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=True"]).unwrap();
+        assert!(c.cpu_offload());
+    }
+}
