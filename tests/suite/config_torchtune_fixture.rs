@@ -161,6 +161,9 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
     for key in ["model._component_", "tokenizer._component_"] {
         assert!(e.has(key, "Llama 4 is not supported"), "{key}: {e}");
     }
+    // Only those two: the refused components' own arguments (`model.decoder_trainable`,
+    // `tokenizer.max_num_tiles`) are not listed as unknown keys besides.
+    assert_eq!(e.problems.len(), 2, "{e}");
     assert!(
         e.has(
             "model._component_",
