@@ -150,6 +150,12 @@ def dummy_paths(cfg, scratch):
     return overrides
 
 
+def tune_recipes(tune):
+    """The recipe names `tune ls` lists (its first column)."""
+    listing = subprocess.run([tune, "ls"], check=True, capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines()[1:] if line[:1].strip()}
+
+
 def validate(tune, file, overrides, recipe=None):
     cmd = [tune, "validate", file, *overrides] + (["--recipe", recipe] if recipe else [])
     run = subprocess.run(cmd, capture_output=True, text=True)
@@ -171,7 +177,8 @@ def main():
         for f in git(args.torchtune, "ls-tree", "-r", "--name-only", args.rev, "recipes/configs").split()
         if f.endswith(".yaml")
     ]
-    ok, failed = [], []
+    has = tune_recipes(tune)
+    ok, failed, lacking = [], [], []
     with tempfile.TemporaryDirectory(prefix="tune-torchtune-configs-") as tmp:
         for rel in sorted(files):
             text = git(args.torchtune, "show", f"{args.rev}:recipes/configs/{rel}")
@@ -182,6 +189,9 @@ def main():
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
+            recipe = (by_registry or header_recipes(text))[0].split("/")[-1]
+            if recipe not in has:
+                lacking.append(rel)
             cfg = yaml.safe_load(text) or {}
             scratch = os.path.join(tmp, "models", rel)
             overrides = dummy_paths(cfg, scratch)
@@ -191,15 +201,26 @@ def main():
             out = out.replace(tmp + "/configs/", "").replace(scratch, "<model>")
             if rc == 0:
                 ok.append(rel)
-                if not args.only_failures:
-                    print(f"OK    {rel}")
+                # "Config is well-formed for <script>!": the recipe tune inferred, which the
+                # registry may name differently (a header that names another recipe).
+                found = re.search(r"well-formed for (\S+)!", out)
+                script = found.group(1) if found else "?"
+                expected = [r.split("/")[-1] for r in by_registry]
+                differs = f"  (registry: {', '.join(expected)})" if expected and script not in expected else ""
+                if not args.only_failures or differs:
+                    print(f"OK    {rel}  [{script}]{differs}")
             else:
                 failed.append((rel, out))
-                print(f"FAIL  {rel}")
+                print(f"FAIL  {rel}" + (f"  (tune has no {recipe})" if rel in lacking else ""))
                 for line in out.splitlines():
                     print(f"        {line}")
     total = len(ok) + len(failed)
     print(f"\n{len(ok)} of {total} multi-device configs validate; {len(failed)} do not")
+    ours = [rel for rel in ok + [f for f, _ in failed] if rel not in lacking]
+    print(
+        f"{len([r for r in ok if r not in lacking])} of the {len(ours)} for recipes tune has "
+        f"validate; {len(lacking)} are for recipes tune does not have"
+    )
     return 0
 
 

@@ -137,7 +137,10 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
     let e = tune::config::validate_with("full_finetune_distributed", &cfg, &no_paths).unwrap_err();
     assert_eq!(e.problems.len(), 1, "{e}");
     assert!(
-        e.has("fsdp_cpu_offload", "only supported on the CPU device so far"),
+        e.has(
+            "fsdp_cpu_offload",
+            "only supported on the CPU device so far"
+        ),
         "{e}"
     );
     let cfg = load_config(&full_70b, &args(&["device=cpu"])).unwrap();
@@ -156,8 +159,8 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
 
     // Llama 4: refused as Llama 4, at the model's component (and its tokenizer's).
     let llama4 = load_config(&format!("{dir}/llama4_scout_17B_16E_lora.yaml"), &[]).unwrap();
-    let e = tune::config::validate_with("lora_finetune_distributed", &llama4, &no_paths)
-        .unwrap_err();
+    let e =
+        tune::config::validate_with("lora_finetune_distributed", &llama4, &no_paths).unwrap_err();
     for key in ["model._component_", "tokenizer._component_"] {
         assert!(e.has(key, "Llama 4 is not supported"), "{key}: {e}");
     }

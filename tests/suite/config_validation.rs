@@ -647,8 +647,10 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
             &["fsdp_cpu_offload=True", &format!("device={device}")],
         );
         assert!(
-            e.has("fsdp_cpu_offload", "only supported on the CPU device so far")
-                && e.has("fsdp_cpu_offload", "set `fsdp_cpu_offload: False`"),
+            e.has(
+                "fsdp_cpu_offload",
+                "only supported on the CPU device so far"
+            ) && e.has("fsdp_cpu_offload", "set `fsdp_cpu_offload: False`"),
             "{device}: {e}"
         );
     }

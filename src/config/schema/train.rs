@@ -118,8 +118,8 @@ keys! {
     /// torchtune's older `fsdp:` block. Its dev recipe `lora_finetune_fsdp2.py` read
     /// `fsdp.cpu_offload` as FSDP2's `CPUOffloadPolicy`; the recipe's migration into
     /// `lora_finetune_distributed` (torchtune #1517) renamed it `fsdp_cpu_offload`, and the
-    /// block was never read again, but `llama2/7B_qlora`, `llama2/70B_qlora` (0.6.1) and
-    /// `llama3_1/405B_qlora` still carry it. tune reads it with its original meaning, through
+    /// block was never read again (0.6.1 and main ignore it), but main's `llama2/7B_qlora`,
+    /// `llama2/70B_qlora` and `llama3_1/405B_qlora` still carry it. tune reads it with its original meaning, through
     /// [`TrainConfig::cpu_offload`]; `cpu_offload` is the only key it ever had, so any other is
     /// refused by name.
     pub struct FsdpBlock {}
@@ -524,13 +524,19 @@ mod tests {
                 "{e}"
             );
         }
-        assert!(!validated(&["fsdp_cpu_offload=null"]).unwrap().0.cpu_offload());
+        assert!(
+            !validated(&["fsdp_cpu_offload=null"])
+                .unwrap()
+                .0
+                .cpu_offload()
+        );
     }
 
     #[test]
     fn fsdp_block_keys_tune_cannot_honour_are_refused_by_name() {
-        let e = validated(&["fsdp={cpu_offload: False, reshard_after_forward: False, mp_policy: x}"])
-            .unwrap_err();
+        let e =
+            validated(&["fsdp={cpu_offload: False, reshard_after_forward: False, mp_policy: x}"])
+                .unwrap_err();
         assert_eq!(e.problems.len(), 2, "{e}");
         assert!(
             e.has(
