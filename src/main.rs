@@ -271,7 +271,7 @@ fn run(
             launch.nnodes
         );
     }
-    let outcome = match device.unwrap_or(default_device()) {
+    let outcome = match Device::or_default(device) {
         Device::Cpu => {
             let run = move || {
                 run_workers(worlds, move |world| {
@@ -333,15 +333,6 @@ impl Job {
             world,
         };
         recipes::run(&self.typed, &ctx)
-    }
-}
-
-/// `device` left out: CUDA when this build has it, else the CPU (torchtune's `get_device`).
-fn default_device() -> Device {
-    if cfg!(feature = "cuda") {
-        Device::Cuda
-    } else {
-        Device::Cpu
     }
 }
 

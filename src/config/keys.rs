@@ -23,6 +23,7 @@ use serde_yaml::{Mapping, Value};
 use crate::config::components::{self, ComponentKind, ComponentOf, LookupError};
 use crate::config::error::{Problem, ProblemKind, Warning};
 use crate::config::recipes::Recipe;
+use crate::config::schema::Device;
 use crate::config::{suggest, yaml};
 
 /// A key's YAML type, as the walk checks it and "expected ..." messages name it.
@@ -282,6 +283,11 @@ pub struct Checker {
     /// `resume_from_checkpoint: True`, read before the walk: the checkpointer's
     /// `recipe_checkpoint` must then exist.
     pub resuming: bool,
+    /// The device the run computes on (`device`, or the build's default when null), read
+    /// before the walk for the keys whose meaning depends on it (`fsdp_cpu_offload`); `None`
+    /// when `device` cannot be read (the walk reports that at `device`) or for a section read
+    /// on its own.
+    pub device: Option<Device>,
 }
 
 impl Checker {
@@ -292,6 +298,7 @@ impl Checker {
             recipe,
             check_paths,
             resuming,
+            device: None,
         }
     }
 
@@ -488,6 +495,19 @@ impl Checker {
     }
 }
 
+/// Whether the section's `_component_` names a component tune refuses by name
+/// ([`LookupError::Unsupported`]; the walk reports it at `_component_`).
+pub fn refused_component(map: &Mapping) -> bool {
+    map.get("_component_")
+        .and_then(Value::as_str)
+        .is_some_and(|name| {
+            matches!(
+                components::lookup(name, None),
+                Err(LookupError::Unsupported { .. })
+            )
+        })
+}
+
 /// Whether a refused key's value asks for the behaviour tune lacks: anything but null, false,
 /// zero and empty.
 fn asks_for_something(v: &Value) -> bool {
@@ -666,7 +686,11 @@ macro_rules! keys {
                     cx: &mut $crate::config::keys::Checker,
                 ) -> Option<Self> {
                     let map = value.as_mapping()?;
-                    if !Self::SECTION.open {
+                    // A component tune refuses (Llama 4, a vision model) takes arguments of its
+                    // own: reporting each as unknown would bury the one problem that matters.
+                    let refused = Self::SECTION.component.is_some()
+                        && $crate::config::keys::refused_component(map);
+                    if !Self::SECTION.open && !refused {
                         cx.unknown_keys(map, path, &[Self::KEYS], Self::SECTION.component.is_some());
                     }
                     Self::read_keys(map, path, cx)

@@ -68,8 +68,11 @@ fn torchtune_config_without_overrides_reports_missing_paths() {
 /// Configs from torchtune main's recipes/configs (commit bd2a0fc, verbatim in
 /// tests/fixtures/torchtune_configs), each with something the first one lacks: QLoRA's
 /// `low_cpu_ram`, `checkpointer.keep_last_n_checkpoints`, a generic builder with architecture
-/// arguments, Phi-4's `vocab_path`/`merges_path` tokenizer, Qwen3. They validate (paths aside);
-/// a vision config and a PPO config are refused by name.
+/// arguments, Phi-4's `vocab_path`/`merges_path` tokenizer, Qwen3, the older `fsdp:` block
+/// (Llama 2 7B and Llama 3.1 405B QLoRA). They validate (paths aside); a vision config, a Llama 4
+/// config and a PPO config are refused by name, and a 70B full config's `fsdp_cpu_offload: True`
+/// is refused on its cuda and accepted on the CPU.
+/// (benches/torchtune_configs.py runs `tune validate` on all of torchtune's multi-device configs.)
 #[test]
 fn torchtune_main_configs_validate_or_are_refused_by_name() {
     let dir = concat!(
@@ -95,6 +98,8 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
             "qwen3_0.6B_lora_single_device.yaml",
             "lora_finetune_single_device",
         ),
+        ("llama2_7B_qlora.yaml", "lora_finetune_distributed"),
+        ("llama3_1_405B_qlora.yaml", "lora_finetune_distributed"),
     ] {
         let path = format!("{dir}/{file}");
         assert_eq!(
@@ -103,9 +108,72 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
             "{file}"
         );
         let cfg = load_config(&path, &[]).unwrap_or_else(|e| panic!("{file}: {e}"));
-        tune::config::validate_with(recipe, &cfg, &no_paths)
+        let (typed, _) = tune::config::validate_with(recipe, &cfg, &no_paths)
             .unwrap_or_else(|e| panic!("{file}: {e}"));
+        // The `fsdp:` block's `cpu_offload: False` is read as fsdp_cpu_offload.
+        let train = typed.as_train().expect("a training config");
+        assert!(!train.cpu_offload(), "{file}");
     }
+    let qlora = load_config(&format!("{dir}/llama2_7B_qlora.yaml"), &[]).unwrap();
+    let (typed, _) = tune::config::validate_with("lora_finetune_distributed", &qlora, &no_paths)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        typed
+            .as_train()
+            .and_then(|t| t.fsdp.as_ref())
+            .is_some_and(|f| f.cpu_offload == Some(false))
+    );
+
+    // Llama 3.3 70B full: `fsdp_cpu_offload: True` on its `device: cuda` is refused by name; on
+    // the CPU it changes nothing, and says so.
+    let full_70b = format!("{dir}/llama3_3_70B_full.yaml");
+    assert_eq!(
+        tune::cli::commands::infer_recipe(&full_70b).map(|r| r.name()),
+        tune::config::recipes::find("full_finetune_distributed")
+            .ok()
+            .map(|r| r.name())
+    );
+    let cfg = load_config(&full_70b, &[]).unwrap();
+    let e = tune::config::validate_with("full_finetune_distributed", &cfg, &no_paths).unwrap_err();
+    assert_eq!(e.problems.len(), 1, "{e}");
+    assert!(
+        e.has(
+            "fsdp_cpu_offload",
+            "only supported on the CPU device so far"
+        ),
+        "{e}"
+    );
+    let cfg = load_config(&full_70b, &args(&["device=cpu"])).unwrap();
+    let (typed, warnings) =
+        tune::config::validate_with("full_finetune_distributed", &cfg, &no_paths)
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert!(typed.as_train().is_some_and(|t| t.cpu_offload()));
+    assert_eq!(
+        warnings
+            .iter()
+            .filter(|w| w.key == "fsdp_cpu_offload")
+            .count(),
+        1,
+        "{warnings:?}"
+    );
+
+    // Llama 4: refused as Llama 4, at the model's component (and its tokenizer's).
+    let llama4 = load_config(&format!("{dir}/llama4_scout_17B_16E_lora.yaml"), &[]).unwrap();
+    let e =
+        tune::config::validate_with("lora_finetune_distributed", &llama4, &no_paths).unwrap_err();
+    for key in ["model._component_", "tokenizer._component_"] {
+        assert!(e.has(key, "Llama 4 is not supported"), "{key}: {e}");
+    }
+    // Only those two: the refused components' own arguments (`model.decoder_trainable`,
+    // `tokenizer.max_num_tiles`) are not listed as unknown keys besides.
+    assert_eq!(e.problems.len(), 2, "{e}");
+    assert!(
+        e.has(
+            "model._component_",
+            "torchtune.models.llama4.lora_llama4_scout_17b_16e"
+        ),
+        "{e}"
+    );
     let vision = load_config(
         &format!("{dir}/llama3_2_vision_11B_lora_single_device.yaml"),
         &[],

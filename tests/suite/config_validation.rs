@@ -586,8 +586,8 @@ fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
     );
 }
 
-/// torchtune's distributed knobs: accepted at the values that mean plain data parallelism with
-/// parameters on the device (what tune does), refused by name otherwise.
+/// torchtune's distributed knobs: accepted at the values that mean what tune does (FSDP or
+/// ZeRO-1 data parallelism, CPU offload on the CPU), refused by name otherwise.
 #[test]
 fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
     let warned = warnings(
@@ -620,12 +620,36 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
         !warned.iter().any(|w| w.key == "fsdp_reshard_after_forward"),
         "{warned:?}"
     );
+    // CPU offload: on the CPU (tiny/full's device) everything already is in host memory, which
+    // is said once; on a GPU it is refused by name until offloading exists there.
+    let warned = warnings(
+        "tiny/full",
+        "full_finetune_distributed",
+        &["fsdp_cpu_offload=True"],
+    );
+    assert_eq!(
+        warned
+            .iter()
+            .filter(|w| w.key == "fsdp_cpu_offload" && w.message.contains("changes nothing"))
+            .count(),
+        1,
+        "{warned:?}"
+    );
+    for device in ["cuda", "wgpu"] {
+        let e = errors(
+            "tiny/full",
+            "full_finetune_distributed",
+            &["fsdp_cpu_offload=True", &format!("device={device}")],
+        );
+        assert!(
+            e.has(
+                "fsdp_cpu_offload",
+                "only supported on the CPU device so far"
+            ) && e.has("fsdp_cpu_offload", "set `fsdp_cpu_offload: False`"),
+            "{device}: {e}"
+        );
+    }
     for (over, key, says) in [
-        (
-            "fsdp_cpu_offload=True",
-            "fsdp_cpu_offload",
-            "set fsdp_cpu_offload: False",
-        ),
         (
             "tensor_parallel_dim=8",
             "tensor_parallel_dim",

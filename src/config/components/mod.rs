@@ -368,6 +368,30 @@ mod tests {
     }
 
     #[test]
+    fn llama4_is_refused_as_llama4() {
+        for name in [
+            "torchtune.models.llama4.lora_llama4_scout_17b_16e",
+            "torchtune.models.llama4.llama4_transform",
+            "tune.models.llama4.llama4_maverick_17b_128e",
+        ] {
+            let err = lookup(name, None).unwrap_err();
+            assert!(matches!(err, LookupError::Unsupported { .. }), "{name}");
+            let err = err.to_string();
+            assert!(
+                err.contains(&format!("component `{name}`"))
+                    && err.contains("Llama 4 is not supported")
+                    && !err.contains("vision-language"),
+                "{err}"
+            );
+        }
+        // Vision models keep their own reason.
+        let err = lookup("torchtune.models.llama3_2_vision.llama3_2_vision_11b", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("vision-language models"), "{err}");
+    }
+
+    #[test]
     fn unknown_suggests() {
         let err = lookup("torch.optim.AdamX", Some(ComponentKind::Optimizer)).unwrap_err();
         assert!(err.to_string().contains("did you mean"), "{err}");

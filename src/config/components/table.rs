@@ -382,14 +382,22 @@ const META: &str = "only Hugging Face checkpoints are read; convert to HF safete
 const VISION: &str = "vision-language models are not supported: tune fine-tunes text-only decoders \
                       (for Llama 3.2's text models use torchtune.models.llama3_2.*)";
 
+/// Llama 4 is refused as itself, not as a vision model: its text decoder alone is already what
+/// tune lacks, and "vision" would send a user looking for a text-only Llama 4 builder.
+const LLAMA4: &str = "Llama 4 is not supported: tune has no mixture-of-experts decoder (nor Llama 4's \
+                      early-fusion vision encoder); tune's Llama family is Llama 2, 3, 3.1, 3.2 and 3.3";
+
 pub(super) fn unsupported(name: &str) -> Option<&'static str> {
-    let multimodal = ["torchtune.models.", "tune.models."].iter().any(|ns| {
-        name.strip_prefix(ns).is_some_and(|rest| {
-            rest.contains("_vision") || rest.starts_with("llama4.") || rest.starts_with("clip.")
-        })
-    });
-    if multimodal {
-        return Some(VISION);
+    let model = ["torchtune.models.", "tune.models."]
+        .iter()
+        .find_map(|ns| name.strip_prefix(ns));
+    if let Some(rest) = model {
+        if rest.starts_with("llama4.") {
+            return Some(LLAMA4);
+        }
+        if rest.contains("_vision") || rest.starts_with("clip.") {
+            return Some(VISION);
+        }
     }
     UNSUPPORTED
         .iter()

@@ -22,7 +22,9 @@ pub use model::{LoraModule, ModelConfig};
 pub use optimizer::{LrSchedulerConfig, OptimizerConfig};
 pub use quantizer::QuantizerConfig;
 pub use tokenizer::{TemplateChoice, TokenizerConfig, TruncationType};
-pub use train::{Device, FullDpoKeys, KdKeys, PushToHub, QatKeys, RecipeKeys, TrainConfig};
+pub use train::{
+    Device, FsdpBlock, FullDpoKeys, KdKeys, PushToHub, QatKeys, RecipeKeys, TrainConfig,
+};
 
 use crate::config::keys::{Fingerprint, FingerprintEntries};
 use crate::config::recipes::Recipe;

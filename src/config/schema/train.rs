@@ -13,7 +13,8 @@ use super::{
 };
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{
-    Checker, Fingerprint, FingerprintEntries, KeyInfo, default, keys, off, on, optional, required,
+    Checker, ConfigValue, Fingerprint, FingerprintEntries, KeyInfo, SectionInfo, Ty, default, keys,
+    off, on, optional, required,
 };
 use crate::config::recipes::Recipe;
 use crate::config::values::choices;
@@ -34,6 +35,27 @@ choices!(Device {
     "cuda" => Device::Cuda,
     "wgpu" => Device::Wgpu,
 });
+
+impl Device {
+    /// `device` left out or null: CUDA when this build has it, else the CPU (torchtune's
+    /// `get_device`).
+    pub fn or_default(device: Option<Device>) -> Device {
+        device.unwrap_or(if cfg!(feature = "cuda") {
+            Device::Cuda
+        } else {
+            Device::Cpu
+        })
+    }
+
+    /// The name a config writes for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+            Device::Wgpu => "wgpu",
+        }
+    }
+}
 
 choices!(Dtype {
     "fp32" => Dtype::Fp32,
@@ -83,6 +105,95 @@ fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
         }
     }
 }
+
+/// `fsdp_cpu_offload` (or the older `fsdp.cpu_offload`) on the run's device. On the CPU every
+/// parameter, gradient and optimizer state already lives in host memory, so it changes nothing
+/// and says so; on a GPU they stay in device memory, which offloading would change (that is
+/// not built yet), so it is refused rather than ignored.
+fn offload_on_device(offload: &Option<bool>, path: &str, cx: &mut Checker) {
+    if *offload != Some(true) {
+        return;
+    }
+    match cx.device {
+        Some(Device::Cpu) => cx.warn(
+            path,
+            "on device cpu the parameters, gradients and optimizer state already live in host memory: offloading them changes nothing",
+        ),
+        Some(device) => cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                path,
+                format!(
+                    "offloading parameters, gradients and optimizer state to host memory is only supported on the CPU device so far (this run's device is {})",
+                    device.name()
+                ),
+            )
+            .with_fix(format!(
+                "set `{path}: False` (FSDP keeps each rank's shards on its device), or `device: cpu`"
+            )),
+        ),
+        // `device` is unreadable and reports itself.
+        None => {}
+    }
+}
+
+keys! {
+    /// torchtune's older `fsdp:` block. Its dev recipe `lora_finetune_fsdp2.py` read
+    /// `fsdp.cpu_offload` as FSDP2's `CPUOffloadPolicy`; the recipe's migration into
+    /// `lora_finetune_distributed` (torchtune #1517) renamed it `fsdp_cpu_offload`, and the
+    /// block was never read again (0.6.1 and main ignore it), but main's `llama2/7B_qlora`,
+    /// `llama2/70B_qlora` and `llama3_1/405B_qlora` still carry it. tune reads it with its original meaning, through
+    /// [`TrainConfig::cpu_offload`]; `cpu_offload` is the only key it ever had, so any other is
+    /// refused by name.
+    pub struct FsdpBlock {}
+    /// The older spelling of `fsdp_cpu_offload`, with the same meaning and rule.
+    cpu_offload: Option<bool> = optional().rule(offload_on_device),
+}
+
+/// The `fsdp` section as `tune validate` sees it; its reader is [`FsdpBlock`]'s own, to say
+/// where each unknown key's setting lives instead.
+const FSDP_SECTION: SectionInfo = SectionInfo {
+    name: "fsdp",
+    component: None,
+    keys: FsdpBlock::KEYS,
+    open: false,
+};
+
+impl ConfigValue for FsdpBlock {
+    const TY: &'static Ty = &Ty::Section(&FSDP_SECTION);
+
+    fn read(value: &Value, path: &str, cx: &mut Checker) -> Option<Self> {
+        let map = value.as_mapping()?;
+        let known = |name: &str| FsdpBlock::KEYS.iter().any(|k| k.name == name);
+        for key in map.keys().map(crate::config::yaml::key_str) {
+            if known(&key) {
+                continue;
+            }
+            // torchtune's FSDP settings are top-level `fsdp_*` keys: point at the one this
+            // key would be, when tune has it.
+            let top = format!("fsdp_{key}");
+            let fix = if TrainConfig::KEYS.iter().any(|k| k.name == top) {
+                format!("set the top-level `{top}` instead, and remove `{path}.{key}`")
+            } else {
+                format!(
+                    "remove it (`~{path}.{key}`); FSDP's settings are the top-level keys fsdp_cpu_offload, fsdp_reshard_after_forward, custom_sharded_layers and data_parallel_shard_dim"
+                )
+            };
+            cx.problem(
+                Problem::new(
+                    ProblemKind::UnknownKey,
+                    crate::config::keys::join(path, &key),
+                    format!(
+                        "unknown key `{key}` for `{path}`: torchtune's `fsdp:` block only ever had `cpu_offload`"
+                    ),
+                )
+                .with_fix(fix),
+            );
+        }
+        Self::read_keys(map, path, cx)
+    }
+}
+
 keys! {
     /// `push_to_hub`: upload the final checkpoint when the run finishes.
     pub struct PushToHub {
@@ -182,10 +293,12 @@ keys! {
     /// its backward (True, the default), or keep them from the forward until the backward
     /// (False: one all-gather per layer per step, the whole layers held meanwhile).
     fsdp_reshard_after_forward: Option<bool> = optional(),
-    /// FSDP's CPU offload: only False (parameters stay on the device).
-    fsdp_cpu_offload: bool = off().refuse(
-        "offloading parameters, gradients and optimizer state to the CPU is not supported: tune keeps them on the device; set fsdp_cpu_offload: False",
-    ),
+    /// FSDP's CPU offload (null: False): parameters, gradients and optimizer state in host
+    /// memory. On device cpu they already are (accepted, and said once); on cuda and wgpu only
+    /// False so far. Read through [`TrainConfig::cpu_offload`].
+    fsdp_cpu_offload: Option<bool> = optional().rule(offload_on_device),
+    /// torchtune's older spelling of `fsdp_cpu_offload` (`fsdp: {cpu_offload: ...}`).
+    fsdp: Option<FsdpBlock> = optional(),
     /// Tensor parallelism: only 1.
     tensor_parallel_dim: Option<usize> = optional().range(
         |v| v == 1.0,
@@ -231,6 +344,15 @@ impl TrainConfig {
         }
     }
 
+    /// FSDP's CPU offload, whichever spelling set it: `fsdp_cpu_offload`, or the older
+    /// `fsdp.cpu_offload` (the one place the two are read; [`train_rules`] refuses them
+    /// disagreeing).
+    pub fn cpu_offload(&self) -> bool {
+        self.fsdp_cpu_offload
+            .or(self.fsdp.as_ref().and_then(|f| f.cpu_offload))
+            .unwrap_or(false)
+    }
+
     /// `keep_last_n_checkpoints`, at the top level or where torchtune main puts it.
     pub fn keep_last_n_checkpoints(&self) -> Option<usize> {
         self.keep_last_n_checkpoints
@@ -252,6 +374,20 @@ fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
                 format!("is {nested}, but the top-level keep_last_n_checkpoints is {top}"),
             )
             .with_fix("keep one of the two"),
+        );
+    }
+    if let (Some(top), Some(older)) = (
+        c.fsdp_cpu_offload,
+        c.fsdp.as_ref().and_then(|f| f.cpu_offload),
+    ) && top != older
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "fsdp.cpu_offload",
+                format!("is {older}, but fsdp_cpu_offload is {top}"),
+            )
+            .with_fix("keep `fsdp_cpu_offload` (torchtune's current spelling) and remove the `fsdp` block"),
         );
     }
     if c.run_val_every_n_steps.is_some() && c.dataset_val.is_none() {
@@ -367,5 +503,84 @@ impl RecipeKeys {
             Self::Qat(keys) | Self::QatLora(keys) => Some(keys),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{ValidateOptions, ValidationErrors, Warning, load_config, validate_with};
+
+    use super::TrainConfig;
+
+    const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
+
+    fn validated(overrides: &[&str]) -> Result<(TrainConfig, Vec<Warning>), ValidationErrors> {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        let cfg = load_config("tiny/full", &overrides).expect("loads");
+        validate_with("full_finetune_distributed", &cfg, &NO_PATHS)
+            .map(|(typed, warnings)| (typed.as_train().expect("train").clone(), warnings))
+    }
+
+    #[test]
+    fn fsdp_block_cpu_offload_is_fsdp_cpu_offload() {
+        // What torchtune's llama2/7B_qlora and llama3_1/405B_qlora write.
+        let (c, warnings) = validated(&["fsdp={cpu_offload: False}"]).unwrap();
+        assert!(!c.cpu_offload());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        // tiny/full runs on the CPU: offloading is accepted, and said once, at the key set.
+        for (over, key) in [
+            ("fsdp={cpu_offload: True}", "fsdp.cpu_offload"),
+            ("fsdp_cpu_offload=True", "fsdp_cpu_offload"),
+        ] {
+            let (c, warnings) = validated(&[over]).unwrap();
+            assert!(c.cpu_offload(), "{over}");
+            let said: Vec<_> = warnings.iter().filter(|w| w.key == key).collect();
+            assert_eq!(said.len(), 1, "{over}: {warnings:?}");
+            assert!(said[0].message.contains("changes nothing"), "{said:?}");
+            // On a GPU it is refused, naming the key and the fix.
+            let e = validated(&[over, "device=cuda"]).unwrap_err();
+            assert!(
+                e.has(key, "only supported on the CPU device so far")
+                    && e.has(key, &format!("set `{key}: False`")),
+                "{e}"
+            );
+        }
+        assert!(
+            !validated(&["fsdp_cpu_offload=null"])
+                .unwrap()
+                .0
+                .cpu_offload()
+        );
+    }
+
+    #[test]
+    fn fsdp_block_keys_tune_cannot_honour_are_refused_by_name() {
+        let e =
+            validated(&["fsdp={cpu_offload: False, reshard_after_forward: False, mp_policy: x}"])
+                .unwrap_err();
+        assert_eq!(e.problems.len(), 2, "{e}");
+        assert!(
+            e.has(
+                "fsdp.reshard_after_forward",
+                "set the top-level `fsdp_reshard_after_forward` instead"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.has("fsdp.mp_policy", "remove it (`~fsdp.mp_policy`)"),
+            "{e}"
+        );
+        let e = validated(&["fsdp={cpu_offload: 1}"]).unwrap_err();
+        assert!(e.has("fsdp.cpu_offload", "expected a boolean"), "{e}");
+        let e = validated(&["fsdp=[cpu_offload]"]).unwrap_err();
+        assert!(e.has("fsdp", "the `fsdp` section"), "{e}");
+        // The two spellings disagreeing is refused rather than one silently winning.
+        let e = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=False"]).unwrap_err();
+        assert!(
+            e.has("fsdp.cpu_offload", "is true, but fsdp_cpu_offload is false"),
+            "{e}"
+        );
+        let (c, _) = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=True"]).unwrap();
+        assert!(c.cpu_offload());
     }
 }
