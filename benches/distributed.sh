@@ -59,7 +59,7 @@ mb() { echo "$(metric "$1" "$2") / 1048576" | bc -l; }
 # rank 0's peak RSS at its last step, before the final save (`peak_memory_bytes`)
 last_mb() { python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(r[-1]['peak_memory_bytes']/1048576)" "$1"; }
 echo
-echo "| shape | mode | ranks | batch per rank | peak RSS per rank, max (MB) | rank 0 peak RSS before the final save (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
+echo "| shape | mode | ranks | batch per rank | peak RSS per rank: rank 0 / the others (MB) | rank 0 peak RSS before the final save (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 dir="$OUT/135m-1"
 /usr/bin/time -v -o "$OUT/time-1-0.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
@@ -80,10 +80,10 @@ for ranks in 2 4; do
         output_dir="$dir" batch_size=$((4 / ranks)) data_parallel_shard_dim=$dim >/dev/null 2>&1 &
     done
     wait
-    peak=0
-    for rank in $(seq 0 $((ranks - 1))); do
-      p=$(peak_mb "$OUT/time-$mode-$ranks-$rank.txt"); [ "$p" -gt "$peak" ] && peak=$p
-    done
+    # rank 0's peak / the other ranks' (lowest-highest)
+    others=$(for rank in $(seq 1 $((ranks - 1))); do peak_mb "$OUT/time-$mode-$ranks-$rank.txt"; echo; done | sort -n)
+    low=$(echo "$others" | head -1); high=$(echo "$others" | tail -1)
+    peak="$(peak_mb "$OUT/time-$mode-$ranks-0.txt") / $low$([ "$low" = "$high" ] || echo "-$high")"
     printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %.0f | %s |\n" "$mode" "$ranks" \
       $((4 / ranks)) "$peak" "$(last_mb "$dir/logs/metrics.jsonl")" \
       "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \

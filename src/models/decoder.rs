@@ -10,7 +10,9 @@ use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 use super::rope::{self, RopeTables};
+use super::shards::LayerShards;
 use crate::kernels::{attention_by_position, permute, softcap, swiglu};
+use crate::modules::frozen_nf4::Nf4Rows;
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
 #[derive(Module, Debug)]
@@ -152,6 +154,90 @@ pub struct DecoderLayer<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
+    /// The layer's linear layers, attention's then the MLP's.
+    pub fn linears(&self) -> [&Linear<B>; 7] {
+        let (a, m) = (&self.self_attn, &self.mlp);
+        [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ]
+    }
+
+    /// [`Self::linears`], mutable.
+    pub fn linears_mut(&mut self) -> [&mut Linear<B>; 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [
+            &mut a.q_proj,
+            &mut a.k_proj,
+            &mut a.v_proj,
+            &mut a.o_proj,
+            &mut m.gate_proj,
+            &mut m.up_proj,
+            &mut m.down_proj,
+        ]
+    }
+
+    /// FSDP: keeps this rank's rows of every NF4 base weight (`Linear::shard_nf4`).
+    pub fn shard_nf4(mut self, shards: &LayerShards) -> Self {
+        for linear in self.linears_mut() {
+            let out = linear.out_features();
+            linear.shard_nf4(shards.rows(out, shards.rank()));
+        }
+        self
+    }
+
+    /// The layer with every NF4 base weight whole, gathered from every rank's rows (one
+    /// all-gather of their codes and scales); the gathered weights dequantize exactly as the
+    /// whole weights would.
+    pub fn gather_nf4(mut self, shards: &LayerShards) -> Self {
+        let Some(device) = self.devices().into_iter().next() else {
+            return self;
+        };
+        let pieces: Vec<Nf4Rows> = self
+            .linears()
+            .into_iter()
+            .filter_map(|l| l.nf4_rows().cloned())
+            .collect();
+        if pieces.is_empty() {
+            return self;
+        }
+        let world = shards.world();
+        let len =
+            |piece: &Nf4Rows, rank: usize| piece.values_len(&shards.rows(piece.full[0], rank));
+        let total: usize = (0..world)
+            .map(|r| pieces.iter().map(|p| len(p, r)).sum::<usize>())
+            .sum();
+        let local: Vec<f32> = pieces.iter().flat_map(Nf4Rows::to_values).collect();
+        let whole = shards.gather_values::<B>(local, total, &device);
+        // Rank-major: rank 0's values of every piece, then rank 1's, ...
+        let mut parts: Vec<Vec<&[f32]>> = vec![Vec::with_capacity(world); pieces.len()];
+        let mut offset = 0;
+        for rank in 0..world {
+            for (j, piece) in pieces.iter().enumerate() {
+                let n = len(piece, rank);
+                parts[j].push(&whole[offset..offset + n]);
+                offset += n;
+            }
+        }
+        let mut gathered = pieces
+            .iter()
+            .zip(&parts)
+            .map(|(p, parts)| p.gather_parts(parts));
+        for linear in self.linears_mut() {
+            if linear.nf4_rows().is_some()
+                && let Some(whole) = gathered.next()
+            {
+                *linear = linear.with_gathered_nf4(whole);
+            }
+        }
+        self
+    }
+
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -339,7 +425,9 @@ impl<B: Backend> CausalLm<B> {
     /// model is sharded (one collective call, the same on every rank), else the layer itself.
     pub fn layer(&self, i: usize) -> std::borrow::Cow<'_, DecoderLayer<B>> {
         match &self.shards {
-            Some(shards) => std::borrow::Cow::Owned(shards.gather(&self.model.layers[i])),
+            Some(shards) => {
+                std::borrow::Cow::Owned(shards.gather(&self.model.layers[i]).gather_nf4(shards))
+            }
             None => std::borrow::Cow::Borrowed(&self.model.layers[i]),
         }
     }
@@ -356,7 +444,7 @@ impl<B: Backend> CausalLm<B> {
             .model
             .layers
             .iter()
-            .map(|layer| shards.gather(layer))
+            .map(|layer| shards.gather(layer).gather_nf4(shards))
             .collect();
         whole.model.norm = shards.gather(&self.model.norm);
         whole.lm_head = self.lm_head.as_ref().map(|head| shards.gather(head));

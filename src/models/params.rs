@@ -67,11 +67,20 @@ impl<B: Backend> CausalLm<B> {
         v.out
     }
 
-    /// The parameters that train, by module path, in model order, without copying their
-    /// values (the data-parallel collectives list them every step).
-    /// Bytes of the float parameters this model holds (with FSDP, this rank's rows of each
-    /// sharded one); NF4 bases are not parameters and not counted.
+    /// Bytes of the weights this model holds: its float parameters and its NF4 base weights
+    /// as stored (with FSDP, this rank's rows of each).
     pub fn parameter_bytes(&self) -> usize {
+        let nf4: usize = self
+            .model
+            .layers
+            .iter()
+            .flat_map(|layer| layer.linears())
+            .map(|l| l.nf4().map_or(0, |q| q.bytes()) + l.nf4_rows().map_or(0, |r| r.bytes()))
+            .sum();
+        nf4 + self.float_parameter_bytes()
+    }
+
+    fn float_parameter_bytes(&self) -> usize {
         struct Bytes(usize);
         impl<B: Backend> ModuleVisitor<B> for Bytes {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -84,6 +93,8 @@ impl<B: Backend> CausalLm<B> {
         bytes.0
     }
 
+    /// The parameters that train, by module path, in model order, without copying their
+    /// values (the data-parallel collectives list them every step).
     pub fn trainable_params(&self) -> Vec<TrainableParam> {
         struct List {
             path: Vec<String>,

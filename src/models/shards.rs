@@ -110,6 +110,10 @@ impl LayerShards {
         self.rank
     }
 
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
     /// The rows of a `rows`-row tensor that `rank` keeps: `ceil(rows / W)` each, in rank order,
     /// as FSDP2 (and the sharded checkpoints, [`row_range`]) split them.
     pub fn rows(&self, rows: usize, rank: usize) -> Range<usize> {
@@ -336,6 +340,33 @@ impl LayerShards {
             shards: self,
             parts,
         })
+    }
+
+    /// Every rank's `local` values (f32, whatever the model's dtype: they carry NF4 codes and
+    /// scales exactly), concatenated in rank order: one all-gather. `total` is the whole's
+    /// length, for the zeros a failed call goes on with (see the module doc).
+    pub fn gather_values<X: Backend>(
+        &self,
+        local: Vec<f32>,
+        total: usize,
+        device: &X::Device,
+    ) -> Vec<f32> {
+        let n = local.len();
+        let piece = crate::precision::f32_tensor::<X, 1>(local, [n], device);
+        let whole = if self.failed() {
+            None
+        } else {
+            match (self.collectives::<X>().all_gather)(piece) {
+                Ok(t) => t.into_data().into_vec::<f32>().ok(),
+                Err(e) => {
+                    self.keep_failure(e);
+                    None
+                }
+            }
+        };
+        whole
+            .filter(|v| v.len() == total)
+            .unwrap_or_else(|| vec![0.0; total])
     }
 
     /// After a gathered layer's backward pass: takes its parameters' gradients out of

@@ -63,8 +63,75 @@ pub struct FrozenNf4 {
     pub order: RowOrder,
     /// The dtype it is dequantized in for the forward and backward passes: the model's.
     pub compute: Nf4Dtype,
+    /// Each block's scale in `compute`, when held as such instead of through `nf4`'s double
+    /// quantization (FSDP's rows of a weight, and a weight gathered from them, [`Nf4Rows`]).
+    scales: Option<Arc<Vec<f32>>>,
     /// The codes and block scales uploaded to a GPU backend's device, once.
     on_device: DeviceCopies,
+}
+
+/// FSDP's share of a frozen NF4 weight on one rank: quantized rows `rows` (of `full` rows, in
+/// the order they were quantized in), their codes and their blocks' scales exactly as the
+/// whole weight dequantizes them, so the weight gathered from every rank's share
+/// ([`Nf4Rows::gather_parts`]) dequantizes bit for bit as the whole one.
+#[derive(Debug, Clone)]
+pub struct Nf4Rows {
+    pub full: [usize; 2],
+    pub rows: std::ops::Range<usize>,
+    pub order: RowOrder,
+    pub compute: Nf4Dtype,
+    pub dtype: Nf4Dtype,
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+}
+
+impl Nf4Rows {
+    /// The codes (as the numbers 0-255) then the block scales: what a rank sends to gather
+    /// the weight, exactly representable in f32.
+    pub fn to_values(&self) -> Vec<f32> {
+        let mut values: Vec<f32> = self.codes.iter().map(|&b| f32::from(b)).collect();
+        values.extend_from_slice(&self.scales);
+        values
+    }
+
+    /// How many values [`Self::to_values`] sends for rows `rows` of this weight.
+    pub fn values_len(&self, rows: &std::ops::Range<usize>) -> usize {
+        let n = rows.len() * self.full[1];
+        n / 2 + n / BLOCK_SIZE
+    }
+
+    /// The whole weight from every rank's [`Self::to_values`], in rank (= row) order.
+    pub fn gather_parts(&self, parts: &[&[f32]]) -> FrozenNf4 {
+        let [out, inp] = self.full;
+        let mut codes = Vec::with_capacity(out * inp / 2);
+        let mut scales = Vec::with_capacity(out * inp / BLOCK_SIZE);
+        for part in parts {
+            // A block is 32 code bytes and one scale.
+            let blocks = part.len() / (BLOCK_SIZE / 2 + 1);
+            let (c, sc) = part.split_at(part.len() - blocks);
+            codes.extend(c.iter().map(|&v| v as u8));
+            scales.extend_from_slice(sc);
+        }
+        FrozenNf4 {
+            nf4: Nf4Weight {
+                shape: vec![out, inp],
+                dtype: self.dtype,
+                codes,
+                scalers: Vec::new(),
+                factors: Vec::new(),
+                mean: 0.0,
+            },
+            order: self.order,
+            compute: self.compute,
+            scales: Some(Arc::new(scales)),
+            on_device: DeviceCopies::default(),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len()
+    }
 }
 
 /// Per backend type and device, the weight as [`OnDevice`] holds it. Cloning a [`FrozenNf4`]
@@ -132,7 +199,37 @@ impl FrozenNf4 {
             nf4: Nf4Weight::quantize(values, &shape, dtype)?,
             order,
             compute,
+            scales: None,
             on_device: DeviceCopies::default(),
+        })
+    }
+
+    /// Each block's scale in the compute dtype.
+    fn block_scales(&self) -> Vec<f32> {
+        match &self.scales {
+            Some(scales) => scales.as_ref().clone(),
+            None => self.nf4.block_scales_in(self.compute),
+        }
+    }
+
+    /// Quantized rows `rows` of this weight as FSDP keeps them on one rank ([`Nf4Rows`]);
+    /// `None` when a row does not hold whole blocks (`in` not a multiple of the block size:
+    /// such a weight stays whole on every rank).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Option<Nf4Rows> {
+        let [out, inp] = self.shape();
+        if !inp.is_multiple_of(BLOCK_SIZE) || rows.end > out {
+            return None;
+        }
+        let (start, end) = (rows.start * inp, rows.end * inp);
+        let scales = self.block_scales();
+        Some(Nf4Rows {
+            full: [out, inp],
+            rows,
+            order: self.order,
+            compute: self.compute,
+            dtype: self.nf4.dtype,
+            codes: self.nf4.codes[start / 2..end / 2].to_vec(),
+            scales: scales[start / BLOCK_SIZE..end / BLOCK_SIZE].to_vec(),
         })
     }
 
@@ -158,7 +255,7 @@ impl FrozenNf4 {
     pub fn dequantize(&self) -> Vec<f32> {
         let [out, inp] = self.shape();
         let compute = self.compute;
-        let scales = self.nf4.block_scales_in(compute);
+        let scales = self.block_scales();
         let mut values = vec![0.0; out * inp];
         values
             .par_chunks_mut(inp.max(1))
@@ -243,7 +340,7 @@ impl FrozenNf4 {
             .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let n = words.len();
-        let scales = self.nf4.block_scales_in(self.compute);
+        let scales = self.block_scales();
         let blocks = scales.len();
         let rows = match self.order {
             RowOrder::Stored => None,
@@ -273,7 +370,7 @@ impl FrozenNf4 {
     pub fn matmul_rows(&self, x: &[f32], rows: usize) -> Vec<f32> {
         let [out, inp] = self.shape();
         debug_assert!(inp.is_multiple_of(BLOCK_SIZE) && x.len() == rows * inp);
-        let scales = self.nf4.block_scales_in(self.compute);
+        let scales = self.block_scales();
         let levels = self.nf4.levels();
         // y^T [out, rows], one output row per task.
         let mut yt = vec![0.0f32; out * rows];
@@ -294,7 +391,10 @@ impl FrozenNf4 {
 
     /// Bytes held by the quantized weight.
     pub fn bytes(&self) -> usize {
-        self.nf4.bytes()
+        match &self.scales {
+            Some(scales) => self.nf4.codes.len() + 4 * scales.len(),
+            None => self.nf4.bytes(),
+        }
     }
 }
 

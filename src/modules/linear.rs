@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 
 use super::constant;
 use super::fake_quant::{self, QuantScheme};
-use super::frozen_nf4::FrozenNf4;
+use super::frozen_nf4::{FrozenNf4, Nf4Rows};
 use super::lora::{self, Lora};
 use crate::kernels::matmul;
 
@@ -22,6 +22,10 @@ pub struct Linear<B: Backend> {
     /// The base weight in NF4 (QLoRA): frozen, dequantized per use, no gradient.
     #[module(skip)]
     nf4: Option<Arc<FrozenNf4>>,
+    /// FSDP: this rank's rows of the NF4 base weight instead of `nf4`; the layer runs only
+    /// once gathered (`Linear::with_gathered_nf4`).
+    #[module(skip)]
+    nf4_rows: Option<Arc<Nf4Rows>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub lora: Option<Lora<B>>,
     /// Fake quantization for QAT; `None` trains in plain floating point.
@@ -60,6 +64,7 @@ impl<B: Backend> Linear<B> {
         Self {
             weight: Some(Param::from_tensor(weight)),
             nf4: None,
+            nf4_rows: None,
             bias: bias.map(Param::from_tensor),
             lora: None,
             quant: None,
@@ -71,6 +76,7 @@ impl<B: Backend> Linear<B> {
         Self {
             weight: None,
             nf4: Some(Arc::new(weight)),
+            nf4_rows: None,
             bias: bias.map(Param::from_tensor),
             lora: None,
             quant: None,
@@ -80,6 +86,7 @@ impl<B: Backend> Linear<B> {
     /// Replaces the base weight with a frozen NF4 one (the float weight is released).
     pub fn set_nf4(&mut self, weight: FrozenNf4) {
         self.nf4 = Some(Arc::new(weight));
+        self.nf4_rows = None;
         self.weight = None;
     }
 
@@ -88,19 +95,49 @@ impl<B: Backend> Linear<B> {
         self.nf4.as_deref()
     }
 
+    /// FSDP: keeps quantized rows `rows` of the NF4 base weight only; `false` (and the
+    /// weight kept whole) when it is not NF4 or its rows do not hold whole blocks.
+    pub fn shard_nf4(&mut self, rows: std::ops::Range<usize>) -> bool {
+        let Some(piece) = self.nf4.as_ref().and_then(|q| q.rows(rows)) else {
+            return false;
+        };
+        self.nf4_rows = Some(Arc::new(piece));
+        self.nf4 = None;
+        true
+    }
+
+    /// This rank's rows of the NF4 base weight, when sharded.
+    pub fn nf4_rows(&self) -> Option<&Nf4Rows> {
+        self.nf4_rows.as_deref()
+    }
+
+    /// The layer with `whole` (gathered from every rank's [`Self::nf4_rows`]) as its NF4 base.
+    pub fn with_gathered_nf4(&self, whole: FrozenNf4) -> Self {
+        let mut gathered = self.clone();
+        gathered.nf4 = Some(Arc::new(whole));
+        gathered.nf4_rows = None;
+        gathered
+    }
+
     /// The base weight, float or NF4: every constructor and setter leaves exactly one.
     fn base(&self) -> Base<'_, B> {
         match (&self.weight, &self.nf4) {
             (Some(w), _) => Base::Float(w),
             (None, Some(q)) => Base::Nf4(q),
+            (None, None) if self.nf4_rows.is_some() => panic!(
+                "invariant: a layer holding rows of an NF4 weight runs only gathered (`CausalLm::layer`)"
+            ),
             (None, None) => panic!(
                 "a linear layer without a base weight: `Linear`'s constructors and setters always set one"
             ),
         }
     }
 
-    /// `[out, in]`.
+    /// `[out, in]` (the whole weight's, for FSDP's rows of an NF4 one).
     fn shape(&self) -> [usize; 2] {
+        if let Some(rows) = &self.nf4_rows {
+            return rows.full;
+        }
         match self.base() {
             Base::Float(w) => w.val().dims(),
             Base::Nf4(q) => q.shape(),
@@ -155,6 +192,7 @@ impl<B: Backend> Linear<B> {
     pub fn set_weight(&mut self, weight: Tensor<B, 2>) {
         self.weight = Some(Param::from_tensor(weight));
         self.nf4 = None;
+        self.nf4_rows = None;
     }
 
     fn device(&self) -> B::Device {

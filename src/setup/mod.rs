@@ -66,10 +66,6 @@ pub enum SetupError {
         "data_parallel_shard_dim: {dim} with {world} ranks: tune shards the weights over every rank (-1, or {world}) or over none (1); groups of ranks (HSDP) are not supported"
     )]
     ShardDim { dim: i64, world: usize },
-    #[error(
-        "data_parallel_shard_dim: -1 (the default) shards every decoder-layer weight over the ranks, but NF4 (QLoRA) base weights do not shard yet; set data_parallel_shard_dim: 1 to train with every rank holding the whole NF4 model"
-    )]
-    ShardedNf4,
     /// `key`: the config key that chose the directory (`output_dir`, `checkpointer.output_dir`).
     #[error(
         "{key} {}: another run is using it ({holder}); wait for it to finish, or set a different {key}",

@@ -374,8 +374,5 @@ fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<bool, SetupError> {
             });
         }
     };
-    if fsdp && cfg.model.quantizes_base() {
-        return Err(SetupError::ShardedNf4);
-    }
     Ok(fsdp)
 }

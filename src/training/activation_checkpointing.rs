@@ -62,7 +62,7 @@ pub fn forward_backward<B: AutodiffBackend>(
     // FSDP: a layer's whole weights exist only for its forward; the next layer's gather runs
     // beside this one's compute.
     let gather_inner = |i: usize| match &model.shards {
-        Some(shards) => shards.gather(&layers[i].valid()),
+        Some(shards) => shards.gather(&layers[i].valid()).gather_nf4(shards),
         None => layers[i].valid(),
     };
     let mut next = (!layers.is_empty() && !keep).then(|| gather_inner(0));

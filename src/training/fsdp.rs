@@ -115,7 +115,7 @@ fn shard_layers<X: Backend>(
     }
     model.model.layers = std::mem::take(&mut model.model.layers)
         .into_iter()
-        .map(|layer| shards.shard(layer))
+        .map(|layer| shards.shard(layer).shard_nf4(&shards))
         .collect();
     let body = &mut model.model;
     body.embed_tokens = shards.shard(body.embed_tokens.clone());

@@ -594,24 +594,15 @@ fn fsdp_dpo_and_distillation_on_two_workers_match_one_device() {
     }
 }
 
-/// What FSDP cannot do yet, and shard dimensions other than all ranks or none, are refused
-/// by name before training.
+/// Shard dimensions other than all ranks or none are refused by name before training.
 #[test]
-fn fsdp_refuses_nf4_bases_and_partial_shard_groups() {
-    for (recipe, config, extra, expect) in [
-        (
-            "lora_finetune_distributed",
-            "tiny/lora",
-            "model.quantize_base=True",
-            "NF4 (QLoRA) base weights do not shard yet",
-        ),
-        (
-            "full_finetune_distributed",
-            "tiny/full",
-            "data_parallel_shard_dim=3",
-            "data_parallel_shard_dim: 3 with 2 ranks",
-        ),
-    ] {
+fn fsdp_refuses_partial_shard_groups() {
+    for (recipe, config, extra, expect) in [(
+        "full_finetune_distributed",
+        "tiny/full",
+        "data_parallel_shard_dim=3",
+        "data_parallel_shard_dim: 3 with 2 ranks",
+    )] {
         let dir = temp_dir("fsdp-refused");
         let out = output(&dir);
         let res = tune_command(&[

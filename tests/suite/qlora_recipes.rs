@@ -9,6 +9,7 @@ use crate::support;
 use std::path::Path;
 
 use support::*;
+use tune::checkpoint::safetensors_io::SafetensorsFile;
 
 fn nf4_dir() -> String {
     fixture("tiny-llama-nf4").display().to_string()
@@ -178,29 +179,71 @@ fn dpo_distillation_bf16_and_two_workers_train_a_qlora_policy() {
     );
     assert!(losses(bf16.path()).iter().all(|l| l.is_finite()));
 
-    // Two workers with batch 2 equal one device with batch 4 (NF4 bases stay whole on every
-    // rank: FSDP refuses them, see distributed.rs).
+    // Two workers with batch 2 equal one device with batch 4: with FSDP (the default) every
+    // rank keeps its rows of each NF4 base weight (codes and block scales) and gathers them per
+    // use, as torchtune's 70B/405B QLoRA configs shard; with `data_parallel_shard_dim: 1` every
+    // rank holds the whole NF4 model. The same losses, adapter and merged model (exported
+    // from the gathered base) as one device.
     let one = temp_dir("qlora-dp1");
-    let two = temp_dir("qlora-dp2");
-    let common = ["max_steps_per_epoch=4", "save_adapter_weights_only=True"];
+    let common = ["max_steps_per_epoch=4", "save_adapter_weights_only=False"];
     let mut single = common.to_vec();
     single.push("batch_size=4");
     run("lora_finetune_single_device", "tiny/lora", &one, &single);
-    let mut overrides = qlora(&common);
-    overrides.push("data_parallel_shard_dim=1".into());
-    let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
-    crate::distributed::train(
-        2,
-        "lora_finetune_distributed",
-        "tiny/lora",
-        &two,
-        2,
-        &overrides,
-    );
-    let (a, b) = (losses(one.path()), losses(two.path()));
-    assert_eq!(a.len(), b.len());
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-4 * x.abs(), "{a:?} vs {b:?}");
+    for shard_dim in ["data_parallel_shard_dim=-1", "data_parallel_shard_dim=1"] {
+        let two = temp_dir("qlora-dp2");
+        let mut overrides = qlora(&common);
+        overrides.push(shard_dim.into());
+        let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        crate::distributed::train(
+            2,
+            "lora_finetune_distributed",
+            "tiny/lora",
+            &two,
+            2,
+            &overrides,
+        );
+        let (a, b) = (losses(one.path()), losses(two.path()));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs(),
+                "{shard_dim}: {a:?} vs {b:?}"
+            );
+        }
+        for file in ["adapter_model.safetensors", "model.safetensors"] {
+            let (got, want) = (
+                SafetensorsFile::open(&two.path().join("epoch_0").join(file)).unwrap(),
+                SafetensorsFile::open(&one.path().join("epoch_0").join(file)).unwrap(),
+            );
+            assert_eq!(got.names().len(), want.names().len(), "{shard_dim} {file}");
+            for name in want.names() {
+                let (g, w) = (got.read(&name).unwrap(), want.read(&name).unwrap());
+                assert_eq!(g.shape, w.shape, "{shard_dim} {file} {name}");
+                // The merged model is stored in bf16: an adapter 1e-7 away may round one
+                // element to the neighbouring bf16 value.
+                let ulps = if file == "model.safetensors" {
+                    1.0
+                } else {
+                    0.0
+                };
+                for (a, b) in g.data.iter().zip(&w.data) {
+                    let tol = 1e-6 + ulps * b.abs() / 128.0;
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{shard_dim} {file} {name}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        if shard_dim.ends_with("-1") {
+            let held = |dir: &TempDir| {
+                let m = read_metrics(&dir.path().join("logs/metrics.jsonl"));
+                column(&m, "parameter_bytes")[0]
+            };
+            // Every weight's rows, NF4 bases included (adapters stay whole).
+            let (one, two) = (held(&one), held(&two));
+            assert!(two < 0.6 * one, "rank 0 holds {two} of {one} bytes");
+        }
     }
 }
 
