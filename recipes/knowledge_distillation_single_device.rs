@@ -37,7 +37,8 @@ pub fn run<B: AutodiffBackend>(
     // Student: LoRA adapters on the frozen base, or the whole model (from the checkpoint
     // being resumed, which holds every weight).
     let (student, storage_dtype, content, shape) = if cfg.model.is_lora() {
-        let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
+        let loaded =
+            model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
         let mut student = loaded.model;
         let (plan, content) = model::lora(&mut student, cfg, &run)?;
         let student = student.set_trainable(Trainable::AdaptersOnly);

@@ -25,7 +25,8 @@ pub fn run<B: AutodiffBackend>(
 ) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
-    let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
+    let loaded =
+        model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(Trainable::AdaptersOnly);

@@ -23,7 +23,8 @@ pub fn run<B: AutodiffBackend>(
 ) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).
-    let loaded = model::load_base::<B>(&cfg.model, &cfg.checkpointer, &ctx.device)?;
+    let loaded =
+        model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(Trainable::AdaptersOnly);

@@ -393,6 +393,12 @@ pub fn build_rows<B: Backend>(
         full_shapes: HashMap::new(),
     };
     let mut model = build(args, &mut source, device)?;
+    // Adapters attached later take the whole weights' shapes.
+    for (path, linear) in model.linears_mut() {
+        if let Some(full) = source.full_shapes.get(&format!("{path}.weight")) {
+            linear.set_full_rows(full[0]);
+        }
+    }
     let mut shards = LayerShards::new(rows.rank, rows.world);
     shards.adopt(&model, &source.full_shapes);
     model.shards = Some(Arc::new(shards));

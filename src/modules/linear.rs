@@ -26,6 +26,9 @@ pub struct Linear<B: Backend> {
     /// once gathered (`Linear::with_gathered_nf4`).
     #[module(skip)]
     nf4_rows: Option<Arc<Nf4Rows>>,
+    /// FSDP's per-rank load: the whole weight's rows, when `weight` holds only this rank's.
+    #[module(skip)]
+    full_out: Option<usize>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub lora: Option<Lora<B>>,
     /// Fake quantization for QAT; `None` trains in plain floating point.
@@ -65,6 +68,7 @@ impl<B: Backend> Linear<B> {
             weight: Some(Param::from_tensor(weight)),
             nf4: None,
             nf4_rows: None,
+            full_out: None,
             bias: bias.map(Param::from_tensor),
             lora: None,
             quant: None,
@@ -77,6 +81,7 @@ impl<B: Backend> Linear<B> {
             weight: None,
             nf4: Some(Arc::new(weight)),
             nf4_rows: None,
+            full_out: None,
             bias: bias.map(Param::from_tensor),
             lora: None,
             quant: None,
@@ -133,13 +138,21 @@ impl<B: Backend> Linear<B> {
         }
     }
 
-    /// `[out, in]` (the whole weight's, for FSDP's rows of an NF4 one).
+    /// FSDP's per-rank load: the layer holds this rank's rows of a `rows`-row weight.
+    pub fn set_full_rows(&mut self, rows: usize) {
+        self.full_out = Some(rows);
+    }
+
+    /// `[out, in]` (the whole weight's, for FSDP's rows of it).
     fn shape(&self) -> [usize; 2] {
         if let Some(rows) = &self.nf4_rows {
             return rows.full;
         }
         match self.base() {
-            Base::Float(w) => w.val().dims(),
+            Base::Float(w) => {
+                let [out, inp] = w.val().dims();
+                [self.full_out.unwrap_or(out), inp]
+            }
             Base::Nf4(q) => q.shape(),
         }
     }

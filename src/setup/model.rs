@@ -70,18 +70,22 @@ pub fn base_weights<B: Backend>(
 }
 
 /// The model a LoRA recipe trains adapters on (or generation runs), its base stored as the
-/// `model` section says (NF4 for QLoRA).
+/// `model` section says (NF4 for QLoRA). With FSDP (`rows`) a float base is read as this
+/// rank's rows only ([`load_rows`]); an NF4 base is quantized whole (its scales group blocks
+/// across rows) and a DoRA base loads whole (the magnitude starts from whole rows' norms),
+/// both sharded after.
 pub fn load_base<B: Backend>(
     model: &ModelConfig,
     cfg: &CheckpointerConfig,
+    rows: Option<RowsOf>,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
-    load_with(
-        cfg,
-        "checkpointer",
-        base_weights::<B>(model, device)?,
-        device,
-    )
+    let base = base_weights::<B>(model, device)?;
+    let rows = rows.filter(|_| base == BaseWeights::Float && !lora_plan(model).settings.dora);
+    match rows {
+        Some(_) => load_rows(cfg, "checkpointer", rows, device),
+        None => load_with(cfg, "checkpointer", base, device),
+    }
 }
 
 /// [`load`] with the base weights stored as `base` says.
