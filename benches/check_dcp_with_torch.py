@@ -41,6 +41,19 @@ def load_dir(d: Path) -> dict:
     return out, index
 
 
+def torch_consolidate(sharded: Path, out: Path) -> Path:
+    """torch's `consolidate_safetensors_files` of `sharded` into `out`, with the file split the
+    shard file names carry (as torch's writer would pass fqn_to_index_mapping)."""
+    fqn_to_index = {}
+    for p in sharded.glob("*.safetensors"):
+        k = int(re.fullmatch(r"shard-\d+-model-(\d+)-of-\d+\.safetensors", p.name).group(1))
+        for name in load_file(str(p)).keys():
+            assert fqn_to_index.setdefault(name, k) == k, name
+    out.mkdir(exist_ok=True)
+    consolidate_safetensors_files(str(sharded), str(out), fqn_to_index)
+    return out
+
+
 def main() -> None:
     work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="tune-dcp-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -54,15 +67,7 @@ def main() -> None:
     shard_names = sorted(p.name for p in sharded.glob("*.safetensors"))
     print("tune wrote:", *shard_names, sep="\n  ")
 
-    # torch's consolidation, with the file split the shard names carry.
-    fqn_to_index = {}
-    for p in sharded.glob("*.safetensors"):
-        k = int(re.fullmatch(r"shard-\d+-model-(\d+)-of-\d+\.safetensors", p.name).group(1))
-        for name in load_file(str(p)).keys():
-            assert fqn_to_index.setdefault(name, k) == k, name
-    torch_out = work / "torch-consolidated"
-    torch_out.mkdir(exist_ok=True)
-    consolidate_safetensors_files(str(sharded), str(torch_out), fqn_to_index)
+    torch_out = torch_consolidate(sharded, work / "torch-consolidated")
 
     theirs, their_index = load_dir(torch_out)
     ours, our_index = load_dir(work / "tune-consolidated")

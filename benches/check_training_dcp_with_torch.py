@@ -20,7 +20,6 @@ Run from the repository root with torch (2.8+), safetensors and transformers ins
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -29,20 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_dcp_with_torch import load_dir, torch_consolidate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TUNE = os.environ.get("TUNE", str(ROOT / "target/debug/tune"))
-
-
-def load_dir(d: Path):
-    index = json.loads((d / "model.safetensors.index.json").read_text())
-    out = {}
-    for f in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(d / f)))
-    return out, index
 
 
 def full_shapes(sharded: Path) -> dict:
@@ -101,14 +93,7 @@ def main() -> None:
     print(f"torch HuggingFaceStorageReader on step_2/optimizer_sharded: {len(moments)} moments, each its parameter's size, finite, non-zero")
 
     # 3. torch's consolidation.
-    fqn_to_index = {}
-    for p in sharded.glob("*.safetensors"):
-        k = int(re.fullmatch(r"shard-\d+-model-(\d+)-of-\d+\.safetensors", p.name).group(1))
-        for name in load_file(str(p)).keys():
-            assert fqn_to_index.setdefault(name, k) == k, name
-    torch_out = work / "torch-consolidated"
-    torch_out.mkdir(exist_ok=True)
-    consolidate_safetensors_files(str(sharded), str(torch_out), fqn_to_index)
+    torch_out = torch_consolidate(sharded, work / "torch-consolidated")
     theirs, their_index = load_dir(torch_out)
     assert theirs.keys() == ours.keys()
     for name in theirs:

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::SafeTensors;
-use safetensors::tensor::{Dtype, Metadata, TensorView};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo, TensorView};
 
 use super::error::CheckpointError;
 use super::host::HostTensor;
@@ -67,35 +67,15 @@ impl SafetensorsFile {
     }
 
     pub fn read(&self, name: &str) -> Result<HostTensor, CheckpointError> {
-        let info = self
-            .meta
-            .info(name)
-            .ok_or_else(|| CheckpointError::MissingTensor {
-                name: name.to_string(),
-                dir: self.path.clone(),
-                expected: vec![],
-            })?;
+        let info = self.info(name)?;
         let (start, end) = info.data_offsets;
-        let bytes = &self.mmap[8 + self.header_len + start..8 + self.header_len + end];
-        let data = decode(bytes, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
-            name: name.to_string(),
-            file: self.path.clone(),
-            dtype: format!("{:?}", info.dtype),
-        })?;
-        Ok(HostTensor::new(info.shape.clone(), data))
+        self.decoded(name, info, start..end, info.shape.clone())
     }
 
     /// Rows `rows` (of dim 0) of tensor `name`, decoded from the mapped file: only those rows'
     /// bytes are read (a tensor is row-major, so they are one contiguous range).
     pub fn read_rows(&self, name: &str, rows: Range<usize>) -> Result<HostTensor, CheckpointError> {
-        let info = self
-            .meta
-            .info(name)
-            .ok_or_else(|| CheckpointError::MissingTensor {
-                name: name.to_string(),
-                dir: self.path.clone(),
-                expected: vec![],
-            })?;
+        let info = self.info(name)?;
         let mut shape = info.shape.clone();
         let row_bytes = shape.iter().skip(1).product::<usize>() * info.dtype.bitsize() / 8;
         let (start, end) = info.data_offsets;
@@ -106,13 +86,35 @@ impl SafetensorsFile {
                 message: format!("{name} has no rows {rows:?} (shape {shape:?})"),
             });
         }
-        let bytes = &self.mmap[8 + self.header_len + from..8 + self.header_len + to];
-        let data = decode(bytes, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
+        shape[0] = rows.len();
+        self.decoded(name, info, from..to, shape)
+    }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo, CheckpointError> {
+        self.meta
+            .info(name)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+                expected: vec![],
+            })
+    }
+
+    /// The values of `name` (`info`) at byte range `bytes` of the data section, as `shape`.
+    fn decoded(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        bytes: Range<usize>,
+        shape: Vec<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        let offset = 8 + self.header_len;
+        let raw = &self.mmap[offset + bytes.start..offset + bytes.end];
+        let data = decode(raw, info.dtype).ok_or_else(|| CheckpointError::UnsupportedDtype {
             name: name.to_string(),
             file: self.path.clone(),
             dtype: format!("{:?}", info.dtype),
         })?;
-        shape[0] = rows.len();
         Ok(HostTensor::new(shape, data))
     }
 
