@@ -23,7 +23,6 @@ use serde_yaml::{Mapping, Value};
 use crate::config::components::{self, ComponentKind, ComponentOf, LookupError};
 use crate::config::error::{Problem, ProblemKind, Warning};
 use crate::config::recipes::Recipe;
-use crate::config::schema::Device;
 use crate::config::{suggest, yaml};
 
 /// A key's YAML type, as the walk checks it and "expected ..." messages name it.
@@ -283,11 +282,6 @@ pub struct Checker {
     /// `resume_from_checkpoint: True`, read before the walk: the checkpointer's
     /// `recipe_checkpoint` must then exist.
     pub resuming: bool,
-    /// The device the run computes on (`device`, or the build's default when null), read
-    /// before the walk for the keys whose meaning depends on it (`fsdp_cpu_offload`); `None`
-    /// when `device` cannot be read (the walk reports that at `device`) or for a section read
-    /// on its own.
-    pub device: Option<Device>,
 }
 
 impl Checker {
@@ -298,7 +292,6 @@ impl Checker {
             recipe,
             check_paths,
             resuming,
-            device: None,
         }
     }
 

@@ -7,7 +7,7 @@ use crate::config::error::{Problem, ProblemKind, ValidationErrors, Warning};
 use crate::config::keys::{Checker, ConfigValue};
 use crate::config::load::ResolvedConfig;
 use crate::config::recipes::{self, Recipe};
-use crate::config::schema::{Device, GenerateConfig, RecipeConfig, RecipeKeys, TrainConfig};
+use crate::config::schema::{GenerateConfig, RecipeConfig, RecipeKeys, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ValidateOptions {
@@ -56,7 +56,6 @@ pub fn validate_with(
     // also find its `recipe_checkpoint`.
     let resuming = root.get("resume_from_checkpoint").and_then(Value::as_bool) == Some(true);
     let mut cx = Checker::new(Some(recipe), opts.check_paths, resuming);
-    cx.device = run_device(root.get("device"));
     let config = match recipe {
         Recipe::Generate => {
             cx.unknown_keys(root, "", &[GenerateConfig::KEYS], false);
@@ -87,17 +86,6 @@ pub fn validate_with(
             "the config could not be read, and no key said why (a bug in tune: please report it)",
         )])),
     }
-}
-
-/// The device a run of this config computes on: `device`, or the build's default when it is
-/// left out or null. `None` when the value is not a device, which the walk reports at `device`
-/// (a scratch checker keeps the same problem from being reported twice).
-fn run_device(value: Option<&Value>) -> Option<Device> {
-    let chosen = match value {
-        None => None,
-        Some(v) => Checker::new(None, false, false).value::<Option<Device>>(v, "device")?,
-    };
-    Some(Device::or_default(chosen))
 }
 
 /// Reads one section on its own (no recipe's rules, no file checks): what deserialising a

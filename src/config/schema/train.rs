@@ -110,16 +110,16 @@ fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
 /// parameter, gradient and optimizer state already lives in host memory, so it changes nothing
 /// and says so; on a GPU they stay in device memory, which offloading would change (that is
 /// not built yet), so it is refused rather than ignored.
-fn offload_on_device(offload: &Option<bool>, path: &str, cx: &mut Checker) {
-    if *offload != Some(true) {
+fn offload_on_device(offload: Option<bool>, path: &str, device: Device, cx: &mut Checker) {
+    if offload != Some(true) {
         return;
     }
-    match cx.device {
-        Some(Device::Cpu) => cx.warn(
+    match device {
+        Device::Cpu => cx.warn(
             path,
             "on device cpu the parameters, gradients and optimizer state already live in host memory: offloading them changes nothing",
         ),
-        Some(device) => cx.problem(
+        device => cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
                 path,
@@ -132,8 +132,6 @@ fn offload_on_device(offload: &Option<bool>, path: &str, cx: &mut Checker) {
                 "set `{path}: False` (FSDP keeps each rank's shards on its device), or `device: cpu`"
             )),
         ),
-        // `device` is unreadable and reports itself.
-        None => {}
     }
 }
 
@@ -147,7 +145,7 @@ keys! {
     /// refused by name.
     pub struct FsdpBlock {}
     /// The older spelling of `fsdp_cpu_offload`, with the same meaning and rule.
-    cpu_offload: Option<bool> = optional().rule(offload_on_device),
+    cpu_offload: Option<bool> = optional(),
 }
 
 /// The `fsdp` section as `tune validate` sees it; its reader is [`FsdpBlock`]'s own, to say
@@ -296,7 +294,7 @@ keys! {
     /// FSDP's CPU offload (null: False): parameters, gradients and optimizer state in host
     /// memory. On device cpu they already are (accepted, and said once); on cuda and wgpu only
     /// False so far. Read through [`TrainConfig::cpu_offload`].
-    fsdp_cpu_offload: Option<bool> = optional().rule(offload_on_device),
+    fsdp_cpu_offload: Option<bool> = optional(),
     /// torchtune's older spelling of `fsdp_cpu_offload` (`fsdp: {cpu_offload: ...}`).
     fsdp: Option<FsdpBlock> = optional(),
     /// Tensor parallelism: only 1.
@@ -362,6 +360,10 @@ impl TrainConfig {
 
 /// Keys that only mean something together.
 fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
+    let device = Device::or_default(c.device);
+    offload_on_device(c.fsdp_cpu_offload, "fsdp_cpu_offload", device, cx);
+    let older = c.fsdp.as_ref().and_then(|f| f.cpu_offload);
+    offload_on_device(older, "fsdp.cpu_offload", device, cx);
     if let (Some(top), Some(nested)) = (
         c.keep_last_n_checkpoints,
         c.checkpointer.keep_last_n_checkpoints,
