@@ -132,8 +132,9 @@ pub fn session<B: AutodiffBackend>(
         id,
         world: world.size,
     });
-    // ZeRO-1 ranks (and FSDP ranks that gather the model) write their own optimizer shards;
-    // with FSDP's rows, rank 0 writes the whole state gathered from every rank's rows.
+    // ZeRO-1 ranks write their own optimizer shards; an FSDP run that gathers its checkpoints
+    // (LoRA, QAT, fused projections, or no shared directory) has rank 0 write the whole state
+    // gathered from every rank's rows.
     let per_rank_files = trainer.settings.shard_optimizer && !fsdp && shared_run.is_some();
     trainer.save_optimizer_shards = per_rank_files;
     trainer.sharded_saves = sharded.is_some();

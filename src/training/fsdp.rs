@@ -240,9 +240,12 @@ pub fn unhealthy_weight<B: AutodiffBackend>(
             } else {
                 let largest: f32 = value.clone().abs().max().into_scalar().elem();
                 let sum: f32 = value.sum().into_scalar().elem();
-                // `!(x <= MAX)` is true for NaN too; a sum that is not finite holds a NaN the
-                // maximum may have skipped.
-                if !(largest <= MAX_WEIGHT) {
+                // A NaN largest value fails `is_some_and` too; a sum that is not finite holds a
+                // NaN the maximum may have skipped.
+                let healthy = largest
+                    .partial_cmp(&MAX_WEIGHT)
+                    .is_some_and(|o| o != std::cmp::Ordering::Greater);
+                if !healthy {
                     f64::from(largest)
                 } else if !sum.is_finite() {
                     f64::from(sum)

@@ -17,7 +17,8 @@
 //!    - `S/optimizer_sharded/shard-<r+1>-model-00001-of-00001.safetensors`: its moments, flat
 //!      as the optimizer keeps them, at their element offsets in the whole moment (rows of a
 //!      sharded parameter; a whole parameter's moments on the rank that owns them);
-//!    each file written to a temporary name, fsynced and renamed, then the mark
+//!
+//!    Each file is written to a temporary name, fsynced and renamed, then the mark
 //!    `S/.rank-<r>.written`.
 //! 2. Epoch-end and final checkpoints (the Hugging Face model transformers and peft load) are
 //!    consolidated on every rank: rank `r` waits for every rank's `written` mark, writes the

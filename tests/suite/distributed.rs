@@ -597,30 +597,26 @@ fn fsdp_dpo_and_distillation_on_two_workers_match_one_device() {
 /// Shard dimensions other than all ranks or none are refused by name before training.
 #[test]
 fn fsdp_refuses_partial_shard_groups() {
-    for (recipe, config, extra, expect) in [(
+    let dir = temp_dir("fsdp-refused");
+    let out = output(&dir);
+    let res = tune_command(&[
+        "run",
+        "--nproc_per_node",
+        "2",
         "full_finetune_distributed",
+        "--config",
         "tiny/full",
+        &out,
         "data_parallel_shard_dim=3",
-        "data_parallel_shard_dim: 3 with 2 ranks",
-    )] {
-        let dir = temp_dir("fsdp-refused");
-        let out = output(&dir);
-        let res = tune_command(&[
-            "run",
-            "--nproc_per_node",
-            "2",
-            recipe,
-            "--config",
-            config,
-            &out,
-            extra,
-        ])
-        .output()
-        .unwrap();
-        let err = String::from_utf8_lossy(&res.stderr);
-        assert!(!res.status.success(), "{err}");
-        assert!(err.contains(expect), "{err}");
-    }
+    ])
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("data_parallel_shard_dim: 3 with 2 ranks"),
+        "{err}"
+    );
 }
 
 /// Nodes that do not share the output directory (here: each its own) cannot write one
