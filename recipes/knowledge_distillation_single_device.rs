@@ -56,6 +56,7 @@ pub fn run<B: AutodiffBackend>(
     let teacher_model = teacher::load::<B::InnerBackend>(
         teacher_ckpt,
         teacher_base,
+        run.load_rows(),
         &student.args,
         &data.tokenizer,
         &ctx.device,

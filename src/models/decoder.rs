@@ -224,10 +224,10 @@ impl<B: Backend> DecoderLayer<B> {
                 offset += n;
             }
         }
-        let mut gathered = pieces
-            .iter()
-            .zip(&parts)
-            .map(|(p, parts)| p.gather_parts(parts));
+        let mut gathered = pieces.iter().zip(&parts).map(|(p, parts)| {
+            let rows: Vec<_> = (0..world).map(|r| shards.rows(p.full[0], r)).collect();
+            p.gather_parts(parts, &rows)
+        });
         for linear in self.linears_mut() {
             if linear.nf4_rows().is_some()
                 && let Some(whole) = gathered.next()

@@ -10,6 +10,7 @@
 //! permuted as torchtune permutes them before quantizing, and back on every dequantization.
 
 use std::any::{Any, TypeId};
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
@@ -77,7 +78,7 @@ pub struct FrozenNf4 {
 #[derive(Debug, Clone)]
 pub struct Nf4Rows {
     pub full: [usize; 2],
-    pub rows: std::ops::Range<usize>,
+    pub rows: Range<usize>,
     pub order: RowOrder,
     pub compute: Nf4Dtype,
     pub dtype: Nf4Dtype,
@@ -86,30 +87,34 @@ pub struct Nf4Rows {
 }
 
 impl Nf4Rows {
-    /// The codes (as the numbers 0-255) then the block scales: what a rank sends to gather
-    /// the weight, exactly representable in f32.
+    /// What a rank sends to gather the weight, exactly representable in f32: the codes, three
+    /// bytes to a value (`b0 * 65536 + b1 * 256 + b2`, under f32's 2^24 exact integers), then
+    /// the block scales. Why three: 0.73 bytes per weight travel instead of 2.06 with one byte
+    /// to a value (NF4 itself holds 0.52).
     pub fn to_values(&self) -> Vec<f32> {
-        let mut values: Vec<f32> = self.codes.iter().map(|&b| f32::from(b)).collect();
+        let mut values: Vec<f32> = self.codes.chunks(3).map(pack).collect();
         values.extend_from_slice(&self.scales);
         values
     }
 
     /// How many values [`Self::to_values`] sends for rows `rows` of this weight.
-    pub fn values_len(&self, rows: &std::ops::Range<usize>) -> usize {
+    pub fn values_len(&self, rows: &Range<usize>) -> usize {
         let n = rows.len() * self.full[1];
-        n / 2 + n / BLOCK_SIZE
+        (n / 2).div_ceil(3) + n / BLOCK_SIZE
     }
 
-    /// The whole weight from every rank's [`Self::to_values`], in rank (= row) order.
-    pub fn gather_parts(&self, parts: &[&[f32]]) -> FrozenNf4 {
+    /// The whole weight from every rank's [`Self::to_values`] (`parts`, in rank order, of rows
+    /// `rows`: together every row in order).
+    pub fn gather_parts(&self, parts: &[&[f32]], rows: &[Range<usize>]) -> FrozenNf4 {
         let [out, inp] = self.full;
         let mut codes = Vec::with_capacity(out * inp / 2);
         let mut scales = Vec::with_capacity(out * inp / BLOCK_SIZE);
-        for part in parts {
-            // A block is 32 code bytes and one scale.
-            let blocks = part.len() / (BLOCK_SIZE / 2 + 1);
-            let (c, sc) = part.split_at(part.len() - blocks);
-            codes.extend(c.iter().map(|&v| v as u8));
+        for (part, rows) in parts.iter().zip(rows) {
+            let bytes = rows.len() * inp / 2;
+            let (packed, sc) = part.split_at(bytes.div_ceil(3));
+            let start = codes.len();
+            codes.extend(packed.iter().flat_map(|&v| unpack(v)));
+            codes.truncate(start + bytes);
             scales.extend_from_slice(sc);
         }
         FrozenNf4 {
@@ -132,6 +137,18 @@ impl Nf4Rows {
     pub fn bytes(&self) -> usize {
         self.codes.len() + 4 * self.scales.len()
     }
+}
+
+/// Up to three code bytes as one f32 (missing ones are 0).
+fn pack(bytes: &[u8]) -> f32 {
+    let byte = |i: usize| u32::from(bytes.get(i).copied().unwrap_or(0));
+    ((byte(0) << 16) | (byte(1) << 8) | byte(2)) as f32
+}
+
+/// The three bytes [`pack`] made `value` of.
+fn unpack(value: f32) -> [u8; 3] {
+    let v = value as u32;
+    [(v >> 16) as u8, (v >> 8) as u8, v as u8]
 }
 
 /// Per backend type and device, the weight as [`OnDevice`] holds it. Cloning a [`FrozenNf4`]
@@ -215,7 +232,7 @@ impl FrozenNf4 {
     /// Quantized rows `rows` of this weight as FSDP keeps them on one rank ([`Nf4Rows`]);
     /// `None` when a row does not hold whole blocks (`in` not a multiple of the block size:
     /// such a weight stays whole on every rank).
-    pub fn rows(&self, rows: std::ops::Range<usize>) -> Option<Nf4Rows> {
+    pub fn rows(&self, rows: Range<usize>) -> Option<Nf4Rows> {
         let [out, inp] = self.shape();
         if !inp.is_multiple_of(BLOCK_SIZE) || rows.end > out {
             return None;
@@ -447,6 +464,31 @@ mod tests {
                 (order, compute, q.unwrap())
             })
         })
+    }
+
+    #[test]
+    fn every_ranks_rows_gather_into_the_whole_weight_bit_for_bit() {
+        for (order, compute, q) in cases() {
+            let whole = q.dequantize();
+            for world in [1, 2, 3, 5] {
+                let rows: Vec<_> = (0..world)
+                    .map(|r| crate::checkpoint::dcp::row_range(256, r, world))
+                    .collect();
+                let values: Vec<Vec<f32>> = rows
+                    .iter()
+                    .map(|r| q.rows(r.clone()).expect("whole blocks").to_values())
+                    .collect();
+                let piece = q.rows(rows[0].clone()).expect("whole blocks");
+                for (r, v) in rows.iter().zip(&values) {
+                    assert_eq!(v.len(), piece.values_len(r), "{world} ranks");
+                }
+                let parts: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+                let gathered = piece.gather_parts(&parts, &rows);
+                assert_eq!(gathered.shape(), [256, 128]);
+                assert_eq!(gathered.dequantize(), whole, "{order:?} {compute:?} {world} ranks");
+                assert_eq!(gathered.dequantize_for_export(), q.dequantize_for_export());
+            }
+        }
     }
 
     #[test]

@@ -14,7 +14,9 @@ use super::SetupError;
 use super::model::load_adapter_checkpoint;
 use crate::config::components::LossKind;
 use crate::config::schema::{CheckpointerConfig, LossConfig};
-use crate::model_io::hf::{load_args, load_model_with};
+use crate::model_io::hf::{load_args, load_model_rows, load_model_with};
+use crate::models::BaseWeights;
+use crate::models::build::RowsOf;
 use crate::models::{CausalLm, ModelArgs, Trainable};
 use crate::tokenizer::Tokenizer;
 use crate::training::kd::KdObjective;
@@ -106,14 +108,21 @@ fn tokenizer_difference(student: &Tokenizer, teacher: &Tokenizer) -> Option<Stri
 /// the student; with `teacher_checkpointer.adapter_checkpoint`, its PEFT adapter applies.
 pub fn load<B: Backend>(
     cfg: &CheckpointerConfig,
-    base: crate::models::BaseWeights,
+    base: BaseWeights,
+    rows: Option<RowsOf>,
     student: &ModelArgs,
     tokenizer: &Tokenizer,
     device: &B::Device,
 ) -> Result<CausalLm<B>, SetupError> {
     check_compatible(student, tokenizer, &cfg.checkpoint_dir)?;
     let files = cfg.files();
-    let mut teacher = load_model_with::<B>(&cfg.checkpoint_dir, files.as_deref(), device, base)
+    let (dir, files) = (&cfg.checkpoint_dir, files.as_deref());
+    // FSDP: a float teacher is read as this rank's rows only; an NF4 one is quantized whole.
+    let loaded = match rows.filter(|_| base == BaseWeights::Float) {
+        Some(rows) => load_model_rows::<B>(dir, files, device, rows),
+        None => load_model_with::<B>(dir, files, device, base),
+    };
+    let mut teacher = loaded
         .map_err(|source| SetupError::Model { key: KEY, source })?
         .model;
     load_adapter_checkpoint(&mut teacher, cfg, "teacher_checkpointer.adapter_checkpoint")?;
