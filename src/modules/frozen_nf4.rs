@@ -485,7 +485,11 @@ mod tests {
                 let parts: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
                 let gathered = piece.gather_parts(&parts, &rows);
                 assert_eq!(gathered.shape(), [256, 128]);
-                assert_eq!(gathered.dequantize(), whole, "{order:?} {compute:?} {world} ranks");
+                assert_eq!(
+                    gathered.dequantize(),
+                    whole,
+                    "{order:?} {compute:?} {world} ranks"
+                );
                 assert_eq!(gathered.dequantize_for_export(), q.dequantize_for_export());
             }
         }

@@ -319,8 +319,15 @@ fn teacher_with_a_peft_adapter_loads_it() {
     let device = Default::default();
     let load = |cfg: &tune::config::schema::CheckpointerConfig| {
         let base = tune::models::BaseWeights::Float;
-        tune::setup::teacher::load::<Cpu>(cfg, base, None, &student_args, &student_tokenizer(), &device)
-            .map_err(|e| e.to_string())
+        tune::setup::teacher::load::<Cpu>(
+            cfg,
+            base,
+            None,
+            &student_args,
+            &student_tokenizer(),
+            &device,
+        )
+        .map_err(|e| e.to_string())
     };
     let teacher = load(&cfg).unwrap();
     let step = KdLoss::<CpuAutodiff> {
