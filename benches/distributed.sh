@@ -9,7 +9,7 @@
 #    -1) and ZeRO-1 (1): peak RSS per rank (/usr/bin/time), the weights (`parameter_bytes`) and
 #    optimizer state rank 0 holds, tokens/s.
 #
-#     benches/distributed.sh            # prints markdown rows
+#     benches/distributed.sh            # prints markdown rows (3: a memory limit, `prlimit --as`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # PROFILE=dev: the dev profile's build (dependencies at opt-level 3, tune at 1), for a quick run.
@@ -91,3 +91,26 @@ for ranks in 2 4; do
       "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
   done
 done
+
+# 3. Under a per-process address-space limit too small for the whole model (LIMIT_MB, default
+# 3500: one device peaks at ~5 GB RSS), full fine-tuning on 1 rank fails and on 4 FSDP ranks
+# (processes) completes, consolidated epoch checkpoint included.
+LIMIT_MB=${LIMIT_MB:-3500}
+limit=$((LIMIT_MB * 1024 * 1024))
+echo
+echo "| ranks | address-space limit per process (MB) | outcome |"
+echo "| --- | --- | --- |"
+dir="$OUT/limit-1"
+if prlimit --as=$limit "$TUNE" run full_finetune_single_device "${common[@]}" output_dir="$dir" \
+  batch_size=4 >"$OUT/limit-1.log" 2>&1; then outcome=completed; else
+  outcome="failed: $(grep -m1 -E 'memory allocation|error' "$OUT/limit-1.log" || true)"; fi
+echo "| 1 | $LIMIT_MB | $outcome |"
+dir="$OUT/limit-4"
+port=$((20000 + RANDOM % 20000))
+for rank in 0 1 2 3; do
+  prlimit --as=$limit "$TUNE" run --nnodes 4 --node_rank "$rank" --rdzv_endpoint 127.0.0.1:$port \
+    full_finetune_distributed "${common[@]}" output_dir="$dir" batch_size=1 >"$OUT/limit-4-$rank.log" 2>&1 &
+done
+if wait && [ -f "$dir/epoch_0/model.safetensors.index.json" ]; then outcome="completed, epoch_0 consolidated"
+else outcome="failed: $(grep -h -m1 error "$OUT"/limit-4-*.log | head -1 || true)"; fi
+echo "| 4 (FSDP) | $LIMIT_MB | $outcome |"

@@ -151,7 +151,7 @@ pub enum CheckpointingError {
         changed.join(", ")
     )]
     ConfigChanged { dir: PathBuf, changed: Vec<String> },
-    #[error("rank {rank}: writing its optimizer shard: {source}")]
+    #[error("rank {rank}: writing its files of the checkpoint: {source}")]
     Shard {
         rank: usize,
         #[source]
