@@ -511,6 +511,19 @@ mod tests {
     }
 
     #[test]
+    fn a_crashed_runs_staging_is_cleaned_as_a_partial_checkpoint() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let staging = staging_dir(root.path(), "step_2", 77);
+        write_share(&staging, &share(1), false, Duration::from_secs(1)).expect("rank 1 writes");
+        let cleaned = crate::checkpoint_client::clean_partial(root.path()).expect("clean");
+        assert_eq!(cleaned.len(), 1);
+        assert!(
+            !staging.exists(),
+            "the staging directory survived the clean-up"
+        );
+    }
+
+    #[test]
     fn a_rank_that_never_writes_means_no_checkpoint() {
         let root = tempfile::tempdir().expect("tempdir");
         let (staging, into) = (root.path().join("staging"), root.path().join("into"));
