@@ -433,7 +433,8 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// Every weight whole (every rank takes part when sharded): what checkpoints and exports
-    /// read. Holds the whole model, as one device does.
+    /// read. Holds the whole model, as one device does. [`Self::join_unsharding`] makes the
+    /// same collective calls in the same order.
     pub fn unsharded(&self) -> Self {
         let Some(shards) = &self.shards else {
             return self.clone();
@@ -452,9 +453,20 @@ impl<B: Backend> CausalLm<B> {
         whole
     }
 
-    /// Takes part in another rank's [`Self::unsharded`]: the same gathers, nothing kept.
+    /// Takes part in another rank's [`Self::unsharded`]: the same gathers in its order, each
+    /// dropped at once (this rank never holds more than one whole unit).
     pub fn join_unsharding(&self) {
-        drop(self.unsharded());
+        let Some(shards) = &self.shards else {
+            return;
+        };
+        drop(shards.gather(&self.model.embed_tokens));
+        for layer in &self.model.layers {
+            drop(shards.gather(layer).gather_nf4(shards));
+        }
+        drop(shards.gather(&self.model.norm));
+        if let Some(head) = &self.lm_head {
+            drop(shards.gather(head));
+        }
     }
 
     /// Token embeddings `[batch, seq, hidden]` (scaled for Gemma).

@@ -353,20 +353,24 @@ impl LayerShards {
     ) -> Vec<f32> {
         let n = local.len();
         let piece = crate::precision::f32_tensor::<X, 1>(local, [n], device);
-        let whole = if self.failed() {
-            None
-        } else {
-            match (self.collectives::<X>().all_gather)(piece) {
-                Ok(t) => t.into_data().into_vec::<f32>().ok(),
-                Err(e) => {
-                    self.keep_failure(e);
-                    None
-                }
+        if self.failed() {
+            return vec![0.0; total];
+        }
+        let whole = (self.collectives::<X>().all_gather)(piece).and_then(|t| {
+            match t.into_data().into_vec::<f32>() {
+                Ok(v) if v.len() == total => Ok(v),
+                Ok(v) => Err(format!(
+                    "the gathered NF4 weights hold {} values, not the {total} every rank's rows make",
+                    v.len()
+                )
+                .into()),
+                Err(e) => Err(format!("the gathered NF4 weights are not f32: {e:?}").into()),
             }
-        };
-        whole
-            .filter(|v| v.len() == total)
-            .unwrap_or_else(|| vec![0.0; total])
+        });
+        whole.unwrap_or_else(|e| {
+            self.keep_failure(e);
+            vec![0.0; total]
+        })
     }
 
     /// After a gathered layer's backward pass: takes its parameters' gradients out of

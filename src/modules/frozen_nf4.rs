@@ -71,14 +71,14 @@ pub struct FrozenNf4 {
     on_device: DeviceCopies,
 }
 
-/// FSDP's share of a frozen NF4 weight on one rank: quantized rows `rows` (of `full` rows, in
-/// the order they were quantized in), their codes and their blocks' scales exactly as the
-/// whole weight dequantizes them, so the weight gathered from every rank's share
-/// ([`Nf4Rows::gather_parts`]) dequantizes bit for bit as the whole one.
+/// FSDP's share of a frozen NF4 weight on one rank: some of its quantized rows (of `full`, in
+/// the order they were quantized in; which ones, the rank's `LayerShards::rows` say), their
+/// codes and their blocks' scales exactly as the whole weight dequantizes them, so the weight
+/// gathered from every rank's share ([`Nf4Rows::gather_parts`]) dequantizes bit for bit as the
+/// whole one.
 #[derive(Debug, Clone)]
 pub struct Nf4Rows {
     pub full: [usize; 2],
-    pub rows: Range<usize>,
     pub order: RowOrder,
     pub compute: Nf4Dtype,
     pub dtype: Nf4Dtype,
@@ -241,7 +241,6 @@ impl FrozenNf4 {
         let scales = self.block_scales();
         Some(Nf4Rows {
             full: [out, inp],
-            rows,
             order: self.order,
             compute: self.compute,
             dtype: self.nf4.dtype,

@@ -100,15 +100,13 @@ impl<B: Backend> Linear<B> {
         self.nf4.as_deref()
     }
 
-    /// FSDP: keeps quantized rows `rows` of the NF4 base weight only; `false` (and the
-    /// weight kept whole) when it is not NF4 or its rows do not hold whole blocks.
-    pub fn shard_nf4(&mut self, rows: std::ops::Range<usize>) -> bool {
-        let Some(piece) = self.nf4.as_ref().and_then(|q| q.rows(rows)) else {
-            return false;
-        };
-        self.nf4_rows = Some(Arc::new(piece));
-        self.nf4 = None;
-        true
+    /// FSDP: keeps quantized rows `rows` of the NF4 base weight only. A float weight, or an
+    /// NF4 one whose rows do not hold whole blocks, stays as it is (whole on every rank).
+    pub fn shard_nf4(&mut self, rows: std::ops::Range<usize>) {
+        if let Some(piece) = self.nf4.as_ref().and_then(|q| q.rows(rows)) {
+            self.nf4_rows = Some(Arc::new(piece));
+            self.nf4 = None;
+        }
     }
 
     /// This rank's rows of the NF4 base weight, when sharded.
