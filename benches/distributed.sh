@@ -6,8 +6,9 @@
 #    vs 2 workers as threads of one process (batch 4 each): tokens/s over all ranks, wall time.
 # 2. SmolLM2-135M shape (random weights) full fine-tuning, global batch 4: one device vs 2 and 4
 #    ranks, each a process joined over loopback (`--nnodes W`), FSDP (data_parallel_shard_dim
-#    -1) and ZeRO-1 (1): peak RSS per rank (/usr/bin/time), the weights (`parameter_bytes`) and
-#    optimizer state rank 0 holds, tokens/s.
+#    -1) and ZeRO-1 (1): peak RSS per rank (/usr/bin/time), the weights (`parameter_bytes`),
+#    gradients (`gradient_bytes`) and optimizer state rank 0 holds, tokens/s, and how long
+#    training waited for the final save on rank 0 (its "training waited ... s" line).
 #
 #     benches/distributed.sh            # prints markdown rows (3: a memory limit, `prlimit --as`)
 set -euo pipefail
@@ -59,16 +60,19 @@ mb() { echo "$(metric "$1" "$2") / 1048576" | bc -l; }
 # rank 0's peak RSS at its last step, before the final save (`peak_memory_bytes`)
 last_mb() { python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(r[-1]['peak_memory_bytes']/1048576)" "$1"; }
 echo
-echo "| shape | mode | ranks | batch per rank | peak RSS per rank: rank 0 / the others (MB) | rank 0 peak RSS before the final save (MB) | weights per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+# seconds training waited for the last save (rank 0's stderr)
+blocked() { grep -o 'training waited [0-9.]* s' "$1" | tail -1 | awk '{print $3}'; }
+echo "| shape | mode | ranks | batch per rank | peak RSS per rank: rank 0 / the others (MB) | rank 0 peak RSS before the final save (MB) | weights per rank (MB) | gradients per rank (MB) | optimizer state per rank (MB) | tokens/s (all ranks) | final save: training waited (s) |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 dir="$OUT/135m-1"
 /usr/bin/time -v -o "$OUT/time-1-0.txt" "$TUNE" run full_finetune_single_device "${common[@]}" \
-  output_dir="$dir" batch_size=4 2>/dev/null
-printf "| smollm2-135m | one device | 1 | 4 | %s | %.0f | %.0f | %.0f | %s |\n" "$(peak_mb "$OUT/time-1-0.txt")" \
+  output_dir="$dir" batch_size=4 2>"$OUT/135m-1.log"
+printf "| smollm2-135m | one device | 1 | 4 | %s | %.0f | %.0f | %.0f | %.0f | %s | %s |\n" "$(peak_mb "$OUT/time-1-0.txt")" \
   "$(last_mb "$dir/logs/metrics.jsonl")" \
   "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
+  "$(mb "$dir/logs/metrics.jsonl" gradient_bytes)" \
   "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
-  "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
+  "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)" "$(blocked "$OUT/135m-1.log")"
 for ranks in 2 4; do
   for mode in fsdp zero1; do
     dir="$OUT/135m-$mode-$ranks"
@@ -77,18 +81,20 @@ for ranks in 2 4; do
     for rank in $(seq 0 $((ranks - 1))); do
       /usr/bin/time -v -o "$OUT/time-$mode-$ranks-$rank.txt" "$TUNE" run --nnodes "$ranks" \
         --node_rank "$rank" --rdzv_endpoint 127.0.0.1:$port full_finetune_distributed "${common[@]}" \
-        output_dir="$dir" batch_size=$((4 / ranks)) data_parallel_shard_dim=$dim >/dev/null 2>&1 &
+        output_dir="$dir" batch_size=$((4 / ranks)) data_parallel_shard_dim=$dim >/dev/null \
+        2>"$OUT/135m-$mode-$ranks-$rank.log" &
     done
     wait
     # rank 0's peak / the other ranks' (lowest-highest)
     others=$(for rank in $(seq 1 $((ranks - 1))); do peak_mb "$OUT/time-$mode-$ranks-$rank.txt"; echo; done | sort -n)
     low=$(echo "$others" | head -1); high=$(echo "$others" | tail -1)
     peak="$(peak_mb "$OUT/time-$mode-$ranks-0.txt") / $low$([ "$low" = "$high" ] || echo "-$high")"
-    printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %.0f | %s |\n" "$mode" "$ranks" \
+    printf "| smollm2-135m | %s | %s (processes) | %s | %s | %.0f | %.0f | %.0f | %.0f | %s | %s |\n" "$mode" "$ranks" \
       $((4 / ranks)) "$peak" "$(last_mb "$dir/logs/metrics.jsonl")" \
       "$(mb "$dir/logs/metrics.jsonl" parameter_bytes)" \
+      "$(mb "$dir/logs/metrics.jsonl" gradient_bytes)" \
       "$(mb "$dir/logs/metrics.jsonl" optimizer_state_bytes)" \
-      "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)"
+      "$(metric "$dir/logs/metrics.jsonl" tokens_per_second)" "$(blocked "$OUT/135m-$mode-$ranks-0.log")"
   done
 done
 
@@ -103,7 +109,7 @@ echo "| --- | --- | --- |"
 dir="$OUT/limit-1"
 if prlimit --as=$limit "$TUNE" run full_finetune_single_device "${common[@]}" output_dir="$dir" \
   batch_size=4 >"$OUT/limit-1.log" 2>&1; then outcome=completed; else
-  outcome="failed: $(grep -m1 -E 'memory allocation|error' "$OUT/limit-1.log" || true)"; fi
+  outcome="failed: $(grep -m1 -E 'memory allocation|error' "$OUT/limit-1.log" | cut -c1-200 || true)"; fi
 echo "| 1 | $LIMIT_MB | $outcome |"
 dir="$OUT/limit-4"
 port=$((20000 + RANDOM % 20000))

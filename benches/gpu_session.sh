@@ -12,7 +12,9 @@
 #   1. a LoRA fine-tune of the tiny model on cuda in fp32 and bf16 (the loss must fall);
 #   2. benches/compare.sh on cuda in bf16: tune against plain PyTorch (and torchtune's
 #      builders when its wheels import) on the same shapes, same machine;
-#   3. benches/gpu_distributed.sh: single device against a 1-rank lora_finetune_distributed.
+#   3. benches/gpu_distributed.sh: single device against a 1-rank lora_finetune_distributed;
+#   4. FSDP's CPU offload (`fsdp_cpu_offload: True`) on one cuda rank against the run without
+#      it: the same losses, the rows and AdamW state in host memory, tokens/s of each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.gpu}
@@ -51,3 +53,21 @@ tail -5 "$RESULTS/compare.err"
 
 echo "== 3. data parallelism on cuda"
 RUN_DIR=/tmp/tune-gpu-bench timeout 100 benches/gpu_distributed.sh 2>&1 | tee "$RESULTS/distributed.md"
+
+echo "== 4. FSDP CPU offload on cuda (one rank)"
+for off in False True; do
+  timeout 60 "$TUNE" run full_finetune_distributed --config tiny/full device=cuda \
+    fsdp_cpu_offload=$off output_dir="/tmp/tiny-offload-$off" max_steps_per_epoch=8 \
+    gradient_accumulation_steps=2 clip_grad_norm=0.5 2>&1 | tail -2
+done
+python3 - /tmp/tiny-offload-False /tmp/tiny-offload-True <<'PY' | tee "$RESULTS/offload.txt"
+import json, sys
+runs = [[json.loads(l) for l in open(d + "/logs/metrics.jsonl") if '"loss"' in l] for d in sys.argv[1:]]
+worst = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(*runs))
+for name, rows in zip(["on device", "offloaded"], runs):
+    last = rows[-1]
+    print(f"{name}: loss {rows[0]['loss']:.4f} -> {last['loss']:.4f}, tokens/s {last['tokens_per_second']:.0f}, "
+          f"device weights {last['parameter_bytes']/1e6:.2f} MB, host weights {last.get('offloaded_parameter_bytes', 0)/1e6:.2f} MB, "
+          f"host optimizer state {last.get('offloaded_optimizer_state_bytes', 0)/1e6:.2f} MB")
+print(f"largest relative loss difference: {worst:.2e}")
+PY

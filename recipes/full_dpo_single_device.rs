@@ -32,13 +32,14 @@ pub fn run<B: AutodiffBackend>(
         ref_cfg,
         "ref_checkpointer",
         run.load_rows(),
+        tune::models::BaseWeights::Float,
         &ctx.device,
     )?
     .model;
     // FSDP: the reference shards its layers as the policy does.
     let reference = match run.fsdp {
-        true => fsdp::shard_frozen(reference, &run.world),
-        false => reference,
+        Some(sharding) => fsdp::shard_frozen(reference, &run.world, sharding.cpu_offload),
+        None => reference,
     };
 
     // Data: chosen / rejected pairs.

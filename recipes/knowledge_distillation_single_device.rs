@@ -64,8 +64,8 @@ pub fn run<B: AutodiffBackend>(
     model::check_architecture("teacher_model", &kd.teacher_model, &teacher_model.args)?;
     // FSDP: the teacher shards its layers as the student does.
     let teacher_model = match run.fsdp {
-        true => fsdp::shard_frozen(teacher_model, &run.world),
-        false => teacher_model,
+        Some(sharding) => fsdp::shard_frozen(teacher_model, &run.world, sharding.cpu_offload),
+        None => teacher_model,
     };
 
     let seed = run.seed;

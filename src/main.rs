@@ -18,9 +18,10 @@ use tune::distributed::{WorkerError, World};
 // A training step allocates and frees the same activation buffers every time. mimalloc
 // reuses them from thread-local pages instead of going back to glibc's arenas and the
 // kernel: 1.4-1.6x the tokens/s of the tiny LoRA benchmark (see BENCHMARKS.md). Training
-// also tells it to keep freed pages mapped (tune::training::memory).
+// also tells it to keep freed pages mapped (tune::training::memory). When memory runs out,
+// the process ends with an error naming the limit and the ways out (tune::out_of_memory).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: tune::out_of_memory::Allocator = tune::out_of_memory::Allocator;
 
 /// Linux's default main-thread stack (`ulimit -s`: 8 MiB).
 const MAIN_STACK_BYTES: usize = 8 << 20;

@@ -195,7 +195,7 @@ impl Weights {
 
     /// Takes tensor `name`, checking it has `expected` shape.
     pub fn take(&mut self, name: &str, expected: &[usize]) -> Result<HostTensor, CheckpointError> {
-        self.take_part(name, expected, None)
+        self.take_part(name, expected, None, true)
     }
 
     /// Takes rows `rows` (of dim 0) of tensor `name`, checking the whole tensor has `expected`
@@ -206,7 +206,30 @@ impl Weights {
         expected: &[usize],
         rows: std::ops::Range<usize>,
     ) -> Result<HostTensor, CheckpointError> {
-        self.take_part(name, expected, Some(rows))
+        self.take_part(name, expected, Some(rows), true)
+    }
+
+    /// Reads rows `rows` of tensor `name` as [`Self::take_rows`] does, leaving it to be read
+    /// again: a weight read a few rows at a time (an NF4 base's per-rank quantization), then
+    /// marked taken with [`Self::done`].
+    pub fn read_rows(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        rows: std::ops::Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        self.take_part(name, expected, Some(rows), false)
+    }
+
+    /// Marks tensor `name`, read with [`Self::read_rows`], as taken (its pages released).
+    pub fn done(&mut self, name: &str) {
+        if let Some(index) = self.tensors.remove(name) {
+            match &self.dcp {
+                Some(dcp) => dcp.release(name),
+                None => self.files[index].release(name),
+            }
+            self.taken.insert(name.to_string());
+        }
     }
 
     fn take_part(
@@ -214,6 +237,7 @@ impl Weights {
         name: &str,
         expected: &[usize],
         rows: Option<std::ops::Range<usize>>,
+        consume: bool,
     ) -> Result<HostTensor, CheckpointError> {
         let index =
             self.tensors
@@ -241,26 +265,14 @@ impl Weights {
             });
         }
         let tensor = match (&self.dcp, rows) {
-            (Some(dcp), rows) => {
-                let tensor = match rows {
-                    Some(rows) => dcp.read_rows(name, rows)?,
-                    None => dcp.read(name)?,
-                };
-                dcp.release(name);
-                tensor
-            }
-            (None, rows) => {
-                let file = &self.files[index];
-                let tensor = match rows {
-                    Some(rows) => file.read_rows(name, rows)?,
-                    None => file.read(name)?,
-                };
-                file.release(name);
-                tensor
-            }
+            (Some(dcp), Some(rows)) => dcp.read_rows(name, rows)?,
+            (Some(dcp), None) => dcp.read(name)?,
+            (None, Some(rows)) => self.files[index].read_rows(name, rows)?,
+            (None, None) => self.files[index].read(name)?,
         };
-        self.tensors.remove(name);
-        self.taken.insert(name.to_string());
+        if consume {
+            self.done(name);
+        }
         Ok(tensor)
     }
 

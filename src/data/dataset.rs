@@ -46,6 +46,11 @@ impl Dataset {
         max_seq_len: Option<usize>,
     ) -> Result<Self> {
         let (kind, packed) = (spec.kind, spec.packed);
+        if kind.is_prompt() {
+            return Err(DataError::Spec {
+                message: "gsm8k_dataset and prompt_dataset hold prompts to generate from, which only the GRPO recipes read (data::PromptDataset); train on an instruct, chat or text dataset".into(),
+            });
+        }
         if packed && kind.is_preference() {
             return Err(DataError::Spec {
                 message:

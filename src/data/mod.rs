@@ -5,6 +5,7 @@ mod error;
 mod formats;
 mod loader;
 mod packing;
+mod prompts;
 mod sample;
 mod source;
 mod spec;
@@ -17,6 +18,9 @@ pub use dataset::{Dataset, Samples};
 pub use error::{DataError, Result, TokenizeError};
 pub use loader::{DataLoader, LoaderConfig};
 pub use packing::{PackedSample, pack};
+pub use prompts::{
+    GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, Partition, PromptDataset, PromptSample, prompt_tokens,
+};
 pub use sample::{IGNORE_INDEX, SftSample};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
 pub use spec::{ConversationStyle, DataFiles, DatasetKind, DatasetSpec};

@@ -15,6 +15,23 @@ pub struct Row {
     pub value: Value,
 }
 
+impl Row {
+    /// Rows of an in-memory list of values, numbered in order as if read from `file` (rows a
+    /// test or a caller builds rather than reads).
+    pub fn inline(file: &str, values: Vec<Value>) -> Vec<Row> {
+        let file = Arc::new(PathBuf::from(file));
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(index, value)| Row {
+                file: Arc::clone(&file),
+                index,
+                value,
+            })
+            .collect()
+    }
+}
+
 /// Local file formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileFormat {
@@ -312,14 +329,7 @@ mod tests {
     use super::*;
 
     fn rows(n: usize) -> Vec<Row> {
-        let f = Arc::new(PathBuf::from("x"));
-        (0..n)
-            .map(|i| Row {
-                file: Arc::clone(&f),
-                index: i,
-                value: Value::Null,
-            })
-            .collect()
+        Row::inline("x", vec![Value::Null; n])
     }
 
     #[test]

@@ -60,6 +60,11 @@ pub struct DatasetSpec {
     pub column: Option<String>,
     /// Text completion: append EOS.
     pub add_eos: bool,
+    /// gsm8k: keep row `i` when `start <= i % total <= end` (`start-end/total`, torchtune's).
+    pub partition: Option<String>,
+    /// Prompt datasets: format the prompt as a user turn in the tokenizer's chat format (else
+    /// plain text after BOS).
+    pub apply_chat_template: bool,
 }
 
 impl DatasetSpec {
@@ -79,6 +84,8 @@ impl DatasetSpec {
             conversation_style: ConversationStyle::default(),
             column: None,
             add_eos: true,
+            partition: None,
+            apply_chat_template: true,
         }
     }
 }
@@ -101,6 +108,11 @@ pub enum DatasetKind {
     Preference,
     /// `stack_exchange_paired_dataset`: `question` / `response_j` (chosen) / `response_k` (rejected).
     StackExchangePaired,
+    /// `gsm8k_dataset` (torchtune's `dev.grpo.gsm8k`): prompts in torchtune's R1 preamble, the
+    /// answer after `#### ` for the rewards (`data::PromptDataset`).
+    Gsm8k,
+    /// `prompt_dataset`: a prompt column for generation, the other columns for the rewards.
+    Prompt,
 }
 
 impl DatasetKind {
@@ -112,6 +124,11 @@ impl DatasetKind {
     /// torchtune's default for `split_across_pack`: text completion splits, the others not.
     pub fn default_split_across_pack(self) -> bool {
         self == DatasetKind::TextCompletion
+    }
+
+    /// Prompts to generate from (the RL recipes), not responses to train on.
+    pub fn is_prompt(self) -> bool {
+        matches!(self, DatasetKind::Gsm8k | DatasetKind::Prompt)
     }
 
     pub fn is_preference(self) -> bool {

@@ -196,6 +196,9 @@ impl RowTransform {
                     rejected: pair(c.non_empty("rejected")?),
                 })
             }
+            DatasetKind::Gsm8k | DatasetKind::Prompt => Err(DataError::Spec {
+                message: "prompt datasets have no responses to train on; their rows are read by data::PromptDataset".into(),
+            }),
         }
     }
 

@@ -73,19 +73,21 @@ pub fn load_model_with<B: Backend>(
 
 /// [`load_model`] as FSDP's rank `rows.rank` keeps it: only its rows of every weight are read
 /// and built (`models::build::build_rows`), so no rank holds the whole model; a family whose
-/// checkpoint fuses projections (Phi-3) loads whole, to be sharded after.
+/// checkpoint fuses projections (Phi-3) loads whole, to be sharded after. `base`: the decoder
+/// linears' base weights in float or NF4 (QLoRA: each rank quantizes its rows alone).
 pub fn load_model_rows<B: Backend>(
     dir: &Path,
     files: Option<&[String]>,
     device: &B::Device,
     rows: RowsOf,
+    base: BaseWeights,
 ) -> Result<LoadedModel<B>, ModelError> {
     let args = load_args(dir)?;
     let mut weights = Weights::open(dir, files)?;
     let storage_dtype = weights.storage_dtype;
-    let model = match build_rows::<B>(&args, &mut weights, device, rows)? {
+    let model = match build_rows::<B>(&args, &mut weights, device, rows, base)? {
         Some(model) => model,
-        None => build_with::<B>(&args, &mut weights, device, BaseWeights::Float)?,
+        None => build_with::<B>(&args, &mut weights, device, base)?,
     };
     weights.finish(|name| ignorable_tensor(&args, name))?;
     Ok(LoadedModel {

@@ -11,8 +11,8 @@ use super::args::{Family, ModelArgs};
 use super::decoder::{Attention, CausalLm, DecoderBody, DecoderLayer, Embedding, Mlp};
 use super::rope::Rope;
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights};
-use crate::modules::frozen_nf4::{FrozenNf4, RowOrder};
-use crate::modules::nf4::Nf4Dtype;
+use crate::modules::frozen_nf4::{FrozenNf4, Nf4Rows, RowOrder};
+use crate::modules::nf4::{BLOCK_SIZE, Nf4Dtype};
 use crate::modules::{Linear, RmsNorm};
 use burn::module::Param;
 use std::collections::HashMap;
@@ -54,6 +54,26 @@ pub trait ParamSource {
     fn stored_dtype(&self, _name: &str) -> Option<StorageDtype> {
         None
     }
+
+    /// Rows `rows` of tensor `name`, which may be read again (a weight read a few rows at a
+    /// time); [`Self::done`] says when it has been read for good.
+    fn read_rows(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        self.take_rows(name, shape, rows)
+    }
+
+    /// Tensor `name`, read with [`Self::read_rows`], will not be read again.
+    fn done(&mut self, _name: &str) {}
+
+    /// FSDP's per-rank load: the rows of a `rows`-row tensor this source hands out through
+    /// [`Self::take`] (`None`: it hands out whole tensors).
+    fn own_rows(&self, _rows: usize) -> Option<Range<usize>> {
+        None
+    }
 }
 
 impl ParamSource for Weights {
@@ -72,6 +92,19 @@ impl ParamSource for Weights {
 
     fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
         self.dtype(name)
+    }
+
+    fn read_rows(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        Weights::read_rows(self, name, shape, rows)
+    }
+
+    fn done(&mut self, name: &str) {
+        Weights::done(self, name)
     }
 }
 
@@ -137,6 +170,9 @@ impl<B: Backend> Builder<'_, B> {
     ) -> Result<Linear<B>, CheckpointError> {
         let name = format!("{prefix}.weight");
         let stored = self.src.stored_dtype(&name);
+        if let Some(linear) = self.nf4_rows_linear(prefix, [out, inp], stored, bias)? {
+            return Ok(linear);
+        }
         let w = self.src.take(&name, &[out, inp])?;
         let b = if bias {
             Some(self.src.take(&format!("{prefix}.bias"), &[out])?)
@@ -144,6 +180,51 @@ impl<B: Backend> Builder<'_, B> {
             None
         };
         self.linear_from(prefix, w, stored, b)
+    }
+
+    /// FSDP's per-rank load of an NF4 base: a decoder layer's linear holding only this rank's
+    /// quantized rows, quantized from reads of a few rows of the weight at a time, as the whole
+    /// weight's quantization would give them ([`Nf4Rows::quantize`]); `None` when the base is
+    /// float, the source hands out whole tensors, or a row does not hold whole blocks (then
+    /// the weight loads whole and stays whole on every rank, as `Linear::shard_nf4` leaves it).
+    fn nf4_rows_linear(
+        &mut self,
+        prefix: &str,
+        [out, inp]: [usize; 2],
+        stored: Option<StorageDtype>,
+        bias: bool,
+    ) -> Result<Option<Linear<B>>, CheckpointError> {
+        let BaseWeights::Nf4(compute) = self.base else {
+            return Ok(None);
+        };
+        let Some(rows) = self.src.own_rows(out) else {
+            return Ok(None);
+        };
+        if !prefix.starts_with("model.layers.") || !inp.is_multiple_of(BLOCK_SIZE) {
+            return Ok(None);
+        }
+        let name = format!("{prefix}.weight");
+        let dtype = stored.map(nf4_dtype).unwrap_or(compute);
+        let order = nf4_row_order(self.args, prefix);
+        let src = &mut *self.src;
+        let read = |r: Range<usize>| src.read_rows(&name, &[out, inp], r).map(|t| t.data);
+        let q = Nf4Rows::quantize(read, [out, inp], rows, (dtype, compute), order)?;
+        self.src.done(&name);
+        let q = q.map_err(|source| CheckpointError::Nf4 {
+            name: name.clone(),
+            shape: vec![out, inp],
+            source,
+        })?;
+        let bias = if bias {
+            Some(
+                self.src
+                    .take(&format!("{prefix}.bias"), &[out])?
+                    .to_tensor(self.device),
+            )
+        } else {
+            None
+        };
+        Ok(Some(Linear::new_nf4_rows(q, bias)))
     }
 
     /// A linear layer from its tensors; a decoder layer's weight goes straight from the host
@@ -367,6 +448,25 @@ impl ParamSource for RowsSource<'_> {
         self.inner.take_rows(name, shape, rows)
     }
 
+    /// Any rows of `name`, not only this rank's (an NF4 base's quantization reads the whole
+    /// weight a few rows at a time).
+    fn read_rows(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+    ) -> Result<HostTensor, CheckpointError> {
+        self.inner.read_rows(name, shape, rows)
+    }
+
+    fn done(&mut self, name: &str) {
+        self.inner.done(name)
+    }
+
+    fn own_rows(&self, rows: usize) -> Option<Range<usize>> {
+        Some(row_range(rows, self.rows.rank, self.rows.world))
+    }
+
     fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
         self.inner.stored_dtype(name)
     }
@@ -377,12 +477,14 @@ impl ParamSource for RowsSource<'_> {
 /// `shards` record every weight's whole shape and have no collectives yet (the trainer's
 /// setup wires them in: `training::fsdp`); until then nothing may run it. `None` for models
 /// whose checkpoint fuses projections a rank's rows cannot be read from (Phi-3's
-/// `qkv_proj`): load those whole and shard them after.
+/// `qkv_proj`): load those whole and shard them after. An NF4 base (`base`) keeps each
+/// decoder linear's quantized rows, quantized as the whole weight would be.
 pub fn build_rows<B: Backend>(
     args: &ModelArgs,
     src: &mut dyn ParamSource,
     device: &B::Device,
     rows: RowsOf,
+    base: BaseWeights,
 ) -> Result<Option<CausalLm<B>>, CheckpointError> {
     if args.fused_projections {
         return Ok(None);
@@ -392,7 +494,7 @@ pub fn build_rows<B: Backend>(
         rows,
         full_shapes: HashMap::new(),
     };
-    let mut model = build(args, &mut source, device)?;
+    let mut model = build_with(args, &mut source, device, base)?;
     // Adapters attached later take the whole weights' shapes.
     for (path, linear) in model.linears_mut() {
         if let Some(full) = source.full_shapes.get(&format!("{path}.weight")) {

@@ -5,6 +5,7 @@ pub mod args;
 pub mod build;
 pub mod cache;
 pub mod decoder;
+pub mod host_rows;
 pub mod mask;
 pub mod params;
 pub mod rope;

@@ -6,6 +6,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use super::decoder::CausalLm;
+use super::shards::LayerShards;
 use crate::checkpoint::HostTensor;
 use crate::modules::Linear;
 
@@ -60,6 +61,7 @@ impl<B: Backend> CausalLm<B> {
     /// All float parameters by module path, with whether each one trains.
     pub fn named_params(&self) -> Vec<NamedParam> {
         let mut v = Collector {
+            shards: self.shards.as_deref(),
             path: Vec::new(),
             out: Vec::new(),
         };
@@ -68,7 +70,8 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// Bytes of the weights this model holds: its float parameters and its NF4 base weights
-    /// as stored (with FSDP, this rank's rows of each).
+    /// as stored (with FSDP, this rank's rows of each; with its CPU offload, the float rows
+    /// are in host memory instead, [`Self::offloaded_parameter_bytes`]).
     pub fn parameter_bytes(&self) -> usize {
         let nf4: usize = self
             .model
@@ -78,6 +81,15 @@ impl<B: Backend> CausalLm<B> {
             .map(|l| l.nf4().map_or(0, |q| q.bytes()) + l.nf4_rows().map_or(0, |r| r.bytes()))
             .sum();
         nf4 + self.float_parameter_bytes()
+    }
+
+    /// Bytes of this rank's rows that FSDP's CPU offload keeps in host memory instead
+    /// (not counted by [`Self::parameter_bytes`]).
+    pub fn offloaded_parameter_bytes(&self) -> usize {
+        self.shards
+            .as_ref()
+            .and_then(|s| s.offloaded())
+            .map_or(0, |h| h.bytes())
     }
 
     fn float_parameter_bytes(&self) -> usize {
@@ -96,11 +108,12 @@ impl<B: Backend> CausalLm<B> {
     /// The parameters that train, by module path, in model order, without copying their
     /// values (the data-parallel collectives list them every step).
     pub fn trainable_params(&self) -> Vec<TrainableParam> {
-        struct List {
+        struct List<'a> {
+            shards: Option<&'a LayerShards>,
             path: Vec<String>,
             out: Vec<TrainableParam>,
         }
-        impl<B: Backend> ModuleVisitor<B> for List {
+        impl<B: Backend> ModuleVisitor<B> for List<'_> {
             fn enter_module(&mut self, name: &str, _: &str) {
                 self.path.push(name.to_string());
             }
@@ -110,15 +123,21 @@ impl<B: Backend> CausalLm<B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
                 let value = param.val();
                 if value.is_require_grad() {
+                    // An offloaded parameter's rows are in host memory, not in its value.
+                    let numel = match self.shards.filter(|s| s.is_parked(&param.id)) {
+                        Some(s) => s.elements(&param.id, s.rank()).map_or(0, |r| r.len()),
+                        None => value.shape().num_elements(),
+                    };
                     self.out.push(TrainableParam {
                         name: self.path.join("."),
                         id: param.id,
-                        numel: value.shape().num_elements(),
+                        numel,
                     });
                 }
             }
         }
         let mut list = List {
+            shards: self.shards.as_deref(),
             path: Vec::new(),
             out: Vec::new(),
         };
@@ -204,12 +223,14 @@ impl NamedParam {
     }
 }
 
-struct Collector {
+struct Collector<'a> {
+    /// FSDP's shards: an offloaded parameter's rows are read from host memory.
+    shards: Option<&'a LayerShards>,
     path: Vec<String>,
     out: Vec<NamedParam>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Collector {
+impl<B: Backend> ModuleVisitor<B> for Collector<'_> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -219,13 +240,26 @@ impl<B: Backend> ModuleVisitor<B> for Collector {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let value = param.val();
+        let parked = self.shards.and_then(|s| {
+            let rows = s.parked_value(&param.id)?;
+            Some(HostTensor::new(
+                s.shard_shape(&param.id)?,
+                host_values(rows),
+            ))
+        });
         self.out.push(NamedParam {
             name: self.path.join("."),
             id: param.id,
-            value: HostTensor::from_tensor(&param.val()),
-            trainable: param.val().is_require_grad(),
+            value: parked.unwrap_or_else(|| HostTensor::from_tensor(&value)),
+            trainable: value.is_require_grad(),
         });
     }
+}
+
+/// Host rows as f32 values.
+fn host_values(rows: Tensor<crate::models::host_rows::Host, 1>) -> Vec<f32> {
+    HostTensor::from_tensor(&rows).data
 }
 
 fn fuse_projections(params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {

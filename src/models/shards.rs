@@ -18,6 +18,9 @@
 //! - A failed collective call is kept and the pass goes on with zeros; the trainer asks
 //!   [`LayerShards::check`] at the end of every step, before anything is updated, and later
 //!   calls fail at once, so every rank stops at the same step with the first error.
+//! - With CPU offload ([`LayerShards::with_offload`]), a sharded parameter's rows and its
+//!   gradient rows live in host memory ([`HostRows`]) and the module holds a placeholder with
+//!   no rows; every other invariant holds unchanged.
 //!
 //! This module knows no collective library: the trainer's setup hands it each backend's
 //! all-gather and reduce-scatter ([`Collectives`]), keyed by backend type. Why: one model
@@ -35,6 +38,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 
+use super::host_rows::{Host, HostRows, to_device, to_host};
 use crate::checkpoint::dcp::row_range;
 
 /// A collective call's failure, as the distributed layer reports it.
@@ -69,6 +73,8 @@ pub struct LayerShards {
     /// Gradients handed over by layer backward passes since the last
     /// [`take_grads`](Self::take_grads): flat `Tensor<inner backend, 1>` by parameter id.
     grads: Mutex<HashMap<ParamId, Box<dyn Any + Send>>>,
+    /// FSDP's CPU offload: the rows [`Self::park`] moved to host memory, and their gradients.
+    host: Option<HostRows>,
 }
 
 impl std::fmt::Debug for LayerShards {
@@ -96,6 +102,77 @@ impl LayerShards {
             failure: Mutex::new(None),
             reshard_after_forward: true,
             grads: Mutex::new(HashMap::new()),
+            host: None,
+        }
+    }
+
+    /// FSDP's CPU offload: [`Self::park`] keeps rows in host memory, and the gradient rows
+    /// of parked parameters are summed there.
+    pub fn with_offload(mut self) -> Self {
+        self.host = Some(HostRows::default());
+        self
+    }
+
+    /// The host memory of an offloading run.
+    pub fn offloaded(&self) -> Option<&HostRows> {
+        self.host.as_ref()
+    }
+
+    /// Whether parameter `id`'s rows live in host memory.
+    pub fn is_parked(&self, id: &ParamId) -> bool {
+        self.host.as_ref().is_some_and(|h| h.is_parked(id))
+    }
+
+    /// This rank's shape of sharded parameter `id`: its rows of the whole.
+    pub fn shard_shape(&self, id: &ParamId) -> Option<Vec<usize>> {
+        let mut shape = self.full_shapes.get(id)?.clone();
+        shape[0] = self.rows(shape[0], self.rank).len();
+        Some(shape)
+    }
+
+    /// This rank's rows of parameter `id` (flat, on the host) when they are parked.
+    pub fn parked_value(&self, id: &ParamId) -> Option<Tensor<Host, 1>> {
+        self.host.as_ref()?.value(id)
+    }
+
+    /// With offload: moves this rank's rows of every sharded parameter of `module` to host
+    /// memory, leaving a placeholder with no rows (same id, dtype and training flag); without
+    /// it, `module` as it is.
+    pub fn park<X: Backend, M: Module<X>>(&self, module: M) -> M {
+        struct Park<'a> {
+            shards: &'a LayerShards,
+            host: &'a HostRows,
+        }
+        impl<X: Backend> ModuleMapper<X> for Park<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<X, D>>,
+            ) -> Param<Tensor<X, D>> {
+                let (id, tensor, mapper) = param.consume();
+                if !self.shards.is_sharded(&id) || self.host.is_parked(&id) {
+                    return Param::from_mapped_value(id, tensor, mapper);
+                }
+                let mut dims = tensor.dims();
+                let (dtype, device, trains) =
+                    (tensor.dtype(), tensor.device(), tensor.is_require_grad());
+                let n = tensor.shape().num_elements();
+                self.host.park(id, to_host(tensor.detach().reshape([n])));
+                dims[0] = 0;
+                let placeholder = Tensor::<X, D>::empty(
+                    dims,
+                    burn::tensor::TensorCreationOptions::new(device).with_dtype(dtype),
+                );
+                let placeholder = if trains {
+                    placeholder.require_grad()
+                } else {
+                    placeholder
+                };
+                Param::from_mapped_value(id, placeholder, mapper)
+            }
+        }
+        match &self.host {
+            Some(host) => module.map(&mut Park { shards: self, host }),
+            None => module,
         }
     }
 
@@ -255,11 +332,18 @@ impl LayerShards {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
                 if self.shards.is_sharded(&param.id) {
                     let value = param.val();
-                    let n = value.shape().num_elements();
                     self.dtype.get_or_insert(value.dtype());
                     self.order.push(param.id);
-                    if n > 0 {
-                        self.pieces.push(value.reshape([n]));
+                    // Offloaded rows go up to the device for the gather only.
+                    let piece = match self.shards.parked_value(&param.id) {
+                        Some(rows) => to_device::<X, 1>(rows, &value.device()),
+                        None => {
+                            let n = value.shape().num_elements();
+                            value.reshape([n])
+                        }
+                    };
+                    if piece.shape().num_elements() > 0 {
+                        self.pieces.push(piece);
                     }
                 }
             }
@@ -446,11 +530,18 @@ impl LayerShards {
             }
         };
         let mine = mine.unwrap_or_else(|| zeros(local_len, dtype, &device));
+        // Offloaded: this rank's gradient rows come down to host memory in one copy.
+        let host_rows = self.host.as_ref().map(|host| (host, to_host(mine.clone())));
         let mut offset = 0;
         for (id, _) in &sharded {
             let len = self.elements(id, self.rank).map_or(0, |r| r.len());
             if len > 0 {
-                self.keep_grad(*id, mine.clone().slice(offset..offset + len));
+                match &host_rows {
+                    Some((host, rows)) if host.is_parked(id) => {
+                        host.add_grad(*id, rows.clone().slice(offset..offset + len));
+                    }
+                    _ => self.keep_grad(*id, mine.clone().slice(offset..offset + len)),
+                }
             }
             offset += len;
         }
@@ -692,5 +783,91 @@ mod tests {
                 (rank == 0).then(|| six(module.row.val()))
             );
         }
+    }
+
+    /// CPU offload: a parked rank's module holds no rows, its rows gather as the device rows
+    /// would, and its gradient rows are summed in host memory, never handed to the trainer's
+    /// gradients.
+    #[test]
+    fn parked_rows_gather_from_the_host_and_their_gradients_stay_there() {
+        let device = Default::default();
+        let whole = block(&device);
+        let world = 3;
+        let rank = 1;
+        let sharded: Vec<Block<A>> = (0..world)
+            .map(|r| LayerShards::new(r, world).shard(whole.clone()))
+            .collect();
+        let everything: Vec<f32> = (0..world)
+            .flat_map(|r| {
+                let mut s = LayerShards::new(r, world);
+                let m = s.shard(whole.clone());
+                local_buffer(&s, &m)
+            })
+            .collect();
+        let mut shards = LayerShards::new(rank, world).with_offload();
+        let module = shards.shard(whole.clone());
+        let module = shards.park(module);
+        assert_eq!(module.w.val().dims(), [0, 3], "no rows on the device");
+        assert!(module.w.val().is_require_grad(), "it still trains");
+        assert_eq!(
+            flat(shards.parked_value(&module.w.id).unwrap()),
+            flat(sharded[rank].w.val()),
+            "the rows are in host memory"
+        );
+        let sent = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let seen = sent.clone();
+        // The sum over ranks of rank r's gradient (r + 1) * w is 6 * w; rank 1 keeps its segment.
+        let mine: Vec<f32> =
+            (0..21).map(|i| 6.0 * everything[i]).collect::<Vec<_>>()[11..18].to_vec();
+        let shards = shards
+            .with_collectives(Collectives::<A> {
+                all_gather: Box::new(move |piece| {
+                    seen.lock().unwrap().push(flat(piece));
+                    let n = everything.len();
+                    Ok(Tensor::from_data(
+                        TensorData::new(everything.clone(), [n]),
+                        &Default::default(),
+                    ))
+                }),
+                reduce_scatter: Box::new(|_, _| Err("unused".into())),
+            })
+            .with_collectives(Collectives::<Flex> {
+                all_gather: Box::new(|_| Err("unused".into())),
+                reduce_scatter: Box::new(move |_, _| {
+                    let n = mine.len();
+                    Ok(Tensor::from_data(
+                        TensorData::new(mine.clone(), [n]),
+                        &Default::default(),
+                    ))
+                }),
+            });
+        let gathered = shards.gather(&module);
+        let own = &sharded[rank];
+        let rows: Vec<f32> =
+            [flat(own.w.val()), flat(own.norm.val()), flat(own.row.val())].concat();
+        assert_eq!(
+            sent.lock().unwrap()[0],
+            rows,
+            "the parked rows are what the rank sends"
+        );
+        assert_eq!(flat(gathered.w.val()), flat(whole.w.val()));
+        shards.scatter_grads::<A, _>(&mut backward(rank, &gathered), &gathered);
+        shards.check().unwrap();
+        let mut grads = GradientsParams::new();
+        shards.take_grads::<A, _>(&module, &mut grads);
+        assert!(grads.is_empty(), "parked gradients stay in host memory");
+        let host = shards.offloaded().unwrap();
+        assert_eq!(
+            flat(host.grad(&module.w.id).unwrap()),
+            flat(sharded[rank].w.val().inner().reshape([6]) * 6.0)
+        );
+        assert_eq!(
+            flat(host.grad(&module.norm.id).unwrap()),
+            flat(sharded[rank].norm.val().inner() * 6.0)
+        );
+        assert!(
+            host.grad(&module.row.id).is_none(),
+            "rank 1 has no row of it"
+        );
     }
 }

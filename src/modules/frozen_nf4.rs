@@ -87,6 +87,58 @@ pub struct Nf4Rows {
 }
 
 impl Nf4Rows {
+    /// Rows `rows` (of the quantized order) of the `[out, in]` weight `read` reads, quantized
+    /// as [`FrozenNf4::quantize`] quantizes the whole weight and [`FrozenNf4::rows`] keeps them,
+    /// bit for bit, without the whole weight ever held: `read` gives Hugging Face rows (a range,
+    /// row-major values), read once in order, a few at a time (a head's rows in torchtune's
+    /// RoPE order). FSDP's per-rank load of an NF4 base.
+    pub fn quantize<E>(
+        mut read: impl FnMut(Range<usize>) -> Result<Vec<f32>, E>,
+        full: [usize; 2],
+        rows: Range<usize>,
+        (dtype, compute): (Nf4Dtype, Nf4Dtype),
+        order: RowOrder,
+    ) -> Result<Result<Self, Nf4Error>, E> {
+        let [out, inp] = full;
+        if let Err(e) = Nf4Weight::check_numel(out * inp) {
+            return Ok(Err(e));
+        }
+        if !inp.is_multiple_of(BLOCK_SIZE) {
+            // A row holding part of a block: FSDP keeps such a weight whole (`FrozenNf4::rows`).
+            return Ok(Err(Nf4Error::Shape { numel: out * inp }));
+        }
+        // Rows per read: a head in RoPE order (its rows are permuted within it), else enough
+        // rows for about a million values.
+        let step = match order {
+            RowOrder::Stored => (1usize << 20).div_ceil(inp).max(1),
+            RowOrder::RopeInterleaved { head_dim } => head_dim,
+        };
+        let chunks = (0..out).step_by(step).map(|start| {
+            let span = start..(start + step).min(out);
+            let stored = read(span.clone())?;
+            Ok(match order {
+                RowOrder::Stored => stored,
+                RowOrder::RopeInterleaved { .. } => span
+                    .clone()
+                    .flat_map(|row| {
+                        let src = order.source_row(row) - span.start;
+                        stored[src * inp..(src + 1) * inp].iter().copied()
+                    })
+                    .collect(),
+            })
+        });
+        let keep = rows.start * inp..rows.end * inp;
+        let part = crate::modules::nf4::quantize_part(chunks, out * inp, keep, dtype, compute)?;
+        Ok(Ok(Self {
+            full,
+            order,
+            compute,
+            dtype,
+            codes: part.codes,
+            scales: part.scales,
+        }))
+    }
+
     /// What a rank sends to gather the weight, exactly representable in f32: the codes, three
     /// bytes to a value (`b0 * 65536 + b1 * 256 + b2`, under f32's 2^24 exact integers), then
     /// the block scales. Why three: 0.73 bytes per weight travel instead of 2.06 with one byte
@@ -463,6 +515,59 @@ mod tests {
                 (order, compute, q.unwrap())
             })
         })
+    }
+
+    /// FSDP's per-rank load: a rank quantizes its rows from reads of a few rows at a time,
+    /// in order, never the whole weight, and gets what quantizing the whole weight and
+    /// keeping its rows gives, bit for bit (ranks whose rows cross scaler blocks included).
+    #[test]
+    fn a_ranks_rows_quantize_alone_as_the_whole_weight_keeps_them() {
+        let w = test_weight(256 * 128);
+        for (order, compute, q) in cases() {
+            for world in [1, 2, 3, 5] {
+                for rank in 0..world {
+                    let rows = crate::checkpoint::dcp::row_range(256, rank, world);
+                    let mut reads = Vec::new();
+                    let read = |r: Range<usize>| {
+                        reads.push(r.clone());
+                        Ok::<_, ()>(w[r.start * 128..r.end * 128].to_vec())
+                    };
+                    let got = Nf4Rows::quantize(
+                        read,
+                        [256, 128],
+                        rows.clone(),
+                        (Nf4Dtype::Bf16, compute),
+                        order,
+                    )
+                    .unwrap()
+                    .unwrap();
+                    let want = q.rows(rows.clone()).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(got.codes, want.codes, "{order:?} {world} {rank}");
+                    assert_eq!(
+                        bits(&got.scales),
+                        bits(&want.scales),
+                        "{order:?} {world} {rank}"
+                    );
+                    assert_eq!(
+                        (got.full, got.dtype, got.compute),
+                        (want.full, want.dtype, want.compute)
+                    );
+                    // Every row read once, in order, at most a head's (64) at a time in RoPE
+                    // order.
+                    let starts: Vec<usize> = reads.iter().map(|r| r.start).collect();
+                    assert_eq!(reads.last().map(|r| r.end), Some(256));
+                    assert!(
+                        reads.windows(2).all(|p| p[0].end == p[1].start),
+                        "{reads:?}"
+                    );
+                    assert_eq!(starts[0], 0);
+                    if matches!(order, RowOrder::RopeInterleaved { .. }) {
+                        assert!(reads.iter().all(|r| r.len() == 64), "{reads:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

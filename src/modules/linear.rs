@@ -88,6 +88,20 @@ impl<B: Backend> Linear<B> {
         }
     }
 
+    /// FSDP's per-rank load of an NF4 base: a layer holding only this rank's quantized rows
+    /// of its base weight (it runs once gathered, as a layer [`Self::shard_nf4`] made).
+    pub fn new_nf4_rows(rows: Nf4Rows, bias: Option<Tensor<B, 1>>) -> Self {
+        Self {
+            weight: None,
+            nf4: None,
+            nf4_rows: Some(Arc::new(rows)),
+            full_out: None,
+            bias: bias.map(Param::from_tensor),
+            lora: None,
+            quant: None,
+        }
+    }
+
     /// Replaces the base weight with a frozen NF4 one (the float weight is released).
     pub fn set_nf4(&mut self, weight: FrozenNf4) {
         self.nf4 = Some(Arc::new(weight));

@@ -10,6 +10,8 @@
 //! dequantized weight match it bit for bit (tests/suite/nf4.rs against
 //! tests/fixtures/reference/nf4.safetensors and qlora.safetensors).
 
+use std::ops::Range;
+
 use half::bf16;
 use rayon::prelude::*;
 
@@ -91,9 +93,7 @@ impl Nf4Weight {
     /// values are rounded to `dtype` first, as the weight torchao sees already is.
     pub fn quantize(weight: &[f32], shape: &[usize], dtype: Nf4Dtype) -> Result<Self, Nf4Error> {
         let numel = weight.len();
-        if numel == 0 || !numel.is_multiple_of(BLOCK_SIZE * SCALER_BLOCK_SIZE) {
-            return Err(Nf4Error::Shape { numel });
-        }
+        Self::check_numel(numel)?;
         // One copy of the loops per dtype, so the rounding inlines into them.
         let (scales, codes) = match dtype {
             Nf4Dtype::Bf16 => quantize_in(weight, |x| bf16::from_f32(x).to_f32()),
@@ -108,6 +108,14 @@ impl Nf4Weight {
             factors: scales.factors,
             mean: scales.mean,
         })
+    }
+
+    /// torchao's shape rule: a whole number of scaler blocks of whole blocks.
+    pub fn check_numel(numel: usize) -> Result<(), Nf4Error> {
+        if numel == 0 || !numel.is_multiple_of(BLOCK_SIZE * SCALER_BLOCK_SIZE) {
+            return Err(Nf4Error::Shape { numel });
+        }
+        Ok(())
     }
 
     /// The block scales as torchao dequantizes them in the weight's own dtype.
@@ -133,7 +141,7 @@ impl Nf4Weight {
             scales.extend(
                 block
                     .iter()
-                    .map(|&q| r(r(f32::from(q) / factor) + self.mean)),
+                    .map(|&q| dequantized_scale(q, *factor, self.mean, &r)),
             );
         }
         scales
@@ -233,40 +241,60 @@ struct Scales {
     mean: f32,
 }
 
-/// torchao's `to_nf4` with `r` rounding each op's result to the weight's dtype: the block
-/// scales and the packed codes.
-fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8>) {
-    let absmax: Vec<f32> = weight
-        .par_chunks(BLOCK_SIZE)
-        .map(|b| b.iter().map(|v| r(*v).abs()).fold(0.0, f32::max))
-        .collect();
-    let mean = r(mean_f32(&absmax));
-    let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
-    let mut scalers = Vec::with_capacity(centred.len());
-    let mut factors = Vec::with_capacity(centred.len() / SCALER_BLOCK_SIZE);
-    for block in centred.chunks(SCALER_BLOCK_SIZE) {
-        let max = block.iter().map(|v| v.abs()).fold(0.0, f32::max);
-        // torch runs `256 / t` as `t.reciprocal() * 256`; times a power of two is exact.
-        let factor = r(r(1.0 / r(2.0 * max)) * 256.0);
-        factors.push(factor);
-        for v in block {
-            let q = r(v * factor).round_ties_even();
-            scalers.push(q.clamp(-128.0, 127.0) as i8);
+/// A block's scale: its largest magnitude, each value first rounded to the weight's dtype.
+fn block_absmax(block: &[f32], r: impl Fn(f32) -> f32) -> f32 {
+    block.iter().map(|v| r(*v).abs()).fold(0.0, f32::max)
+}
+
+/// A scaler block's factor, `256 / (2 * absmax)` of its mean-subtracted block scales.
+fn scaler_factor(centred: &[f32], r: impl Fn(f32) -> f32) -> f32 {
+    let max = centred.iter().map(|v| v.abs()).fold(0.0, f32::max);
+    // torch runs `256 / t` as `t.reciprocal() * 256`; times a power of two is exact.
+    r(r(1.0 / r(2.0 * max)) * 256.0)
+}
+
+/// A mean-subtracted block scale quantized to int8 with its scaler block's factor.
+fn scaler(centred: f32, factor: f32, r: impl Fn(f32) -> f32) -> i8 {
+    let q = r(centred * factor).round_ties_even();
+    q.clamp(-128.0, 127.0) as i8
+}
+
+/// A block's scale as torchao dequantizes it in the dtype `r` rounds to: `int8 / factor +
+/// mean`, each op rounded.
+fn dequantized_scale(q: i8, factor: f32, mean: f32, r: impl Fn(f32) -> f32) -> f32 {
+    r(r(f32::from(q) / factor) + mean)
+}
+
+/// The nearest NF4 level's index of a value in a block of scale `scale`, as torch picks it.
+struct Coder<R> {
+    levels: [f32; 16],
+    midpoints: [f32; 15],
+    r: R,
+}
+
+impl<R: Fn(f32) -> f32> Coder<R> {
+    fn new(r: R) -> Self {
+        let levels = NF4_LEVELS.map(&r);
+        let midpoints = std::array::from_fn(|i| (levels[i] + levels[i + 1]) / 2.0);
+        Self {
+            levels,
+            midpoints,
+            r,
         }
     }
-    let nf4 = NF4_LEVELS.map(&r);
-    let midpoints: [f32; 15] = std::array::from_fn(|i| (nf4[i] + nf4[i + 1]) / 2.0);
+
     // torch: the first level at the smallest rounded distance |scaled - level|. Rounding is
     // monotone and adjacent levels are at least 0.08 apart (far above a rounding step of
     // distances below 2), so that level is the exactly nearest one or a neighbour tied with
     // it after rounding: three candidates instead of sixteen.
-    let nearest = |v: f32, scale: f32| -> u8 {
+    fn nearest(&self, v: f32, scale: f32) -> u8 {
+        let r = &self.r;
         let scaled = r(r(v) / scale);
-        let c = midpoints.iter().filter(|m| scaled > **m).count();
+        let c = self.midpoints.iter().filter(|m| scaled > **m).count();
         let mut best = 0u8;
         let mut best_diff = f32::INFINITY;
         let first = c.saturating_sub(1);
-        for (i, level) in nf4.iter().enumerate().take(c + 2).skip(first) {
+        for (i, level) in self.levels.iter().enumerate().take(c + 2).skip(first) {
             let diff = r((scaled - level).abs());
             if diff < best_diff {
                 best = i as u8;
@@ -274,7 +302,33 @@ fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8
             }
         }
         best
-    };
+    }
+
+    /// A block's 64 values packed two to a byte (32 bytes), the first in the high nibble.
+    fn pack_block(&self, block: &[f32], scale: f32, out: &mut [u8]) {
+        for (byte, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
+            *byte = (self.nearest(pair[0], scale) << 4) | self.nearest(pair[1], scale);
+        }
+    }
+}
+
+/// torchao's `to_nf4` with `r` rounding each op's result to the weight's dtype: the block
+/// scales and the packed codes.
+fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8>) {
+    let absmax: Vec<f32> = weight
+        .par_chunks(BLOCK_SIZE)
+        .map(|b| block_absmax(b, &r))
+        .collect();
+    let mean = r(mean_f32(&absmax));
+    let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
+    let mut scalers = Vec::with_capacity(centred.len());
+    let mut factors = Vec::with_capacity(centred.len() / SCALER_BLOCK_SIZE);
+    for block in centred.chunks(SCALER_BLOCK_SIZE) {
+        let factor = scaler_factor(block, &r);
+        factors.push(factor);
+        scalers.extend(block.iter().map(|v| scaler(*v, factor, &r)));
+    }
+    let coder = Coder::new(&r);
     // Blocks in parallel (a 1B model has a billion values to place); a block's 64 values
     // fill 32 bytes.
     let mut codes = vec![0u8; weight.len() / 2];
@@ -282,11 +336,7 @@ fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8
         .par_chunks_mut(BLOCK_SIZE / 2)
         .zip(weight.par_chunks(BLOCK_SIZE))
         .zip(absmax.par_iter())
-        .for_each(|((out, block), &scale)| {
-            for (byte, pair) in out.iter_mut().zip(block.chunks_exact(2)) {
-                *byte = (nearest(pair[0], scale) << 4) | nearest(pair[1], scale);
-            }
-        });
+        .for_each(|((out, block), &scale)| coder.pack_block(block, scale, out));
     let scales = Scales {
         scalers,
         factors,
@@ -299,13 +349,160 @@ fn quantize_in(weight: &[f32], r: impl Fn(f32) -> f32 + Sync) -> (Scales, Vec<u8
 /// which equals torch's cascaded f32 sum whenever that sum is exact or correctly rounded),
 /// divided in f32.
 fn mean_f32(values: &[f32]) -> f32 {
-    let sum = values.iter().map(|v| f64::from(*v)).sum::<f64>() as f32;
-    sum / values.len() as f32
+    mean_of(
+        values.iter().map(|v| f64::from(*v)).sum::<f64>(),
+        values.len(),
+    )
+}
+
+/// [`mean_f32`] from the f64 sum of `n` values, accumulated in their order.
+fn mean_of(sum: f64, n: usize) -> f32 {
+    sum as f32 / n as f32
+}
+
+/// Elements `keep` (whole blocks) of a weight quantized to NF4: their packed codes, and their
+/// blocks' scales dequantized in the compute dtype.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nf4Part {
+    pub codes: Vec<u8>,
+    pub scales: Vec<f32>,
+}
+
+/// torchao's `to_nf4` of a weight of `numel` values of `dtype` (a valid NF4 size:
+/// [`Nf4Weight::check_numel`]) streamed in `chunks` (its values in order, each chunk whole
+/// blocks), keeping elements `keep` (whole blocks): their codes, and their block scales
+/// dequantized in `compute`, bit for bit what quantizing the whole weight gives them
+/// ([`Nf4Weight::quantize`], [`Nf4Weight::block_scales_in`]). Only `keep`'s values and the
+/// block scales of the scaler blocks around them are held: FSDP's per-rank load quantizes a
+/// rank's rows of a weight no rank ever holds whole. The whole weight is read once (for the
+/// mean of every block's scale, summed in block order as [`mean_f32`] sums them).
+pub fn quantize_part<E>(
+    chunks: impl Iterator<Item = Result<Vec<f32>, E>>,
+    numel: usize,
+    keep: Range<usize>,
+    dtype: Nf4Dtype,
+    compute: Nf4Dtype,
+) -> Result<Nf4Part, E> {
+    // The roundings `Nf4Weight::quantize` and `block_scales_in` use.
+    let compute_r = move |x: f32| compute.round(x);
+    match dtype {
+        Nf4Dtype::Bf16 => quantize_part_in(
+            chunks,
+            numel,
+            keep,
+            |x| bf16::from_f32(x).to_f32(),
+            compute_r,
+        ),
+        Nf4Dtype::F16 => quantize_part_in(
+            chunks,
+            numel,
+            keep,
+            |x| half::f16::from_f32(x).to_f32(),
+            compute_r,
+        ),
+        Nf4Dtype::F32 => quantize_part_in(chunks, numel, keep, |x| x, compute_r),
+    }
+}
+
+fn quantize_part_in<E>(
+    chunks: impl Iterator<Item = Result<Vec<f32>, E>>,
+    numel: usize,
+    keep: Range<usize>,
+    r: impl Fn(f32) -> f32 + Sync + Copy,
+    compute_r: impl Fn(f32) -> f32 + Copy,
+) -> Result<Nf4Part, E> {
+    let blocks = numel / BLOCK_SIZE;
+    let kept = keep.start / BLOCK_SIZE..keep.end / BLOCK_SIZE;
+    // The scaler blocks around the kept blocks.
+    let around = kept.start / SCALER_BLOCK_SIZE * SCALER_BLOCK_SIZE
+        ..(kept.end.div_ceil(SCALER_BLOCK_SIZE) * SCALER_BLOCK_SIZE).min(blocks);
+    let mut sum = 0f64;
+    let mut absmax = Vec::with_capacity(around.len());
+    let mut values = Vec::with_capacity(keep.len());
+    let mut at = 0;
+    for chunk in chunks {
+        let chunk = chunk?;
+        for (i, block) in chunk.chunks(BLOCK_SIZE).enumerate() {
+            let m = block_absmax(block, r);
+            sum += f64::from(m);
+            if around.contains(&(at / BLOCK_SIZE + i)) {
+                absmax.push(m);
+            }
+        }
+        let (from, to) = (keep.start.max(at), keep.end.min(at + chunk.len()));
+        if from < to {
+            values.extend_from_slice(&chunk[from - at..to - at]);
+        }
+        at += chunk.len();
+    }
+    let mean = r(mean_of(sum, blocks));
+    let centred: Vec<f32> = absmax.iter().map(|v| r(v - mean)).collect();
+    let mut scales = Vec::with_capacity(kept.len());
+    for (g, group) in centred.chunks(SCALER_BLOCK_SIZE).enumerate() {
+        let factor = scaler_factor(group, r);
+        let first = around.start + g * SCALER_BLOCK_SIZE;
+        for (j, v) in group.iter().enumerate() {
+            if kept.contains(&(first + j)) {
+                scales.push(dequantized_scale(
+                    scaler(*v, factor, r),
+                    factor,
+                    mean,
+                    compute_r,
+                ));
+            }
+        }
+    }
+    let coder = Coder::new(r);
+    let mut codes = vec![0u8; values.len() / 2];
+    codes
+        .par_chunks_mut(BLOCK_SIZE / 2)
+        .zip(values.par_chunks(BLOCK_SIZE))
+        .enumerate()
+        .for_each(|(i, (out, block))| {
+            coder.pack_block(block, absmax[kept.start - around.start + i], out)
+        });
+    Ok(Nf4Part { codes, scales })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Any block-aligned part of a weight, streamed in chunks of any whole number of blocks,
+    /// quantizes as the whole weight does: codes and dequantized scales, in every
+    /// quantization and compute dtype, parts crossing scaler blocks included.
+    #[test]
+    fn a_part_quantizes_as_the_whole_weight_bit_for_bit() {
+        // Three scaler blocks, with an outlier so the scales spread.
+        let n = 3 * SCALER_BLOCK_SIZE * BLOCK_SIZE;
+        let w: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * if i == 5000 { 3.0 } else { 0.1 })
+            .collect();
+        let dtypes = [Nf4Dtype::Bf16, Nf4Dtype::F16, Nf4Dtype::F32];
+        for dtype in dtypes {
+            let whole = Nf4Weight::quantize(&w, &[n / 192, 192], dtype).unwrap();
+            for compute in dtypes {
+                let scales = whole.block_scales_in(compute);
+                for keep in [
+                    0..n,
+                    0..64,
+                    64 * 255..64 * 258,
+                    64 * 300..n,
+                    64 * 511..64 * 513,
+                ] {
+                    let chunks = w.chunks(64 * 37).map(|c| Ok::<_, ()>(c.to_vec()));
+                    let part = quantize_part(chunks, n, keep.clone(), dtype, compute).unwrap();
+                    assert_eq!(part.codes, whole.codes[keep.start / 2..keep.end / 2]);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&part.scales),
+                        bits(&scales[keep.start / 64..keep.end / 64]),
+                        "{dtype:?} {compute:?} {keep:?}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn shapes_torchao_refuses_are_errors_naming_the_rule() {

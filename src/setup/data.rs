@@ -112,7 +112,7 @@ pub fn model_format(cfg: &TokenizerConfig) -> ModelFormat {
 pub fn spec(cfg: &DatasetConfig) -> DatasetSpec {
     let builder = &cfg.component;
     let defaults = DatasetSpec::new(builder.kind);
-    DatasetSpec {
+    let mut spec = DatasetSpec {
         source: cfg
             .source
             .clone()
@@ -132,8 +132,28 @@ pub fn spec(cfg: &DatasetConfig) -> DatasetSpec {
         conversation_style: cfg.conversation_style.unwrap_or_default(),
         column: cfg.column.clone(),
         add_eos: cfg.add_eos,
+        partition: cfg.partition.clone(),
+        apply_chat_template: cfg.apply_chat_template,
         ..defaults
+    };
+    if let (None, None, Some(files)) = (&cfg.source, &cfg.data_files, builder.default_data_files) {
+        (spec.data_files, spec.split) = split_files(files, &cfg.split);
     }
+    spec
+}
+
+/// The default Hub source's files of a split (`test[:100]` -> `main/test-*.parquet`), and the
+/// slice of them to keep, written on `train` as local files' splits are (`train[:100]`).
+fn split_files(pattern: &str, split: &str) -> (Vec<String>, String) {
+    let split = split.trim();
+    let (name, slice) = match split.find('[') {
+        Some(i) => split.split_at(i),
+        None => (split, ""),
+    };
+    (
+        vec![pattern.replace("{split}", name.trim())],
+        format!("train{slice}"),
+    )
 }
 
 /// Builds every dataset entry (torchtune concatenates a list of them) and joins them.
@@ -292,5 +312,29 @@ pub fn within_positions(max_seq_len: Option<usize>, positions: usize, announce: 
         }
         Some(len) => len,
         None => positions,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_files;
+
+    #[test]
+    fn a_default_hub_sources_split_picks_its_files_and_keeps_its_slice() {
+        let pattern = "main/{split}-*.parquet";
+        assert_eq!(
+            split_files(pattern, "train"),
+            (
+                vec!["main/train-*.parquet".to_string()],
+                "train".to_string()
+            )
+        );
+        assert_eq!(
+            split_files(pattern, "test[:100]"),
+            (
+                vec!["main/test-*.parquet".to_string()],
+                "train[:100]".to_string()
+            )
+        );
     }
 }

@@ -70,10 +70,9 @@ pub fn base_weights<B: Backend>(
 }
 
 /// The model a LoRA recipe trains adapters on (or generation runs), its base stored as the
-/// `model` section says (NF4 for QLoRA). With FSDP (`rows`) a float base is read as this
-/// rank's rows only ([`load_rows`]); an NF4 base is quantized whole (its scales group blocks
-/// across rows) and a DoRA base loads whole (the magnitude starts from whole rows' norms),
-/// both sharded after.
+/// `model` section says (NF4 for QLoRA). With FSDP (`rows`) the base is read as this rank's
+/// rows only ([`load_rows`]; an NF4 base's rows quantized as the whole weight's would be); a
+/// DoRA base loads whole (the magnitude starts from whole rows' norms) and is sharded after.
 pub fn load_base<B: Backend>(
     model: &ModelConfig,
     cfg: &CheckpointerConfig,
@@ -81,11 +80,8 @@ pub fn load_base<B: Backend>(
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
     let base = base_weights::<B>(model, device)?;
-    let rows = rows.filter(|_| base == BaseWeights::Float && !lora_plan(model).settings.dora);
-    match rows {
-        Some(_) => load_rows(cfg, "checkpointer", rows, device),
-        None => load_with(cfg, "checkpointer", base, device),
-    }
+    let rows = rows.filter(|_| !lora_plan(model).settings.dora);
+    load_rows(cfg, "checkpointer", rows, base, device)
 }
 
 /// [`load`] with the base weights stored as `base` says.
@@ -226,9 +222,11 @@ pub fn load_or_resume<B: Backend>(
 ) -> Result<LoadedModel<B>, SetupError> {
     let rows = run.load_rows();
     match (&run.resume, rows) {
-        (Some(r), Some(rows)) => load_model_rows::<B>(&r.dir, None, device, rows),
+        (Some(r), Some(rows)) => {
+            load_model_rows::<B>(&r.dir, None, device, rows, BaseWeights::Float)
+        }
         (Some(r), None) => load_model::<B>(&r.dir, None, device),
-        (None, _) => return load_rows(cfg, "checkpointer", rows, device),
+        (None, _) => return load_rows(cfg, "checkpointer", rows, BaseWeights::Float, device),
     }
     .map_err(|source| SetupError::Model {
         key: "resume_from_checkpoint",
@@ -236,22 +234,24 @@ pub fn load_or_resume<B: Backend>(
     })
 }
 
-/// [`load`], reading only rank `rows.rank`'s rows of each weight when `rows` is set (FSDP's
-/// per-rank load: the model is sharded as it is built, never whole on this rank); a tune int4
-/// export loads whole and is sharded after.
+/// [`load_with`], reading only rank `rows.rank`'s rows of each weight when `rows` is set
+/// (FSDP's per-rank load: the model is sharded as it is built, never whole on this rank; an
+/// NF4 base's rows are quantized as the whole weight would be); a tune int4 export loads
+/// whole and is sharded after.
 pub fn load_rows<B: Backend>(
     cfg: &CheckpointerConfig,
     key: &'static str,
     rows: Option<RowsOf>,
+    base: BaseWeights,
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
     match rows {
         Some(rows) if !quantized::is_quantized_export(&cfg.checkpoint_dir) => {
             let files = cfg.files();
-            load_model_rows::<B>(&cfg.checkpoint_dir, files.as_deref(), device, rows)
+            load_model_rows::<B>(&cfg.checkpoint_dir, files.as_deref(), device, rows, base)
                 .map_err(|source| SetupError::Model { key, source })
         }
-        _ => load(cfg, key, device),
+        _ => load_with(cfg, key, base, device),
     }
 }
 

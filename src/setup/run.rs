@@ -10,6 +10,7 @@ use crate::config::schema::{RecipeKeys, TrainConfig, fingerprint_entries};
 use crate::distributed::World;
 use crate::models::CausalLm;
 use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
+use crate::training::fsdp::Sharding;
 use crate::training::optimizer::Optimizer;
 use crate::training::{TrainState, Trainer, TrainerSettings};
 
@@ -59,17 +60,19 @@ pub struct RunStart {
     /// The latest complete checkpoint, when `resume_from_checkpoint` is set and one exists.
     pub resume: Option<Resume>,
     pub world: World,
-    /// FSDP: the decoder layers shard over the ranks ([`fully_sharded`]).
-    pub fsdp: bool,
+    /// FSDP: how every weight shards over the ranks ([`fully_sharded`]); `None`: replicated.
+    pub fsdp: Option<Sharding>,
 }
 
 impl RunStart {
     /// FSDP's per-rank load: this rank's rows of every weight, when the model shards.
     pub fn load_rows(&self) -> Option<crate::models::build::RowsOf> {
-        (self.fsdp && self.world.is_distributed()).then_some(crate::models::build::RowsOf {
-            rank: self.world.rank,
-            world: self.world.size,
-        })
+        (self.fsdp.is_some() && self.world.is_distributed()).then_some(
+            crate::models::build::RowsOf {
+                rank: self.world.rank,
+                world: self.world.size,
+            },
+        )
     }
 
     /// Prints on rank 0 only: one line per run, not one per worker.
@@ -357,11 +360,20 @@ fn lock_dir(dir: &std::path::Path, key: &'static str) -> Result<std::fs::File, S
     Ok(file)
 }
 
-/// Whether the decoder layers shard over the ranks (FSDP): on several ranks unless
-/// `data_parallel_shard_dim` is 1, as torchtune's `-1` default shards over all of them.
-fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<bool, SetupError> {
+/// How the weights shard over the ranks (FSDP), if they do: on several ranks unless
+/// `data_parallel_shard_dim` is 1, as torchtune's `-1` default shards over all of them. With
+/// `fsdp_cpu_offload` on a GPU they shard on one rank too, as torchtune's FSDP does on one
+/// GPU: the rows, gradients and optimizer state then live in host memory (on the CPU, where
+/// they live already, the key changes nothing: the config check says so).
+fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<Option<Sharding>, SetupError> {
+    use crate::config::schema::Device;
+    let cpu_offload = cfg.cpu_offload() && Device::or_default(cfg.device) != Device::Cpu;
+    let sharding = Sharding {
+        reshard_after_forward: cfg.fsdp_reshard_after_forward.unwrap_or(true),
+        cpu_offload,
+    };
     if !world.is_distributed() {
-        return Ok(false);
+        return Ok(cpu_offload.then_some(sharding));
     }
     let fsdp = match cfg.data_parallel_shard_dim {
         Some(1.0) => false,
@@ -374,5 +386,5 @@ fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<bool, SetupError> {
             });
         }
     };
-    Ok(fsdp)
+    Ok(fsdp.then_some(sharding))
 }

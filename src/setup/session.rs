@@ -14,6 +14,7 @@ use crate::distributed::{Ending, Ends, World};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
 use crate::training::checkpointing::{RunCheckpointer, SaveContent, ShardedRun};
+use crate::training::offload::Offload;
 use crate::training::optimizer_shards::ShardWriter;
 use crate::training::sharded_checkpoint::RankShareWriter;
 use crate::training::trainer::TrainSummary;
@@ -105,13 +106,12 @@ pub fn session<B: AutodiffBackend>(
 ) -> Result<Session<B>, SetupError> {
     let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
     let world = run.world.clone();
-    let fsdp = run.fsdp;
-    if fsdp {
-        trainer.model = crate::training::fsdp::shard_model(
-            trainer.model,
-            &world,
-            cfg.fsdp_reshard_after_forward.unwrap_or(true),
-        );
+    let fsdp = run.fsdp.is_some();
+    if let Some(sharding) = run.fsdp {
+        trainer.model = crate::training::fsdp::shard_model(trainer.model, &world, sharding);
+        trainer.offload = sharding
+            .cpu_offload
+            .then(|| Offload::new(trainer.optimizer.settings.clone()));
     }
     // Ranks write their own files of a checkpoint when they all see the output directory
     // (threads of one process always do; nodes do on a shared file system); otherwise rank 0

@@ -117,9 +117,9 @@ pub fn load<B: Backend>(
     check_compatible(student, tokenizer, &cfg.checkpoint_dir)?;
     let files = cfg.files();
     let (dir, files) = (&cfg.checkpoint_dir, files.as_deref());
-    // FSDP: a float teacher is read as this rank's rows only; an NF4 one is quantized whole.
-    let loaded = match rows.filter(|_| base == BaseWeights::Float) {
-        Some(rows) => load_model_rows::<B>(dir, files, device, rows),
+    // FSDP: the teacher is read as this rank's rows only (an NF4 one's quantized alone).
+    let loaded = match rows {
+        Some(rows) => load_model_rows::<B>(dir, files, device, rows, base),
         None => load_model_with::<B>(dir, files, device, base),
     };
     let mut teacher = loaded

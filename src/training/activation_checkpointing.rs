@@ -52,6 +52,7 @@ pub fn forward_backward<B: AutodiffBackend>(
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
     let sharded = model.shards.is_some();
+    let prefetch_beside = sharded && prefetch_on_a_thread::<B>();
     // FSDP keeping the gathered layers for the backward (`fsdp_reshard_after_forward: False`):
     // gathered once, on the autodiff backend, and run here without autodiff.
     let keep = model
@@ -60,7 +61,7 @@ pub fn forward_backward<B: AutodiffBackend>(
         .is_some_and(|s| !s.reshard_after_forward);
     let mut kept: Vec<DecoderLayer<B>> = Vec::new();
     // FSDP: a layer's whole weights exist only for its forward; the next layer's gather runs
-    // beside this one's compute.
+    // beside this one's compute (on the CPU: `prefetch_on_a_thread`).
     let gather_inner = |i: usize| match &model.shards {
         Some(shards) => shards.gather(&layers[i].valid()).gather_nf4(shards),
         None => layers[i].valid(),
@@ -76,7 +77,7 @@ pub fn forward_backward<B: AutodiffBackend>(
             continue;
         }
         let Some(layer) = next.take() else { break };
-        let prefetch = (sharded && i + 1 < layers.len()).then_some(|| gather_inner(i + 1));
+        let prefetch = (prefetch_beside && i + 1 < layers.len()).then_some(|| gather_inner(i + 1));
         let (out, prefetched) = overlap(prefetch, || layer.forward(h, &inner_ctx, None));
         h = out;
         next = prefetched.or_else(|| (i + 1 < layers.len()).then(|| gather_inner(i + 1)));
@@ -116,7 +117,7 @@ pub fn forward_backward<B: AutodiffBackend>(
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
         B::seed(&device, layer_seed(step_seed, i));
-        let prefetch = (sharded && !keep && i > 0).then_some(|| gather(i - 1));
+        let prefetch = (prefetch_beside && !keep && i > 0).then_some(|| gather(i - 1));
         let (mut layer_grads, prefetched) = overlap(prefetch, || {
             let y = layer.forward(x.clone(), &ctx, None);
             (y * Tensor::from_inner(grad)).sum().backward()
@@ -141,6 +142,16 @@ pub fn forward_backward<B: AutodiffBackend>(
         grads.push(set);
     }
     (loss, grads)
+}
+
+/// Whether FSDP's gather of the next layer may run on a thread beside the current layer's
+/// compute: on the CPU backend (Flex) only. Why: on burn's cubecl backends a gather on a
+/// second thread during a layer's backward corrupted that backward's gradients (wgpu, two
+/// lavapipe nodes, tiny-llama: a gradient norm of 4.9e7 at the first step, where the gathers
+/// one after the other give 7.807, the one-device run's). There the gathers run in order,
+/// and the device's own queue is what overlaps transfers with compute.
+fn prefetch_on_a_thread<B: AutodiffBackend>() -> bool {
+    std::any::TypeId::of::<B::InnerBackend>() == std::any::TypeId::of::<burn::backend::Flex>()
 }
 
 /// `work`, with `prefetch` (FSDP's gather of the next layer) on a thread beside it. Why: a

@@ -30,6 +30,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
 use super::error::{Divergence, MAX_WEIGHT};
+use super::offload::Offload;
 use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
 use crate::distributed::{DistributedError, World};
@@ -68,21 +69,28 @@ fn autodiff_collectives<B: AutodiffBackend>(world: &World) -> Collectives<B> {
     }
 }
 
-/// `model` with this rank's rows of every weight (adapters stay whole);
-/// `reshard_after_forward` is torchtune's `fsdp_reshard_after_forward`.
+/// How a model shards: torchtune's `fsdp_reshard_after_forward` and `fsdp_cpu_offload` (the
+/// rows, their gradients and the optimizer state in host memory: the trainer's `offload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    pub reshard_after_forward: bool,
+    pub cpu_offload: bool,
+}
+
+/// `model` with this rank's rows of every weight (adapters stay whole).
 pub fn shard_model<B: AutodiffBackend>(
     model: CausalLm<B>,
     world: &World,
-    reshard_after_forward: bool,
+    sharding: Sharding,
 ) -> CausalLm<B> {
     let (model, loaded) = loaded_shards(model, world);
     let rows_loaded = loaded.is_some();
     let mut shards = loaded.unwrap_or_else(|| LayerShards::new(world.rank, world.size));
-    shards.reshard_after_forward = reshard_after_forward;
+    shards.reshard_after_forward = sharding.reshard_after_forward;
     let shards = shards
         .with_collectives(autodiff_collectives::<B>(world))
         .with_collectives(collectives::<B::InnerBackend>(world));
-    shard_layers(model, shards, rows_loaded)
+    shard_layers(model, shards, rows_loaded, sharding.cpu_offload)
 }
 
 /// The shards a per-rank load left on `model` (`models::build::build_rows`: it holds this
@@ -104,23 +112,27 @@ fn loaded_shards<X: Backend>(
 /// (`tok_embeddings`, `output`) and its root unit (the final norm) shard them. A model a
 /// per-rank load built (`rows_loaded`: its weights are rows already, `shards` records them)
 /// keeps its weights.
+/// With `offload`, the rows then move to host memory ([`LayerShards::park`]).
 fn shard_layers<X: Backend>(
     mut model: CausalLm<X>,
     mut shards: LayerShards,
     rows_loaded: bool,
+    offload: bool,
 ) -> CausalLm<X> {
-    if rows_loaded {
-        model.shards = Some(Arc::new(shards));
-        return model;
+    if !rows_loaded {
+        model.model.layers = std::mem::take(&mut model.model.layers)
+            .into_iter()
+            .map(|layer| shards.shard(layer).shard_nf4(&shards))
+            .collect();
+        let body = &mut model.model;
+        body.embed_tokens = shards.shard(body.embed_tokens.clone());
+        body.norm = shards.shard(body.norm.clone());
+        model.lm_head = model.lm_head.map(|head| shards.shard(head));
     }
-    model.model.layers = std::mem::take(&mut model.model.layers)
-        .into_iter()
-        .map(|layer| shards.shard(layer).shard_nf4(&shards))
-        .collect();
-    let body = &mut model.model;
-    body.embed_tokens = shards.shard(body.embed_tokens.clone());
-    body.norm = shards.shard(body.norm.clone());
-    model.lm_head = model.lm_head.map(|head| shards.shard(head));
+    if offload {
+        shards = shards.with_offload();
+        model = shards.park(model);
+    }
     model.shards = Some(Arc::new(shards));
     model
 }
@@ -143,14 +155,18 @@ pub fn check<B: Backend>(model: &CausalLm<B>) -> Result<(), DistributedError> {
 }
 
 /// A frozen model (DPO's reference, a distillation teacher) on the backend the world joined,
-/// with this rank's rows of every weight.
-pub fn shard_frozen<X: Backend>(model: CausalLm<X>, world: &World) -> CausalLm<X> {
+/// with this rank's rows of every weight (in host memory with `cpu_offload`).
+pub fn shard_frozen<X: Backend>(
+    model: CausalLm<X>,
+    world: &World,
+    cpu_offload: bool,
+) -> CausalLm<X> {
     let (model, loaded) = loaded_shards(model, world);
     let rows_loaded = loaded.is_some();
     let shards = loaded
         .unwrap_or_else(|| LayerShards::new(world.rank, world.size))
         .with_collectives(collectives::<X>(world));
-    shard_layers(model, shards, rows_loaded)
+    shard_layers(model, shards, rows_loaded, cpu_offload)
 }
 
 /// Whether parameter `id` is one of `model`'s FSDP shards.
@@ -165,6 +181,7 @@ pub fn optimizer_state<B: AutodiffBackend>(
     world: &World,
     model: &CausalLm<B>,
     optimizer: &Optimizer<B::InnerBackend>,
+    offload: Option<&Offload>,
 ) -> Result<Vec<(String, HostTensor)>, DistributedError> {
     let Some(shards) = &model.shards else {
         return Ok(Vec::new());
@@ -175,7 +192,12 @@ pub fn optimizer_state<B: AutodiffBackend>(
         if !shards.is_sharded(&p.id) {
             continue;
         }
-        for (moment, value) in optimizer.moments(&p.name) {
+        // Offloaded moments go up to the device for the gather, one at a time.
+        let moments = match offload {
+            Some(o) => o.moments_on::<B::InnerBackend>(&p.name, &device),
+            None => optimizer.moments(&p.name),
+        };
+        for (moment, value) in moments {
             // A rank without the moment (before the first step, or with no rows of this
             // parameter) sends nothing, so every rank makes the same calls; flat, as the
             // optimizer keeps every moment.
@@ -212,6 +234,28 @@ pub fn keep_own_rows<B: AutodiffBackend>(
     optimizer.narrow(|name| ranges.get(name).cloned());
 }
 
+/// The largest magnitude of `value` when it is not finite or exceeds [`MAX_WEIGHT`] (its sum
+/// when only that is not finite), else 0.
+fn unhealthy_value<Y: Backend, const D: usize>(value: Tensor<Y, D>) -> f64 {
+    if value.shape().num_elements() == 0 {
+        return 0.0;
+    }
+    let largest: f32 = value.clone().abs().max().into_scalar().elem();
+    let sum: f32 = value.sum().into_scalar().elem();
+    // A NaN largest value fails `is_some_and` too; a sum that is not finite holds a NaN the
+    // maximum may have skipped.
+    let healthy = largest
+        .partial_cmp(&MAX_WEIGHT)
+        .is_some_and(|o| o != std::cmp::Ordering::Greater);
+    if !healthy {
+        f64::from(largest)
+    } else if !sum.is_finite() {
+        f64::from(sum)
+    } else {
+        0.0
+    }
+}
+
 /// Before every rank writes its own share of a checkpoint: the first of `model`'s weights
 /// (this rank's rows of the sharded ones) that is not finite or exceeds [`MAX_WEIGHT`] in
 /// magnitude, decided with every rank, so that all of them refuse the save together (a rank
@@ -220,13 +264,14 @@ pub fn unhealthy_weight<B: AutodiffBackend>(
     model: &CausalLm<B>,
     world: &World,
 ) -> Result<Option<Divergence>, DistributedError> {
-    struct Check {
+    struct Check<'a> {
+        shards: Option<&'a LayerShards>,
         path: Vec<String>,
         names: Vec<String>,
         /// Per parameter: this rank's largest magnitude where it is unhealthy, else 0.
         bad: Vec<f64>,
     }
-    impl<X: Backend> ModuleVisitor<X> for Check {
+    impl<X: Backend> ModuleVisitor<X> for Check<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.path.push(name.to_string());
         }
@@ -234,30 +279,17 @@ pub fn unhealthy_weight<B: AutodiffBackend>(
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
-            let value = param.val();
-            let bad = if value.shape().num_elements() == 0 {
-                0.0
-            } else {
-                let largest: f32 = value.clone().abs().max().into_scalar().elem();
-                let sum: f32 = value.sum().into_scalar().elem();
-                // A NaN largest value fails `is_some_and` too; a sum that is not finite holds a
-                // NaN the maximum may have skipped.
-                let healthy = largest
-                    .partial_cmp(&MAX_WEIGHT)
-                    .is_some_and(|o| o != std::cmp::Ordering::Greater);
-                if !healthy {
-                    f64::from(largest)
-                } else if !sum.is_finite() {
-                    f64::from(sum)
-                } else {
-                    0.0
-                }
+            // Offloaded rows are checked where they live, in host memory.
+            let bad = match self.shards.and_then(|s| s.parked_value(&param.id)) {
+                Some(rows) => unhealthy_value(rows),
+                None => unhealthy_value(param.val()),
             };
             self.names.push(self.path.join("."));
             self.bad.push(bad);
         }
     }
     let mut check = Check {
+        shards: model.shards.as_deref(),
         path: Vec::new(),
         names: Vec::new(),
         bad: Vec::new(),

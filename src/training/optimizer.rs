@@ -184,6 +184,28 @@ impl<B: Backend> Optimizer<B> {
         }
     }
 
+    /// Takes parameter `name`'s moments out (`exp_avg`, and `exp_avg_sq` where kept), to be
+    /// kept by another optimizer ([`Self::put_moments`]: FSDP's CPU offload after a resume).
+    pub fn take_moments(&mut self, name: &str) -> Option<(Tensor<B, 1>, Option<Tensor<B, 1>>)> {
+        self.state.remove(name).map(|s| (s.exp_avg, s.exp_avg_sq))
+    }
+
+    /// Keeps moments another optimizer held for parameter `name` ([`Self::take_moments`]).
+    pub fn put_moments(
+        &mut self,
+        name: &str,
+        exp_avg: Tensor<B, 1>,
+        exp_avg_sq: Option<Tensor<B, 1>>,
+    ) {
+        self.state.insert(
+            name.to_string(),
+            ParamState {
+                exp_avg,
+                exp_avg_sq,
+            },
+        );
+    }
+
     /// Keeps the state of the parameters `keep` selects (a sharded rank after a resume).
     pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.state.retain(|name, _| keep(name));

@@ -81,6 +81,24 @@ pub fn squared_grad_norm_of<B: AutodiffBackend>(
     v.total
 }
 
+/// Bytes of the gradients in `grads` (of `model`'s parameters).
+pub fn gradient_bytes<B: AutodiffBackend>(model: &CausalLm<B>, grads: &GradientsParams) -> usize {
+    struct Bytes<'a> {
+        grads: &'a GradientsParams,
+        total: usize,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Bytes<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.total += g.shape().num_elements() * g.dtype().size();
+            }
+        }
+    }
+    let mut bytes = Bytes { grads, total: 0 };
+    model.visit(&mut bytes);
+    bytes.total
+}
+
 struct ApplyUpdate<'a, B: AutodiffBackend> {
     grads: &'a mut GradientsParams,
     optimizer: &'a mut Optimizer<B::InnerBackend>,

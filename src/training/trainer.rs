@@ -25,6 +25,7 @@ use super::error::{Divergence, EXPLODING_LOSS_FACTOR, MAX_GRAD_NORM, TrainError}
 use super::fsdp;
 use super::loss_step::{LossStep, StepInfo, check_vocabulary};
 use super::metrics::{MetricLoggers, Metrics, peak_memory_bytes};
+use super::offload::Offload;
 use super::optimizer::Optimizer;
 use super::progress::EpochProgress;
 use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
@@ -94,6 +95,16 @@ pub struct StepDone {
     pub stop: Option<Signal>,
     /// With [`Trainer::time_phases`].
     pub times: Option<StepTimes>,
+    /// Bytes of the step's gradients this rank held (with FSDP its rows of the sharded
+    /// parameters'), on the device and, with FSDP's CPU offload, in host memory.
+    pub gradient_bytes: GradientBytes,
+}
+
+/// Where a step's gradients were held, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GradientBytes {
+    pub device: usize,
+    pub offloaded: usize,
 }
 
 /// A step's micro-batches run, before the update: its totals and summed gradients.
@@ -102,6 +113,7 @@ struct StepResult {
     grads: GradientsParams,
     /// The squared norm of the summed gradients (`loss * weight` summed, not yet scaled).
     squared_norm: f64,
+    gradient_bytes: GradientBytes,
 }
 
 /// What the guard lets through: the loss, the gradients' norm and the factor that turns the
@@ -153,6 +165,9 @@ pub struct Trainer<B: AutodiffBackend> {
     first_loss: Option<f64>,
     /// ZeRO-1's share of this rank, for a sharded optimizer on several workers.
     shard: Option<OptimizerShard>,
+    /// FSDP's CPU offload: the optimizer state and step of the rows the model keeps in host
+    /// memory (set with a model whose shards offload).
+    pub offload: Option<Offload>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -179,6 +194,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             time_phases: false,
             first_loss: None,
             shard: None,
+            offload: None,
         }
     }
 
@@ -207,6 +223,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             metrics: step.totals.metric_means(),
             stop: step.totals.stop,
             times,
+            gradient_bytes: step.gradient_bytes,
         };
         Ok((trainer, done))
     }
@@ -269,7 +286,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         // On one device the gradient norm joins the same read.
         let squared_norm =
             (!world.is_distributed()).then(|| step::squared_grad_norm(&self.model, &grads));
+        let gradient_bytes = GradientBytes {
+            device: step::gradient_bytes(&self.model, &grads),
+            offloaded: Offload::gradient_bytes(&self.model),
+        };
         let (loss_sum, metrics, mut squared_norm) = sums.read(squared_norm.flatten());
+        // FSDP's CPU offload: the rows' gradients are in host memory.
+        let offloaded = |model: &CausalLm<B>| match self.offload {
+            Some(_) => Offload::squared_grad_norm(model),
+            None => 0.0,
+        };
+        if !world.is_distributed() {
+            squared_norm += offloaded(&self.model);
+        }
         let mut totals = StepTotals {
             weight,
             loss_sum,
@@ -302,7 +331,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             };
             squared_norm = norm_of(false);
             if model.shards.is_some() {
-                let rows = norm_of(true);
+                let rows = norm_of(true) + offloaded(model);
                 squared_norm += sync::all_reduce_scalars::<B::InnerBackend>(
                     &world,
                     &[rows],
@@ -315,6 +344,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             totals,
             grads,
             squared_norm,
+            gradient_bytes,
         })
     }
 
@@ -368,6 +398,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             (lr, scale),
             self.shard.as_ref(),
         );
+        if let Some(offload) = &mut self.offload {
+            offload.update(&self.model, (lr, scale), self.optimizer.step);
+        }
         if let Some(shard) = &self.shard {
             self.model = sharded_optimizer::gather_params(&self.world, self.model, shard)?;
         }
@@ -413,11 +446,28 @@ impl<B: AutodiffBackend> Trainer<B> {
             "parameter_bytes".into(),
             self.model.parameter_bytes() as f64,
         ));
+        // This rank's gradients of the step: its rows of each with FSDP.
+        m.push(("gradient_bytes".into(), done.gradient_bytes.device as f64));
         // This rank's optimizer state: a 1/W share with a sharded optimizer.
         m.push((
             "optimizer_state_bytes".into(),
             self.optimizer.state_bytes() as f64,
         ));
+        // FSDP's CPU offload: what this rank keeps in host memory instead.
+        if let Some(offload) = &self.offload {
+            m.push((
+                "offloaded_parameter_bytes".into(),
+                self.model.offloaded_parameter_bytes() as f64,
+            ));
+            m.push((
+                "offloaded_optimizer_state_bytes".into(),
+                offload.state_bytes() as f64,
+            ));
+            m.push((
+                "offloaded_gradient_bytes".into(),
+                done.gradient_bytes.offloaded as f64,
+            ));
+        }
         self.loggers.log(self.state.global_step, &m)?;
         *window = LogWindow::new();
         Ok(m)
@@ -442,16 +492,43 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(due)
     }
 
-    /// Hands the model, the optimizer and the state to the save hook.
+    /// Hands the model, the optimizer and the state to the save hook, and says (rank 0) how
+    /// long training waited for it: gathering what is written and the hand-over to the
+    /// checkpoint client (the writing itself runs in the background; the client says when it
+    /// is done).
     fn save(
         &mut self,
         kind: SaveKind,
         saver: &mut dyn SaveHook<B>,
         progress: Option<&EpochProgress>,
     ) -> Result<(), TrainError> {
+        let started = Instant::now();
         if self.sharded_saves && self.model.shards.is_some() {
-            return self.save_shares(kind, saver, progress);
+            self.save_shares(kind, saver, progress)?;
+        } else {
+            self.save_gathered(kind, saver, progress)?;
         }
+        if self.world.is_main() {
+            let line = format!(
+                "checkpoint: training waited {:.3} s for the save at step {}",
+                started.elapsed().as_secs_f64(),
+                self.state.global_step
+            );
+            match progress {
+                Some(p) => p.suspend(|| eprintln!("{line}")),
+                None => eprintln!("{line}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::save`] of a model and optimizer state gathered for rank 0 (or held whole).
+    fn save_gathered(
+        &mut self,
+        kind: SaveKind,
+        saver: &mut dyn SaveHook<B>,
+        progress: Option<&EpochProgress>,
+    ) -> Result<(), TrainError> {
         let optimizer = self.snapshot()?;
         // FSDP: every rank takes part in gathering the layers; rank 0's save hook, the one
         // that writes the model, gets them whole, and the other ranks keep nothing.
@@ -489,9 +566,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                 epoch: self.state.epoch,
             });
         }
+        let mut state = self.optimizer.state_dict();
+        if let Some(offload) = &self.offload {
+            state.extend(offload.state_dict());
+        }
         let optimizer = OptimizerSnapshot {
             step: self.optimizer.step,
-            state: self.optimizer.state_dict(),
+            state,
         };
         let mut save = || saver.save(kind, &mut self.model, &optimizer, &self.state);
         match progress {
@@ -535,6 +616,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 &self.world,
                 &self.model,
                 &self.optimizer,
+                self.offload.as_ref(),
             )?);
         }
         Ok(OptimizerSnapshot {
@@ -613,6 +695,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         // FSDP: a resumed run's whole moments keep this rank's rows.
         fsdp::keep_own_rows(&self.model, &mut self.optimizer);
+        if let Some(offload) = &mut self.offload {
+            offload.adopt_state(&self.model, &mut self.optimizer);
+        }
         let mut losses = Vec::new();
         let mut last_metrics = Metrics::new();
         let mut validated_at: Option<usize> = None;

@@ -621,7 +621,7 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
         "{warned:?}"
     );
     // CPU offload: on the CPU (tiny/full's device) everything already is in host memory, which
-    // is said once; on a GPU it is refused by name until offloading exists there.
+    // is said once; on a GPU it offloads FSDP's shards, which replicated weights do not have.
     let warned = warnings(
         "tiny/full",
         "full_finetune_distributed",
@@ -636,16 +636,28 @@ fn torchtune_parallelism_keys_are_accepted_or_refused_by_value() {
         "{warned:?}"
     );
     for device in ["cuda", "wgpu"] {
+        let device = format!("device={device}");
+        let warned = warnings(
+            "tiny/full",
+            "full_finetune_distributed",
+            &["fsdp_cpu_offload=True", &device],
+        );
+        assert!(
+            !warned.iter().any(|w| w.key == "fsdp_cpu_offload"),
+            "{device}: {warned:?}"
+        );
         let e = errors(
             "tiny/full",
             "full_finetune_distributed",
-            &["fsdp_cpu_offload=True", &format!("device={device}")],
+            &[
+                "fsdp_cpu_offload=True",
+                &device,
+                "data_parallel_shard_dim=1",
+            ],
         );
         assert!(
-            e.has(
-                "fsdp_cpu_offload",
-                "only supported on the CPU device so far"
-            ) && e.has("fsdp_cpu_offload", "set `fsdp_cpu_offload: False`"),
+            e.has("fsdp_cpu_offload", "keeps every weight whole on every rank")
+                && e.has("fsdp_cpu_offload", "set `fsdp_cpu_offload: False`"),
             "{device}: {e}"
         );
     }

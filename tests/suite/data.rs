@@ -1,7 +1,6 @@
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use tune::data::*;
 use tune::tokenizer::{Message, Tokenizer};
 
@@ -30,6 +29,8 @@ impl Entry {
             DatasetKind::TextCompletion => "text_completion_dataset",
             DatasetKind::Preference => "preference_dataset",
             DatasetKind::StackExchangePaired => "stack_exchange_paired_dataset",
+            DatasetKind::Gsm8k => "gsm8k_dataset",
+            DatasetKind::Prompt => "prompt_dataset",
         };
         let mut entry = match &self.0 {
             serde_yaml::Value::Mapping(m) => m.clone(),
@@ -37,7 +38,7 @@ impl Entry {
         };
         entry.insert(
             "_component_".into(),
-            format!("torchtune.datasets.{builder}").into(),
+            format!("tune.datasets.{builder}").into(),
         );
         // Rows given in memory need no source; the builder must still have one.
         if !entry.contains_key("source") {
@@ -83,16 +84,7 @@ fn temp_file(name: &str, text: &str) -> PathBuf {
 }
 
 fn rows_of(values: Vec<serde_json::Value>) -> Vec<Row> {
-    let file = Arc::new(PathBuf::from("inline.json"));
-    values
-        .into_iter()
-        .enumerate()
-        .map(|(index, value)| Row {
-            file: Arc::clone(&file),
-            index,
-            value,
-        })
-        .collect()
+    Row::inline("inline.json", values)
 }
 
 #[test]

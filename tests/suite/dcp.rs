@@ -622,9 +622,15 @@ fn each_rank_loads_only_its_rows_of_every_weight() {
     for source in ["tiny-llama", "dcp-tiny-llama"] {
         for rank in 0..3 {
             let rows = RowsOf { rank, world: 3 };
-            let model = load_model_rows::<B>(&fixture(source), None, &device, rows)
-                .expect("rows")
-                .model;
+            let model = load_model_rows::<B>(
+                &fixture(source),
+                None,
+                &device,
+                rows,
+                tune::models::BaseWeights::Float,
+            )
+            .expect("rows")
+            .model;
             let shards = model.shards.clone().expect("the load records its shards");
             let params = model.named_params();
             assert_eq!(params.len(), whole.len());
@@ -641,6 +647,69 @@ fn each_rank_loads_only_its_rows_of_every_weight() {
                     "{source} {}",
                     got.name
                 );
+            }
+        }
+    }
+}
+
+/// FSDP's per-rank load of an NF4 base (QLoRA): each rank of 1, 2, 3 and 5 quantizes its rows
+/// of every decoder linear alone, from reads of a few rows at a time, and holds exactly what
+/// quantizing the whole weight and keeping its rows gives: codes and block scales, bit for
+/// bit, in both row orders (q/k in torchtune's RoPE order) and both compute dtypes; the whole
+/// weight is built on no rank.
+#[test]
+fn each_rank_quantizes_its_rows_of_an_nf4_base_as_the_whole_weight() {
+    use tune::model_io::hf::{load_model_rows, load_model_with};
+    use tune::models::BaseWeights;
+    use tune::models::build::RowsOf;
+    use tune::modules::nf4::Nf4Dtype;
+    type B = crate::support::Cpu;
+    let device = Default::default();
+    // Sized for NF4 (every linear a whole number of 16384-value scaler blocks); 5 ranks' rows
+    // cross scaler blocks.
+    let dir = fixture("tiny-llama-nf4");
+    for compute in [Nf4Dtype::F32, Nf4Dtype::Bf16] {
+        let base = BaseWeights::Nf4(compute);
+        let mut whole = load_model_with::<B>(&dir, None, &device, base)
+            .expect("whole")
+            .model;
+        let linears: Vec<(String, tune::modules::frozen_nf4::FrozenNf4)> = whole
+            .linears_mut()
+            .into_iter()
+            .filter_map(|(name, l)| Some((name, l.nf4()?.clone())))
+            .collect();
+        assert_eq!(
+            linears.len(),
+            7 * whole.args.num_layers,
+            "every decoder linear in NF4"
+        );
+        for world in [1, 2, 3, 5] {
+            for rank in 0..world {
+                let mut model =
+                    load_model_rows::<B>(&dir, None, &device, RowsOf { rank, world }, base)
+                        .expect("rows")
+                        .model;
+                let held: Vec<_> = model
+                    .linears_mut()
+                    .into_iter()
+                    .filter(|(name, _)| name.starts_with("model.layers."))
+                    .collect();
+                assert_eq!(held.len(), linears.len());
+                for ((name, linear), (want_name, q)) in held.into_iter().zip(&linears) {
+                    assert_eq!(&name, want_name);
+                    assert!(linear.nf4().is_none(), "{name}: the whole weight is held");
+                    let got = linear.nf4_rows().expect("this rank's rows");
+                    let r = row_range(q.shape()[0], rank, world);
+                    let want = q.rows(r).expect("whole blocks");
+                    assert_eq!(got.codes, want.codes, "{name} {rank}/{world}");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got.scales),
+                        bits(&want.scales),
+                        "{name} {rank}/{world}"
+                    );
+                    assert_eq!(got.order, want.order, "{name}");
+                }
             }
         }
     }

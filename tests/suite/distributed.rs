@@ -18,7 +18,7 @@ use tune::training::sharded_checkpoint::read_optimizer_state;
 const STEPS: &str = "max_steps_per_epoch=10";
 
 /// `(step, value)` of every metrics line that has `key` (validation lines carry only theirs).
-fn column_by_step(dir: &Path, key: &str) -> Vec<(u64, f64)> {
+pub(crate) fn column_by_step(dir: &Path, key: &str) -> Vec<(u64, f64)> {
     read_metrics(&dir.join("logs/metrics.jsonl"))
         .iter()
         .filter_map(|m| Some((m["step"].as_u64()?, m.get(key)?.as_f64()?)))
@@ -26,7 +26,7 @@ fn column_by_step(dir: &Path, key: &str) -> Vec<(u64, f64)> {
 }
 
 /// Per-step values agree within `rel` relative.
-fn assert_same_curve(what: &str, got: &[(u64, f64)], want: &[(u64, f64)], rel: f64) {
+pub(crate) fn assert_same_curve(what: &str, got: &[(u64, f64)], want: &[(u64, f64)], rel: f64) {
     assert_eq!(got.len(), want.len(), "{what}: step count");
     for ((sg, g), (sw, w)) in got.iter().zip(want) {
         assert_eq!(sg, sw);
@@ -66,7 +66,7 @@ fn assert_same_weights(got: &Path, want: &Path, tol: f32) {
 }
 
 /// The same tensor names, and every tensor within `tol` absolute.
-fn assert_same_tensors(
+pub(crate) fn assert_same_tensors(
     what: &str,
     mut got: Vec<(String, HostTensor)>,
     mut want: Vec<(String, HostTensor)>,
@@ -98,7 +98,7 @@ fn file_tensors(file: &Path) -> Vec<(String, HostTensor)> {
 }
 
 /// The Hugging Face model of a checkpoint: `model.safetensors`, or the files its index names.
-fn model_of(dir: &Path) -> Vec<(String, HostTensor)> {
+pub(crate) fn model_of(dir: &Path) -> Vec<(String, HostTensor)> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return file_tensors(&single);
@@ -120,7 +120,7 @@ fn model_of(dir: &Path) -> Vec<(String, HostTensor)> {
 }
 
 /// The optimizer state of a checkpoint, whichever way its ranks wrote it.
-fn optimizer_of(dir: &Path) -> Vec<(String, HostTensor)> {
+pub(crate) fn optimizer_of(dir: &Path) -> Vec<(String, HostTensor)> {
     if dir.join("optimizer_sharded").is_dir() {
         read_optimizer_state(dir).unwrap()
     } else {
@@ -197,7 +197,13 @@ fn node(port: u16, rank: usize, args: &[&str]) -> Child {
 }
 
 /// The same run as two `tune` processes joined over loopback, one worker each.
-fn train_on_two_nodes(recipe: &str, config: &str, out: &TempDir, batch: usize, extra: &[&str]) {
+pub(crate) fn train_on_two_nodes(
+    recipe: &str,
+    config: &str,
+    out: &TempDir,
+    batch: usize,
+    extra: &[&str],
+) {
     let (out, batch) = (output(out), format!("batch_size={batch}"));
     let mut args = vec![recipe, "--config", config, out.as_str(), batch.as_str()];
     args.extend_from_slice(extra);
@@ -523,33 +529,61 @@ fn two_fsdp_workers_hold_half_the_layers_and_train_like_one_device() {
     );
 }
 
-/// A model whose output layer is not tied to its embeddings (the distillation teacher): FSDP
-/// shards the output layer as a unit of its own, reduce-scatters its gradient, and the run is
-/// one device's (losses, every weight).
-#[test]
-fn fsdp_shards_an_untied_output_layer_like_one_device() {
-    let one = temp_dir("fsdp-untied-1");
-    let two = temp_dir("fsdp-untied-2");
-    let common = [
-        "max_steps_per_epoch=4",
-        "optimizer.lr=1e-4",
-        "checkpointer.checkpoint_dir=assets/tiny-llama-teacher",
-    ];
+/// Full fine-tuning of tiny/full with `common` on one device (batch 4) and on two workers
+/// (batch 2 each, FSDP: the default); returns the two output directories.
+fn full_on_one_device_and_two_workers(name: &str, common: &[&str]) -> (TempDir, TempDir) {
+    let one = temp_dir(&format!("{name}-1"));
+    let two = temp_dir(&format!("{name}-2"));
     train(
         1,
         "full_finetune_single_device",
         "tiny/full",
         &one,
         4,
-        &common,
+        common,
     );
-    train(
-        2,
-        "full_finetune_distributed",
-        "tiny/full",
-        &two,
-        2,
-        &common,
+    train(2, "full_finetune_distributed", "tiny/full", &two, 2, common);
+    (one, two)
+}
+
+/// FSDP's consolidation writes every tensor of the one-device save byte for byte: two workers
+/// train one step at learning rate 0 (the first step of tiny/full's warm-up; AdamW then leaves
+/// every weight exactly as loaded) and write their rows,
+/// consolidate them at the epoch's end, and the Hugging Face model equals one device's save of
+/// the same weights in every bit, names and shapes included.
+#[test]
+fn a_consolidated_fsdp_checkpoint_is_the_one_device_save_bit_for_bit() {
+    let (one, two) = full_on_one_device_and_two_workers("consolidate", &["max_steps_per_epoch=1"]);
+    let bits = |dir: &Path| {
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u32>)> = model_of(dir)
+            .into_iter()
+            .map(|(name, t)| (name, t.shape, t.data.iter().map(|v| v.to_bits()).collect()))
+            .collect();
+        tensors.sort();
+        tensors
+    };
+    let epoch = |dir: &TempDir| dir.path().join("epoch_0");
+    let (got, want) = (bits(&epoch(&two)), bits(&epoch(&one)));
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert!(g == w, "{} differs from the one-device save", g.0);
+    }
+    // Both are the fp32 checkpoint the run loaded, untouched.
+    assert!(want == bits(&fixture("tiny-llama")), "the weights moved");
+}
+
+/// A model whose output layer is not tied to its embeddings (the distillation teacher): FSDP
+/// shards the output layer as a unit of its own, reduce-scatters its gradient, and the run is
+/// one device's (losses, every weight).
+#[test]
+fn fsdp_shards_an_untied_output_layer_like_one_device() {
+    let (one, two) = full_on_one_device_and_two_workers(
+        "fsdp-untied",
+        &[
+            "max_steps_per_epoch=4",
+            "optimizer.lr=1e-4",
+            "checkpointer.checkpoint_dir=assets/tiny-llama-teacher",
+        ],
     );
     let model = model_of(&one.path().join("epoch_0"));
     assert!(model.iter().any(|(name, _)| name == "lm_head.weight"));

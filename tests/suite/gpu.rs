@@ -209,3 +209,91 @@ fn generate_on_wgpu_writes_the_cpus_text() {
     assert!(!gpu.trim().is_empty(), "generated nothing");
     assert_eq!(gpu, text("cpu"));
 }
+
+/// FSDP's CPU offload through `tune run` on wgpu (`fsdp_cpu_offload: True`): full fine-tuning
+/// with accumulation and clipping on two nodes (processes over loopback, one wgpu worker each),
+/// with and without offload, and on one worker with it (FSDP over one rank, twice the batch):
+/// the same losses, clipped norms, weights and AdamW state; with offload no weight is on the
+/// device between steps, all of it in host memory.
+#[test]
+fn fsdp_cpu_offload_on_two_wgpu_nodes_trains_as_without_it() {
+    use crate::distributed::{
+        assert_same_curve, assert_same_tensors, column_by_step, model_of, optimizer_of,
+        train_on_two_nodes,
+    };
+    let common = [
+        "device=wgpu",
+        "max_steps_per_epoch=3",
+        "gradient_accumulation_steps=2",
+        "clip_grad_norm=0.5",
+        "optimizer.lr=1e-4",
+    ];
+    let with = |extra: &[&'static str]| {
+        let mut all = common.to_vec();
+        all.extend_from_slice(extra);
+        all
+    };
+    let on_device = temp_dir("gpu-fsdp");
+    train_on_two_nodes(
+        "full_finetune_distributed",
+        "tiny/full",
+        &on_device,
+        2,
+        &common,
+    );
+    let offloaded = temp_dir("gpu-fsdp-offload");
+    train_on_two_nodes(
+        "full_finetune_distributed",
+        "tiny/full",
+        &offloaded,
+        2,
+        &with(&["fsdp_cpu_offload=True"]),
+    );
+    let one_rank = temp_dir("gpu-fsdp-offload-1");
+    crate::distributed::train(
+        1,
+        "full_finetune_distributed",
+        "tiny/full",
+        &one_rank,
+        4,
+        &with(&["fsdp_cpu_offload=True"]),
+    );
+    let want_norms = column_by_step(on_device.path(), "grad_norm");
+    assert!(want_norms.iter().all(|(_, n)| *n > 0.5), "{want_norms:?}");
+    let epoch = |dir: &TempDir| dir.path().join("epoch_0");
+    for (what, dir) in [("two nodes", &offloaded), ("one rank", &one_rank)] {
+        for key in ["loss", "grad_norm"] {
+            assert_same_curve(
+                &format!("{what}: {key}"),
+                &column_by_step(dir.path(), key),
+                &column_by_step(on_device.path(), key),
+                1e-4,
+            );
+        }
+        assert_same_tensors(
+            what,
+            model_of(&epoch(dir)),
+            model_of(&epoch(&on_device)),
+            1e-5,
+        );
+        assert_same_tensors(
+            what,
+            optimizer_of(&epoch(dir)),
+            optimizer_of(&epoch(&on_device)),
+            1e-5,
+        );
+    }
+    // Full fine-tuning shards every weight: with offload rank 0 keeps none on the device, its
+    // rows in host memory, as many bytes as the run without offload keeps on the device.
+    let first = |dir: &TempDir, key: &str| column_by_step(dir.path(), key)[0].1;
+    assert_eq!(first(&offloaded, "parameter_bytes"), 0.0);
+    assert_eq!(
+        first(&offloaded, "offloaded_parameter_bytes"),
+        first(&on_device, "parameter_bytes")
+    );
+    assert_eq!(first(&offloaded, "optimizer_state_bytes"), 0.0);
+    assert_eq!(
+        first(&offloaded, "offloaded_optimizer_state_bytes"),
+        first(&on_device, "optimizer_state_bytes")
+    );
+}

@@ -29,6 +29,7 @@ mod lora;
 mod lora_recipes;
 mod models;
 mod nf4;
+mod offload;
 mod plot;
 mod precision;
 mod qat;

@@ -16,7 +16,7 @@ use tune::training::{TrainError, TrainState, Trainer, TrainerSettings};
 use crate::support::*;
 
 /// Rows of 9 to 30 tokens with their prompts masked.
-fn rows() -> Vec<SftSample> {
+pub(crate) fn rows() -> Vec<SftSample> {
     vec![
         masked_row(9, 3, 1),
         masked_row(30, 8, 2),
@@ -25,7 +25,7 @@ fn rows() -> Vec<SftSample> {
     ]
 }
 
-fn batch(rows: &[SftSample]) -> Batch {
+pub(crate) fn batch(rows: &[SftSample]) -> Batch {
     collate_sft(&rows.iter().collect::<Vec<_>>(), 0)
 }
 
@@ -46,19 +46,7 @@ fn trainer(clip_grad_norm: Option<f64>) -> Trainer<CpuAutodiff> {
         eps: 1e-8,
         momentum: 0.0,
     });
-    let settings = TrainerSettings {
-        epochs: 1,
-        max_steps_per_epoch: None,
-        gradient_accumulation_steps: 1,
-        clip_grad_norm,
-        log_every_n_steps: 1,
-        save_every_n_steps: None,
-        lr: 1.0,
-        schedule: Schedule::Constant,
-        seed: 0,
-        shard_optimizer: false,
-        save_on_preempt: false,
-    };
+    let settings = settings(1, clip_grad_norm, 1.0);
     Trainer::new(
         settings,
         model,
@@ -68,6 +56,23 @@ fn trainer(clip_grad_norm: Option<f64>) -> Trainer<CpuAutodiff> {
         false,
         World::single(),
     )
+}
+
+/// One epoch at a constant `lr`, logging every step, no saves.
+pub(crate) fn settings(accumulation: usize, clip: Option<f64>, lr: f64) -> TrainerSettings {
+    TrainerSettings {
+        epochs: 1,
+        max_steps_per_epoch: None,
+        gradient_accumulation_steps: accumulation,
+        clip_grad_norm: clip,
+        log_every_n_steps: 1,
+        save_every_n_steps: None,
+        lr,
+        schedule: Schedule::Constant,
+        seed: 0,
+        shard_optimizer: false,
+        save_on_preempt: false,
+    }
 }
 
 fn weights(model: &CausalLm<CpuAutodiff>) -> Vec<f32> {
@@ -177,4 +182,39 @@ fn a_diverging_step_is_refused_naming_it() {
         TrainError::Diverged { step, .. } => assert_eq!(step, 2),
         other => panic!("{other}"),
     }
+}
+
+/// A run whose memory runs out ends with an error naming the request, what the process held,
+/// its memory limit and the ways out (more ranks with FSDP, LoRA, a smaller batch), with
+/// status 1: not Rust's bare "memory allocation failed" abort. The limit (`prlimit --as`,
+/// 105 MB of address space) lets tune start and fail in its first allocations of the run.
+#[test]
+fn a_run_out_of_memory_ends_naming_the_limit_and_the_ways_out() {
+    let out = temp_dir("out-of-memory");
+    let res = std::process::Command::new("prlimit")
+        .arg("--as=105000000")
+        .arg(env!("CARGO_BIN_EXE_tune"))
+        .args([
+            "run",
+            "full_finetune_single_device",
+            "--config",
+            "tiny/full",
+            &format!("output_dir={}", out.path().display()),
+            "batch_size=8",
+        ])
+        .env("RUST_BACKTRACE", "0")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("prlimit (util-linux) runs");
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    for part in [
+        "error: out of memory: a request for",
+        "address-space limit of 105 MB",
+        "--nproc_per_node N",
+        "LoRA or QLoRA",
+    ] {
+        assert!(err.contains(part), "{part}: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
 }

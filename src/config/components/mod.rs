@@ -72,6 +72,10 @@ pub struct DatasetBuilder {
     pub kind: DatasetKind,
     /// Hub dataset used when the config gives no `source`.
     pub default_source: Option<&'static str>,
+    /// The files of the default source to read when the config names none, `{split}` standing
+    /// for the split's name (gsm8k's repo holds two configurations and two splits, each its own
+    /// files; torchtune picks `main` and the split by name).
+    pub default_data_files: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -50,6 +50,23 @@ const fn ds(
         name,
         kind,
         default_source,
+        default_data_files: None,
+    })
+}
+
+/// A dataset whose default Hub source is read through `files` (see
+/// [`DatasetBuilder::default_data_files`]).
+const fn ds_files(
+    name: &'static str,
+    kind: DatasetKind,
+    source: &'static str,
+    files: &'static str,
+) -> Component {
+    Component::Dataset(DatasetBuilder {
+        name,
+        kind,
+        default_source: Some(source),
+        default_data_files: Some(files),
     })
 }
 
@@ -57,7 +74,9 @@ const fn quant(kind: QuantizerKind, module_swap: bool) -> Component {
     Component::Quantizer(Quantizer { kind, module_swap })
 }
 
-use DatasetKind::{Alpaca, Chat, Instruct, Preference, StackExchangePaired, TextCompletion};
+use DatasetKind::{
+    Alpaca, Chat, Gsm8k, Instruct, Preference, Prompt, StackExchangePaired, TextCompletion,
+};
 
 static TABLE: &[Entry] = &[
     // Tokenizers: llama3_1/llama3_2 use llama3's, gemma2 uses gemma's, as in torchtune.
@@ -191,6 +210,25 @@ static TABLE: &[Entry] = &[
             Preference,
             Some("RLHFlow/HH-RLHF-Helpful-standard"),
         ),
+    ),
+    // Prompt datasets (the GRPO recipes)
+    e(
+        "tune.datasets.gsm8k_dataset",
+        &[
+            "torchtune.dev.grpo.gsm8k.gsm8k_dataset",
+            "torchtune.dev.rl.gsm8k.gsm8k_dataset",
+        ],
+        ds_files(
+            "gsm8k_dataset",
+            Gsm8k,
+            "openai/gsm8k",
+            "main/{split}-*.parquet",
+        ),
+    ),
+    e(
+        "tune.datasets.prompt_dataset",
+        &[],
+        ds("prompt_dataset", Prompt, None),
     ),
     // Optimizers
     e(

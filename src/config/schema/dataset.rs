@@ -6,12 +6,15 @@ use std::ops::Deref;
 use serde::Serialize;
 use serde_yaml::Value;
 
-use crate::config::components::DatasetBuilder;
+use crate::config::components::{DatasetBuilder, DatasetKind};
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, ConfigValue, Ty, default, join, keys, off, on, optional};
+use crate::config::keys::{
+    Checker, ConfigValue, Fingerprint, FingerprintEntries, Ty, default, join, keys, off, on,
+    optional,
+};
 use crate::config::paths;
 use crate::config::values::choices;
-use crate::data::{ConversationStyle, DataFiles};
+use crate::data::{ConversationStyle, DataFiles, Partition};
 
 choices!(ConversationStyle {
     "sharegpt" => ConversationStyle::Sharegpt,
@@ -67,10 +70,60 @@ keys! {
     /// Packing: a sample that does not fit continues in the next pack (default: text
     /// completion true, the others false).
     split_across_pack: Option<bool> = optional(),
+    /// gsm8k_dataset: keep row `i` of the split when `start <= i % total <= end`
+    /// (`start-end/total`; torchtune's GRPO configs train on `1-9/10`).
+    partition: Option<String> = optional().rule(partition_format),
+    /// prompt_dataset: format the prompt as a user turn in the tokenizer's chat format, ending
+    /// at the assistant's header (false: the text as it is, after BOS).
+    apply_chat_template: bool = on(),
     /// A Python filter: only null (filter the file beforehand).
     filter_fn: Option<String> = optional().refuse(
         "dataset filter functions are Python callables, which tune cannot run, and training on the unfiltered rows would change the data; filter the data file beforehand and set `filter_fn: null`",
     ),
+}
+
+/// `partition` must parse as torchtune's `start-end/total`.
+fn partition_format(partition: &Option<String>, path: &str, cx: &mut Checker) {
+    if let Some(Err(message)) = partition.as_deref().map(Partition::parse) {
+        cx.problem(
+            Problem::new(ProblemKind::InvalidValue, path, message)
+                .with_fix("e.g. `1-9/10` (9 rows in 10) or `0-0/10` (the other one)"),
+        );
+    }
+}
+
+/// Prompt datasets (gsm8k, prompt_dataset) hold prompts to generate from, which only the GRPO
+/// recipes (none yet) read; `partition` is gsm8k's.
+fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
+    let builder = &d.component;
+    if builder.kind.is_prompt()
+        && let Some(recipe) = cx.recipe.filter(|r| r.is_training())
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                join(path, "_component_"),
+                format!(
+                    "`{}` holds prompts without responses, for reinforcement learning; recipe `{recipe}` trains on responses",
+                    builder.name
+                ),
+            )
+            .with_fix("use an instruct, chat or text dataset such as `torchtune.datasets.alpaca_dataset`"),
+        );
+    }
+    if d.partition.is_some() && builder.kind != DatasetKind::Gsm8k {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                join(path, "partition"),
+                format!(
+                    "`partition` is a gsm8k_dataset setting, not `{}`'s",
+                    builder.name
+                ),
+            )
+            .with_fix("select rows with `split: train[a:b]`, and set `partition: null`"),
+        );
+    }
 }
 
 /// DPO recipes read preference pairs and the others never do; a builder without a default
@@ -78,7 +131,11 @@ keys! {
 fn dataset_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
     let builder = &d.component;
     let name = builder.name;
-    if let Some(recipe) = cx.recipe.filter(|r| r.is_training()) {
+    prompt_rules(d, path, cx);
+    if let Some(recipe) = cx
+        .recipe
+        .filter(|r| r.is_training() && !builder.kind.is_prompt())
+    {
         let wants_pairs = recipe.is_dpo();
         if wants_pairs != builder.kind.is_preference() {
             let (msg, fix) = if wants_pairs {
@@ -150,8 +207,37 @@ impl Deref for Datasets {
     }
 }
 
+/// Keys added to `dataset` after checkpoints with fingerprints were written, with their
+/// defaults: an entry at its default is left out of the fingerprint, so those checkpoints still
+/// resume (a dataset is one fingerprint entry, compared whole).
+const ADDED_AT_DEFAULT: &[(&str, serde_json::Value)] = &[
+    ("partition", serde_json::Value::Null),
+    ("apply_chat_template", serde_json::Value::Bool(true)),
+];
+
 impl ConfigValue for Datasets {
     const TY: &'static Ty = &Ty::OneOrMany(&DatasetConfig::SECTION);
+
+    fn fingerprint(&self, path: &str, mode: Fingerprint, out: &mut FingerprintEntries) {
+        if mode == Fingerprint::Inherit {
+            return;
+        }
+        let mut value = serde_json::to_value(self).unwrap_or_default();
+        if let serde_json::Value::Array(entries) = &mut value {
+            for entry in entries
+                .iter_mut()
+                .filter_map(serde_json::Value::as_object_mut)
+            {
+                for (key, default) in ADDED_AT_DEFAULT {
+                    if entry.get(*key) == Some(default) {
+                        entry.remove(*key);
+                    }
+                }
+            }
+        }
+        out.insert(path, mode, value);
+    }
+
     fn read(value: &Value, path: &str, cx: &mut Checker) -> Option<Self> {
         match value {
             Value::Sequence(items) => {
@@ -172,5 +258,62 @@ impl ConfigValue for Datasets {
             }
             one => cx.value(one, path).map(|d| Self(vec![d])),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::keys::{Fingerprint, FingerprintEntries};
+    use crate::config::{ValidateOptions, ValidationErrors, load_config, validate_with};
+
+    use super::{ConfigValue, Datasets};
+
+    const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
+
+    fn validated(overrides: &[&str]) -> Result<Datasets, ValidationErrors> {
+        let overrides: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+        let cfg = load_config("tiny/full", &overrides).expect("loads");
+        validate_with("full_finetune_distributed", &cfg, &NO_PATHS)
+            .map(|(typed, _)| typed.as_train().expect("train").dataset.clone())
+    }
+
+    #[test]
+    fn a_prompt_dataset_in_a_training_recipe_is_refused_by_its_torchtune_name() {
+        for name in [
+            "torchtune.dev.grpo.gsm8k.gsm8k_dataset",
+            "tune.datasets.prompt_dataset",
+        ] {
+            let e = validated(&[&format!("dataset._component_={name}")]).unwrap_err();
+            assert!(
+                e.has("dataset._component_", "holds prompts without responses"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn partition_must_be_start_end_total_and_only_for_gsm8k() {
+        let e = validated(&["dataset.partition=1-9"]).unwrap_err();
+        assert!(
+            e.has("dataset.partition", "is not `start-end/total`"),
+            "{e}"
+        );
+        let e = validated(&["dataset.partition=1-9/10"]).unwrap_err();
+        assert!(e.has("dataset.partition", "a gsm8k_dataset setting"), "{e}");
+    }
+
+    #[test]
+    fn the_new_keys_at_their_defaults_leave_the_fingerprint_as_it_was() {
+        let fingerprint = |overrides: &[&str]| {
+            let d = validated(overrides).expect("valid");
+            let mut out = FingerprintEntries::default();
+            d.fingerprint("dataset", Fingerprint::Yes, &mut out);
+            out.entries["dataset"][0].clone()
+        };
+        let plain = fingerprint(&[]);
+        assert!(plain.get("partition").is_none(), "{plain}");
+        assert!(plain.get("apply_chat_template").is_none(), "{plain}");
+        let off = fingerprint(&["dataset.apply_chat_template=False"]);
+        assert_eq!(off["apply_chat_template"], serde_json::json!(false));
     }
 }

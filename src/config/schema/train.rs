@@ -108,30 +108,28 @@ fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
 
 /// `fsdp_cpu_offload` (or the older `fsdp.cpu_offload`) on the run's device. On the CPU every
 /// parameter, gradient and optimizer state already lives in host memory, so it changes nothing
-/// and says so; on a GPU they stay in device memory, which offloading would change (that is
-/// not built yet), so it is refused rather than ignored.
-fn offload_on_device(offload: Option<bool>, path: &str, device: Device, cx: &mut Checker) {
+/// and says so. On a GPU it offloads FSDP's shards (`training::offload`), which replicated
+/// weights (`data_parallel_shard_dim: 1`) do not have: that pair is refused.
+fn offload_on_device(c: &TrainConfig, offload: Option<bool>, path: &str, cx: &mut Checker) {
     if offload != Some(true) {
         return;
     }
-    match device {
+    match Device::or_default(c.device) {
         Device::Cpu => cx.warn(
             path,
             "on device cpu the parameters, gradients and optimizer state already live in host memory: offloading them changes nothing",
         ),
-        device => cx.problem(
+        _ if c.data_parallel_shard_dim == Some(1.0) => cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
                 path,
-                format!(
-                    "offloading parameters, gradients and optimizer state to host memory is only supported on the CPU device so far (this run's device is {})",
-                    device.name()
-                ),
+                "offloads FSDP's shards to host memory, but data_parallel_shard_dim: 1 keeps every weight whole on every rank (no shards)",
             )
             .with_fix(format!(
-                "set `{path}: False` (FSDP keeps each rank's shards on its device), or `device: cpu`"
+                "remove `data_parallel_shard_dim` (FSDP over every rank, torchtune's default), or set `{path}: False`"
             )),
         ),
+        _ => {}
     }
 }
 
@@ -291,9 +289,11 @@ keys! {
     /// its backward (True, the default), or keep them from the forward until the backward
     /// (False: one all-gather per layer per step, the whole layers held meanwhile).
     fsdp_reshard_after_forward: Option<bool> = optional(),
-    /// FSDP's CPU offload (null: False): parameters, gradients and optimizer state in host
-    /// memory. On device cpu they already are (accepted, and said once); on cuda and wgpu only
-    /// False so far. Read through [`TrainConfig::cpu_offload`].
+    /// FSDP's CPU offload (null: False): on cuda and wgpu each rank's rows of every weight,
+    /// their gradients and their optimizer state live in host memory, the optimizer step runs
+    /// there and a unit's rows go up to the device to be gathered (FSDP over one rank too, as
+    /// torchtune's FSDP on one GPU). On device cpu they already are (accepted, and said once).
+    /// Read through [`TrainConfig::cpu_offload`].
     fsdp_cpu_offload: Option<bool> = optional(),
     /// torchtune's older spelling of `fsdp_cpu_offload` (`fsdp: {cpu_offload: ...}`).
     fsdp: Option<FsdpBlock> = optional(),
@@ -360,10 +360,9 @@ impl TrainConfig {
 
 /// Keys that only mean something together.
 fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
-    let device = Device::or_default(c.device);
-    offload_on_device(c.fsdp_cpu_offload, "fsdp_cpu_offload", device, cx);
+    offload_on_device(c, c.fsdp_cpu_offload, "fsdp_cpu_offload", cx);
     let older = c.fsdp.as_ref().and_then(|f| f.cpu_offload);
-    offload_on_device(older, "fsdp.cpu_offload", device, cx);
+    offload_on_device(c, older, "fsdp.cpu_offload", cx);
     if let (Some(top), Some(nested)) = (
         c.keep_last_n_checkpoints,
         c.checkpointer.keep_last_n_checkpoints,
@@ -539,10 +538,13 @@ mod tests {
             let said: Vec<_> = warnings.iter().filter(|w| w.key == key).collect();
             assert_eq!(said.len(), 1, "{over}: {warnings:?}");
             assert!(said[0].message.contains("changes nothing"), "{said:?}");
-            // On a GPU it is refused, naming the key and the fix.
-            let e = validated(&[over, "device=cuda"]).unwrap_err();
+            // On a GPU it offloads, silently; with replicated weights there is nothing to
+            // offload, and that is refused naming the key and the fix.
+            let (c, warnings) = validated(&[over, "device=cuda"]).unwrap();
+            assert!(c.cpu_offload() && warnings.is_empty(), "{warnings:?}");
+            let e = validated(&[over, "device=wgpu", "data_parallel_shard_dim=1"]).unwrap_err();
             assert!(
-                e.has(key, "only supported on the CPU device so far")
+                e.has(key, "data_parallel_shard_dim: 1 keeps every weight whole")
                     && e.has(key, &format!("set `{key}: False`")),
                 "{e}"
             );
