@@ -5,6 +5,8 @@
 pub mod full_dpo_single_device;
 pub mod full_finetune_single_device;
 pub mod generate;
+pub mod grpo_full_finetune_single_device;
+pub mod grpo_lora_finetune_single_device;
 pub mod knowledge_distillation_single_device;
 pub mod lora_dpo_single_device;
 pub mod lora_finetune_single_device;
@@ -88,6 +90,12 @@ pub fn run<B: AutodiffBackend>(
                 RecipeKeys::Qat(keys) => qat_single_device::run(cfg, keys, ctx, run),
                 RecipeKeys::QatLora(keys) => {
                     qat_lora_finetune_single_device::run(cfg, keys, ctx, run)
+                }
+                RecipeKeys::GrpoFull(keys) => {
+                    grpo_full_finetune_single_device::run(cfg, keys, ctx, run)
+                }
+                RecipeKeys::GrpoLora(keys) => {
+                    grpo_lora_finetune_single_device::run(cfg, keys, ctx, run)
                 }
             };
             if outcome.is_ok() {

@@ -16,6 +16,8 @@ pub enum Recipe {
     Qat,
     QatLora,
     KnowledgeDistillation,
+    GrpoFull,
+    GrpoLora,
     Generate,
 }
 
@@ -88,6 +90,26 @@ static KNOWLEDGE_DISTILLATION: RecipeInfo = RecipeInfo {
     description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
 };
 
+static GRPO_FULL: RecipeInfo = RecipeInfo {
+    recipe: Recipe::GrpoFull,
+    name: "grpo_full_finetune",
+    // torchtune's GRPO recipe is a dev recipe, run as `dev/grpo_full_finetune_distributed`.
+    aliases: &[
+        "grpo_full_finetune_single_device",
+        "dev/grpo_full_finetune_distributed",
+    ],
+    distributed: Some("grpo_full_finetune_distributed"),
+    description: "GRPO: reinforcement learning from rewards on sampled completions, every weight",
+};
+
+static GRPO_LORA: RecipeInfo = RecipeInfo {
+    recipe: Recipe::GrpoLora,
+    name: "grpo_lora_finetune",
+    aliases: &["grpo_lora_finetune_single_device"],
+    distributed: Some("grpo_lora_finetune_distributed"),
+    description: "GRPO with LoRA (reference = adapters disabled)",
+};
+
 static GENERATE: RecipeInfo = RecipeInfo {
     recipe: Recipe::Generate,
     name: "generate",
@@ -105,6 +127,8 @@ pub static RECIPES: &[&RecipeInfo] = &[
     &QAT,
     &QAT_LORA,
     &KNOWLEDGE_DISTILLATION,
+    &GRPO_FULL,
+    &GRPO_LORA,
     &GENERATE,
 ];
 
@@ -118,6 +142,8 @@ impl Recipe {
             Self::Qat => &QAT,
             Self::QatLora => &QAT_LORA,
             Self::KnowledgeDistillation => &KNOWLEDGE_DISTILLATION,
+            Self::GrpoFull => &GRPO_FULL,
+            Self::GrpoLora => &GRPO_LORA,
             Self::Generate => &GENERATE,
         }
     }
@@ -146,14 +172,19 @@ impl Recipe {
     /// Recipes whose `model` must be a LoRA builder.
     pub fn needs_lora(self) -> Option<bool> {
         match self {
-            Self::LoraFinetune | Self::LoraDpo | Self::QatLora => Some(true),
-            Self::FullFinetune | Self::FullDpo | Self::Qat => Some(false),
+            Self::LoraFinetune | Self::LoraDpo | Self::QatLora | Self::GrpoLora => Some(true),
+            Self::FullFinetune | Self::FullDpo | Self::Qat | Self::GrpoFull => Some(false),
             Self::KnowledgeDistillation | Self::Generate => None,
         }
     }
 
     pub fn is_dpo(self) -> bool {
         matches!(self, Self::LoraDpo | Self::FullDpo)
+    }
+
+    /// The reinforcement-learning recipes: they generate from prompts and train on rewards.
+    pub fn is_grpo(self) -> bool {
+        matches!(self, Self::GrpoFull | Self::GrpoLora)
     }
 
     pub fn is_qat(self) -> bool {
@@ -205,10 +236,13 @@ pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
     })
 }
 
-/// Whether `name` is one of torchtune's `*_distributed` recipe names.
+/// Whether `name` is one of torchtune's `*_distributed` recipe names (its dev recipe
+/// `dev/grpo_full_finetune_distributed` included).
 pub fn is_distributed_name(name: &str) -> bool {
     let bare = name.trim().trim_end_matches(".py");
-    RECIPES.iter().any(|r| r.distributed == Some(bare))
+    RECIPES.iter().any(|r| {
+        r.distributed == Some(bare) || (bare.ends_with("_distributed") && r.aliases.contains(&bare))
+    })
 }
 
 #[cfg(test)]
@@ -243,6 +277,13 @@ mod tests {
         assert!(!is_distributed_name("full_dpo_single_device"));
         assert_eq!(Recipe::Qat.script_name(true), "qat_distributed");
         assert_eq!(Recipe::Generate.script_name(true), "generate");
+        // torchtune's GRPO recipe is a dev recipe, distributed by name.
+        assert_eq!(
+            find("dev/grpo_full_finetune_distributed"),
+            Ok(Recipe::GrpoFull)
+        );
+        assert!(is_distributed_name("dev/grpo_full_finetune_distributed.py"));
+        assert!(!is_distributed_name("grpo_full_finetune_single_device"));
     }
 
     #[test]

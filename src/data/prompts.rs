@@ -125,6 +125,13 @@ impl PromptDataset {
         Ok(Self { samples })
     }
 
+    /// The prompts of every part, in order (torchtune concatenates a list of datasets).
+    pub fn concat(parts: Vec<PromptDataset>) -> Self {
+        Self {
+            samples: parts.into_iter().flat_map(|p| p.samples).collect(),
+        }
+    }
+
     pub fn samples(&self) -> &[PromptSample] {
         &self.samples
     }

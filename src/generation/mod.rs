@@ -2,9 +2,11 @@
 //! backend; recipes use the non-autodiff one since nothing here needs gradients.
 
 pub mod decode;
+pub mod group;
 pub mod sampling;
 
 pub use decode::{Decoder, GenerateOptions, Generation, StopReason, generate};
+pub use group::{GroupSampling, SampledGroup, sample_group};
 pub use sampling::{Sampler, SamplingParams};
 
 #[derive(Debug, thiserror::Error)]

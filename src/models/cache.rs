@@ -38,6 +38,21 @@ impl<B: Backend> LayerCache<B> {
         self.len
     }
 
+    /// Each row repeated `times` times along the batch (row r becomes rows r*times..).
+    fn repeat_rows(&mut self, times: usize) {
+        let repeat = |t: Tensor<B, 4>| {
+            let [batch, heads, capacity, dim] = t.dims();
+            t.unsqueeze_dim::<5>(1).repeat_dim(1, times).reshape([
+                batch * times,
+                heads,
+                capacity,
+                dim,
+            ])
+        };
+        self.keys = self.keys.take().map(repeat);
+        self.values = self.values.take().map(repeat);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -84,6 +99,15 @@ impl<B: Backend> KvCache<B> {
     /// Positions already cached.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, LayerCache::len)
+    }
+
+    /// Every row's cache repeated `times` times along the batch (row r becomes rows
+    /// `r * times..(r + 1) * times`): a prompt prefilled once, then continued as `times`
+    /// completions.
+    pub fn repeat_rows(&mut self, times: usize) {
+        for layer in &mut self.layers {
+            layer.repeat_rows(times);
+        }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -18,9 +18,9 @@
 //! - [`command::CommandReward`]: any program, one JSON line in and one number out per completion.
 //!
 //! torchtune's `FormattedMathCorrectnessReward` and `math_response_correct` compare answers with
-//! the `math_verify` package (LaTeX parsing and sympy equivalence), which is not reproduced: they
-//! are refused by name ([`unsupported`]), pointing at the command reward, which can run
-//! `math_verify` itself.
+//! the `math_verify` package (LaTeX parsing and sympy equivalence), which is not reproduced: the
+//! component table refuses them by name, pointing at the command reward, which can run
+//! `math_verify` itself. Config names resolve in `config::components` (`RewardKind`).
 
 pub mod command;
 pub mod gsm8k;
@@ -178,48 +178,6 @@ pub(crate) fn text_column<'a>(
         })
 }
 
-/// Reward components the built-in functions answer to: this project's `tune.rewards.*` name and
-/// torchtune's names.
-pub const COMPONENTS: &[(&str, &[&str])] = &[
-    (
-        gsm8k::SHAPED_CORRECTNESS,
-        &[
-            "torchtune.dev.grpo.rewards.batch_shaped_correctness_reward",
-            "torchtune.dev.grpo.rewards.shaped_correctness_reward",
-        ],
-    ),
-    (
-        gsm8k::THINKING_ANSWER_FORMATTING,
-        &["torchtune.dev.rl.rewards.ThinkingAnswerFormattingReward"],
-    ),
-    (
-        gsm8k::THINK_PRESENCE,
-        &["torchtune.dev.rl.rewards.at_least_one_space_between_think_tags"],
-    ),
-    (length::LENGTH, &[]),
-    (command::COMMAND, &[]),
-];
-
-/// The canonical name of a reward component (`tune.rewards.*`), given it or one of its aliases.
-pub fn canonical(name: &str) -> Option<&'static str> {
-    let name = name.trim();
-    COMPONENTS
-        .iter()
-        .find(|(c, aliases)| *c == name || aliases.contains(&name))
-        .map(|(c, _)| *c)
-}
-
-/// Why a torchtune reward component is not available, for the ones that are not.
-pub fn unsupported(name: &str) -> Option<&'static str> {
-    const MATH_VERIFY: &str = "it compares answers with the `math_verify` Python package (LaTeX parsing, sympy equivalence), which tune does not reproduce; run it from `tune.rewards.command` (a Python script calling math_verify.parse/verify on each JSON line's `completion` and `answer`), or use `tune.rewards.gsm8k_shaped_correctness` for gsm8k's integer answers";
-    match name.trim() {
-        "torchtune.dev.rl.rewards.FormattedMathCorrectnessReward"
-        | "torchtune.dev.rl.rewards.math_response_correct"
-        | "torchtune.dev.rl.rewards.batched_rewards" => Some(MATH_VERIFY),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,26 +257,5 @@ mod tests {
                 ..
             }
         ));
-    }
-
-    #[test]
-    fn torchtune_names_resolve_and_math_verify_rewards_are_refused_by_name() {
-        assert_eq!(
-            canonical("torchtune.dev.grpo.rewards.batch_shaped_correctness_reward"),
-            Some("tune.rewards.gsm8k_shaped_correctness")
-        );
-        assert_eq!(
-            canonical("torchtune.dev.rl.rewards.ThinkingAnswerFormattingReward"),
-            Some("tune.rewards.thinking_answer_formatting")
-        );
-        assert_eq!(
-            canonical("tune.rewards.command"),
-            Some("tune.rewards.command")
-        );
-        assert_eq!(canonical("tune.rewards.nope"), None);
-        assert!(
-            unsupported("torchtune.dev.rl.rewards.FormattedMathCorrectnessReward")
-                .is_some_and(|r| r.contains("math_verify"))
-        );
     }
 }

@@ -178,8 +178,18 @@ pub fn loader(
     shuffle: bool,
     seed: u64,
 ) -> Result<DataLoader, SetupError> {
+    sample_loader(dataset.len(), batch_size, shuffle, seed)
+}
+
+/// Batches of `num_samples` samples' indices, the partial last one dropped.
+pub fn sample_loader(
+    num_samples: usize,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+) -> Result<DataLoader, SetupError> {
     Ok(DataLoader::new(
-        dataset.len(),
+        num_samples,
         LoaderConfig {
             batch_size,
             shuffle,
@@ -191,7 +201,7 @@ pub fn loader(
 
 /// A `source` naming a Hub dataset repo (`tatsu-lab/alpaca`) is fetched into the HF cache and
 /// replaced by its local files, so the rest of the pipeline only sees local data.
-fn fetch_if_hub(spec: &mut DatasetSpec) -> Result<(), SetupError> {
+pub(super) fn fetch_if_hub(spec: &mut DatasetSpec) -> Result<(), SetupError> {
     let Some(source) = spec
         .source
         .clone()

@@ -2,6 +2,7 @@
 //! optimizers, schedules and metric loggers. Recipes call these; nothing here knows recipes.
 
 pub mod data;
+pub mod grpo;
 pub mod logging;
 pub mod loss;
 pub mod model;
@@ -62,6 +63,9 @@ pub enum SetupError {
     Train(Box<crate::training::TrainError>),
     #[error(transparent)]
     Distributed(#[from] crate::distributed::DistributedError),
+    /// Boxed: a reward's error carries its command and its output.
+    #[error(transparent)]
+    Reward(Box<grpo::RewardSetupError>),
     #[error(
         "data_parallel_shard_dim: {dim} with {world} ranks: tune shards the weights over every rank (-1, or {world}) or over none (1); groups of ranks (HSDP) are not supported"
     )]

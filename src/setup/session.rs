@@ -19,8 +19,8 @@ use crate::training::optimizer_shards::ShardWriter;
 use crate::training::sharded_checkpoint::RankShareWriter;
 use crate::training::trainer::TrainSummary;
 use crate::training::validation::Validation;
+use crate::training::{Batches, EpochSteps, TrainError, Trainer};
 use crate::training::{LossStep, OptimizerSnapshot, SaveHook, SaveKind, TrainState};
-use crate::training::{TrainError, Trainer};
 
 /// A run's training data: this rank's share of every batch comes from `loader`.
 pub struct TrainData {
@@ -279,12 +279,22 @@ impl<B: AutodiffBackend> Session<B> {
         }
     }
 
-    /// Trains, waits for the last checkpoint to be durable, reports, and pushes it to the Hub
-    /// when `push_to_hub` is set.
+    /// Trains on `data`'s batches, waits for the last checkpoint to be durable, reports, and
+    /// pushes it to the Hub when `push_to_hub` is set.
     pub fn fit(
         self,
         data: &TrainData,
         loss: &mut dyn LossStep<B>,
+        push: Option<&PushToHub>,
+    ) -> Result<TrainSummary, FinishError> {
+        let mut batches = Batches::new(&data.dataset, &data.loader, loss, data.validation.as_ref());
+        self.run(&mut batches, push)
+    }
+
+    /// [`Self::fit`] over any steps (GRPO's rollouts).
+    pub fn run(
+        self,
+        steps: &mut dyn EpochSteps<B>,
         push: Option<&PushToHub>,
     ) -> Result<TrainSummary, FinishError> {
         let Session {
@@ -298,13 +308,7 @@ impl<B: AutodiffBackend> Session<B> {
             (None, Some(w)) => w.hook(),
             (None, None) => &mut NoSave,
         };
-        let fitted = trainer.fit(
-            &data.dataset,
-            &data.loader,
-            loss,
-            hook,
-            data.validation.as_ref(),
-        );
+        let fitted = trainer.run(steps, hook);
         if let Some(writer) = rank_writer.as_mut() {
             writer.finish()?;
         }

@@ -105,6 +105,9 @@ pub enum TrainError {
         "DPO needs a preference dataset (chosen rows then rejected rows in each batch), but a batch has {rows} rows; use a preference dataset such as torchtune.datasets.stack_exchange_paired_dataset or preference_dataset"
     )]
     NotPreferencePairs { rows: usize },
+    /// A GRPO step's sampling, rewards or advantages (boxed: it carries the reward's error).
+    #[error("GRPO: {0}")]
+    Rollout(Box<super::grpo::RolloutError>),
 }
 
 impl crate::distributed::Ends for TrainError {

@@ -200,7 +200,8 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// One optimizer step over `micro_batches` (gradient accumulation over them), exactly as
     /// [`fit`](Self::fit) runs each step: the loss step on each, the world's sums, the guard,
-    /// clipping, the schedule's rate and the optimizer; the state moves one step on. The
+    /// clipping, the schedule's rate and the optimizer; the global step moves one on (the step
+    /// in the epoch is the loop's: a GRPO step makes several updates). The
     /// trainer is taken and given back: the optimizer updates the model it owns, in place
     /// where no other reference holds a weight.
     pub fn train_step(
@@ -213,7 +214,6 @@ impl<B: AutodiffBackend> Trainer<B> {
         let checked = self.guard(&step)?;
         let (mut trainer, lr, grad_norm) = self.update(step.grads, &checked, times.as_mut())?;
         trainer.state.global_step += 1;
-        trainer.state.step_in_epoch += 1;
         trainer.state.tokens_seen += step.totals.tokens as u64;
         let done = StepDone {
             loss: checked.loss,
@@ -473,19 +473,20 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(m)
     }
 
-    /// The periodic save, every `save_every_n_steps` (the epoch-end save follows the last step
-    /// of an epoch: no periodic one then); returns whether it saved.
+    /// The periodic save, every `save_every_n_steps` steps done (the epoch-end save follows the
+    /// last step of an epoch: no periodic one then); returns whether it saved.
     fn save_if_due(
         &mut self,
         saver: &mut dyn SaveHook<B>,
         progress: &EpochProgress,
+        steps_done: usize,
     ) -> Result<bool, TrainError> {
         let epoch_done = self.state.step_in_epoch == self.state.steps_per_epoch;
         let due = !epoch_done
             && self
                 .settings
                 .save_every_n_steps
-                .is_some_and(|n| n > 0 && self.state.global_step.is_multiple_of(n));
+                .is_some_and(|n| n > 0 && steps_done.is_multiple_of(n));
         if due {
             self.save(SaveKind::Periodic, saver, Some(progress))?;
         }
@@ -673,20 +674,35 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(steps)
     }
 
-    /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume).
+    /// Runs training from `self.state` (zero for a fresh run, a checkpoint's for a resume) on
+    /// `data`'s batches: each step one optimizer update over `gradient_accumulation_steps`
+    /// micro-batches, validation when due.
     pub fn fit(
-        mut self,
+        self,
         data: &Dataset,
         loader: &DataLoader,
         loss_step: &mut dyn LossStep<B>,
         saver: &mut dyn SaveHook<B>,
         validation: Option<&Validation>,
     ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
+        let mut batches = Batches::new(data, loader, loss_step, validation);
+        self.run(&mut batches, saver)
+    }
+
+    /// Runs training from `self.state` over the steps `steps` makes: epochs of steps, the
+    /// metrics line, validation, periodic, epoch-end and final checkpoints, and the stop
+    /// signal's checkpoint, whatever a step is.
+    pub fn run(
+        mut self,
+        steps: &mut dyn EpochSteps<B>,
+        saver: &mut dyn SaveHook<B>,
+    ) -> Result<(TrainSummary, CausalLm<B>), TrainError> {
         super::memory::enter_training_steady_state();
-        let accum = self.settings.gradient_accumulation_steps.max(1);
-        let steps_per_epoch = self.steps_per_epoch(loader)?;
+        let steps_per_epoch = steps.steps_per_epoch(&self)?;
         self.state.steps_per_epoch = steps_per_epoch;
-        self.state.total_steps = steps_per_epoch * self.settings.epochs;
+        self.state.total_steps = steps_per_epoch * self.settings.epochs * steps.updates_per_step();
+        let save_every_epochs = steps.save_every_n_epochs().max(1);
+        let max_steps = steps.max_steps();
         if self.settings.shard_optimizer && self.world.is_distributed() {
             let shard = OptimizerShard::new(&self.model, &self.world);
             // A resumed run restores the whole state; each rank keeps its share.
@@ -701,10 +717,13 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut losses = Vec::new();
         let mut last_metrics = Metrics::new();
         let mut validated_at: Option<usize> = None;
+        // Steps run since the start of training (over every epoch, a resumed run's included):
+        // what logging, `save_every_n_steps` and `num_steps` count.
+        let steps_done =
+            |state: &TrainState| state.epoch * state.steps_per_epoch + state.step_in_epoch;
 
         while self.state.epoch < self.settings.epochs {
             let epoch = self.state.epoch;
-            let batches = loader.rank_batches(epoch as u64, self.world.rank, self.world.size);
             let mut progress = EpochProgress::new(
                 epoch,
                 steps_per_epoch,
@@ -712,25 +731,23 @@ impl<B: AutodiffBackend> Trainer<B> {
                 self.show_progress,
             );
             let mut window = LogWindow::new();
+            let mut reached_max = false;
             while self.state.step_in_epoch < steps_per_epoch {
-                let first = self.state.step_in_epoch * accum;
-                let micro_batches = batches[first..first + accum]
-                    .iter()
-                    .map(|indices| data.collate(indices))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let index = self.state.step_in_epoch;
                 let done;
-                (self, done) = self.train_step(&micro_batches, loss_step)?;
+                (self, done) = steps.step(self, epoch, index)?;
+                self.state.step_in_epoch += 1;
                 window.tokens += done.tokens;
                 losses.push(done.loss);
                 progress.advance(done.loss, done.lr, window.tokens_per_second());
-                if self
-                    .state
-                    .global_step
-                    .is_multiple_of(self.settings.log_every_n_steps.max(1))
-                {
+                let done_so_far = steps_done(&self.state);
+                if done_so_far.is_multiple_of(self.settings.log_every_n_steps.max(1)) {
                     last_metrics = self.log_step(&done, &mut window)?;
                 }
-                if let Some(v) = validation.filter(|v| v.due(self.state.global_step)) {
+                if let Some((v, loss_step)) = steps
+                    .validation()
+                    .filter(|(v, _)| v.due(self.state.global_step))
+                {
                     let info = StepInfo {
                         epoch,
                         global_step: self.state.global_step,
@@ -739,7 +756,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                     self.validate(v, loss_step, info, &progress)?;
                     validated_at = Some(self.state.global_step);
                 }
-                let saved = self.save_if_due(saver, &progress)?;
+                reached_max = max_steps.is_some_and(|max| done_so_far >= max);
+                let saved = !reached_max && self.save_if_due(saver, &progress, done_so_far)?;
                 if let Some(signal) = done.stop {
                     progress.finish();
                     if self.settings.save_on_preempt && !saved {
@@ -751,9 +769,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                         step: self.state.global_step,
                     });
                 }
+                if reached_max {
+                    break;
+                }
             }
             // Every epoch ends with a validation score, unless its last step just had one.
-            if let Some(v) = validation
+            if let Some((v, loss_step)) = steps.validation()
                 && validated_at != Some(self.state.global_step)
             {
                 let info = StepInfo {
@@ -767,12 +788,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             progress.finish();
             self.state.epoch += 1;
             self.state.step_in_epoch = 0;
-            let kind = if self.state.epoch == self.settings.epochs {
-                SaveKind::Final
-            } else {
-                SaveKind::EpochEnd
-            };
-            self.save(kind, saver, None)?;
+            let last = self.state.epoch == self.settings.epochs || reached_max;
+            if last {
+                self.save(SaveKind::Final, saver, None)?;
+                break;
+            }
+            if self.state.epoch.is_multiple_of(save_every_epochs) {
+                self.save(SaveKind::EpochEnd, saver, None)?;
+            }
         }
         self.loggers.flush()?;
         // With FSDP the model stays this rank's shards: `unsharded()` gathers it (every rank
@@ -785,5 +808,108 @@ impl<B: AutodiffBackend> Trainer<B> {
             },
             self.model,
         ))
+    }
+}
+
+/// What the steps of [`Trainer::run`] are and how many an epoch holds: [`Batches`] of a
+/// dataset (every SFT, DPO, KD and QAT recipe), or GRPO's rollouts (`training::grpo`).
+pub trait EpochSteps<B: AutodiffBackend> {
+    /// Steps per epoch on this rank; an error when the data makes none.
+    fn steps_per_epoch(&self, trainer: &Trainer<B>) -> Result<usize, TrainError>;
+
+    /// Runs step `index` of `epoch`: one or more optimizer updates
+    /// ([`Trainer::train_step`]), the global step moving on with each; the loop moves the
+    /// step in the epoch on.
+    fn step(
+        &mut self,
+        trainer: Trainer<B>,
+        epoch: usize,
+        index: usize,
+    ) -> Result<(Trainer<B>, StepDone), TrainError>;
+
+    /// Optimizer updates per step (the schedule runs over all of them): 1, or GRPO's
+    /// `ppo_epochs`.
+    fn updates_per_step(&self) -> usize {
+        1
+    }
+
+    /// Stop after this many steps over all epochs (GRPO's `num_steps`), with the final save.
+    fn max_steps(&self) -> Option<usize> {
+        None
+    }
+
+    /// Save at the end of every this many epochs (GRPO's `save_every_n_epochs`); the last
+    /// epoch always saves.
+    fn save_every_n_epochs(&self) -> usize {
+        1
+    }
+
+    /// The validation set and the loss step that scores it, when there is one.
+    fn validation(&mut self) -> Option<(&Validation, &mut dyn LossStep<B>)> {
+        None
+    }
+}
+
+/// A dataset's batches: each step collates `gradient_accumulation_steps` micro-batches of
+/// this rank's share and makes one update over them.
+pub struct Batches<'a, B: AutodiffBackend> {
+    pub data: &'a Dataset,
+    pub loader: &'a DataLoader,
+    pub loss_step: &'a mut dyn LossStep<B>,
+    pub validation: Option<&'a Validation>,
+    /// This rank's batches of the epoch being run (drawn once per epoch).
+    epoch: Option<(usize, Vec<Vec<usize>>)>,
+}
+
+impl<'a, B: AutodiffBackend> Batches<'a, B> {
+    pub fn new(
+        data: &'a Dataset,
+        loader: &'a DataLoader,
+        loss_step: &'a mut dyn LossStep<B>,
+        validation: Option<&'a Validation>,
+    ) -> Self {
+        Self {
+            data,
+            loader,
+            loss_step,
+            validation,
+            epoch: None,
+        }
+    }
+}
+
+impl<B: AutodiffBackend> EpochSteps<B> for Batches<'_, B> {
+    fn steps_per_epoch(&self, trainer: &Trainer<B>) -> Result<usize, TrainError> {
+        trainer.steps_per_epoch(self.loader)
+    }
+
+    fn step(
+        &mut self,
+        trainer: Trainer<B>,
+        epoch: usize,
+        index: usize,
+    ) -> Result<(Trainer<B>, StepDone), TrainError> {
+        let accum = trainer.settings.gradient_accumulation_steps.max(1);
+        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let world = &trainer.world;
+            let batches = self
+                .loader
+                .rank_batches(epoch as u64, world.rank, world.size);
+            self.epoch = Some((epoch, batches));
+        }
+        let Some((_, batches)) = &self.epoch else {
+            unreachable!("drawn above")
+        };
+        let first = index * accum;
+        let micro_batches = batches[first..first + accum]
+            .iter()
+            .map(|indices| self.data.collate(indices))
+            .collect::<Result<Vec<_>, _>>()?;
+        trainer.train_step(&micro_batches, &mut *self.loss_step)
+    }
+
+    fn validation(&mut self) -> Option<(&Validation, &mut dyn LossStep<B>)> {
+        let v = self.validation?;
+        Some((v, &mut *self.loss_step))
     }
 }

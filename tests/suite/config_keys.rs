@@ -90,6 +90,8 @@ fn tiny_config(recipe: Recipe) -> &'static str {
         Recipe::Qat => "tiny/qat_single_device",
         Recipe::QatLora => "tiny/qat_lora_single_device",
         Recipe::KnowledgeDistillation => "tiny/kd_lora_single_device",
+        Recipe::GrpoFull => "tiny/grpo_full_single_device",
+        Recipe::GrpoLora => "tiny/grpo_lora_single_device",
         Recipe::Generate => "tiny/generation",
     }
 }
@@ -200,7 +202,11 @@ fn normalise(value: &mut serde_json::Value) {
 fn the_derived_fingerprint_equals_the_one_earlier_checkpoints_hold() {
     let fixtures = crate::support::fixture("fingerprints");
     let mut compared = 0;
-    for info in RECIPES.iter().filter(|r| r.recipe.is_training()) {
+    // The GRPO recipes came after those checkpoints: they have none to resume.
+    for info in RECIPES
+        .iter()
+        .filter(|r| r.recipe.is_training() && !r.recipe.is_grpo())
+    {
         let config = tiny_config(info.recipe);
         let file = fixtures.join(format!("{}.json", config.trim_start_matches("tiny/")));
         let text = std::fs::read_to_string(&file).expect("fingerprint fixture");

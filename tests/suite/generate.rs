@@ -195,3 +195,75 @@ fn bad_inputs_are_errors() {
     let e = generate(&lm, &[1], &opts, |_| {}).unwrap_err();
     assert!(e.to_string().contains("temperature"), "{e}");
 }
+
+/// GRPO's group sampling: each completion of a group (the prompt prefilled once, its cache
+/// repeated, every row decoding in one batched pass) is the completion `generate` samples alone
+/// from the same seed, stop token included; rows that stopped stay stopped while the others go
+/// on; and `agree` ends decoding when it says so.
+#[test]
+fn a_sampled_group_is_each_seeds_own_generation() {
+    use tune::generation::{GroupSampling, sample_group};
+    let m = model("tiny-llama");
+    let prompt = reference().prompt;
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        top_k: Some(50),
+        top_p: Some(0.95),
+    };
+    let stop_ids = vec![2004, 2001];
+    let opts = GroupSampling {
+        max_new_tokens: 12,
+        sampling,
+        stop_ids: stop_ids.clone(),
+    };
+    let seeds = [3u64, 17, 17, 99, 2024];
+    let group = sample_group(&m, &prompt, &opts, &seeds, &mut |done| done).unwrap();
+    assert_eq!(group.completions.len(), seeds.len());
+    for (row, &seed) in seeds.iter().enumerate() {
+        let alone = generate(
+            &m,
+            &prompt,
+            &GenerateOptions {
+                max_new_tokens: 12,
+                sampling,
+                seed,
+                stop_ids: stop_ids.clone(),
+                stop_at_eos: true,
+                use_kv_cache: true,
+            },
+            |_| {},
+        )
+        .unwrap();
+        assert_eq!(
+            group.completions[row], alone.tokens,
+            "row {row} (seed {seed})"
+        );
+        assert_eq!(
+            group.stopped[row],
+            matches!(alone.stop, StopReason::StopToken(_)),
+            "row {row}"
+        );
+    }
+    // The same seed twice samples the same completion.
+    assert_eq!(group.completions[1], group.completions[2]);
+    // Greedy rows are transformers' greedy tokens.
+    let greedy_opts = GroupSampling {
+        max_new_tokens: reference().max_new_tokens,
+        sampling: SamplingParams::GREEDY,
+        stop_ids: vec![],
+    };
+    let g = sample_group(&m, &prompt, &greedy_opts, &[0, 1], &mut |done| done).unwrap();
+    // The fixture's ids are the prompt's followed by the generated ones.
+    let expected = &reference().expected[prompt.len()..];
+    assert_eq!(g.completions[0], expected);
+    assert_eq!(g.completions[1], expected);
+    // `agree` stops the group after its first answer of true (here: at once).
+    let mut calls = 0;
+    let cut = sample_group(&m, &prompt, &opts, &seeds, &mut |_| {
+        calls += 1;
+        true
+    })
+    .unwrap();
+    assert_eq!(calls, 1);
+    assert!(cut.completions.iter().all(|c| c.len() == 1));
+}

@@ -21,6 +21,7 @@ mod generate;
 mod generate_cli;
 #[cfg(feature = "wgpu")]
 mod gpu;
+mod grpo_recipes;
 mod hub_roundtrip;
 mod kd;
 mod kd_recipes;

@@ -27,6 +27,7 @@ pub enum ComponentKind {
     MetricLogger,
     Quantizer,
     Profiler,
+    Reward,
 }
 
 impl fmt::Display for ComponentKind {
@@ -42,6 +43,7 @@ impl fmt::Display for ComponentKind {
             Self::MetricLogger => "metric logger",
             Self::Quantizer => "quantizer",
             Self::Profiler => "profiler",
+            Self::Reward => "reward function",
         })
     }
 }
@@ -93,6 +95,24 @@ pub enum LossKind {
     ForwardKl,
     ReverseKl,
     SymmetricKl,
+    /// The GRPO recipes' policy losses (`training::grpo_loss`): torchtune's `GRPOLoss`,
+    /// `GRPOCompletionLoss` and `GRPOSimpleLoss`.
+    Grpo(crate::training::grpo_loss::TorchtuneGrpoLoss),
+}
+
+/// A reward function of the GRPO recipes' `reward_functions` (`crate::rewards`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RewardKind {
+    /// torchtune's gsm8k `batch_shaped_correctness_reward`.
+    Gsm8kShapedCorrectness,
+    /// torchtune's `ThinkingAnswerFormattingReward`.
+    ThinkingAnswerFormatting,
+    /// torchtune's `at_least_one_space_between_think_tags`.
+    ThinkPresence,
+    /// Closeness to a target completion length.
+    Length,
+    /// Any program: one JSON line in, one number out, per completion.
+    Command,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +157,7 @@ pub enum Component {
     MetricLogger(LoggerKind),
     Quantizer(Quantizer),
     Profiler(Profiler),
+    Reward(RewardKind),
 }
 
 impl Component {
@@ -152,6 +173,7 @@ impl Component {
             Self::MetricLogger(_) => ComponentKind::MetricLogger,
             Self::Quantizer(_) => ComponentKind::Quantizer,
             Self::Profiler(_) => ComponentKind::Profiler,
+            Self::Reward(_) => ComponentKind::Reward,
         }
     }
 
@@ -266,6 +288,7 @@ component_type!(
     LoggerKind => MetricLogger,
     Quantizer => Quantizer,
     Profiler => Profiler,
+    RewardKind => Reward,
 );
 
 impl Serialize for Component {

@@ -3,8 +3,10 @@
 
 use super::{
     Component, ComponentKind, DatasetBuilder, DatasetKind, HfCheckpointer, LoggerKind, Lookup,
-    LossKind, OptimizerKind, Profiler, Quantizer, QuantizerKind, SchedulerKind, TokenizerKind,
+    LossKind, OptimizerKind, Profiler, Quantizer, QuantizerKind, RewardKind, SchedulerKind,
+    TokenizerKind,
 };
+use crate::training::grpo_loss::TorchtuneGrpoLoss;
 
 struct Entry {
     canonical: &'static str,
@@ -325,6 +327,51 @@ static TABLE: &[Entry] = &[
         ],
         Component::Loss(LossKind::SymmetricKl),
     ),
+    // GRPO's policy losses (torchtune main's `dev.grpo.loss`; no release shipped them).
+    e(
+        "tune.loss.GRPOLoss",
+        &["torchtune.dev.grpo.loss.GRPOLoss"],
+        Component::Loss(LossKind::Grpo(TorchtuneGrpoLoss::Token)),
+    ),
+    e(
+        "tune.loss.GRPOCompletionLoss",
+        &["torchtune.dev.grpo.loss.GRPOCompletionLoss"],
+        Component::Loss(LossKind::Grpo(TorchtuneGrpoLoss::Completion)),
+    ),
+    e(
+        "tune.loss.GRPOSimpleLoss",
+        &["torchtune.dev.grpo.loss.GRPOSimpleLoss"],
+        Component::Loss(LossKind::Grpo(TorchtuneGrpoLoss::Simple)),
+    ),
+    // Reward functions (the GRPO recipes' `reward_functions`)
+    e(
+        "tune.rewards.gsm8k_shaped_correctness",
+        &[
+            "torchtune.dev.grpo.rewards.batch_shaped_correctness_reward",
+            "torchtune.dev.grpo.rewards.shaped_correctness_reward",
+        ],
+        Component::Reward(RewardKind::Gsm8kShapedCorrectness),
+    ),
+    e(
+        "tune.rewards.thinking_answer_formatting",
+        &["torchtune.dev.rl.rewards.ThinkingAnswerFormattingReward"],
+        Component::Reward(RewardKind::ThinkingAnswerFormatting),
+    ),
+    e(
+        "tune.rewards.think_presence",
+        &["torchtune.dev.rl.rewards.at_least_one_space_between_think_tags"],
+        Component::Reward(RewardKind::ThinkPresence),
+    ),
+    e(
+        "tune.rewards.length",
+        &[],
+        Component::Reward(RewardKind::Length),
+    ),
+    e(
+        "tune.rewards.command",
+        &[],
+        Component::Reward(RewardKind::Command),
+    ),
     // Metric loggers
     e(
         "tune.metric_logging.DiskLogger",
@@ -412,7 +459,18 @@ static UNSUPPORTED: &[(&str, &str)] = &[
     ("torchtune.training.FullModelTorchTuneCheckpointer", META),
     ("torchtune.utils.FullModelTorchTuneCheckpointer", META),
     ("torchtune.training.DistributedCheckpointer", META),
+    (
+        "torchtune.dev.rl.rewards.FormattedMathCorrectnessReward",
+        MATH_VERIFY,
+    ),
+    (
+        "torchtune.dev.rl.rewards.math_response_correct",
+        MATH_VERIFY,
+    ),
+    ("torchtune.dev.rl.rewards.batched_rewards", MATH_VERIFY),
 ];
+
+const MATH_VERIFY: &str = "it compares answers with the `math_verify` Python package (LaTeX parsing, sympy equivalence), which tune does not reproduce; run it from `tune.rewards.command` (a Python script calling math_verify.parse/verify on each JSON line's `completion` and `answer`), or use `tune.rewards.gsm8k_shaped_correctness` for gsm8k's integer answers";
 
 const META: &str = "only Hugging Face checkpoints are read; convert to HF safetensors \
                     (config.json + *.safetensors) and use torchtune.training.FullModelHFCheckpointer";

@@ -93,11 +93,27 @@ fn partition_format(partition: &Option<String>, path: &str, cx: &mut Checker) {
 }
 
 /// Prompt datasets (gsm8k, prompt_dataset) hold prompts to generate from, which only the GRPO
-/// recipes (none yet) read; `partition` is gsm8k's.
+/// recipes read, and the GRPO recipes read nothing else; `partition` is gsm8k's.
 fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
     let builder = &d.component;
+    if let Some(recipe) = cx
+        .recipe
+        .filter(|r| r.is_grpo() && !builder.kind.is_prompt())
+    {
+        cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                join(path, "_component_"),
+                format!(
+                    "recipe `{recipe}` generates completions from prompts, but `{}` holds responses to train on",
+                    builder.name
+                ),
+            )
+            .with_fix("use `tune.datasets.prompt_dataset` (with `column_map: {prompt: <column>}`) or `torchtune.dev.grpo.gsm8k.gsm8k_dataset`"),
+        );
+    }
     if builder.kind.is_prompt()
-        && let Some(recipe) = cx.recipe.filter(|r| r.is_training())
+        && let Some(recipe) = cx.recipe.filter(|r| r.is_training() && !r.is_grpo())
     {
         cx.problem(
             Problem::new(

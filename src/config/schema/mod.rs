@@ -5,6 +5,7 @@
 mod checkpointer;
 mod dataset;
 mod generate;
+mod grpo;
 mod logging;
 mod loss;
 mod model;
@@ -16,6 +17,7 @@ mod train;
 pub use checkpointer::{CheckpointFiles, CheckpointFilesFormat, CheckpointerConfig, StrOrInt};
 pub use dataset::{DatasetConfig, Datasets};
 pub use generate::{GenerateConfig, Prompt, PromptTurns};
+pub use grpo::{GrpoKeys, RewardConfig};
 pub use logging::{MetricLoggerConfig, ProfilerConfig};
 pub use loss::LossConfig;
 pub use model::{LoraModule, ModelConfig};

@@ -8,8 +8,8 @@ use serde::Serialize;
 use serde_yaml::{Mapping, Value};
 
 use super::{
-    CheckpointerConfig, Datasets, LossConfig, LrSchedulerConfig, MetricLoggerConfig, ModelConfig,
-    OptimizerConfig, ProfilerConfig, QuantizerConfig, TokenizerConfig,
+    CheckpointerConfig, Datasets, GrpoKeys, LossConfig, LrSchedulerConfig, MetricLoggerConfig,
+    ModelConfig, OptimizerConfig, ProfilerConfig, QuantizerConfig, TokenizerConfig,
 };
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{
@@ -391,6 +391,9 @@ fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
             .with_fix("keep `fsdp_cpu_offload` (torchtune's current spelling) and remove the `fsdp` block"),
         );
     }
+    if cx.recipe.is_some_and(Recipe::is_grpo) {
+        grpo_train_rules(c, cx);
+    }
     if c.run_val_every_n_steps.is_some() && c.dataset_val.is_none() {
         cx.problem(
             Problem::new(
@@ -399,6 +402,44 @@ fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
                 "is set, but there is no `dataset_val` to validate on (torchtune refuses this too)",
             )
             .with_fix("add a `dataset_val` section, or set `run_val_every_n_steps: null`"),
+        );
+    }
+}
+
+/// What the GRPO recipes do not do with the keys every training recipe has: they train on the
+/// rollouts of each batch of prompts at once, and have no validation loss.
+fn grpo_train_rules(c: &TrainConfig, cx: &mut Checker) {
+    if c.gradient_accumulation_steps != 1 {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "gradient_accumulation_steps",
+                format!(
+                    "is {}, but a GRPO step trains on one batch of prompts' rollouts at once (torchtune's recipe has no accumulation)",
+                    c.gradient_accumulation_steps
+                ),
+            )
+            .with_fix("set `gradient_accumulation_steps: 1` and raise `batch_size` (prompts per step) instead"),
+        );
+    }
+    if c.dataset_val.is_some() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "dataset_val",
+                "GRPO has no validation loss to score it with",
+            )
+            .with_fix("remove `dataset_val` (and `run_val_every_n_steps`)"),
+        );
+    }
+    if c.dataset.iter().any(|d| d.packed) {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "dataset.packed",
+                "prompts are generated from one by one; packing them would mix prompts",
+            )
+            .with_fix("set `dataset.packed: False`"),
         );
     }
 }
@@ -444,6 +485,8 @@ pub enum RecipeKeys {
     Qat(Box<QatKeys>),
     QatLora(Box<QatKeys>),
     KnowledgeDistillation(Box<KdKeys>),
+    GrpoFull(Box<GrpoKeys>),
+    GrpoLora(Box<GrpoKeys>),
 }
 
 impl RecipeKeys {
@@ -456,6 +499,8 @@ impl RecipeKeys {
             Self::Qat(_) => Recipe::Qat,
             Self::QatLora(_) => Recipe::QatLora,
             Self::KnowledgeDistillation(_) => Recipe::KnowledgeDistillation,
+            Self::GrpoFull(_) => Recipe::GrpoFull,
+            Self::GrpoLora(_) => Recipe::GrpoLora,
         }
     }
 
@@ -466,6 +511,7 @@ impl RecipeKeys {
             Recipe::Qat | Recipe::QatLora => QatKeys::KEYS,
             Recipe::KnowledgeDistillation => KdKeys::KEYS,
             Recipe::FullDpo => FullDpoKeys::KEYS,
+            Recipe::GrpoFull | Recipe::GrpoLora => GrpoKeys::KEYS,
             Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::LoraDpo | Recipe::Generate => &[],
         }
     }
@@ -483,6 +529,8 @@ impl RecipeKeys {
             Recipe::KnowledgeDistillation => {
                 Self::KnowledgeDistillation(Box::new(KdKeys::read_keys(root, "", cx)?))
             }
+            Recipe::GrpoFull => Self::GrpoFull(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
+            Recipe::GrpoLora => Self::GrpoLora(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
             Recipe::Generate => return None,
         })
     }
@@ -495,6 +543,15 @@ impl RecipeKeys {
             Self::FullDpo(keys) => keys.fingerprint_keys("", top, out),
             Self::Qat(keys) | Self::QatLora(keys) => keys.fingerprint_keys("", top, out),
             Self::KnowledgeDistillation(keys) => keys.fingerprint_keys("", top, out),
+            Self::GrpoFull(keys) | Self::GrpoLora(keys) => keys.fingerprint_keys("", top, out),
+        }
+    }
+
+    /// GRPO's keys, for the GRPO recipes.
+    pub fn grpo(&self) -> Option<&GrpoKeys> {
+        match self {
+            Self::GrpoFull(keys) | Self::GrpoLora(keys) => Some(keys),
+            _ => None,
         }
     }
 

@@ -1,0 +1,972 @@
+//! GRPO's step (torchtune's `dev/grpo_full_finetune_distributed`, TRL's `GRPOTrainer`): for each
+//! batch of prompts, sample `grpo_samples` completions per prompt with the policy
+//! ([`crate::generation::sample_group`]), score them with the reward functions, normalise the
+//! rewards within each prompt's group into advantages, score the completions' tokens with the
+//! frozen reference (for the KL penalty) and, with several optimisation passes, with the policy
+//! as it was (the old policy); then `ppo_epochs` optimizer updates of the trainer core on those
+//! rollouts, each one forward and backward pass of the policy through the GRPO loss.
+//!
+//! The rollouts are this rank's: each rank samples from its share of the prompts and trains on
+//! its own completions, and the trainer core sums the gradients over the ranks as for any loss.
+//! A completion's sampling seed is a function of the run's seed, the step and the prompt's index
+//! in the dataset, never of the rank, so W workers sample what one device samples from the same
+//! global batch, and a resumed run samples what the uninterrupted run did.
+//!
+//! Where tune differs from torchtune, and why:
+//! - sequences are right-padded per row (prompt, completion, padding) instead of left-padded
+//!   prompts with a padding mask: a causal model gives the same log-probabilities either way;
+//! - with one update per batch (`ppo_epochs: 1`) the old policy's log-probabilities are the
+//!   policy's own, detached, as TRL does (`old_per_token_logps = per_token_logps.detach()`):
+//!   they are the same weights, so torchtune's extra forward pass computes the same numbers;
+//! - the schedule runs over every update (`ppo_epochs` per batch); torchtune's counts batches
+//!   but steps once per update, so its schedule ends early when `ppo_epochs` > 1.
+
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+
+use super::activation_checkpointing;
+use super::error::TrainError;
+use super::grpo_loss::{
+    GrpoLossError, ScaleRewards, TorchtuneGrpoSettings, group_advantages, torchtune_grpo_loss,
+};
+use super::loss::{IGNORE_INDEX, next_token_targets, target_log_probs};
+use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
+use super::sft::token_batch;
+use super::trainer::{EpochSteps, StepDone, Trainer};
+use crate::checkpoint::HostTensor;
+use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
+use crate::distributed::{World, sync};
+use crate::generation::{GenerateError, GroupSampling, sample_group};
+use crate::models::CausalLm;
+use crate::modules::ForwardMode;
+use crate::rewards::{Completion, RewardError, Weighted, score_batch};
+use crate::tokenizer::Tokenizer;
+
+/// The policy's forward pass while training (dropout on, adapters on).
+const POLICY_MODE: ForwardMode = ForwardMode {
+    adapters: true,
+    fake_quant: true,
+    train: true,
+};
+
+/// Scoring without gradients: the old policy (adapters on) and, with `adapters: false`, the
+/// LoRA reference.
+const SCORING_MODE: ForwardMode = ForwardMode {
+    adapters: true,
+    fake_quant: true,
+    train: false,
+};
+
+/// What a GRPO step could not do besides training.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error("sampling completions of dataset row {row}: {source}")]
+    Generate {
+        row: usize,
+        #[source]
+        source: GenerateError,
+    },
+    #[error("decoding a completion of dataset row {row}: {message}")]
+    Decode { row: usize, message: String },
+    #[error("scoring the completions of step {step}: {source}")]
+    Reward {
+        step: usize,
+        #[source]
+        source: RewardError,
+    },
+    #[error(transparent)]
+    Loss(#[from] GrpoLossError),
+}
+
+/// GRPO's settings, resolved from the config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpoSettings {
+    /// Completions per prompt (`grpo_samples`).
+    pub samples: usize,
+    /// Prompts scored by the old and reference policies in one forward pass
+    /// (`forward_batch_size`).
+    pub prompts_per_pass: usize,
+    /// Lengths, sampling and stop tokens of the completions.
+    pub sampling: GroupSampling,
+    /// Optimizer updates per batch of rollouts.
+    pub ppo_epochs: usize,
+    /// Stop after this many batches (`num_steps`).
+    pub num_steps: Option<usize>,
+    pub save_every_n_epochs: usize,
+    pub loss: TorchtuneGrpoSettings,
+    pub scale_rewards: ScaleRewards,
+    /// Completions that hit `max_generated_tokens` leave the loss (TRL's).
+    pub mask_truncated_completions: bool,
+    /// Recompute each policy layer in the backward pass.
+    pub activation_checkpointing: bool,
+    /// The token after a row's end (any: it is never attended to nor trained on).
+    pub pad_id: u32,
+}
+
+/// Where the KL penalty's reference log-probabilities come from.
+pub enum GrpoReference<B: AutodiffBackend> {
+    /// LoRA: the policy with its adapters disabled.
+    AdaptersDisabled,
+    /// Full GRPO: a frozen model, off the autodiff graph.
+    Frozen(Box<CausalLm<B::InnerBackend>>),
+}
+
+/// One rank's rollouts of a batch of prompts (torchtune's `GRPOTrajectory`): the sequences the
+/// policy trains on and what the loss needs besides the policy's own log-probabilities. Per-token
+/// values are `[rows, width]`, row-major, position `c` of a row being its `c`-th completion token.
+#[derive(Debug, Clone)]
+pub struct Rollouts {
+    /// Prompt then completion (cut after its stop token), right-padded; the labels are the
+    /// completion's tokens.
+    pub batch: Batch,
+    /// Per row, the prompt's length.
+    pub prompt_lens: Vec<usize>,
+    /// The longest completion.
+    pub width: usize,
+    /// 1 on the completion tokens the loss counts.
+    pub mask: Vec<bool>,
+    /// The old policy's log-probabilities (with `ppo_epochs` > 1; else the policy's own,
+    /// detached).
+    pub old_log_probs: Option<Vec<f32>>,
+    /// The reference's log-probabilities (when the KL coefficient is not 0).
+    pub ref_log_probs: Option<Vec<f32>>,
+    /// Per row.
+    pub advantages: Vec<f32>,
+}
+
+impl Rollouts {
+    fn rows(&self) -> usize {
+        self.batch.batch_size
+    }
+
+    /// Per row and completion position, the index in the row's flattened next-token
+    /// predictions (`[seq]`) that predicts it: `prompt_len - 1 + c`, clamped into the row.
+    fn window_indices(&self) -> Vec<i32> {
+        let seq = self.batch.seq_len;
+        self.prompt_lens
+            .iter()
+            .flat_map(|&p| (0..self.width).map(move |c| (p - 1 + c).min(seq - 1) as i32))
+            .collect()
+    }
+}
+
+/// Per-token log-probabilities `[rows, width]` of each row's completion under `logits`
+/// `[rows, seq, vocab]` at `temperature` (`log_softmax(logits / temperature)`, torchtune's
+/// `batched_logits_to_logprobs`), in fp32, with 1.0 where `mask` is false (torchtune writes 1.0
+/// into the padding of every log-probability tensor, so padding counts as ratio 1).
+pub fn completion_log_probs<B: Backend>(
+    logits: Tensor<B, 3>,
+    rollouts: &Rollouts,
+    temperature: f64,
+) -> Tensor<B, 2> {
+    let [rows, seq, vocab] = logits.dims();
+    let device = logits.device();
+    let logits = crate::precision::to_f32(logits) / temperature;
+    let (targets, _) = next_token_targets(&rollouts.batch.labels, rows);
+    let all = target_log_probs(logits.reshape([rows * seq, vocab]), &targets).reshape([rows, seq]);
+    let width = rollouts.width;
+    let index = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(rollouts.window_indices(), [rows, width]),
+        &device,
+    );
+    let picked = all.gather(1, index);
+    let mask = bool_grid::<B>(&rollouts.mask, rows, width, &device);
+    picked.mask_fill(mask.bool_not(), 1.0)
+}
+
+fn bool_grid<B: Backend>(
+    values: &[bool],
+    rows: usize,
+    width: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Bool> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [rows, width]), device)
+}
+
+fn float_grid<B: Backend>(
+    values: &[f32],
+    rows: usize,
+    width: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    crate::precision::f32_tensor(values.to_vec(), [rows, width], device)
+}
+
+/// The GRPO loss step: the policy's log-probabilities of the current rollouts through
+/// torchtune's GRPO loss. Its gradient contract is the trainer's: it returns the mean loss over
+/// the rows (`weight` = rows), whose gradient the trainer takes (or that activation
+/// checkpointing computed for `loss * weight`).
+pub struct GrpoLoss {
+    pub loss: TorchtuneGrpoSettings,
+    pub temperature: f64,
+    pub activation_checkpointing: bool,
+    /// The rollouts the next updates train on ([`GrpoSteps`] sets them each step).
+    pub rollouts: Option<Rollouts>,
+}
+
+impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
+    fn step(
+        &mut self,
+        model: &CausalLm<B>,
+        batch: &Batch,
+        info: StepInfo,
+    ) -> Result<StepOutput<B>, TrainError> {
+        let Some(r) = self.rollouts.as_ref() else {
+            return Err(TrainError::Rollout(Box::new(RolloutError::Loss(
+                GrpoLossError::Setting("a GRPO update ran without rollouts".into()),
+            ))));
+        };
+        let (rows, width) = (r.rows(), r.width);
+        let device = model.device();
+        let mask = bool_grid::<B>(&r.mask, rows, width, &device);
+        let advantages =
+            crate::precision::f32_tensor::<B, 1>(r.advantages.clone(), [rows], &device);
+        let settings = self.loss;
+        let temperature = self.temperature;
+        let mut scored = None;
+        let (loss, grads) = activation_checkpointing::loss_and_grads(
+            model,
+            token_batch(batch),
+            POLICY_MODE,
+            self.activation_checkpointing,
+            info.seed,
+            rows as f64,
+            |logits| {
+                let pi = completion_log_probs(logits, r, temperature);
+                let detached = pi.clone().detach();
+                let old = match &r.old_log_probs {
+                    Some(old) => float_grid(old, rows, width, &device),
+                    None => detached.clone(),
+                };
+                // Without a KL term the reference is never read: the policy stands in (KL 0).
+                let reference = match &r.ref_log_probs {
+                    Some(reference) => float_grid(reference, rows, width, &device),
+                    None => detached.clone(),
+                };
+                let approx_kl = (detached - old.clone()).powi_scalar(2).mean() * 0.5;
+                let out = torchtune_grpo_loss(
+                    settings,
+                    old,
+                    pi,
+                    reference,
+                    advantages.clone(),
+                    mask.clone(),
+                );
+                let loss = match &out {
+                    Ok(o) => o.loss.clone(),
+                    Err(_) => Tensor::zeros([1], &device),
+                };
+                scored = Some((out, approx_kl));
+                loss
+            },
+        );
+        let (out, approx_kl) = scored.expect("loss_and_grads calls the loss closure once");
+        let out = out.map_err(|e| TrainError::Rollout(Box::new(RolloutError::Loss(e))))?;
+        let mut metrics = vec![
+            ("policy_loss", out.policy_loss.inner()),
+            ("ratios", out.ratios.inner()),
+            ("clipfrac", out.clipfrac.inner()),
+            ("approx_policy_kl", approx_kl.inner()),
+        ];
+        if r.ref_log_probs.is_some() {
+            metrics.push(("kl_loss", out.kl_loss.inner()));
+        }
+        Ok(StepOutput {
+            loss,
+            weight: rows,
+            tokens: r.mask.iter().filter(|&&m| m).count(),
+            metrics,
+            grads,
+        })
+    }
+
+    /// GRPO has no validation loss (the config refuses `dataset_val`).
+    fn evaluate(
+        &mut self,
+        _model: &CausalLm<B::InnerBackend>,
+        _batch: &Batch,
+        _info: StepInfo,
+    ) -> Result<EvalOutput, TrainError> {
+        Err(TrainError::Rollout(Box::new(RolloutError::Loss(
+            GrpoLossError::Setting("GRPO has no validation loss".into()),
+        ))))
+    }
+}
+
+/// The steps of a GRPO run: one batch of prompts each, rolled out, then `ppo_epochs` updates.
+pub struct GrpoSteps<'a, B: AutodiffBackend> {
+    pub settings: GrpoSettings,
+    pub prompts: &'a PromptDataset,
+    pub loader: &'a DataLoader,
+    pub tokenizer: &'a Tokenizer,
+    pub rewards: Vec<Weighted>,
+    /// `None` when the KL coefficient is 0 (no reference pass).
+    pub reference: Option<GrpoReference<B>>,
+    pub loss: GrpoLoss,
+    /// `rewards/<name>` per reward function, in their order.
+    pub reward_metrics: Vec<&'static str>,
+    /// This rank's batches of the epoch being run.
+    epoch: Option<(usize, Vec<Vec<usize>>)>,
+}
+
+impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: GrpoSettings,
+        prompts: &'a PromptDataset,
+        loader: &'a DataLoader,
+        tokenizer: &'a Tokenizer,
+        rewards: Vec<Weighted>,
+        reference: Option<GrpoReference<B>>,
+        temperature: f64,
+    ) -> Self {
+        // Metric names live as long as the run's metrics: one leak per reward function.
+        let reward_metrics = rewards
+            .iter()
+            .map(|w| &*Box::leak(format!("rewards/{}", w.function.name()).into_boxed_str()))
+            .collect();
+        let loss = GrpoLoss {
+            loss: settings.loss,
+            temperature,
+            activation_checkpointing: settings.activation_checkpointing,
+            rollouts: None,
+        };
+        Self {
+            settings,
+            prompts,
+            loader,
+            tokenizer,
+            rewards,
+            reference,
+            loss,
+            reward_metrics,
+            epoch: None,
+        }
+    }
+
+    fn temperature(&self) -> f64 {
+        self.loss.temperature
+    }
+
+    /// The reward functions and their weights, for the recipe's start-up line.
+    pub fn describe_rewards(&self) -> String {
+        let parts: Vec<String> = self
+            .rewards
+            .iter()
+            .map(|w| format!("{} x{}", w.function.name(), w.weight))
+            .collect();
+        format!("rewards {}", parts.join(" + "))
+    }
+
+    /// This rank's prompts (dataset indices) of step `index` of `epoch`.
+    fn prompts_of(&mut self, world: &World, epoch: usize, index: usize) -> Vec<usize> {
+        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let batches = self
+                .loader
+                .rank_batches(epoch as u64, world.rank, world.size);
+            self.epoch = Some((epoch, batches));
+        }
+        match &self.epoch {
+            Some((_, batches)) => batches.get(index).cloned().unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Samples, scores and prepares the rollouts of `prompts` (dataset indices): the rollouts
+    /// and the step's rollout metrics (this rank's sums, reduced over the world by the caller).
+    fn roll_out(
+        &mut self,
+        trainer: &Trainer<B>,
+        prompts: &[usize],
+        step_seed: u64,
+    ) -> Result<(Rollouts, RolloutStats), TrainError> {
+        let policy = trainer.model.valid();
+        let world = &trainer.world;
+        let device = trainer.model.device();
+        let g = self.settings.samples;
+        let samples: Vec<&PromptSample> = prompts
+            .iter()
+            .filter_map(|&i| self.prompts.get(i))
+            .collect();
+        // 1. Sample every prompt's group. With FSDP, every forward pass is collective: every
+        // rank decodes until all of them have stopped.
+        let started = Instant::now();
+        let mut groups = Vec::with_capacity(samples.len());
+        let mut agree_error = None;
+        for (sample, &row) in samples.iter().zip(prompts) {
+            let seeds: Vec<u64> = (0..g).map(|k| completion_seed(step_seed, row, k)).collect();
+            let mut agree = |done: bool| {
+                if policy.shards.is_none() || !world.is_distributed() {
+                    return done;
+                }
+                let votes = sync::all_reduce_scalars::<B::InnerBackend>(
+                    world,
+                    &[f64::from(u8::from(!done))],
+                    &device,
+                    "the end of a rollout",
+                );
+                match votes {
+                    Ok(v) => v[0] < 0.5,
+                    Err(e) => {
+                        agree_error.get_or_insert(e);
+                        true
+                    }
+                }
+            };
+            let group = sample_group(
+                &policy,
+                &sample.tokens,
+                &self.settings.sampling,
+                &seeds,
+                &mut agree,
+            )
+            .map_err(|source| rollout_error(RolloutError::Generate { row, source }))?;
+            groups.push(group);
+        }
+        if let Some(e) = agree_error {
+            return Err(e.into());
+        }
+        let generation_seconds = started.elapsed().as_secs_f64();
+        let generated: usize = groups.iter().map(|gr| gr.tokens()).sum();
+
+        // 2. Rewards, on the decoded completions.
+        let mut texts = Vec::with_capacity(samples.len() * g);
+        for (group, &row) in groups.iter().zip(prompts) {
+            for completion in &group.completions {
+                let text = self.tokenizer.decode(completion, true).map_err(|e| {
+                    rollout_error(RolloutError::Decode {
+                        row,
+                        message: e.to_string(),
+                    })
+                })?;
+                texts.push(text);
+            }
+        }
+        let completions: Vec<Completion<'_>> = samples
+            .iter()
+            .enumerate()
+            .flat_map(|(p, sample)| {
+                let texts = &texts;
+                let groups = &groups;
+                (0..g).map(move |k| Completion {
+                    prompt: &sample.prompt,
+                    completion: &texts[p * g + k],
+                    completion_tokens: groups[p].completions[k].len(),
+                    columns: &sample.columns,
+                })
+            })
+            .collect();
+        let step = trainer.state.global_step + 1;
+        let scored = score_batch(&mut self.rewards, &completions)
+            .map_err(|source| rollout_error(RolloutError::Reward { step, source }))?;
+        let totals: Vec<f32> = scored
+            .total
+            .iter()
+            .map(|r| r.map_or(f32::NAN, |r| r as f32))
+            .collect();
+
+        // 3. Advantages: within each group, or over the world's whole batch.
+        let advantages =
+            if self.settings.scale_rewards == ScaleRewards::Batch && world.is_distributed() {
+                let all = world.all_gather(
+                    Tensor::<B::InnerBackend, 1>::from_floats(totals.as_slice(), &device),
+                    "the batch's rewards",
+                )?;
+                let all = HostTensor::from_tensor(&all).data;
+                let mine = group_advantages(&all, g, ScaleRewards::Batch).map_err(loss_error)?;
+                let start = world.rank * totals.len();
+                GroupAdvantagesOf {
+                    advantages: mine.advantages[start..start + totals.len()].to_vec(),
+                    frac_reward_zero_std: mine.frac_reward_zero_std,
+                }
+            } else {
+                let a = group_advantages(&totals, g, self.settings.scale_rewards)
+                    .map_err(loss_error)?;
+                GroupAdvantagesOf {
+                    advantages: a.advantages,
+                    frac_reward_zero_std: a.frac_reward_zero_std,
+                }
+            };
+
+        // 4. The sequences to train on.
+        let mut rows = Vec::with_capacity(samples.len() * g);
+        for (sample, group) in samples.iter().zip(&groups) {
+            for (k, completion) in group.completions.iter().enumerate() {
+                rows.push(RolloutRow {
+                    prompt: &sample.tokens,
+                    completion,
+                    counts: !(self.settings.mask_truncated_completions && !group.stopped[k]),
+                });
+            }
+        }
+        let mut rollouts = collate_rollouts(&rows, self.settings.pad_id);
+        rollouts.advantages = advantages.advantages;
+
+        // 5. The old policy's and the reference's log-probabilities, a few prompts at a time.
+        let rows_per_pass = self.settings.prompts_per_pass.max(1) * g;
+        if self.settings.ppo_epochs > 1 {
+            rollouts.old_log_probs = Some(score(
+                &policy,
+                &rollouts,
+                rows_per_pass,
+                SCORING_MODE,
+                self.temperature(),
+            )?);
+        }
+        if self.settings.loss.kl_coeff != 0.0 {
+            let reference = match &self.reference {
+                Some(GrpoReference::Frozen(frozen)) => score(
+                    frozen,
+                    &rollouts,
+                    rows_per_pass,
+                    SCORING_MODE,
+                    self.temperature(),
+                )?,
+                Some(GrpoReference::AdaptersDisabled) | None => score(
+                    &policy,
+                    &rollouts,
+                    rows_per_pass,
+                    ForwardMode {
+                        adapters: false,
+                        ..SCORING_MODE
+                    },
+                    self.temperature(),
+                )?,
+            };
+            rollouts.ref_log_probs = Some(reference);
+        }
+
+        let stats = RolloutStats::of(
+            &scored,
+            &totals,
+            &groups,
+            advantages.frac_reward_zero_std,
+            generated,
+            generation_seconds,
+        );
+        Ok((rollouts, stats))
+    }
+}
+
+/// A group's advantages, whichever way they were normalised.
+struct GroupAdvantagesOf {
+    advantages: Vec<f32>,
+    frac_reward_zero_std: f32,
+}
+
+fn rollout_error(e: RolloutError) -> TrainError {
+    TrainError::Rollout(Box::new(e))
+}
+
+fn loss_error(e: GrpoLossError) -> TrainError {
+    rollout_error(RolloutError::Loss(e))
+}
+
+/// The sampling seed of completion `k` of dataset row `row` at the step seeded `step_seed`.
+fn completion_seed(step_seed: u64, row: usize, k: usize) -> u64 {
+    let key = format!("{step_seed}:{row}:{k}");
+    crate::distributed::sync::hash64(key.as_bytes())
+}
+
+/// One completion to train on, before collation.
+struct RolloutRow<'a> {
+    prompt: &'a [u32],
+    completion: &'a [u32],
+    /// Whether its tokens count in the loss.
+    counts: bool,
+}
+
+/// Right-pads prompt + completion rows into one batch, the labels being the completion's
+/// tokens (so next-token targets pick exactly them), and the loss mask per completion position.
+fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
+    let seq = rows
+        .iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .max()
+        .unwrap_or(1);
+    let width = rows.iter().map(|r| r.completion.len()).max().unwrap_or(0);
+    let mut tokens = Vec::with_capacity(rows.len() * seq);
+    let mut labels = Vec::with_capacity(rows.len() * seq);
+    let mut position_ids = Vec::with_capacity(rows.len() * seq);
+    let mut mask = Vec::with_capacity(rows.len() * width);
+    let mut trained = 0;
+    for r in rows {
+        let len = r.prompt.len() + r.completion.len();
+        tokens.extend_from_slice(r.prompt);
+        tokens.extend_from_slice(r.completion);
+        tokens.extend(std::iter::repeat_n(pad_id, seq - len));
+        labels.extend(std::iter::repeat_n(IGNORE_INDEX, r.prompt.len()));
+        labels.extend(r.completion.iter().map(|&t| i64::from(t)));
+        labels.extend(std::iter::repeat_n(IGNORE_INDEX, seq - len));
+        position_ids.extend(0..seq as u32);
+        mask.extend((0..width).map(|c| r.counts && c < r.completion.len()));
+        trained += r.completion.len();
+    }
+    Rollouts {
+        batch: Batch {
+            tokens,
+            labels,
+            position_ids,
+            document_ids: None,
+            batch_size: rows.len(),
+            seq_len: seq,
+            num_trained_tokens: trained,
+        },
+        prompt_lens: rows.iter().map(|r| r.prompt.len()).collect(),
+        width,
+        mask,
+        old_log_probs: None,
+        ref_log_probs: None,
+        advantages: Vec::new(),
+    }
+}
+
+/// `model`'s completion log-probabilities of every row of `rollouts`, `rows_per_pass` rows at a
+/// time, on the host (`[rows * width]`).
+fn score<B: Backend>(
+    model: &CausalLm<B>,
+    rollouts: &Rollouts,
+    rows_per_pass: usize,
+    mode: ForwardMode,
+    temperature: f64,
+) -> Result<Vec<f32>, TrainError> {
+    let rows = rollouts.rows();
+    let mut out = Vec::with_capacity(rows * rollouts.width);
+    let mut start = 0;
+    while start < rows {
+        let end = (start + rows_per_pass).min(rows);
+        let part = rollouts.rows_range(start, end);
+        let logits = model.forward(token_batch(&part.batch), mode);
+        super::fsdp::check(model)?;
+        let lp = completion_log_probs(logits, &part, temperature);
+        out.extend(HostTensor::from_tensor(&lp).data);
+        start = end;
+    }
+    Ok(out)
+}
+
+impl Rollouts {
+    /// Rows `start..end`, with the same width (per-token values line up with the whole).
+    fn rows_range(&self, start: usize, end: usize) -> Rollouts {
+        let seq = self.batch.seq_len;
+        let w = self.width;
+        let batch = Batch {
+            tokens: self.batch.tokens[start * seq..end * seq].to_vec(),
+            labels: self.batch.labels[start * seq..end * seq].to_vec(),
+            position_ids: self.batch.position_ids[start * seq..end * seq].to_vec(),
+            document_ids: None,
+            batch_size: end - start,
+            seq_len: seq,
+            num_trained_tokens: 0,
+        };
+        Rollouts {
+            batch,
+            prompt_lens: self.prompt_lens[start..end].to_vec(),
+            width: w,
+            mask: self.mask[start * w..end * w].to_vec(),
+            old_log_probs: None,
+            ref_log_probs: None,
+            advantages: self
+                .advantages
+                .get(start..end)
+                .map(<[f32]>::to_vec)
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// A step's rollout figures on this rank, as sums and counts (so the world's means add up).
+#[derive(Debug, Clone, PartialEq)]
+struct RolloutStats {
+    /// Completions, and those some function rewarded.
+    completions: f64,
+    rewarded: f64,
+    reward_sum: f64,
+    reward_squares: f64,
+    /// Per function: (sum, count) of its rewards.
+    per_function: Vec<(f64, f64)>,
+    /// Sum of successes, when a function defines them.
+    successes: Option<f64>,
+    frac_reward_zero_std: f64,
+    completion_tokens: f64,
+    stopped: f64,
+    generated: f64,
+    generation_seconds: f64,
+}
+
+impl RolloutStats {
+    fn of(
+        scored: &crate::rewards::BatchRewards,
+        totals: &[f32],
+        groups: &[crate::generation::SampledGroup],
+        frac_reward_zero_std: f32,
+        generated: usize,
+        generation_seconds: f64,
+    ) -> Self {
+        let valid: Vec<f64> = totals
+            .iter()
+            .filter(|r| !r.is_nan())
+            .map(|&r| f64::from(r))
+            .collect();
+        Self {
+            completions: totals.len() as f64,
+            rewarded: valid.len() as f64,
+            reward_sum: valid.iter().sum(),
+            reward_squares: valid.iter().map(|r| r * r).sum(),
+            per_function: scored
+                .per_function
+                .iter()
+                .map(|(_, s)| {
+                    let given: Vec<f64> = s.rewards.iter().flatten().copied().collect();
+                    (given.iter().sum(), given.len() as f64)
+                })
+                .collect(),
+            successes: scored.successes.as_ref().map(|s| s.iter().sum()),
+            frac_reward_zero_std: f64::from(frac_reward_zero_std),
+            completion_tokens: groups.iter().map(|g| g.tokens() as f64).sum(),
+            stopped: groups
+                .iter()
+                .flat_map(|g| &g.stopped)
+                .filter(|&&s| s)
+                .count() as f64,
+            generated: generated as f64,
+            generation_seconds,
+        }
+    }
+
+    /// Flattened for one all-reduce.
+    fn to_vec(&self) -> Vec<f64> {
+        let mut v = vec![
+            self.completions,
+            self.rewarded,
+            self.reward_sum,
+            self.reward_squares,
+            self.successes.unwrap_or(0.0),
+            self.frac_reward_zero_std,
+            self.completion_tokens,
+            self.stopped,
+            self.generated,
+            self.generation_seconds,
+        ];
+        for (sum, count) in &self.per_function {
+            v.extend([*sum, *count]);
+        }
+        v
+    }
+
+    /// The metrics from the world's sums `v` (as [`Self::to_vec`] lays them out) over `ranks`.
+    fn metrics(
+        v: &[f64],
+        ranks: usize,
+        has_successes: bool,
+        names: &[&'static str],
+    ) -> Vec<(&'static str, f64)> {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        let (completions, rewarded, sum, squares) = (v[0], v[1], v[2], v[3]);
+        let mean = ratio(sum, rewarded);
+        // Bessel-corrected, as torch's `std`.
+        let std = if rewarded > 1.0 {
+            ((squares - rewarded * mean * mean) / (rewarded - 1.0))
+                .max(0.0)
+                .sqrt()
+        } else {
+            f64::NAN
+        };
+        let mut m = vec![("rewards", mean), ("rewards_std", std)];
+        for (i, name) in names.iter().enumerate() {
+            m.push((name, ratio(v[10 + 2 * i], v[11 + 2 * i])));
+        }
+        if has_successes {
+            m.push(("successes", ratio(v[4], completions)));
+        }
+        m.extend([
+            ("frac_reward_zero_std", v[5] / ranks as f64),
+            ("response_lengths", ratio(v[6], completions)),
+            ("num_stop_tokens", v[7]),
+            // Each rank samples at the same time: the world's tokens over one rank's seconds.
+            (
+                "rollout_tokens_per_second",
+                ratio(v[8], v[9] / ranks as f64),
+            ),
+        ]);
+        m
+    }
+}
+
+impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
+    fn steps_per_epoch(&self, trainer: &Trainer<B>) -> Result<usize, TrainError> {
+        let steps = self.loader.num_batches_per_rank(trainer.world.size);
+        let steps = match trainer.settings.max_steps_per_epoch {
+            Some(max) => steps.min(max),
+            None => steps,
+        };
+        if steps == 0 {
+            return Err(TrainError::TooLittleData {
+                batches: 0,
+                batch_size: self.loader.config().batch_size,
+                accum: 1,
+            });
+        }
+        Ok(steps)
+    }
+
+    fn step(
+        &mut self,
+        trainer: Trainer<B>,
+        epoch: usize,
+        index: usize,
+    ) -> Result<(Trainer<B>, StepDone), TrainError> {
+        let world = trainer.world.clone();
+        let prompts = self.prompts_of(&world, epoch, index);
+        // Seeded by the run and the step, never the rank (see the module's doc).
+        let step_seed = trainer
+            .settings
+            .seed
+            .wrapping_add((epoch as u64) << 32)
+            .wrapping_add(index as u64);
+        let (rollouts, stats) = self.roll_out(&trainer, &prompts, step_seed)?;
+        let has_successes = stats.successes.is_some();
+        let sums = sync::all_reduce_scalars::<B::InnerBackend>(
+            &world,
+            &stats.to_vec(),
+            &trainer.model.device(),
+            "the rollout metrics",
+        )?;
+        let rollout_metrics =
+            RolloutStats::metrics(&sums, world.size, has_successes, &self.reward_metrics);
+        let batch = rollouts.batch.clone();
+        self.loss.rollouts = Some(rollouts);
+        let mut trainer = trainer;
+        let mut updates: Vec<StepDone> = Vec::with_capacity(self.settings.ppo_epochs);
+        for _ in 0..self.settings.ppo_epochs {
+            let done;
+            (trainer, done) = trainer.train_step(std::slice::from_ref(&batch), &mut self.loss)?;
+            updates.push(done);
+        }
+        self.loss.rollouts = None;
+        let mut done = combine(updates);
+        done.metrics.extend(rollout_metrics);
+        Ok((trainer, done))
+    }
+
+    fn updates_per_step(&self) -> usize {
+        self.settings.ppo_epochs
+    }
+
+    fn max_steps(&self) -> Option<usize> {
+        self.settings.num_steps
+    }
+
+    fn save_every_n_epochs(&self) -> usize {
+        self.settings.save_every_n_epochs
+    }
+}
+
+/// One step's updates as one [`StepDone`]: losses and metrics averaged over the updates (as
+/// torchtune logs its GRPO stats), the last update's rate and gradient norm, tokens summed, a
+/// stop signal from any (acted on after the whole step, so a checkpoint never splits one).
+fn combine(updates: Vec<StepDone>) -> StepDone {
+    let n = updates.len().max(1) as f64;
+    let mut metrics: Vec<(&'static str, f64)> = Vec::new();
+    for u in &updates {
+        for (k, v) in &u.metrics {
+            match metrics.iter_mut().find(|(name, _)| name == k) {
+                Some(entry) => entry.1 += v / n,
+                None => metrics.push((k, v / n)),
+            }
+        }
+    }
+    let loss = updates.iter().map(|u| u.loss).sum::<f64>() / n;
+    let tokens = updates.iter().map(|u| u.tokens).sum();
+    let stop = updates.iter().find_map(|u| u.stop);
+    let mut last = updates.into_iter().last().unwrap_or_else(|| StepDone {
+        loss: f64::NAN,
+        lr: 0.0,
+        grad_norm: None,
+        tokens: 0,
+        metrics: Vec::new(),
+        stop: None,
+        times: None,
+        gradient_bytes: Default::default(),
+    });
+    last.loss = loss;
+    last.tokens = tokens;
+    last.metrics = metrics;
+    last.stop = stop;
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rollout_rows_are_right_padded_with_the_completion_as_labels() {
+        let (p1, c1) = (vec![5u32, 6, 7], vec![8u32, 9]);
+        let (p2, c2) = (vec![5u32], vec![3u32, 4, 2]);
+        let rows = [
+            RolloutRow {
+                prompt: &p1,
+                completion: &c1,
+                counts: true,
+            },
+            RolloutRow {
+                prompt: &p2,
+                completion: &c2,
+                counts: false,
+            },
+        ];
+        let r = collate_rollouts(&rows, 0);
+        assert_eq!(r.batch.seq_len, 5);
+        assert_eq!(r.width, 3);
+        assert_eq!(r.batch.tokens, vec![5, 6, 7, 8, 9, 5, 3, 4, 2, 0]);
+        assert_eq!(
+            r.batch.labels,
+            vec![-100, -100, -100, 8, 9, -100, 3, 4, 2, -100]
+        );
+        // Row 0 counts its two tokens; row 1 (a truncated completion) counts none.
+        assert_eq!(r.mask, vec![true, true, false, false, false, false]);
+        // Position c of a row is predicted at prompt_len - 1 + c.
+        assert_eq!(r.window_indices(), vec![2, 3, 4, 0, 1, 2]);
+        assert_eq!(r.rows_range(1, 2).batch.tokens, vec![5, 3, 4, 2, 0]);
+    }
+
+    #[test]
+    fn the_world_metrics_are_means_over_every_rank_completion() {
+        // Two ranks' sums: rewards 1, 3 (rank 0) and 5, 7 (rank 1).
+        let names = ["rewards/a"];
+        let rank = |a: f64, b: f64| {
+            let mut v = vec![
+                2.0,
+                2.0,
+                a + b,
+                a * a + b * b,
+                1.0,
+                0.5,
+                10.0,
+                1.0,
+                10.0,
+                2.0,
+            ];
+            v.extend([a + b, 2.0]);
+            v
+        };
+        let (r0, r1) = (rank(1.0, 3.0), rank(5.0, 7.0));
+        let sums: Vec<f64> = r0.iter().zip(&r1).map(|(a, b)| a + b).collect();
+        let m: std::collections::HashMap<_, _> = RolloutStats::metrics(&sums, 2, true, &names)
+            .into_iter()
+            .collect();
+        assert_eq!(m["rewards"], 4.0);
+        // std of [1, 3, 5, 7], Bessel-corrected.
+        assert!((m["rewards_std"] - (20.0f64 / 3.0).sqrt()).abs() < 1e-12);
+        assert_eq!(m["rewards/a"], 4.0);
+        assert_eq!(m["successes"], 0.5);
+        assert_eq!(m["frac_reward_zero_std"], 0.5);
+        assert_eq!(m["response_lengths"], 5.0);
+        assert_eq!(m["num_stop_tokens"], 2.0);
+        assert_eq!(m["rollout_tokens_per_second"], 10.0);
+    }
+}

@@ -1,0 +1,279 @@
+//! End-to-end: the GRPO recipes through the binary on the tiny configs, whose reward (the
+//! letters "e" of each completion, counted by an awk program through `tune.rewards.command`)
+//! the tiny model can learn: the reward rises, every metric is logged, two workers sample and
+//! train as one device, a killed run resumes with the uninterrupted run's rewards and losses,
+//! and a reward program that fails stops the run naming it.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::distributed::{assert_same_curve, column_by_step};
+use crate::support::{column, mean, read_metrics, temp_dir, tune, tune_command, tune_ok};
+
+const LORA: &str = "grpo_lora_finetune_single_device";
+const FULL: &str = "grpo_full_finetune_single_device";
+
+fn run_args<'a>(recipe: &'a str, config: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["run", recipe, "--config", config, out];
+    a.extend_from_slice(extra);
+    a
+}
+
+fn output(dir: &Path) -> String {
+    format!("output_dir={}", dir.display())
+}
+
+/// The reward's first and last quarter of steps: it must rise.
+fn assert_reward_rises(dir: &Path) {
+    let metrics = read_metrics(&dir.join("logs/metrics.jsonl"));
+    let rewards = column(&metrics, "rewards");
+    let q = rewards.len() / 4;
+    let (first, last) = (mean(&rewards[..q]), mean(&rewards[rewards.len() - q..]));
+    assert!(
+        last > first * 1.3 && last > first + 1.0,
+        "the reward did not rise: first steps {first:.3}, last steps {last:.3} ({rewards:?})"
+    );
+}
+
+#[test]
+fn lora_grpo_raises_its_reward_logs_every_metric_and_saves_a_peft_adapter() {
+    let dir = temp_dir("grpo-lora");
+    let out = output(dir.path());
+    tune_ok(&run_args(LORA, "tiny/grpo_lora_single_device", &out, &[]));
+    assert_reward_rises(dir.path());
+    let metrics = read_metrics(&dir.path().join("logs/metrics.jsonl"));
+    assert_eq!(metrics.len(), 30, "num_steps: 30 batches, one update each");
+    for key in [
+        "loss",
+        "lr",
+        "grad_norm",
+        "rewards",
+        "rewards_std",
+        "rewards/letter_e",
+        "frac_reward_zero_std",
+        "response_lengths",
+        "num_stop_tokens",
+        "rollout_tokens_per_second",
+        "policy_loss",
+        "ratios",
+        "clipfrac",
+        "approx_policy_kl",
+    ] {
+        assert!(
+            metrics[0].get(key).is_some(),
+            "{key} missing in {}",
+            metrics[0]
+        );
+    }
+    // kl_coeff: 0 runs no reference pass and logs no KL.
+    assert!(metrics[0].get("kl_loss").is_none());
+    let lengths = column(&metrics, "response_lengths");
+    assert!(
+        lengths.iter().all(|&l| (1.0..=16.0).contains(&l)),
+        "{lengths:?}"
+    );
+    let adapter = dir.path().join("epoch_0/adapter_model.safetensors");
+    assert!(adapter.is_file(), "{} missing", adapter.display());
+    assert!(dir.path().join("epoch_0/adapter_config.json").is_file());
+}
+
+#[test]
+fn full_grpo_raises_its_reward_against_a_frozen_reference() {
+    let dir = temp_dir("grpo-full");
+    let out = output(dir.path());
+    tune_ok(&run_args(FULL, "tiny/grpo_full_single_device", &out, &[]));
+    assert_reward_rises(dir.path());
+    let metrics = read_metrics(&dir.path().join("logs/metrics.jsonl"));
+    let kl = column(&metrics, "kl_loss");
+    // The policy starts as the reference, then moves away from it.
+    assert!(kl[0].abs() < 1e-6, "{kl:?}");
+    assert!(kl.iter().skip(5).any(|&k| k > 1e-6), "{kl:?}");
+    assert!(dir.path().join("epoch_0/model.safetensors").is_file());
+}
+
+/// Four batches of 2 prompts: one device, and two workers with one prompt each.
+#[test]
+fn two_grpo_workers_sample_and_train_like_one_device() {
+    let steps = ["num_steps=4", "ppo_epochs=2"];
+    let one = temp_dir("grpo-one");
+    let two = temp_dir("grpo-two");
+    let (o1, o2) = (output(one.path()), output(two.path()));
+    tune_ok(&run_args(LORA, "tiny/grpo_lora_single_device", &o1, &steps));
+    let mut args = vec!["run", "--nproc_per_node", "2"];
+    args.extend(
+        run_args(
+            "grpo_lora_finetune_distributed",
+            "tiny/grpo_lora_single_device",
+            &o2,
+            &[&steps[..], &["batch_size=1", "forward_batch_size=1"]].concat(),
+        )[1..]
+            .iter()
+            .copied(),
+    );
+    tune_ok(&args);
+    for key in ["rewards", "rewards_std", "loss", "response_lengths"] {
+        assert_same_curve(
+            key,
+            &column_by_step(two.path(), key),
+            &column_by_step(one.path(), key),
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn a_killed_grpo_run_resumes_with_the_uninterrupted_runs_rewards_and_losses() {
+    let extra = [
+        "num_steps=6",
+        "save_every_n_steps=2",
+        "save_adapter_weights_only=True",
+    ];
+    let reference = temp_dir("grpo-ref");
+    let out_ref = output(reference.path());
+    tune_ok(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &out_ref,
+        &extra,
+    ));
+
+    let dir = temp_dir("grpo-killed");
+    let out = output(dir.path());
+    let mut child = tune_command(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &out,
+        &extra,
+    ))
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !dir.path().join("step_2").is_dir() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(dir.path().join("step_2").is_dir(), "step_2 was published");
+    tune_ok(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &out,
+        &[&extra[..], &["resume_from_checkpoint=True"]].concat(),
+    ));
+    // The resumed run's lines from step 3 on equal the uninterrupted run's.
+    for key in ["rewards", "loss"] {
+        let want: Vec<_> = column_by_step(reference.path(), key);
+        let got: Vec<_> = column_by_step(dir.path(), key)
+            .into_iter()
+            .filter(|(s, _)| *s > 2)
+            .collect();
+        let want: Vec<_> = want.into_iter().filter(|(s, _)| *s > 2).collect();
+        assert_same_curve(key, &got, &want, 1e-6);
+    }
+    let adapter = |d: &Path| std::fs::read(d.join("epoch_0/adapter_model.safetensors")).unwrap();
+    assert_eq!(adapter(dir.path()), adapter(reference.path()));
+}
+
+#[test]
+fn a_reward_program_that_fails_stops_the_run_naming_it_and_the_row() {
+    let dir = temp_dir("grpo-bad-reward");
+    let out = output(dir.path());
+    let out = tune(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &out,
+        &[
+            "reward_functions=[{_component_: tune.rewards.command, command: [sh, -c, 'read line; echo not-a-number']}]",
+        ],
+    ));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("reward command `sh -c"), "{err}");
+    assert!(err.contains("not-a-number"), "{err}");
+    assert!(err.contains("\"completion\""), "the row: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn grpo_configs_refuse_what_they_would_ignore_by_name() {
+    let cases: &[(&str, &[&str], &str)] = &[
+        (
+            LORA,
+            &["gradient_accumulation_steps=2"],
+            "gradient_accumulation_steps",
+        ),
+        (
+            LORA,
+            &["dataset._component_=torchtune.datasets.alpaca_dataset"],
+            "holds responses to train on",
+        ),
+        (
+            LORA,
+            &["reward_functions=[{_component_: tune.rewards.command, command: [cat], target: 5}]"],
+            "`target` is not a setting of `tune.rewards.command`",
+        ),
+        (
+            LORA,
+            &["reward_functions=[{_component_: tune.rewards.length}]"],
+            "`tune.rewards.length` needs `target`",
+        ),
+        (
+            LORA,
+            &[
+                "reward_functions=[{_component_: torchtune.dev.rl.rewards.FormattedMathCorrectnessReward}]",
+            ],
+            "math_verify",
+        ),
+        (
+            LORA,
+            &["loss._component_=torchtune.rlhf.loss.DPOLoss"],
+            "cannot be used as `loss`",
+        ),
+        (
+            LORA,
+            &[
+                "ref_checkpointer={_component_: torchtune.training.FullModelHFCheckpointer, checkpoint_dir: assets/tiny-llama}",
+            ],
+            "adapters disabled",
+        ),
+        (
+            FULL,
+            &["~ref_checkpointer"],
+            "full GRPO needs the frozen reference",
+        ),
+        (LORA, &["temperature=0"], "every advantage 0"),
+    ];
+    for (recipe, over, want) in cases {
+        let config = if *recipe == LORA {
+            "tiny/grpo_lora_single_device"
+        } else {
+            "tiny/grpo_full_single_device"
+        };
+        let mut a = vec!["validate", config, "--recipe", recipe];
+        a.extend_from_slice(over);
+        let out = tune(&a);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{over:?} validated:\n{text}");
+        assert!(
+            text.contains(want),
+            "{over:?}: expected {want:?} in:\n{text}"
+        );
+    }
+    // The shipped configs validate as they are.
+    for (recipe, config) in [
+        (LORA, "tiny/grpo_lora_single_device"),
+        (FULL, "tiny/grpo_full_single_device"),
+        (
+            "dev/grpo_full_finetune_distributed",
+            "tiny/grpo_full_single_device",
+        ),
+    ] {
+        tune_ok(&["validate", config, "--recipe", recipe]);
+    }
+}
