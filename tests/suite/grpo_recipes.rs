@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::distributed::{assert_same_curve, column_by_step};
+use crate::distributed::{assert_same_curve, assert_same_tensors, column_by_step, model_of};
 use crate::support::{column, mean, read_metrics, temp_dir, tune, tune_command, tune_ok};
 
 const LORA: &str = "grpo_lora_finetune_single_device";
@@ -91,33 +91,62 @@ fn full_grpo_raises_its_reward_against_a_frozen_reference() {
     assert!(dir.path().join("epoch_0/model.safetensors").is_file());
 }
 
-/// Four batches of 2 prompts: one device, and two workers with one prompt each.
+/// Four batches of 2 prompts, two updates each: one device, and two workers (FSDP, the
+/// default: the LoRA base and the full policy and its reference sharded) with one prompt each.
 #[test]
 fn two_grpo_workers_sample_and_train_like_one_device() {
-    let steps = ["num_steps=4", "ppo_epochs=2"];
-    let one = temp_dir("grpo-one");
-    let two = temp_dir("grpo-two");
-    let (o1, o2) = (output(one.path()), output(two.path()));
-    tune_ok(&run_args(LORA, "tiny/grpo_lora_single_device", &o1, &steps));
-    let mut args = vec!["run", "--nproc_per_node", "2"];
-    args.extend(
-        run_args(
+    for (single, distributed, config) in [
+        (
+            LORA,
             "grpo_lora_finetune_distributed",
             "tiny/grpo_lora_single_device",
-            &o2,
-            &[&steps[..], &["batch_size=1", "forward_batch_size=1"]].concat(),
-        )[1..]
-            .iter()
-            .copied(),
-    );
-    tune_ok(&args);
-    for key in ["rewards", "rewards_std", "loss", "response_lengths"] {
-        assert_same_curve(
-            key,
-            &column_by_step(two.path(), key),
-            &column_by_step(one.path(), key),
-            1e-4,
+        ),
+        (
+            FULL,
+            "dev/grpo_full_finetune_distributed",
+            "tiny/grpo_full_single_device",
+        ),
+    ] {
+        let steps = ["num_steps=4", "ppo_epochs=2"];
+        let one = temp_dir("grpo-one");
+        let two = temp_dir("grpo-two");
+        let (o1, o2) = (output(one.path()), output(two.path()));
+        tune_ok(&run_args(single, config, &o1, &steps));
+        let per_rank = [&steps[..], &["batch_size=1", "forward_batch_size=1"]].concat();
+        let mut args = vec!["run", "--nproc_per_node", "2"];
+        args.extend(
+            run_args(distributed, config, &o2, &per_rank)[1..]
+                .iter()
+                .copied(),
         );
+        tune_ok(&args);
+        let mut keys = vec!["rewards", "rewards_std", "response_lengths", "grad_norm"];
+        if single == FULL {
+            keys.push("kl_loss");
+        }
+        for key in keys {
+            assert_same_curve(
+                &format!("{distributed}: {key}"),
+                &column_by_step(two.path(), key),
+                &column_by_step(one.path(), key),
+                1e-4,
+            );
+        }
+        // GRPOSimpleLoss's value is minus the mean advantage plus the KL term: near zero, so
+        // compared absolutely.
+        let (l2, l1) = (
+            column_by_step(two.path(), "loss"),
+            column_by_step(one.path(), "loss"),
+        );
+        assert_eq!(l2.len(), l1.len());
+        for ((s, a), (_, b)) in l2.iter().zip(&l1) {
+            assert!(
+                (a - b).abs() < 1e-6,
+                "{distributed}: loss at step {s}: {a} vs {b}"
+            );
+        }
+        let epoch = |d: &Path| model_of(&d.join("epoch_0"));
+        assert_same_tensors(distributed, epoch(two.path()), epoch(one.path()), 1e-5);
     }
 }
 
