@@ -203,8 +203,12 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 tune::plot::PlotError::UnknownFormat { .. } => CliError::bad(e),
                 other => CliError::failed(other),
             })?;
+            let rewards = match curves.rewards.len() {
+                0 => String::new(),
+                n => format!(", {n} reward points"),
+            };
             eprintln!(
-                "Wrote {} ({} loss points, {} lr points, {} validation points)",
+                "Wrote {} ({} loss points, {} lr points, {} validation points{rewards})",
                 output.display(),
                 curves.loss.len(),
                 curves.lr.len(),

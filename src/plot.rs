@@ -1,5 +1,5 @@
-//! `tune plot`: the loss and learning-rate curves of a run's `metrics.jsonl`, drawn with
-//! plotters into a PNG (or an SVG when the output ends in `.svg`).
+//! `tune plot`: the loss and learning-rate curves of a run's `metrics.jsonl` (and a GRPO run's
+//! mean reward), drawn with plotters into a PNG (or an SVG when the output ends in `.svg`).
 //!
 //! Text is rendered with plotters' pure-Rust `ab_glyph` backend from a font embedded in the
 //! binary (DejaVu Sans Mono, `assets/fonts/`), so plotting needs no system fontconfig.
@@ -45,6 +45,8 @@ pub struct Curves {
     pub lr: Vec<(f64, f64)>,
     /// `val_loss` (runs with `dataset_val`), drawn on the loss chart.
     pub val_loss: Vec<(f64, f64)>,
+    /// `rewards` (GRPO runs: the mean reward of each step's completions), a chart of its own.
+    pub rewards: Vec<(f64, f64)>,
 }
 
 /// Reads `step`, `loss` and `lr` from every line of a metrics.jsonl. A line that is not a JSON
@@ -85,6 +87,9 @@ pub fn read_metrics(path: &Path) -> Result<Curves, PlotError> {
         }
         if let Some(v) = number("val_loss") {
             curves.val_loss.push((step, v));
+        }
+        if let Some(v) = number("rewards") {
+            curves.rewards.push((step, v));
         }
     }
     if curves.loss.is_empty() {
@@ -151,6 +156,14 @@ fn draw<DB: DrawingBackend>(curves: &Curves, root: &DrawingArea<DB, Shift>) -> R
     } else {
         let (t, b) = root.split_vertically(height * 3 / 5);
         (t, Some(b))
+    };
+    // A GRPO run: the loss above its mean reward.
+    let (top, rewards_area) = if curves.rewards.is_empty() {
+        (top, None)
+    } else {
+        let half = top.dim_in_pixel().1 / 2;
+        let (t, r) = top.split_vertically(half);
+        (t, Some(r))
     };
 
     let steps = x_range(&curves.loss);
@@ -227,6 +240,10 @@ fn draw<DB: DrawingBackend>(curves: &Curves, root: &DrawingArea<DB, Shift>) -> R
         .draw()
         .map_err(err)?;
 
+    if let Some(area) = rewards_area {
+        draw_rewards(&curves.rewards, steps.clone(), &area)?;
+    }
+
     if let Some(bottom) = bottom {
         let mut chart = ChartBuilder::on(&bottom)
             .caption("learning rate", (FONT_FAMILY, 22))
@@ -248,6 +265,46 @@ fn draw<DB: DrawingBackend>(curves: &Curves, root: &DrawingArea<DB, Shift>) -> R
             .draw_series(LineSeries::new(
                 curves.lr.iter().copied(),
                 RED.stroke_width(2),
+            ))
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The mean reward per step, raw and smoothed (EMA 0.9) when there are many steps.
+fn draw_rewards<DB: DrawingBackend>(
+    rewards: &[(f64, f64)],
+    steps: Range<f64>,
+    area: &DrawingArea<DB, Shift>,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let green = RGBColor(0, 140, 60);
+    let mut chart = ChartBuilder::on(area)
+        .caption("mean reward", (FONT_FAMILY, 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(steps, y_range(rewards))
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("reward")
+        .label_style((FONT_FAMILY, 14))
+        .draw()
+        .map_err(err)?;
+    let many = rewards.len() > 20;
+    chart
+        .draw_series(LineSeries::new(
+            rewards.iter().copied(),
+            green.mix(if many { 0.3 } else { 1.0 }),
+        ))
+        .map_err(err)?;
+    if many {
+        chart
+            .draw_series(LineSeries::new(
+                smoothed(rewards, 0.9),
+                green.stroke_width(2),
             ))
             .map_err(err)?;
     }

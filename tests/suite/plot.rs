@@ -61,6 +61,43 @@ fn plot_draws_loss_and_lr_curves_into_a_png() {
     assert!(dark > 1000, "text and axis pixels: {dark}");
 }
 
+/// A GRPO run's metrics: its mean reward gets a chart of its own (green), between the loss and
+/// the learning rate.
+#[test]
+fn plot_draws_a_grpo_runs_mean_reward() {
+    let dir = temp_dir("plot-rewards");
+    let lines: Vec<String> = (1..=40)
+        .map(|s| {
+            let reward = 4.0 + 12.0 * (1.0 - (-(s as f64) / 10.0).exp());
+            format!(r#"{{"step": {s}, "loss": 0.0, "lr": 0.001, "rewards": {reward}}}"#)
+        })
+        .collect();
+    let metrics = write_metrics(&dir, &lines);
+    let out = dir.path().join("grpo.png");
+    let run = tune_ok(&[
+        "plot",
+        metrics.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--width",
+        "900",
+        "--height",
+        "600",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(stderr.contains("40 reward points"), "{stderr}");
+    let img = image::open(&out).expect("a PNG").to_rgb8();
+    // The reward panel is the lower half of the top 3/5 (rows 180..360).
+    let green = img
+        .enumerate_pixels()
+        .filter(|(_, y, p)| {
+            let [r, g, b] = p.0;
+            (180..360).contains(y) && g > 120 && r < 60 && b < 100
+        })
+        .count();
+    assert!(green > 300, "reward curve pixels: {green}");
+}
+
 #[test]
 fn plot_writes_svg_by_extension() {
     let dir = temp_dir("plot-svg");
