@@ -5,7 +5,7 @@
 //! (`${output_dir}/logs`) are rendered into the string. References may chain;
 //! cycles and dangling references are errors naming the key that holds them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use serde_yaml::{Mapping, Value};
 
@@ -19,13 +19,22 @@ const MAX_DEPTH: usize = 512;
 
 /// Returns a copy of `root` with every interpolation resolved.
 pub fn resolve(root: &Value) -> Result<Value, ConfigError> {
-    Resolver {
+    resolve_noting_sources(root).map(|(value, _)| value)
+}
+
+/// [`resolve`], and the top-level keys some `${...}` read: a config's variables (torchtune's
+/// GRPO configs write `base_model_path: ...` once and `${base_model_path}` in both
+/// checkpointers), whose values are used through the keys that reference them.
+pub fn resolve_noting_sources(root: &Value) -> Result<(Value, BTreeSet<String>), ConfigError> {
+    let mut resolver = Resolver {
         root,
         stack: Vec::new(),
         cache: HashMap::new(),
         depth: 0,
-    }
-    .node(root, "")
+        sources: BTreeSet::new(),
+    };
+    let value = resolver.node(root, "")?;
+    Ok((value, resolver.sources))
 }
 
 enum Part<'s> {
@@ -40,6 +49,8 @@ struct Resolver<'a> {
     cache: HashMap<String, Value>,
     /// `node` calls in progress.
     depth: usize,
+    /// The top-level key of every reference resolved.
+    sources: BTreeSet<String>,
 }
 
 fn join(parent: &str, child: &str) -> String {
@@ -127,6 +138,8 @@ impl Resolver<'_> {
     }
 
     fn reference(&mut self, reference: &str, from: &str) -> Result<Value, ConfigError> {
+        let top = reference.split('.').next().unwrap_or(reference);
+        self.sources.insert(top.to_string());
         if let Some(v) = self.cache.get(reference) {
             return Ok(v.clone());
         }

@@ -14,6 +14,9 @@ pub struct ResolvedConfig {
     pub source: String,
     /// The resolved top-level mapping.
     pub value: Value,
+    /// Top-level keys some `${...}` read: the config's variables, used through the keys that
+    /// reference them (validation does not call them unknown).
+    pub variables: std::collections::BTreeSet<String>,
 }
 
 impl ResolvedConfig {
@@ -35,9 +38,13 @@ pub fn load_config(
     let mut value = parse_yaml(&source, &text)?;
     yaml::normalise_numbers(&mut value);
     overrides::apply_all(&mut value, overrides)?;
-    let mut value = interpolate::resolve(&value)?;
+    let (mut value, variables) = interpolate::resolve_noting_sources(&value)?;
     shipped::resolve_paths(&mut value)?;
-    Ok(ResolvedConfig { source, value })
+    Ok(ResolvedConfig {
+        source,
+        value,
+        variables,
+    })
 }
 
 /// Parses YAML text into a mapping; syntax errors carry line and column.

@@ -58,13 +58,18 @@ pub fn validate_with(
     let mut cx = Checker::new(Some(recipe), opts.check_paths, resuming);
     let config = match recipe {
         Recipe::Generate => {
-            cx.unknown_keys(root, "", &[GenerateConfig::KEYS], false);
+            cx.unknown_keys(
+                &without_variables(root, cfg),
+                "",
+                &[GenerateConfig::KEYS],
+                false,
+            );
             GenerateConfig::read_keys(root, "", &mut cx)
                 .map(|g| RecipeConfig::Generate(Box::new(g)))
         }
         training => {
             cx.unknown_keys(
-                root,
+                &without_variables(root, cfg),
                 "",
                 &[TrainConfig::KEYS, RecipeKeys::keys_of(training)],
                 false,
@@ -86,6 +91,15 @@ pub fn validate_with(
             "the config could not be read, and no key said why (a bug in tune: please report it)",
         )])),
     }
+}
+
+/// The top-level mapping without the config's variables (keys only `${...}` read, see
+/// [`ResolvedConfig::variables`]): their values went into the keys that reference them.
+fn without_variables(root: &serde_yaml::Mapping, cfg: &ResolvedConfig) -> serde_yaml::Mapping {
+    root.iter()
+        .filter(|(k, _)| !cfg.variables.contains(&crate::config::yaml::key_str(k)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
 
 /// Reads one section on its own (no recipe's rules, no file checks): what deserialising a

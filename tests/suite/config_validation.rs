@@ -45,6 +45,30 @@ fn unknown_key_suggests_the_right_one() {
     );
 }
 
+/// A top-level key that only `${...}` reads is a variable of the config (torchtune's GRPO
+/// configs write `base_model_path` once for both checkpointers): its value is used, so it is
+/// not unknown; the same key read by nothing is.
+#[test]
+fn a_key_read_only_through_interpolation_is_a_variable_not_an_unknown_key() {
+    let used = [
+        "base_model_path=assets/tiny-llama",
+        "checkpointer.checkpoint_dir=${base_model_path}",
+        "name=tiny_run",
+        "output_dir=/tmp/tune/${name}",
+    ];
+    let cfg = load_config("tiny/lora_single_device", &args(&used)).expect("config loads");
+    validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{e}"));
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["base_model_path=assets/tiny-llama"],
+    );
+    assert!(
+        e.has("base_model_path", "unknown key `base_model_path`"),
+        "{e}"
+    );
+}
+
 #[test]
 fn wrong_type_names_expected_and_found() {
     let e = errors(
@@ -315,7 +339,7 @@ fn unknown_recipe() {
     let e = validate("lora_fintune", &cfg).unwrap_err();
     assert_eq!(e.problems[0].kind, ProblemKind::UnknownRecipe);
     let text = e.to_string();
-    assert!(text.contains("unknown recipe `lora_fintune` (did you mean `lora_finetune`?); known recipes: full_finetune, lora_finetune, lora_dpo, full_dpo, qat, qat_lora, knowledge_distillation, generate"), "{text}");
+    assert!(text.contains("unknown recipe `lora_fintune` (did you mean `lora_finetune`?); known recipes: full_finetune, lora_finetune, lora_dpo, full_dpo, qat, qat_lora, knowledge_distillation, grpo_full_finetune, grpo_lora_finetune, generate"), "{text}");
 }
 
 #[test]
