@@ -87,7 +87,9 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("tiny/full_dpo_single_device", FullDpo),
     builtin!("tiny/full_single_device", FullFinetune),
     builtin!("tiny/generation", Generate),
+    builtin!("tiny/grpo_full", GrpoFull, distributed),
     builtin!("tiny/grpo_full_single_device", GrpoFull),
+    builtin!("tiny/grpo_lora", GrpoLora, distributed),
     builtin!("tiny/grpo_lora_single_device", GrpoLora),
     builtin!(
         "tiny/kd_lora_distributed",

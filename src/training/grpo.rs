@@ -498,7 +498,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
                 rows.push(RolloutRow {
                     prompt: &sample.tokens,
                     completion,
-                    counts: !(self.settings.mask_truncated_completions && !group.stopped[k]),
+                    counts: !self.settings.mask_truncated_completions || group.stopped[k],
                 });
             }
         }
