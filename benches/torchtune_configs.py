@@ -119,7 +119,15 @@ def dummy_paths(cfg, scratch):
             for name in names + [section.get("adapter_checkpoint")]:
                 if name:
                     touch(os.path.join(directory, resolve(name, cfg)))
-            overrides.append(f"{key}.checkpoint_dir={directory}")
+            # A directory given as a variable (`checkpoint_dir: ${base_model_path}`, torchtune's
+            # GRPO configs) is changed where a user changes it: the variable.
+            variable = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", str(section["checkpoint_dir"]))
+            if variable and variable.group(1) in cfg:
+                change = f"{variable.group(1)}={directory}"
+            else:
+                change = f"{key}.checkpoint_dir={directory}"
+            if change not in overrides:
+                overrides.append(change)
         if key.startswith("tokenizer"):
             for name in TOKENIZER_FILES:
                 value = resolve(section.get(name), cfg)
