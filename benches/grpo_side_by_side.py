@@ -249,13 +249,20 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model")
     p.add_argument("--trl-child", action="store_true")
+    p.add_argument("--reuse-tune", action="store_true", help="take tune's figures from OUT/tune.json")
     args = p.parse_args()
     if args.trl_child:
         return trl_main(args)
     os.makedirs(args.out, exist_ok=True)
     model = os.path.join(args.out, "model")
     write_model(model)
-    results = {"tune": run_tune(args, model), "TRL": run_trl(args, model)}
+    tune_json = os.path.join(args.out, "tune.json")
+    if args.reuse_tune:
+        tune = json.load(open(tune_json))
+    else:
+        tune = run_tune(args, model)
+        json.dump(tune, open(tune_json, "w"))
+    results = {"tune": tune, "TRL": run_trl(args, model)}
     print(f"| | s/step (median, steps 2-{args.steps}) | rollout tokens/s | peak RSS (MB) | mean reward, first / last {max(args.steps // 4, 1)} steps | wall (s) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():

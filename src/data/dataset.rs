@@ -4,8 +4,9 @@ use super::error::{DataError, Result};
 use super::packing::{PackedSample, pack};
 use super::sample::SftSample;
 use super::source::{Row, load_rows};
-use super::spec::DatasetSpec;
-use super::tokenize::{tokenize_messages, tokenize_text};
+use super::prompts::Partition;
+use super::spec::{DatasetKind, DatasetSpec};
+use super::tokenize::{tokenize_messages, tokenize_prompt_response, tokenize_text};
 use super::transform::{RowContent, RowTransform};
 use crate::tokenizer::Tokenizer;
 use std::path::Path;
@@ -81,8 +82,22 @@ impl Dataset {
         };
         let mut sft = Vec::new();
         let mut pairs = Vec::new();
-        for row in rows {
+        // gsm8k_sft's `partition`: row `i` of the split, kept as torchtune's filter keeps it.
+        let partition = match (&spec.partition, kind) {
+            (Some(p), DatasetKind::Gsm8kSft) => {
+                Some(Partition::parse(p).map_err(|message| DataError::Spec { message })?)
+            }
+            _ => None,
+        };
+        for (i, row) in rows.iter().enumerate() {
+            if partition.is_some_and(|p| !p.keeps(i)) {
+                continue;
+            }
             match transform.apply(row)? {
+                RowContent::PromptResponse { prompt, response } => sft.push(
+                    tokenize_prompt_response(tokenizer, &prompt, &response, max_seq_len)
+                        .map_err(tok_err(row))?,
+                ),
                 RowContent::Messages(m) => {
                     sft.push(tokenize_messages(tokenizer, &m, max_seq_len).map_err(tok_err(row))?)
                 }

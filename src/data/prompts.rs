@@ -222,10 +222,13 @@ fn tokenize_err(row: &Row) -> impl FnOnce(TokenizeError) -> DataError + '_ {
     }
 }
 
-/// torchtune's `normalize_gsm` then `RLDataset._prepare_sample`: the solution splits at its one
-/// `#### ` into the chain of thought and the answer; the prompt is `BASE_PROMPT % question`.
-fn gsm8k(row: &Row, map: &BTreeMap<String, String>, tok: &Tokenizer) -> Result<PromptSample> {
-    let obj = object(row)?;
+/// torchtune's `normalize_gsm`: a gsm8k row's question, and its solution split at its one
+/// `#### ` into the chain of thought and the answer.
+pub(crate) fn gsm8k_parts<'a>(
+    row: &Row,
+    obj: &'a Map<String, Value>,
+    map: &BTreeMap<String, String>,
+) -> Result<(&'a str, &'a str, &'a str)> {
     let (question, _) = text(row, obj, map, "question")?;
     let (solution, answer_column) = text(row, obj, map, "answer")?;
     let parts: Vec<&str> = solution.split("#### ").collect();
@@ -241,6 +244,14 @@ fn gsm8k(row: &Row, map: &BTreeMap<String, String>, tok: &Tokenizer) -> Result<P
             ),
         });
     };
+    Ok((question, cot, answer))
+}
+
+/// torchtune's `normalize_gsm` then `RLDataset._prepare_sample`: the solution splits at its one
+/// `#### ` into the chain of thought and the answer; the prompt is `BASE_PROMPT % question`.
+fn gsm8k(row: &Row, map: &BTreeMap<String, String>, tok: &Tokenizer) -> Result<PromptSample> {
+    let obj = object(row)?;
+    let (question, cot, answer) = gsm8k_parts(row, obj, map)?;
     let prompt = format!("{GSM8K_PROMPT_BEFORE}{question}{GSM8K_PROMPT_AFTER}");
     let tokens = prompt_tokens(tok, None, &prompt, false).map_err(tokenize_err(row))?;
     let mut columns = obj.clone();
@@ -362,6 +373,48 @@ mod tests {
                 .as_str()
                 .is_some_and(|c| c.ends_with("April and May.\n"))
         );
+    }
+
+    /// torchtune main's `gsm8k_sft` (recorded by make_reward_fixtures.py): per partition the
+    /// rows it keeps, and per row the texts it encodes (the preamble with BOS and no EOS, masked;
+    /// then the chain of thought and answer in R1's tags without BOS and with EOS, trained).
+    #[test]
+    fn gsm8k_sft_samples_are_torchtunes() {
+        let mut tok = tiny();
+        llama3(&mut tok);
+        let fx = fixture();
+        for case in fx["gsm8k_sft"]["cases"].as_array().expect("cases") {
+            let partition = case["partition"].as_str();
+            let spec = DatasetSpec {
+                kind: DatasetKind::Gsm8kSft,
+                ..gsm8k_spec(partition)
+            };
+            let ds = crate::data::Dataset::build(&spec, &tok, None, &root()).expect("dataset");
+            let crate::data::Samples::Sft(samples) = ds.samples() else {
+                panic!("gsm8k_sft gives SFT samples");
+            };
+            let expected = case["samples"].as_array().expect("samples");
+            assert_eq!(samples.len(), expected.len(), "partition {partition:?}");
+            for (got, want) in samples.iter().zip(expected) {
+                let (mut tokens, mut labels) = (Vec::new(), Vec::new());
+                let calls = want["calls"].as_array().expect("calls");
+                for (j, call) in calls.iter().enumerate() {
+                    let mut ids: Vec<u32> = Vec::new();
+                    if call["add_bos"] == json!(true) {
+                        ids.extend(tok.format_bos_id());
+                    }
+                    ids.extend(tok.encode(call["text"].as_str().expect("text"), false).expect("encode"));
+                    if call["add_eos"] == json!(true) {
+                        ids.extend(tok.format_eos_id());
+                    }
+                    let masked = want["labels"][j] == json!(-100);
+                    labels.extend(ids.iter().map(|&t| if masked { -100 } else { i64::from(t) }));
+                    tokens.extend(ids);
+                }
+                assert_eq!(got.tokens, tokens, "row {}", want["row"]);
+                assert_eq!(got.labels, labels, "row {}", want["row"]);
+            }
+        }
     }
 
     #[test]

@@ -111,6 +111,10 @@ pub enum DatasetKind {
     /// `gsm8k_dataset` (torchtune's `dev.grpo.gsm8k`): prompts in torchtune's R1 preamble, the
     /// answer after `#### ` for the rewards (`data::PromptDataset`).
     Gsm8k,
+    /// `gsm8k_sft` (torchtune's `dev.grpo.gsm8k`, its `dev/3B_sft_for_grpo` config): the R1
+    /// preamble with the question (not trained), then `<think>cot</think> <answer>answer</answer>`
+    /// and EOS (trained): the SFT stage before GRPO.
+    Gsm8kSft,
     /// `prompt_dataset`: a prompt column for generation, the other columns for the rewards.
     Prompt,
 }

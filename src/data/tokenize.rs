@@ -85,6 +85,43 @@ pub fn tokenize_prompt(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<V
 /// Text completion (torchtune `TextCompletionDataset`): `encode(text)` with BOS (a torchtune
 /// component's own; otherwise the post-processor's special tokens), EOS appended when `add_eos`,
 /// truncated to `max_seq_len - 1` without forcing EOS, every token trained.
+/// A prompt that is not trained, then a response and EOS that are, each encoded as plain text:
+/// torchtune's `encode(prompt, add_eos=False) + encode(response, add_bos=False)` with the prompt
+/// masked (its `gsm8k_sft`). Cut at `max_seq_len` when one is set (torchtune's gsm8k_sft never
+/// cuts).
+pub fn tokenize_prompt_response(
+    tok: &Tokenizer,
+    prompt: &str,
+    response: &str,
+    max_seq_len: Option<usize>,
+) -> Result<SftSample> {
+    check_len(max_seq_len)?;
+    let mut tokens = tokenize_text(tok, prompt, false, None)?.tokens;
+    let masked = tokens.len();
+    tokens.extend(tok.encode(response, false)?);
+    let eos = if tok.format().format.is_torchtune() {
+        tok.format_eos_id()
+    } else {
+        tok.eos_id()
+    };
+    tokens.extend(eos);
+    if let Some(max) = max_seq_len {
+        tokens.truncate(max);
+    }
+    let labels = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if i < masked {
+                IGNORE_INDEX
+            } else {
+                i64::from(t)
+            }
+        })
+        .collect();
+    Ok(SftSample { tokens, labels })
+}
+
 pub fn tokenize_text(
     tok: &Tokenizer,
     text: &str,

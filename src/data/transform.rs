@@ -27,6 +27,12 @@ impl LabeledMessage {
 pub enum RowContent {
     Messages(Vec<LabeledMessage>),
     Text(String),
+    /// A prompt (not trained) and its response (trained, then EOS), each encoded as text on its
+    /// own: gsm8k_sft.
+    PromptResponse {
+        prompt: String,
+        response: String,
+    },
     Pair {
         chosen: Vec<LabeledMessage>,
         rejected: Vec<LabeledMessage>,
@@ -194,6 +200,14 @@ impl RowTransform {
                 Ok(RowContent::Pair {
                     chosen: pair(c.non_empty("chosen")?),
                     rejected: pair(c.non_empty("rejected")?),
+                })
+            }
+            DatasetKind::Gsm8kSft => {
+                let (question, cot, answer) =
+                    super::prompts::gsm8k_parts(cols.row, cols.obj, &self.column_map)?;
+                Ok(RowContent::PromptResponse {
+                    prompt: format!("{}{question} Assistant: ", super::prompts::GSM8K_PROMPT_BEFORE),
+                    response: format!("<think>{cot}</think> <answer>{answer}</answer>"),
                 })
             }
             DatasetKind::Gsm8k | DatasetKind::Prompt => Err(DataError::Spec {

@@ -70,7 +70,7 @@ keys! {
     /// Packing: a sample that does not fit continues in the next pack (default: text
     /// completion true, the others false).
     split_across_pack: Option<bool> = optional(),
-    /// gsm8k_dataset: keep row `i` of the split when `start <= i % total <= end`
+    /// gsm8k_dataset, gsm8k_sft: keep row `i` of the split when `start <= i % total <= end`
     /// (`start-end/total`; torchtune's GRPO configs train on `1-9/10`).
     partition: Option<String> = optional().rule(partition_format),
     /// prompt_dataset: format the prompt as a user turn in the tokenizer's chat format, ending
@@ -127,13 +127,13 @@ fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
             .with_fix("use an instruct, chat or text dataset such as `torchtune.datasets.alpaca_dataset`"),
         );
     }
-    if d.partition.is_some() && builder.kind != DatasetKind::Gsm8k {
+    if d.partition.is_some() && !matches!(builder.kind, DatasetKind::Gsm8k | DatasetKind::Gsm8kSft) {
         cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
                 join(path, "partition"),
                 format!(
-                    "`partition` is a gsm8k_dataset setting, not `{}`'s",
+                    "`partition` is a gsm8k_dataset and gsm8k_sft setting, not `{}`'s",
                     builder.name
                 ),
             )
