@@ -2,9 +2,9 @@
 use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 use super::error::{DataError, Result};
 use super::packing::{PackedSample, pack};
+use super::prompts::Partition;
 use super::sample::SftSample;
 use super::source::{Row, load_rows};
-use super::prompts::Partition;
 use super::spec::{DatasetKind, DatasetSpec};
 use super::tokenize::{tokenize_messages, tokenize_prompt_response, tokenize_text};
 use super::transform::{RowContent, RowTransform};

@@ -403,12 +403,18 @@ mod tests {
                     if call["add_bos"] == json!(true) {
                         ids.extend(tok.format_bos_id());
                     }
-                    ids.extend(tok.encode(call["text"].as_str().expect("text"), false).expect("encode"));
+                    ids.extend(
+                        tok.encode(call["text"].as_str().expect("text"), false)
+                            .expect("encode"),
+                    );
                     if call["add_eos"] == json!(true) {
                         ids.extend(tok.format_eos_id());
                     }
                     let masked = want["labels"][j] == json!(-100);
-                    labels.extend(ids.iter().map(|&t| if masked { -100 } else { i64::from(t) }));
+                    labels.extend(
+                        ids.iter()
+                            .map(|&t| if masked { -100 } else { i64::from(t) }),
+                    );
                     tokens.extend(ids);
                 }
                 assert_eq!(got.tokens, tokens, "row {}", want["row"]);

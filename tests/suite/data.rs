@@ -30,6 +30,7 @@ impl Entry {
             DatasetKind::Preference => "preference_dataset",
             DatasetKind::StackExchangePaired => "stack_exchange_paired_dataset",
             DatasetKind::Gsm8k => "gsm8k_dataset",
+            DatasetKind::Gsm8kSft => "gsm8k_sft",
             DatasetKind::Prompt => "prompt_dataset",
         };
         let mut entry = match &self.0 {

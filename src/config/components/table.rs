@@ -77,7 +77,8 @@ const fn quant(kind: QuantizerKind, module_swap: bool) -> Component {
 }
 
 use DatasetKind::{
-    Alpaca, Chat, Gsm8k, Gsm8kSft, Instruct, Preference, Prompt, StackExchangePaired, TextCompletion,
+    Alpaca, Chat, Gsm8k, Gsm8kSft, Instruct, Preference, Prompt, StackExchangePaired,
+    TextCompletion,
 };
 
 static TABLE: &[Entry] = &[
@@ -216,7 +217,12 @@ static TABLE: &[Entry] = &[
     e(
         "tune.datasets.gsm8k_sft",
         &["torchtune.dev.grpo.gsm8k.gsm8k_sft"],
-        ds_files("gsm8k_sft", Gsm8kSft, "openai/gsm8k", "main/{split}-*.parquet"),
+        ds_files(
+            "gsm8k_sft",
+            Gsm8kSft,
+            "openai/gsm8k",
+            "main/{split}-*.parquet",
+        ),
     ),
     // Prompt datasets (the GRPO recipes)
     e(

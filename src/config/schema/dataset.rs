@@ -127,7 +127,8 @@ fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
             .with_fix("use an instruct, chat or text dataset such as `torchtune.datasets.alpaca_dataset`"),
         );
     }
-    if d.partition.is_some() && !matches!(builder.kind, DatasetKind::Gsm8k | DatasetKind::Gsm8kSft) {
+    if d.partition.is_some() && !matches!(builder.kind, DatasetKind::Gsm8k | DatasetKind::Gsm8kSft)
+    {
         cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
@@ -315,7 +316,10 @@ mod tests {
             "{e}"
         );
         let e = validated(&["dataset.partition=1-9/10"]).unwrap_err();
-        assert!(e.has("dataset.partition", "a gsm8k_dataset setting"), "{e}");
+        assert!(
+            e.has("dataset.partition", "a gsm8k_dataset and gsm8k_sft setting"),
+            "{e}"
+        );
     }
 
     #[test]
