@@ -10,7 +10,6 @@ use tune::models::Trainable;
 use tune::setup::{data, loss, model, session};
 use tune::training::checkpointing::SaveContent;
 use tune::training::dpo::{DpoLoss, DpoReference};
-use tune::training::fsdp;
 
 use super::RunContext;
 use tune::distributed::WorkerError;
@@ -28,19 +27,8 @@ pub fn run<B: AutodiffBackend>(
 
     // Reference: frozen, on the backend without autodiff, so it never joins the graph.
     let ref_cfg = &dpo_keys.ref_checkpointer;
-    let reference = model::load_rows::<B::InnerBackend>(
-        ref_cfg,
-        "ref_checkpointer",
-        run.load_rows(),
-        tune::models::BaseWeights::Float,
-        &ctx.device,
-    )?
-    .model;
-    // FSDP: the reference shards its layers as the policy does.
-    let reference = match run.fsdp {
-        Some(sharding) => fsdp::shard_frozen(reference, &run.world, sharding.cpu_offload),
-        None => reference,
-    };
+    let reference =
+        model::frozen_reference::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &run, &ctx.device)?;
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;

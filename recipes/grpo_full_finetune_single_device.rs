@@ -9,7 +9,6 @@ use tune::config::schema::{GrpoKeys, TrainConfig};
 use tune::models::Trainable;
 use tune::setup::{grpo, model, session};
 use tune::training::checkpointing::SaveContent;
-use tune::training::fsdp;
 use tune::training::grpo::{GrpoReference, GrpoSteps};
 
 use super::RunContext;
@@ -27,23 +26,12 @@ pub fn run<B: AutodiffBackend>(
     let policy = loaded.model.set_trainable(Trainable::All);
 
     // Reference: frozen, off the autodiff graph; not loaded when the KL term is off.
-    let settings_loss = tune::setup::loss::grpo(&cfg.loss);
-    let reference = match (&keys.ref_checkpointer, settings_loss.kl_coeff) {
-        (Some(ref_cfg), kl) if kl != 0.0 => {
-            let reference = model::load_rows::<B::InnerBackend>(
-                ref_cfg,
-                "ref_checkpointer",
-                run.load_rows(),
-                tune::models::BaseWeights::Float,
-                &ctx.device,
-            )?
-            .model;
-            // FSDP: the reference shards its layers as the policy does.
-            let reference = match run.fsdp {
-                Some(sharding) => fsdp::shard_frozen(reference, &run.world, sharding.cpu_offload),
-                None => reference,
-            };
-            Some(GrpoReference::Frozen(Box::new(reference)))
+    let reference = match &keys.ref_checkpointer {
+        Some(ref_cfg) if cfg.loss.kl_coeff() != 0.0 => {
+            let key = "ref_checkpointer";
+            let frozen =
+                model::frozen_reference::<B::InnerBackend>(ref_cfg, key, &run, &ctx.device)?;
+            Some(GrpoReference::Frozen(Box::new(frozen)))
         }
         _ => None,
     };

@@ -255,6 +255,24 @@ pub fn load_rows<B: Backend>(
     }
 }
 
+/// A frozen model the policy is compared with (full DPO's and full GRPO's reference), from
+/// `cfg` at config key `key`, on a backend without autodiff so it never joins the graph; with
+/// FSDP each rank loads only its rows and the layers shard as the policy's do.
+pub fn frozen_reference<B: Backend>(
+    cfg: &CheckpointerConfig,
+    key: &'static str,
+    run: &super::run::RunStart,
+    device: &B::Device,
+) -> Result<CausalLm<B>, SetupError> {
+    let reference = load_rows::<B>(cfg, key, run.load_rows(), BaseWeights::Float, device)?.model;
+    Ok(match run.fsdp {
+        Some(sharding) => {
+            crate::training::fsdp::shard_frozen(reference, &run.world, sharding.cpu_offload)
+        }
+        None => reference,
+    })
+}
+
 /// A LoRA recipe's adapters: attached per the `model` section (or loaded from
 /// `checkpointer.adapter_checkpoint`), then, when resuming, the checkpoint's adapter weights.
 /// Returns the plan and what each checkpoint saves (the PEFT adapter, plus the merged model
