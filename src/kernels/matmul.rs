@@ -38,6 +38,7 @@ use super::bf16::{to_bf16, to_f32};
 use super::bf16_gemm::{self, Operand};
 use super::bf16_gemv;
 use super::dispatch::{AutodiffFlexTensor, FlexOpN, on_flex_n};
+use super::f32_skinny;
 
 /// `lhs @ rhs` over the last two dimensions, batch dimensions broadcast as burn's `matmul`.
 pub fn matmul<B: Backend, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) -> Tensor<B, D> {
@@ -63,6 +64,9 @@ fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> 
     let (a, b) = (matrix_view(lhs)?, matrix_view(rhs)?);
     let (m, k, n) = (a.rows, a.cols, b.cols);
     debug_assert_eq!(k, b.rows, "matmul: inner dimensions must match");
+    if let Some(values) = skinny(lhs, &a, rhs, &b) {
+        return Some(output(lhs, rhs, values));
+    }
     let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_MACS {
         gemm::Parallelism::Rayon(0)
     } else {
@@ -105,6 +109,34 @@ fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> 
         out.set_len(len);
     }
     Some(output(lhs, rhs, out))
+}
+
+/// `lhs @ rhs` by [`f32_skinny`] (a few rows times a weight read in place) when `lhs` has
+/// [`f32_skinny::ROWS`] rows and `rhs` is a transposed row-major weight (K contiguous, lines
+/// at a non-negative stride); else `None`.
+fn skinny(lhs: &FlexTensor, a: &MatrixView, rhs: &FlexTensor, b: &MatrixView) -> Option<Vec<f32>> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if !f32_skinny::ROWS.contains(&m) || b.row_stride != 1 || b.col_stride < 0 || k == 0 {
+        return None;
+    }
+    let a_data: &[f32] = lhs.storage();
+    let rows: Vec<f32> = (0..m)
+        .flat_map(|r| (0..k).map(move |c| (r, c)))
+        .map(|(r, c)| {
+            let at = a.offset as isize + r as isize * a.row_stride + c as isize * a.col_stride;
+            a_data[at as usize]
+        })
+        .collect();
+    let b_data: &[f32] = rhs.storage();
+    Some(f32_skinny::product(
+        &rows,
+        m,
+        k,
+        b_data,
+        b.offset,
+        b.col_stride as usize,
+        n,
+    ))
 }
 
 /// A single matrix's place in its storage: the last two dimensions of a tensor whose leading

@@ -21,6 +21,7 @@ pub mod bf16;
 pub mod bf16_gemm;
 mod bf16_gemv;
 pub(crate) mod dispatch;
+mod f32_skinny;
 mod flex;
 mod matmul;
 pub mod optim;
