@@ -3,6 +3,7 @@ mod collate;
 mod dataset;
 mod error;
 mod formats;
+mod gsm8k;
 mod loader;
 mod packing;
 mod prompts;
@@ -16,11 +17,10 @@ mod unpad;
 pub use collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 pub use dataset::{Dataset, Samples};
 pub use error::{DataError, Result, TokenizeError};
+pub use gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE};
 pub use loader::{DataLoader, LoaderConfig};
 pub use packing::{PackedSample, pack};
-pub use prompts::{
-    GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, Partition, PromptDataset, PromptSample, prompt_tokens,
-};
+pub use prompts::{Partition, PromptDataset, PromptSample, prompt_tokens};
 pub use sample::{IGNORE_INDEX, SftSample};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
 pub use spec::{ConversationStyle, DataFiles, DatasetKind, DatasetSpec};

@@ -14,16 +14,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::error::{DataError, Result, TokenizeError};
+use super::gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, column_text as text, gsm8k_parts};
 use super::source::{Row, kind_name, load_rows};
 use super::spec::{DatasetKind, DatasetSpec};
 use super::tokenize::{tokenize_prompt, tokenize_text};
 use super::transform::LabeledMessage;
 use crate::tokenizer::{Message, Role, Tokenizer};
-
-/// torchtune's `BASE_PROMPT` (`torchtune/dev/grpo/data.py`) up to its `%s`.
-pub const GSM8K_PROMPT_BEFORE: &str = "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant first thinks about the reasoning process in the mind and then provides the user with the answer. The reasoning process and answer are enclosed within <think></think> and <answer></answer> tags, respectively, i.e., <think>reasoning process here</think> <answer>answer here</answer>. User: ";
-/// torchtune's `BASE_PROMPT` after its `%s`: the completion starts inside the think block.
-pub const GSM8K_PROMPT_AFTER: &str = ". Assistant: <think>";
 
 /// One prompt of an RL dataset.
 #[derive(Debug, Clone, PartialEq)]
@@ -189,62 +185,12 @@ fn object(row: &Row) -> Result<&Map<String, Value>> {
         })
 }
 
-/// The string in the column `key` maps to (`key` itself when unmapped), and that column's name.
-fn text<'a>(
-    row: &Row,
-    obj: &'a Map<String, Value>,
-    map: &BTreeMap<String, String>,
-    key: &str,
-) -> Result<(&'a str, String)> {
-    let column = map.get(key).cloned().unwrap_or_else(|| key.to_string());
-    let value = obj.get(&column).ok_or_else(|| DataError::MissingColumn {
-        path: (*row.file).clone(),
-        row: row.index,
-        column: column.clone(),
-        key: key.to_string(),
-        available: obj.keys().cloned().collect::<Vec<_>>().join(", "),
-    })?;
-    let s = value.as_str().ok_or_else(|| DataError::WrongType {
-        path: (*row.file).clone(),
-        row: row.index,
-        column: column.clone(),
-        expected: "a string",
-        found: kind_name(value).to_string(),
-    })?;
-    Ok((s, column))
-}
-
 fn tokenize_err(row: &Row) -> impl FnOnce(TokenizeError) -> DataError + '_ {
     move |source| DataError::Tokenize {
         path: (*row.file).clone(),
         row: row.index,
         source,
     }
-}
-
-/// torchtune's `normalize_gsm`: a gsm8k row's question, and its solution split at its one
-/// `#### ` into the chain of thought and the answer.
-pub(crate) fn gsm8k_parts<'a>(
-    row: &Row,
-    obj: &'a Map<String, Value>,
-    map: &BTreeMap<String, String>,
-) -> Result<(&'a str, &'a str, &'a str)> {
-    let (question, _) = text(row, obj, map, "question")?;
-    let (solution, answer_column) = text(row, obj, map, "answer")?;
-    let parts: Vec<&str> = solution.split("#### ").collect();
-    let [cot, answer] = parts.as_slice() else {
-        return Err(DataError::BadMessage {
-            path: (*row.file).clone(),
-            row: row.index,
-            column: answer_column,
-            index: 0,
-            problem: format!(
-                "a gsm8k solution ends with `#### <answer>` exactly once; this one has {} `#### `",
-                parts.len() - 1
-            ),
-        });
-    };
-    Ok((question, cot, answer))
 }
 
 /// torchtune's `normalize_gsm` then `RLDataset._prepare_sample`: the solution splits at its one

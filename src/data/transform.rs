@@ -204,9 +204,9 @@ impl RowTransform {
             }
             DatasetKind::Gsm8kSft => {
                 let (question, cot, answer) =
-                    super::prompts::gsm8k_parts(cols.row, cols.obj, &self.column_map)?;
+                    super::gsm8k::gsm8k_parts(cols.row, cols.obj, &self.column_map)?;
                 Ok(RowContent::PromptResponse {
-                    prompt: format!("{}{question} Assistant: ", super::prompts::GSM8K_PROMPT_BEFORE),
+                    prompt: format!("{}{question} Assistant: ", super::gsm8k::GSM8K_PROMPT_BEFORE),
                     response: format!("<think>{cot}</think> <answer>{answer}</answer>"),
                 })
             }

@@ -107,7 +107,7 @@ pub enum TrainError {
     NotPreferencePairs { rows: usize },
     /// A GRPO step's sampling, rewards or advantages (boxed: it carries the reward's error).
     #[error("GRPO: {0}")]
-    Rollout(Box<super::grpo::RolloutError>),
+    Rollout(Box<RolloutError>),
 }
 
 impl crate::distributed::Ends for TrainError {
@@ -160,4 +160,25 @@ pub enum CheckpointingError {
         #[source]
         source: WriteError,
     },
+}
+
+/// What a GRPO step could not do besides training.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error("sampling completions of dataset row {row}: {source}")]
+    Generate {
+        row: usize,
+        #[source]
+        source: crate::generation::GenerateError,
+    },
+    #[error("decoding a completion of dataset row {row}: {message}")]
+    Decode { row: usize, message: String },
+    #[error("scoring the completions of step {step}: {source}")]
+    Reward {
+        step: usize,
+        #[source]
+        source: crate::rewards::RewardError,
+    },
+    #[error(transparent)]
+    Loss(#[from] super::grpo_loss::GrpoLossError),
 }

@@ -28,7 +28,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 use super::activation_checkpointing;
-use super::error::TrainError;
+use super::error::{RolloutError, TrainError};
 use super::grpo_loss::{
     GrpoLossError, ScaleRewards, TorchtuneGrpoSettings, group_advantages, torchtune_grpo_loss,
 };
@@ -39,10 +39,10 @@ use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
 use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
 use crate::distributed::{World, sync};
-use crate::generation::{GenerateError, GroupSampling, sample_group};
+use crate::generation::{GroupSampling, sample_group};
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
-use crate::rewards::{Completion, RewardError, Weighted, score_batch};
+use crate::rewards::{Completion, Weighted, score_batch};
 use crate::tokenizer::Tokenizer;
 
 /// The policy's forward pass while training (dropout on, adapters on).
@@ -59,27 +59,6 @@ const SCORING_MODE: ForwardMode = ForwardMode {
     fake_quant: true,
     train: false,
 };
-
-/// What a GRPO step could not do besides training.
-#[derive(Debug, thiserror::Error)]
-pub enum RolloutError {
-    #[error("sampling completions of dataset row {row}: {source}")]
-    Generate {
-        row: usize,
-        #[source]
-        source: GenerateError,
-    },
-    #[error("decoding a completion of dataset row {row}: {message}")]
-    Decode { row: usize, message: String },
-    #[error("scoring the completions of step {step}: {source}")]
-    Reward {
-        step: usize,
-        #[source]
-        source: RewardError,
-    },
-    #[error(transparent)]
-    Loss(#[from] GrpoLossError),
-}
 
 /// GRPO's settings, resolved from the config.
 #[derive(Debug, Clone, PartialEq)]
