@@ -306,3 +306,47 @@ fn grpo_configs_refuse_what_they_would_ignore_by_name() {
         tune_ok(&["validate", config, "--recipe", recipe]);
     }
 }
+
+/// `enable_activation_checkpointing: True` recomputes each policy layer in GRPO's backward
+/// pass: the same first update (its rollouts are the same) as without it.
+#[test]
+fn grpo_with_activation_checkpointing_makes_the_same_update() {
+    let plain = temp_dir("grpo-plain");
+    let checkpointed = temp_dir("grpo-ac");
+    // A constant rate from the first step, so the update moves the adapters.
+    let common = [
+        "num_steps=1",
+        "save_adapter_weights_only=False",
+        "lr_scheduler._component_=torchtune.training.lr_schedulers.get_constant_schedule_with_warmup",
+        "lr_scheduler.num_warmup_steps=0",
+    ];
+    let (o1, o2) = (output(plain.path()), output(checkpointed.path()));
+    tune_ok(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &o1,
+        &common,
+    ));
+    let with_ac = [&common[..], &["enable_activation_checkpointing=True"]].concat();
+    tune_ok(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &o2,
+        &with_ac,
+    ));
+    for key in ["rewards", "grad_norm"] {
+        assert_same_curve(
+            key,
+            &column_by_step(checkpointed.path(), key),
+            &column_by_step(plain.path(), key),
+            1e-5,
+        );
+    }
+    let epoch = |d: &Path| model_of(&d.join("epoch_0"));
+    assert_same_tensors(
+        "epoch_0",
+        epoch(checkpointed.path()),
+        epoch(plain.path()),
+        1e-6,
+    );
+}
