@@ -58,7 +58,6 @@ pub fn run<B: AutodiffBackend>(
         &data.tokenizer,
         rewards,
         reference,
-        keys.temperature,
     );
     session.announce(|| {
         format!(

@@ -50,7 +50,6 @@ pub fn run<B: AutodiffBackend>(
         &data.tokenizer,
         rewards,
         Some(GrpoReference::AdaptersDisabled),
-        keys.temperature,
     );
     session.announce(|| {
         format!(

@@ -260,7 +260,9 @@ pub struct CommandReward {
 
 impl CommandReward {
     /// Starts `argv` (program and arguments) now, so a wrong path fails before the first
-    /// rollout. `timeout` bounds each batch, from its first line written to its last answer read.
+    /// rollout. Its rewards are logged as `rewards/<name>`, the name being the file name, without
+    /// its extension, of the last argument that is not an option (`reward` for
+    /// `[python3, reward.py]`). `timeout` bounds each batch, from its first line written to its last answer read.
     pub fn start(argv: Vec<String>, timeout: Duration) -> std::result::Result<Self, CommandError> {
         if argv.is_empty() {
             return Err(CommandError::Empty);
@@ -280,13 +282,6 @@ impl CommandReward {
             timeout,
             running: Some(running),
         })
-    }
-
-    /// Logs the rewards as `rewards/<name>` (default: the file name, without its extension, of
-    /// the command's last argument that is not an option: `reward` for `[python3, reward.py]`).
-    pub fn with_name(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        self
     }
 
     fn command(&self) -> String {

@@ -300,7 +300,6 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         tokenizer: &'a Tokenizer,
         rewards: Vec<Weighted>,
         reference: Option<GrpoReference<B>>,
-        temperature: f64,
     ) -> Self {
         // Metric names live as long as the run's metrics: one leak per reward function.
         let reward_metrics = rewards
@@ -309,7 +308,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
             .collect();
         let loss = GrpoLoss {
             loss: settings.loss,
-            temperature,
+            temperature: settings.sampling.sampling.temperature,
             activation_checkpointing: settings.activation_checkpointing,
             rollouts: None,
         };
@@ -448,27 +447,22 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
             .collect();
 
         // 3. Advantages: within each group, or over the world's whole batch.
-        let advantages =
-            if self.settings.scale_rewards == ScaleRewards::Batch && world.is_distributed() {
-                let all = world.all_gather(
-                    Tensor::<B::InnerBackend, 1>::from_floats(totals.as_slice(), &device),
-                    "the batch's rewards",
-                )?;
-                let all = HostTensor::from_tensor(&all).data;
-                let mine = group_advantages(&all, g, ScaleRewards::Batch).map_err(loss_error)?;
-                let start = world.rank * totals.len();
-                GroupAdvantagesOf {
-                    advantages: mine.advantages[start..start + totals.len()].to_vec(),
-                    frac_reward_zero_std: mine.frac_reward_zero_std,
-                }
-            } else {
-                let a = group_advantages(&totals, g, self.settings.scale_rewards)
-                    .map_err(loss_error)?;
-                GroupAdvantagesOf {
-                    advantages: a.advantages,
-                    frac_reward_zero_std: a.frac_reward_zero_std,
-                }
-            };
+        let advantages = if self.settings.scale_rewards == ScaleRewards::Batch
+            && world.is_distributed()
+        {
+            let all = world.all_gather(
+                Tensor::<B::InnerBackend, 1>::from_floats(totals.as_slice(), &device),
+                "the batch's rewards",
+            )?;
+            let all = HostTensor::from_tensor(&all).data;
+            let mut mine = group_advantages(&all, g, ScaleRewards::Batch).map_err(loss_error)?;
+            // This rank's completions: its place in the rank-ordered gather.
+            let start = world.rank * totals.len();
+            mine.advantages = mine.advantages[start..start + totals.len()].to_vec();
+            mine
+        } else {
+            group_advantages(&totals, g, self.settings.scale_rewards).map_err(loss_error)?
+        };
 
         // 4. The sequences to train on.
         let mut rows = Vec::with_capacity(samples.len() * g);
@@ -528,12 +522,6 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         );
         Ok((rollouts, stats))
     }
-}
-
-/// A group's advantages, whichever way they were normalised.
-struct GroupAdvantagesOf {
-    advantages: Vec<f32>,
-    frac_reward_zero_std: f32,
 }
 
 fn rollout_error(e: RolloutError) -> TrainError {
@@ -776,20 +764,10 @@ impl RolloutStats {
 }
 
 impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
+    /// This rank's batches of prompts (`gradient_accumulation_steps` is 1 for GRPO), at most
+    /// `max_steps_per_epoch`, as for a dataset's batches.
     fn steps_per_epoch(&self, trainer: &Trainer<B>) -> Result<usize, TrainError> {
-        let steps = self.loader.num_batches_per_rank(trainer.world.size);
-        let steps = match trainer.settings.max_steps_per_epoch {
-            Some(max) => steps.min(max),
-            None => steps,
-        };
-        if steps == 0 {
-            return Err(TrainError::TooLittleData {
-                batches: 0,
-                batch_size: self.loader.config().batch_size,
-                accum: 1,
-            });
-        }
-        Ok(steps)
+        trainer.steps_per_epoch(self.loader)
     }
 
     fn step(

@@ -657,7 +657,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Optimizer steps per epoch: this rank's batches over the accumulation steps, at most
     /// `max_steps_per_epoch`; at least one, or the data is too little.
-    fn steps_per_epoch(&self, loader: &DataLoader) -> Result<usize, TrainError> {
+    pub(super) fn steps_per_epoch(&self, loader: &DataLoader) -> Result<usize, TrainError> {
         let accum = self.settings.gradient_accumulation_steps.max(1);
         let batches = loader.num_batches_per_rank(self.world.size);
         let mut steps = batches / accum;

@@ -157,8 +157,8 @@ keys! {
     }
     /// Completions sampled per prompt (the group whose rewards normalise each other).
     grpo_samples: usize = required().range(|v| v >= 1.0, "at least 1").fingerprint(),
-    /// Prompts generated (and scored by the old and reference policies) together; default
-    /// `batch_size`.
+    /// Prompts scored by the old and reference policies in one forward pass (default
+    /// `batch_size`); each prompt's completions are sampled together, one group at a time.
     forward_batch_size: Option<usize> = optional().range(|v| v >= 1.0, "at least 1"),
     /// The longest completion, in tokens.
     max_generated_tokens: usize = required().range(|v| v >= 1.0, "at least 1").fingerprint(),
