@@ -95,19 +95,22 @@ fn full_grpo_raises_its_reward_against_a_frozen_reference() {
 /// default: the LoRA base and the full policy and its reference sharded) with one prompt each.
 #[test]
 fn two_grpo_workers_sample_and_train_like_one_device() {
-    for (single, distributed, config) in [
-        (
-            LORA,
-            "grpo_lora_finetune_distributed",
-            "tiny/grpo_lora_single_device",
-        ),
-        (
-            FULL,
-            "dev/grpo_full_finetune_distributed",
-            "tiny/grpo_full_single_device",
-        ),
-    ] {
-        let steps = ["num_steps=4", "ppo_epochs=2"];
+    // The third run normalises the advantages over the whole batch (gathered from both ranks).
+    let batch_scale: &[&str] = &["scale_rewards=batch"];
+    let lora = (
+        LORA,
+        "grpo_lora_finetune_distributed",
+        "tiny/grpo_lora_single_device",
+    );
+    let full = (
+        FULL,
+        "dev/grpo_full_finetune_distributed",
+        "tiny/grpo_full_single_device",
+    );
+    for ((single, distributed, config), extra) in
+        [(lora, &[][..]), (full, &[][..]), (lora, batch_scale)]
+    {
+        let steps = [&["num_steps=4", "ppo_epochs=2"][..], extra].concat();
         let one = temp_dir("grpo-one");
         let two = temp_dir("grpo-two");
         let (o1, o2) = (output(one.path()), output(two.path()));
