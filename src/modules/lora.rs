@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -90,7 +90,7 @@ impl<B: Backend> Lora<B> {
     pub fn forward(&self, x: Tensor<B, 2>, train: bool) -> Tensor<B, 2> {
         let x = if train && self.dropout > 0.0 {
             let keep = 1.0 - self.dropout;
-            let mask = x.random_like(Distribution::Bernoulli(keep));
+            let mask = super::dropout::keep_mask(&x, keep);
             x * mask / keep
         } else {
             x

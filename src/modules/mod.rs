@@ -1,5 +1,6 @@
 //! Building blocks shared by every model: linear layers with LoRA and fake quantization, norms.
 
+pub mod dropout;
 pub mod fake_quant;
 pub mod frozen_nf4;
 pub mod linear;

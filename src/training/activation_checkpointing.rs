@@ -15,7 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::models::decoder::{DecoderLayer, OutputHead};
 use crate::models::{CausalLm, TokenBatch};
-use crate::modules::ForwardMode;
+use crate::modules::{ForwardMode, dropout};
 
 /// Seeds each layer's random draws (LoRA dropout) from the step seed, so the recomputation
 /// draws exactly what the forward pass drew.
@@ -69,7 +69,7 @@ pub fn forward_backward<B: AutodiffBackend>(
     let mut next = (!layers.is_empty() && !keep).then(|| gather_inner(0));
     for i in 0..layers.len() {
         layer_inputs.push(h.clone());
-        B::seed(&device, layer_seed(step_seed, i));
+        dropout::seed_thread(layer_seed(step_seed, i));
         if keep {
             let whole = model.layer(i).into_owned();
             h = whole.valid().forward(h, &inner_ctx, None);
@@ -116,7 +116,7 @@ pub fn forward_backward<B: AutodiffBackend>(
             break;
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
-        B::seed(&device, layer_seed(step_seed, i));
+        dropout::seed_thread(layer_seed(step_seed, i));
         let prefetch = (prefetch_beside && !keep && i > 0).then_some(|| gather(i - 1));
         let (mut layer_grads, prefetched) = overlap(prefetch, || {
             let y = layer.forward(x.clone(), &ctx, None);

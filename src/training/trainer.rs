@@ -251,7 +251,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             global_step: self.state.global_step,
             seed,
         };
-        B::seed(&device, seed);
+        crate::modules::dropout::seed_thread(seed);
         let mut accumulator = GradAccumulator::<B>::default();
         // The loss and metric sums stay on the device until the step's one read below: a read
         // per micro-batch would make a GPU wait for the host.
