@@ -27,7 +27,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Reference: frozen, off the autodiff graph; not loaded when the KL term is off.
     let reference = match &keys.ref_checkpointer {
-        Some(ref_cfg) if cfg.loss.kl_coeff() != 0.0 => {
+        Some(ref_cfg) if cfg.loss.grpo_kl_weight() != 0.0 => {
             let key = "ref_checkpointer";
             let frozen =
                 model::frozen_reference::<B::InnerBackend>(ref_cfg, key, &run, &ctx.device)?;

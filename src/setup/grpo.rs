@@ -160,7 +160,7 @@ pub fn settings(cfg: &TrainConfig, keys: &GrpoKeys, tokenizer: &Tokenizer) -> Gr
         ppo_epochs: keys.ppo_epochs,
         num_steps: keys.num_steps,
         save_every_n_epochs: keys.save_every_n_epochs,
-        loss: super::loss::grpo(&cfg.loss),
+        loss: super::loss::grpo(&cfg.loss, keys.max_generated_tokens),
         scale_rewards: keys.scale_rewards,
         mask_truncated_completions: keys.mask_truncated_completions,
         activation_checkpointing: cfg.enable_activation_checkpointing,

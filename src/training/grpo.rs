@@ -30,7 +30,9 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 use super::activation_checkpointing;
 use super::error::{RolloutError, TrainError};
 use super::grpo_loss::{
-    GrpoLossError, ScaleRewards, TorchtuneGrpoSettings, group_advantages, torchtune_grpo_loss,
+    GrpoLossError, GrpoObjective, ImportanceSamplingLevel, ScaleRewards, TorchtuneGrpoSettings,
+    TrlAccumulation, TrlGrpoInputs, TrlGrpoSettings, group_advantages, torchtune_grpo_loss,
+    trl_grpo_loss,
 };
 use super::loss::{IGNORE_INDEX, next_token_targets, target_log_probs};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
@@ -75,7 +77,7 @@ pub struct GrpoSettings {
     /// Stop after this many batches (`num_steps`).
     pub num_steps: Option<usize>,
     pub save_every_n_epochs: usize,
-    pub loss: TorchtuneGrpoSettings,
+    pub loss: GrpoObjective,
     pub scale_rewards: ScaleRewards,
     /// Completions that hit `max_generated_tokens` leave the loss (TRL's).
     pub mask_truncated_completions: bool,
@@ -114,6 +116,10 @@ pub struct Rollouts {
     pub ref_log_probs: Option<Vec<f32>>,
     /// Per row.
     pub advantages: Vec<f32>,
+    /// The ranks the batch is split over, and the completion tokens the loss counts on all
+    /// of them (TRL's `num_processes` and `num_items_in_batch`, dapo's normaliser).
+    pub ranks: usize,
+    pub world_counted_tokens: f64,
 }
 
 impl Rollouts {
@@ -175,11 +181,13 @@ fn float_grid<B: Backend>(
 }
 
 /// The GRPO loss step: the policy's log-probabilities of the current rollouts through
-/// torchtune's GRPO loss. Its gradient contract is the trainer's: it returns the mean loss over
-/// the rows (`weight` = rows), whose gradient the trainer takes (or that activation
-/// checkpointing computed for `loss * weight`).
+/// torchtune's or TRL's GRPO loss. Its gradient contract is the trainer's: it returns this
+/// rank's loss with `weight` = rows, whose gradient the trainer takes (or that activation
+/// checkpointing computed for `loss * weight`). Every rank has as many rows, so the world's
+/// gradient is the mean of the ranks' losses' gradients, as DDP makes TRL's (its dapo
+/// normaliser already counts every rank's tokens).
 pub struct GrpoLoss {
-    pub loss: TorchtuneGrpoSettings,
+    pub loss: GrpoObjective,
     pub temperature: f64,
     pub activation_checkpointing: bool,
     /// The rollouts the next updates train on ([`GrpoSteps`] sets them each step).
@@ -203,7 +211,7 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let mask = bool_grid::<B>(&r.mask, rows, width, &device);
         let advantages =
             crate::precision::f32_tensor::<B, 1>(r.advantages.clone(), [rows], &device);
-        let settings = self.loss;
+        let objective = self.loss;
         let temperature = self.temperature;
         let mut scored = None;
         let (loss, grads) = activation_checkpointing::loss_and_grads(
@@ -216,26 +224,33 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
             |logits| {
                 let pi = completion_log_probs(logits, r, temperature);
                 let detached = pi.clone().detach();
-                let old = match &r.old_log_probs {
-                    Some(old) => float_grid(old, rows, width, &device),
-                    None => detached.clone(),
+                let old = r
+                    .old_log_probs
+                    .as_ref()
+                    .map(|old| float_grid(old, rows, width, &device));
+                let reference = r
+                    .ref_log_probs
+                    .as_ref()
+                    .map(|reference| float_grid(reference, rows, width, &device));
+                let approx_kl = (detached.clone() - old.clone().unwrap_or(detached.clone()))
+                    .powi_scalar(2)
+                    .mean()
+                    * 0.5;
+                let out = match objective {
+                    GrpoObjective::Torchtune(settings) => torchtune_loss(
+                        settings,
+                        pi,
+                        old,
+                        reference,
+                        advantages.clone(),
+                        mask.clone(),
+                    ),
+                    GrpoObjective::Trl(settings) => {
+                        trl_loss(settings, r, pi, old, reference, &advantages, &mask)
+                    }
                 };
-                // Without a KL term the reference is never read: the policy stands in (KL 0).
-                let reference = match &r.ref_log_probs {
-                    Some(reference) => float_grid(reference, rows, width, &device),
-                    None => detached.clone(),
-                };
-                let approx_kl = (detached - old.clone()).powi_scalar(2).mean() * 0.5;
-                let out = torchtune_grpo_loss(
-                    settings,
-                    old,
-                    pi,
-                    reference,
-                    advantages.clone(),
-                    mask.clone(),
-                );
                 let loss = match &out {
-                    Ok(o) => o.loss.clone(),
+                    Ok((loss, _)) => loss.clone(),
                     Err(_) => Tensor::zeros([1], &device),
                 };
                 scored = Some((out, approx_kl));
@@ -243,16 +258,9 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
             },
         );
         let (out, approx_kl) = scored.expect("loss_and_grads calls the loss closure once");
-        let out = out.map_err(|e| TrainError::Rollout(Box::new(RolloutError::Loss(e))))?;
-        let mut metrics = vec![
-            ("policy_loss", out.policy_loss.inner()),
-            ("ratios", out.ratios.inner()),
-            ("clipfrac", out.clipfrac.inner()),
-            ("approx_policy_kl", approx_kl.inner()),
-        ];
-        if r.ref_log_probs.is_some() {
-            metrics.push(("kl_loss", out.kl_loss.inner()));
-        }
+        let (_, mut metrics) =
+            out.map_err(|e| TrainError::Rollout(Box::new(RolloutError::Loss(e))))?;
+        metrics.push(("approx_policy_kl", approx_kl.inner()));
         Ok(StepOutput {
             loss,
             weight: rows,
@@ -273,6 +281,108 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
             GrpoLossError::Setting("GRPO has no validation loss".into()),
         ))))
     }
+}
+
+/// A loss and its metrics (`[1]` tensors off the autodiff graph).
+type ScoredLoss<B> = (
+    Tensor<B, 1>,
+    Vec<(
+        &'static str,
+        Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
+    )>,
+);
+
+/// torchtune's GRPO losses. The padding of every log-probability tensor is 1.0, as
+/// torchtune's; without old log-probabilities (one PPO epoch) or a reference (no KL term), the
+/// policy's own stand in, detached: ratio 1, KL 0.
+fn torchtune_loss<B: AutodiffBackend>(
+    settings: TorchtuneGrpoSettings,
+    pi: Tensor<B, 2>,
+    old: Option<Tensor<B, 2>>,
+    reference: Option<Tensor<B, 2>>,
+    advantages: Tensor<B, 1>,
+    mask: Tensor<B, 2, Bool>,
+) -> Result<ScoredLoss<B>, GrpoLossError> {
+    let detached = pi.clone().detach();
+    let with_reference = reference.is_some();
+    let out = torchtune_grpo_loss(
+        settings,
+        old.unwrap_or_else(|| detached.clone()),
+        pi,
+        reference.unwrap_or(detached),
+        advantages,
+        mask,
+    )?;
+    let mut metrics = vec![
+        ("policy_loss", out.policy_loss.inner()),
+        ("ratios", out.ratios.inner()),
+        ("clipfrac", out.clipfrac.inner()),
+    ];
+    if with_reference {
+        metrics.push(("kl_loss", out.kl_loss.inner()));
+    }
+    Ok((out.loss, metrics))
+}
+
+/// TRL's `GRPOTrainer` loss over this rank's rows: one optimizer step per batch of rollouts
+/// (TRL's `steps_per_generation` and `gradient_accumulation_steps` 1), its normalisers over
+/// the world's ranks, and TRL's metrics under TRL's names (means over the world's tokens or completions, as TRL's).
+fn trl_loss<B: AutodiffBackend>(
+    settings: TrlGrpoSettings,
+    rollouts: &Rollouts,
+    pi: Tensor<B, 2>,
+    old: Option<Tensor<B, 2>>,
+    reference: Option<Tensor<B, 2>>,
+    advantages: &Tensor<B, 1>,
+    mask: &Tensor<B, 2, Bool>,
+) -> Result<ScoredLoss<B>, GrpoLossError> {
+    let device = pi.device();
+    let accumulation = TrlAccumulation {
+        num_processes: rollouts.ranks,
+        ..TrlAccumulation::single(rollouts.world_counted_tokens)
+    };
+    let out = trl_grpo_loss(
+        settings,
+        accumulation,
+        TrlGrpoInputs {
+            per_token_logps: pi,
+            old_per_token_logps: old,
+            ref_per_token_logps: reference,
+            advantages: advantages.clone(),
+            completion_mask: mask.clone(),
+        },
+    )?;
+    let m = out.metrics;
+    // TRL's token means are over the world's tokens. The trainer averages a metric over the
+    // ranks (their rows are equal), so a rank's token mean is weighted by its share of them.
+    let counted = rollouts.mask.iter().filter(|&&m| m).count() as f64;
+    let token_share =
+        (counted * rollouts.ranks as f64 / rollouts.world_counted_tokens.max(1.0)) as f32;
+    let clip_share = match settings.importance_sampling_level {
+        ImportanceSamplingLevel::Token => token_share,
+        // One ratio per completion: means over completions, equal on every rank.
+        ImportanceSamplingLevel::Sequence => 1.0,
+    };
+    let value =
+        |v: f32, share: f32| Tensor::<B::InnerBackend, 1>::from_floats([v * share], &device);
+    let mut metrics = vec![
+        (
+            "clip_ratio/low_mean",
+            value(m.clip_ratio_low_mean, clip_share),
+        ),
+        (
+            "clip_ratio/high_mean",
+            value(m.clip_ratio_high_mean, clip_share),
+        ),
+        (
+            "clip_ratio/region_mean",
+            value(m.clip_ratio_region_mean, clip_share),
+        ),
+    ];
+    if let Some(kl) = m.kl {
+        metrics.push(("kl", value(kl, token_share)));
+    }
+    Ok((out.loss, metrics))
 }
 
 /// The steps of a GRPO run: one batch of prompts each, rolled out, then `ppo_epochs` updates.
@@ -477,6 +587,15 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         }
         let mut rollouts = collate_rollouts(&rows, self.settings.pad_id);
         rollouts.advantages = advantages.advantages;
+        if world.is_distributed() && matches!(self.settings.loss, GrpoObjective::Trl(_)) {
+            rollouts.ranks = world.size;
+            rollouts.world_counted_tokens = sync::all_reduce_scalars::<B::InnerBackend>(
+                world,
+                &[rollouts.world_counted_tokens],
+                &device,
+                "the batch's counted completion tokens",
+            )?[0];
+        }
 
         // 5. The old policy's and the reference's log-probabilities, a few prompts at a time.
         let rows_per_pass = self.settings.prompts_per_pass.max(1) * g;
@@ -489,7 +608,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
                 self.temperature(),
             )?);
         }
-        if self.settings.loss.kl_coeff != 0.0 {
+        if self.settings.loss.kl_weight() != 0.0 {
             let reference = match &self.reference {
                 Some(GrpoReference::Frozen(frozen)) => score(
                     frozen,
@@ -572,6 +691,7 @@ fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
         mask.extend((0..width).map(|c| r.counts && c < r.completion.len()));
         trained += r.completion.len();
     }
+    let mask_count = mask.iter().filter(|&&m| m).count();
     Rollouts {
         batch: Batch {
             tokens,
@@ -588,6 +708,8 @@ fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
         old_log_probs: None,
         ref_log_probs: None,
         advantages: Vec::new(),
+        ranks: 1,
+        world_counted_tokens: mask_count as f64,
     }
 }
 
@@ -641,6 +763,8 @@ impl Rollouts {
                 .get(start..end)
                 .map(<[f32]>::to_vec)
                 .unwrap_or_default(),
+            ranks: self.ranks,
+            world_counted_tokens: self.world_counted_tokens,
         }
     }
 }

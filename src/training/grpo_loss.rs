@@ -104,6 +104,30 @@ impl Default for TorchtuneGrpoSettings {
     }
 }
 
+/// The GRPO recipes' policy loss, as `loss._component_` names it: one of torchtune's classes
+/// or TRL's `GRPOTrainer` loss.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GrpoObjective {
+    Torchtune(TorchtuneGrpoSettings),
+    Trl(TrlGrpoSettings),
+}
+
+impl GrpoObjective {
+    /// The KL term's weight (`kl_coeff`, TRL's `beta`); at 0 no reference model is run.
+    pub fn kl_weight(&self) -> f64 {
+        match self {
+            Self::Torchtune(s) => s.kl_coeff,
+            Self::Trl(s) => s.beta,
+        }
+    }
+}
+
+impl Default for GrpoObjective {
+    fn default() -> Self {
+        Self::Torchtune(TorchtuneGrpoSettings::default())
+    }
+}
+
 /// What torchtune's GRPO losses return, in their order: `(loss, policy_loss, kl_loss, ratios,
 /// clipfrac)`. Each is `[1]`; everything but `loss` is detached, as in torchtune.
 pub struct TorchtuneGrpoOutput<B: Backend> {

@@ -91,12 +91,46 @@ fn full_grpo_raises_its_reward_against_a_frozen_reference() {
     assert!(dir.path().join("epoch_0/model.safetensors").is_file());
 }
 
+/// `loss: tune.loss.TRLGRPOLoss` trains on TRL's GRPOTrainer loss (here Dr. GRPO's constant
+/// normaliser with GSPO's sequence-level ratio and a KL term), logging TRL's metrics.
+#[test]
+fn trls_grpo_loss_raises_the_reward_and_logs_trls_metrics() {
+    let dir = temp_dir("grpo-trl");
+    let out = output(dir.path());
+    tune_ok(&run_args(
+        LORA,
+        "tiny/grpo_lora_single_device",
+        &out,
+        &[
+            "loss={_component_: tune.loss.TRLGRPOLoss, loss_type: dr_grpo, beta: 0.04, importance_sampling_level: sequence, epsilon_high: 0.28}",
+            "ppo_epochs=2",
+        ],
+    ));
+    assert_reward_rises(dir.path());
+    let metrics = read_metrics(&dir.path().join("logs/metrics.jsonl"));
+    // The second pass over a batch moves the ratio away from 1: some sequences clip.
+    let clipped = column(&metrics, "clip_ratio/region_mean");
+    assert!(clipped.iter().any(|&c| c > 0.0), "{clipped:?}");
+    let kl = column(&metrics, "kl");
+    assert!(
+        kl[0].abs() < 1e-6,
+        "the policy starts as the reference: {kl:?}"
+    );
+    assert!(kl.iter().any(|&k| k > 1e-4), "{kl:?}");
+    // torchtune's loss metrics belong to torchtune's losses.
+    assert!(metrics[0].get("clipfrac").is_none() && metrics[0].get("kl_loss").is_none());
+}
+
 /// Four batches of 2 prompts, two updates each: one device, and two workers (FSDP, the
 /// default: the LoRA base and the full policy and its reference sharded) with one prompt each.
 #[test]
 fn two_grpo_workers_sample_and_train_like_one_device() {
-    // The third run normalises the advantages over the whole batch (gathered from both ranks).
+    // The third run normalises the advantages over the whole batch (gathered from both ranks);
+    // the fourth trains on TRL's dapo loss, whose normaliser counts the tokens of every rank,
+    // with a KL term against the adapters-disabled base.
     let batch_scale: &[&str] = &["scale_rewards=batch"];
+    let trl_dapo: &[&str] =
+        &["loss={_component_: tune.loss.TRLGRPOLoss, loss_type: dapo, beta: 0.04}"];
     let lora = (
         LORA,
         "grpo_lora_finetune_distributed",
@@ -107,9 +141,12 @@ fn two_grpo_workers_sample_and_train_like_one_device() {
         "dev/grpo_full_finetune_distributed",
         "tiny/grpo_full_single_device",
     );
-    for ((single, distributed, config), extra) in
-        [(lora, &[][..]), (full, &[][..]), (lora, batch_scale)]
-    {
+    for ((single, distributed, config), extra) in [
+        (lora, &[][..]),
+        (full, &[][..]),
+        (lora, batch_scale),
+        (lora, trl_dapo),
+    ] {
         let steps = [&["num_steps=4", "ppo_epochs=2"][..], extra].concat();
         let one = temp_dir("grpo-one");
         let two = temp_dir("grpo-two");
@@ -127,6 +164,9 @@ fn two_grpo_workers_sample_and_train_like_one_device() {
         if single == FULL {
             keys.push("kl_loss");
         }
+        if extra == trl_dapo {
+            keys.extend(["kl", "clip_ratio/region_mean"]);
+        }
         for key in keys {
             assert_same_curve(
                 &format!("{distributed}: {key}"),
@@ -135,8 +175,8 @@ fn two_grpo_workers_sample_and_train_like_one_device() {
                 1e-4,
             );
         }
-        // GRPOSimpleLoss's value is minus the mean advantage plus the KL term: near zero, so
-        // compared absolutely.
+        // GRPOSimpleLoss's value is minus the mean advantage plus the KL term, TRL's a token
+        // mean of the same: near zero, so compared absolutely.
         let (l2, l1) = (
             column_by_step(two.path(), "loss"),
             column_by_step(one.path(), "loss"),
@@ -149,7 +189,10 @@ fn two_grpo_workers_sample_and_train_like_one_device() {
             );
         }
         let epoch = |d: &Path| model_of(&d.join("epoch_0"));
-        assert_same_tensors(distributed, epoch(two.path()), epoch(one.path()), 1e-5);
+        // With the KL term the reference's log-probabilities are scored in passes of other
+        // sizes on each rank: AdamW's normalised steps carry their rounding further.
+        let tol = if extra == trl_dapo { 3e-5 } else { 1e-5 };
+        assert_same_tensors(distributed, epoch(two.path()), epoch(one.path()), tol);
     }
 }
 
@@ -276,6 +319,21 @@ fn grpo_configs_refuse_what_they_would_ignore_by_name() {
             "full GRPO needs the frozen reference",
         ),
         (LORA, &["temperature=0"], "every advantage 0"),
+        (
+            LORA,
+            &["loss={_component_: tune.loss.TRLGRPOLoss, kl_coeff: 0.1}"],
+            "TRL's loss calls its KL coefficient `beta`",
+        ),
+        (
+            LORA,
+            &["loss.beta=0.04"],
+            "call their KL coefficient `kl_coeff`",
+        ),
+        (
+            LORA,
+            &["loss={_component_: tune.loss.TRLGRPOLoss, loss_type: gspo}"],
+            "expected one of grpo, bnpo, dr_grpo, dapo",
+        ),
     ];
     for (recipe, over, want) in cases {
         let config = if *recipe == LORA {

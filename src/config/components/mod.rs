@@ -98,6 +98,9 @@ pub enum LossKind {
     /// The GRPO recipes' policy losses (`training::grpo_loss`): torchtune's `GRPOLoss`,
     /// `GRPOCompletionLoss` and `GRPOSimpleLoss`.
     Grpo(crate::training::grpo_loss::TorchtuneGrpoLoss),
+    /// TRL's `GRPOTrainer` loss (`loss_type` grpo, bnpo, dr_grpo, dapo; GSPO by
+    /// `importance_sampling_level: sequence`).
+    TrlGrpo,
 }
 
 /// A reward function of the GRPO recipes' `reward_functions` (`crate::rewards`).

@@ -354,6 +354,12 @@ static TABLE: &[Entry] = &[
         &["torchtune.dev.grpo.loss.GRPOSimpleLoss"],
         Component::Loss(LossKind::Grpo(TorchtuneGrpoLoss::Simple)),
     ),
+    // TRL's GRPOTrainer computes its loss inside the trainer: no class to alias.
+    e(
+        "tune.loss.TRLGRPOLoss",
+        &[],
+        Component::Loss(LossKind::TrlGrpo),
+    ),
     // Reward functions (the GRPO recipes' `reward_functions`)
     e(
         "tune.rewards.gsm8k_shaped_correctness",

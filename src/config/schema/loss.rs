@@ -1,40 +1,90 @@
 //! `loss` and knowledge distillation's `kd_loss`.
 
+use serde::Serialize;
+
 use crate::config::components::LossKind;
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, default, join, keys, optional};
+use crate::config::keys::{Checker, join, keys, optional};
+use crate::config::values::choices;
+use crate::training::grpo_loss::{ImportanceSamplingLevel, TrlLossType};
+
+choices!(TrlLossType {
+    "grpo" => TrlLossType::Grpo,
+    "bnpo" => TrlLossType::Bnpo,
+    "dr_grpo" => TrlLossType::DrGrpo,
+    "dapo" => TrlLossType::Dapo,
+});
+
+impl Serialize for TrlLossType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match self {
+            Self::Grpo => "grpo",
+            Self::Bnpo => "bnpo",
+            Self::DrGrpo => "dr_grpo",
+            Self::Dapo => "dapo",
+        })
+    }
+}
+
+choices!(ImportanceSamplingLevel {
+    "token" => ImportanceSamplingLevel::Token,
+    "sequence" => ImportanceSamplingLevel::Sequence,
+});
+
+impl Serialize for ImportanceSamplingLevel {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match self {
+            Self::Token => "token",
+            Self::Sequence => "sequence",
+        })
+    }
+}
 
 keys! {
-    /// A loss: token cross-entropy, DPO's, or a distillation divergence.
+    /// A loss: token cross-entropy, DPO's, a distillation divergence or a GRPO policy loss.
+    /// Each component reads only its own settings ([`LossConfig::settings`]); a setting of
+    /// another component is refused by name.
     pub struct LossConfig {
         section: "loss",
         component: LossKind,
+        rule: loss_settings,
     }
-    /// DPO: the KL penalty's strength (it scales the log-ratio margin).
-    beta: f64 = default(|| 0.1).range(
-        |v| v.is_finite() && v > 0.0,
-        "a positive number (torchtune's default is 0.1)",
-    ),
+    /// DPO: the KL penalty's strength (it scales the log-ratio margin; default 0.1,
+    /// torchtune's). TRL's GRPO loss: the KL coefficient (default 0, TRL's: no reference).
+    beta: Option<f64> = optional().range(|v| v.is_finite() && v >= 0.0, "0 or a positive number"),
     /// DPO: the assumed probability that a preference label is flipped (conservative DPO).
-    label_smoothing: f64 = default(|| 0.0).range(
+    label_smoothing: Option<f64> = optional().range(
         |v| (0.0..0.5).contains(&v),
         "from 0 up to, not including, 0.5",
     ),
     /// Row chunks of the output projection and cross-entropy (memory, not maths; default 8,
     /// 1 for none).
     num_output_chunks: Option<usize> = optional(),
-    /// GRPO: the weight of the KL penalty against the reference (default 0.1, torchtune's;
-    /// 0 skips the reference's forward pass).
+    /// torchtune's GRPO losses: the weight of the KL penalty against the reference (default
+    /// 0.1, torchtune's; 0 skips the reference's forward pass).
     kl_coeff: Option<f64> = optional().range(
         |v| v.is_finite() && v >= 0.0,
         "0 or a positive number",
     ),
-    /// GRPO: the policy ratio is clipped to `[1 - epsilon, 1 + epsilon]` (default 0.1,
-    /// torchtune's; `GRPOSimpleLoss` has no clipping).
+    /// GRPO: the policy ratio's clip range `[1 - epsilon, 1 + epsilon]` (default 0.1 for
+    /// torchtune's losses, 0.2 for TRL's; `GRPOSimpleLoss` has no clipping).
     epsilon: Option<f64> = optional().range(
         |v| v.is_finite() && v > 0.0,
         "a positive number",
     ),
+    /// TRL's GRPO loss: how the per-token losses are averaged (TRL's `loss_type`, default
+    /// `dapo`).
+    loss_type: Option<TrlLossType> = optional(),
+    /// TRL's GRPO loss: the upper clip `1 + epsilon_high` (DAPO's clip-higher; default
+    /// `epsilon`).
+    epsilon_high: Option<f64> = optional().range(
+        |v| v.is_finite() && v > 0.0,
+        "a positive number",
+    ),
+    /// TRL's GRPO loss: one importance ratio per `token`, or per `sequence` (GSPO).
+    importance_sampling_level: Option<ImportanceSamplingLevel> = optional(),
+    /// TRL's GRPO loss: the k3 KL times the importance ratio (TRL's default, true).
+    use_bias_correction_kl: Option<bool> = optional(),
     /// `SymmetricKLLoss`: the forward KL's share (default 0.5).
     sym_kd_ratio: Option<f64> = optional().range(
         |v| (0.0..=1.0).contains(&v),
@@ -43,19 +93,127 @@ keys! {
 }
 
 impl LossConfig {
-    /// GRPO's KL coefficient, torchtune's 0.1 when left out.
+    /// The settings each loss reads: torchtune's class's own arguments. `num_output_chunks`
+    /// (torchtune's chunked cross-entropy and KL classes) shapes memory, not the result.
+    fn settings(kind: LossKind) -> &'static [&'static str] {
+        match kind {
+            LossKind::CrossEntropy | LossKind::ForwardKl | LossKind::ReverseKl => {
+                &["num_output_chunks"]
+            }
+            LossKind::SymmetricKl => &["num_output_chunks", "sym_kd_ratio"],
+            LossKind::Dpo => &["beta", "label_smoothing"],
+            LossKind::Grpo(_) => &["kl_coeff", "epsilon"],
+            LossKind::TrlGrpo => &[
+                "beta",
+                "epsilon",
+                "epsilon_high",
+                "loss_type",
+                "importance_sampling_level",
+                "use_bias_correction_kl",
+            ],
+        }
+    }
+
+    /// The settings this section sets.
+    fn set(&self) -> Vec<&'static str> {
+        [
+            ("beta", self.beta.is_some()),
+            ("label_smoothing", self.label_smoothing.is_some()),
+            ("num_output_chunks", self.num_output_chunks.is_some()),
+            ("kl_coeff", self.kl_coeff.is_some()),
+            ("epsilon", self.epsilon.is_some()),
+            ("loss_type", self.loss_type.is_some()),
+            ("epsilon_high", self.epsilon_high.is_some()),
+            (
+                "importance_sampling_level",
+                self.importance_sampling_level.is_some(),
+            ),
+            (
+                "use_bias_correction_kl",
+                self.use_bias_correction_kl.is_some(),
+            ),
+            ("sym_kd_ratio", self.sym_kd_ratio.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, on)| on.then_some(k))
+        .collect()
+    }
+
+    /// DPO's `beta`, torchtune's 0.1 when left out.
+    pub fn dpo_beta(&self) -> f64 {
+        self.beta.unwrap_or(0.1)
+    }
+
+    /// DPO's `label_smoothing`, torchtune's 0 when left out.
+    pub fn label_smoothing(&self) -> f64 {
+        self.label_smoothing.unwrap_or(0.0)
+    }
+
+    /// torchtune's GRPO KL coefficient, 0.1 when left out.
     pub fn kl_coeff(&self) -> f64 {
         self.kl_coeff.unwrap_or(0.1)
     }
 
-    /// GRPO's clip range, torchtune's 0.1 when left out.
+    /// GRPO's clip range: torchtune's 0.1, or TRL's 0.2 for its loss, when left out.
     pub fn epsilon(&self) -> f64 {
-        self.epsilon.unwrap_or(0.1)
+        let default = if self.component == LossKind::TrlGrpo {
+            0.2
+        } else {
+            0.1
+        };
+        self.epsilon.unwrap_or(default)
+    }
+
+    /// The weight of a GRPO loss's KL term (`kl_coeff`, or TRL's `beta`, default 0): 0 means
+    /// no reference model is run.
+    pub fn grpo_kl_weight(&self) -> f64 {
+        match self.component {
+            LossKind::TrlGrpo => self.beta.unwrap_or(0.0),
+            _ => self.kl_coeff(),
+        }
     }
 
     /// `sym_kd_ratio`, torchtune's 0.5 when left out.
     pub fn sym_kd_ratio(&self) -> f64 {
         self.sym_kd_ratio.unwrap_or(0.5)
+    }
+}
+
+/// A setting the component does not read is refused by name (a `kl_coeff` on TRL's loss,
+/// which reads `beta`, would otherwise be silently ignored).
+fn loss_settings(loss: &LossConfig, path: &str, cx: &mut Checker) {
+    let reads = LossConfig::settings(loss.component);
+    let name = crate::config::components::Component::Loss(loss.component).canonical_name();
+    for key in loss.set() {
+        if !reads.contains(&key) {
+            let instead = match (loss.component, key) {
+                (LossKind::TrlGrpo, "kl_coeff") => {
+                    " (TRL's loss calls its KL coefficient `beta`)".to_string()
+                }
+                (LossKind::Grpo(_), "beta") => {
+                    " (torchtune's GRPO losses call their KL coefficient `kl_coeff`)".to_string()
+                }
+                _ => String::new(),
+            };
+            cx.problem(
+                Problem::new(
+                    ProblemKind::UnknownKey,
+                    join(path, key),
+                    format!("`{key}` is not a setting of `{name}`{instead}"),
+                )
+                .with_fix(format!("remove it: `{name}` reads {}", reads.join(", "))),
+            );
+        }
+    }
+    if loss.component == LossKind::Dpo && loss.beta == Some(0.0) {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                join(path, "beta"),
+                "DPO's beta must be positive: at 0 its loss is constant and nothing trains",
+            )
+            .with_fix("torchtune's default is 0.1"),
+        );
     }
 }
 
@@ -69,27 +227,11 @@ pub(super) fn recipe_loss(loss: &LossConfig, path: &str, cx: &mut Checker) {
             LossKind::Grpo(TorchtuneGrpoLoss::Simple),
             LossKind::Grpo(TorchtuneGrpoLoss::Token),
             LossKind::Grpo(TorchtuneGrpoLoss::Completion),
+            LossKind::TrlGrpo,
         ],
         _ => &[LossKind::CrossEntropy],
     };
     allowed(loss, path, expected, cx);
-    if !matches!(loss.component, LossKind::Grpo(_)) {
-        for (key, set) in [
-            ("kl_coeff", loss.kl_coeff.is_some()),
-            ("epsilon", loss.epsilon.is_some()),
-        ] {
-            if set {
-                cx.problem(
-                    Problem::new(
-                        ProblemKind::UnknownKey,
-                        join(path, key),
-                        format!("`{key}` is a GRPO loss setting; this loss does not read it"),
-                    )
-                    .with_fix(format!("remove `{path}.{key}`")),
-                );
-            }
-        }
-    }
 }
 
 /// Distillation's divergence.
