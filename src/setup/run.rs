@@ -215,6 +215,12 @@ pub fn fingerprint(
     world_size: usize,
 ) -> RunFingerprint {
     let mut keys = fingerprint_entries(cfg, own);
+    cfg.loss
+        .keep_earlier_fingerprints("loss", &mut keys.entries);
+    if let RecipeKeys::KnowledgeDistillation(kd) = own {
+        kd.kd_loss
+            .keep_earlier_fingerprints("kd_loss", &mut keys.entries);
+    }
     keys.entries.insert("seed".into(), seed.into());
     keys.entries.insert(
         "batch_size".into(),

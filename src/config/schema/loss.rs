@@ -173,6 +173,26 @@ impl LossConfig {
         }
     }
 
+    /// `beta` and `label_smoothing` had defaults (0.1, 0) before each loss read only its own
+    /// settings, so every earlier checkpoint's fingerprint holds a value for them: the
+    /// fingerprint (entries under `section`) holds the values the loss uses, and those
+    /// checkpoints resume.
+    pub fn keep_earlier_fingerprints(
+        &self,
+        section: &str,
+        entries: &mut serde_json::Map<String, serde_json::Value>,
+    ) {
+        let beta = match self.component {
+            LossKind::TrlGrpo => self.grpo_kl_weight(),
+            _ => self.dpo_beta(),
+        };
+        entries.insert(join(section, "beta"), beta.into());
+        entries.insert(
+            join(section, "label_smoothing"),
+            self.label_smoothing().into(),
+        );
+    }
+
     /// `sym_kd_ratio`, torchtune's 0.5 when left out.
     pub fn sym_kd_ratio(&self) -> f64 {
         self.sym_kd_ratio.unwrap_or(0.5)
