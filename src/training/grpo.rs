@@ -363,8 +363,9 @@ fn trl_loss<B: AutodiffBackend>(
         // One ratio per completion: means over completions, equal on every rank.
         ImportanceSamplingLevel::Sequence => 1.0,
     };
-    let value =
-        |v: f32, share: f32| Tensor::<B::InnerBackend, 1>::from_floats([v * share], &device);
+    let value = |v: f32, share: f32| {
+        crate::precision::f32_tensor::<B::InnerBackend, 1>(vec![v * share], [1], &device)
+    };
     let mut metrics = vec![
         (
             "clip_ratio/low_mean",
@@ -561,7 +562,11 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
             && world.is_distributed()
         {
             let all = world.all_gather(
-                Tensor::<B::InnerBackend, 1>::from_floats(totals.as_slice(), &device),
+                crate::precision::f32_tensor::<B::InnerBackend, 1>(
+                    totals.clone(),
+                    [totals.len()],
+                    &device,
+                ),
                 "the batch's rewards",
             )?;
             let all = HostTensor::from_tensor(&all).data;

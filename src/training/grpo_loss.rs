@@ -162,7 +162,7 @@ pub fn torchtune_grpo_loss<B: Backend>(
     check_shape("ref_logprobs", &ref_logprobs.dims(), &[batch, seq])?;
     check_shape("advantages", &advantages.dims(), &[batch])?;
     check_shape("padding_masks", &padding_masks.dims(), &[batch, seq])?;
-    let mask = padding_masks.float();
+    let mask = fp32(padding_masks);
     let TorchtuneGrpoSettings {
         loss,
         epsilon,
@@ -175,7 +175,7 @@ pub fn torchtune_grpo_loss<B: Backend>(
             let advantages = advantages.unsqueeze_dim::<2>(1).expand([batch, seq]);
             let clipped = advantages.clone() * clipped_ratios;
             let unclipped = advantages * ratios.clone();
-            let clipfrac = masked_mean(clipped.clone().lower(unclipped.clone()).float(), &mask);
+            let clipfrac = masked_mean(fp32(clipped.clone().lower(unclipped.clone())), &mask);
             // torch.minimum(clipped, unclipped)
             let policy_loss = masked_mean(clipped.min_pair(unclipped), &mask);
             let kl_loss = masked_mean(k3(ref_logprobs, pi_logprobs), &mask);
@@ -199,7 +199,7 @@ pub fn torchtune_grpo_loss<B: Backend>(
             let clipped_ratios = ratios.clone().clamp(1.0 - epsilon, 1.0 + epsilon);
             let clipped = advantages.clone() * clipped_ratios.expand([batch]);
             let unclipped = advantages * ratios.clone().expand([batch]);
-            let clipfrac = clipped.clone().lower(unclipped.clone()).float().mean();
+            let clipfrac = fp32(clipped.clone().lower(unclipped.clone())).mean();
             let policy_loss = clipped.min_pair(unclipped).mean();
             // masked_mean(kl [1], padding_masks [batch, seq]) broadcasts the one value.
             let kl = (ref_log_ratio.clone().exp() - ref_log_ratio - 1.0)
@@ -231,11 +231,17 @@ pub fn torchtune_grpo_loss<B: Backend>(
                 loss,
                 policy_loss,
                 kl_loss,
-                ratios: Tensor::from_floats([1.0], &device),
-                clipfrac: Tensor::from_floats([0.0], &device),
+                ratios: crate::precision::f32_tensor(vec![1.0], [1], &device),
+                clipfrac: crate::precision::f32_tensor(vec![0.0], [1], &device),
             }
         }
     })
+}
+
+/// A mask as fp32 0/1 values, whatever the device's default float dtype: the losses compute in
+/// fp32 (the log-probabilities are), and bf16 training must not mix the two.
+fn fp32<B: Backend, const D: usize>(mask: Tensor<B, D, Bool>) -> Tensor<B, D> {
+    crate::precision::to_f32(mask.float())
 }
 
 /// The k3 estimator of KL(pi || ref) per token, `exp(ref - pi) - (ref - pi) - 1` (Schulman's),
@@ -464,7 +470,7 @@ pub fn trl_grpo_loss<B: Backend>(
         ));
     }
 
-    let mask = completion_mask.float();
+    let mask = fp32(completion_mask);
     let old = old_per_token_logps.unwrap_or_else(|| per_token_logps.clone().detach());
     let log_ratio = per_token_logps.clone() - old;
     // [batch, seq] per token, [batch, 1] per sequence.
@@ -566,7 +572,7 @@ fn trl_metrics<B: Backend>(
         .greater_elem(1.0 + settings.epsilon_high)
         .bool_and(advantages.greater_elem(0.0));
     let region = low.clone().bool_or(high.clone());
-    let (low, high, region) = (low.float(), high.float(), region.float());
+    let (low, high, region) = (fp32(low), fp32(high), fp32(region));
     TrlGrpoMetrics {
         kl: per_token_kl.map(|kl| {
             // The KL is per token even at sequence level.

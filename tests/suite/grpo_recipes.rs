@@ -121,6 +121,30 @@ fn trls_grpo_loss_raises_the_reward_and_logs_trls_metrics() {
     assert!(metrics[0].get("clipfrac").is_none() && metrics[0].get("kl_loss").is_none());
 }
 
+/// GRPO in bf16 (weights, rollouts, the reference, the update; losses in fp32): LoRA with
+/// torchtune's loss and full GRPO with TRL's and its KL term both raise the reward.
+#[test]
+fn grpo_in_bf16_raises_its_reward() {
+    for (recipe, config, extra) in [
+        (LORA, "tiny/grpo_lora_single_device", &[][..]),
+        (
+            FULL,
+            "tiny/grpo_full_single_device",
+            &["loss={_component_: tune.loss.TRLGRPOLoss, loss_type: dapo, beta: 0.01}"][..],
+        ),
+    ] {
+        let dir = temp_dir("grpo-bf16");
+        let out = output(dir.path());
+        tune_ok(&run_args(
+            recipe,
+            config,
+            &out,
+            &[&["dtype=bf16"][..], extra].concat(),
+        ));
+        assert_reward_rises(dir.path());
+    }
+}
+
 /// Four batches of 2 prompts, two updates each: one device, and two workers (FSDP, the
 /// default: the LoRA base and the full policy and its reference sharded) with one prompt each.
 #[test]
