@@ -145,6 +145,45 @@ fn grpo_in_bf16_raises_its_reward() {
     }
 }
 
+/// `mask_truncated_completions: True` (TRL's): completions cut off by `max_generated_tokens`
+/// leave the loss. The tiny model rarely stops on its own, so with no extra stop tokens every
+/// completion is cut off and nothing trains; with a third of the vocabulary as stop tokens,
+/// most stop, and the runs with and without the mask part at the first batch with a cut-off
+/// completion.
+#[test]
+fn truncated_completions_leave_the_loss_when_masked() {
+    let run = |mask: bool, extra: &[&str]| {
+        let dir = temp_dir("grpo-mask-truncated");
+        let out = output(dir.path());
+        let mask = format!("mask_truncated_completions={mask}");
+        let args = [&["num_steps=3", mask.as_str()][..], extra].concat();
+        tune_ok(&run_args(LORA, "tiny/grpo_lora_single_device", &out, &args));
+        read_metrics(&dir.path().join("logs/metrics.jsonl"))
+    };
+    let all_cut = run(true, &[]);
+    assert_eq!(column(&all_cut, "num_stop_tokens"), vec![0.0; 3]);
+    assert_eq!(column(&all_cut, "grad_norm"), vec![0.0; 3], "nothing trains");
+
+    let ids: Vec<String> = (0..2048).step_by(3).map(|i| i.to_string()).collect();
+    let stops = format!("stop_token_ids=[{}]", ids.join(","));
+    let (masked, plain) = (run(true, &[&stops]), run(false, &[&stops]));
+    let rows = 16.0; // batch_size 2 x grpo_samples 8
+    let stopped = column(&plain, "num_stop_tokens");
+    let first_cut = stopped
+        .iter()
+        .position(|&s| s < rows)
+        .expect("some batch has a cut-off completion");
+    assert!(stopped[first_cut] > 0.0, "and some that stopped: {stopped:?}");
+    let (gm, gp) = (column(&masked, "grad_norm"), column(&plain, "grad_norm"));
+    for step in 0..first_cut {
+        assert_eq!(gm[step], gp[step], "every completion stopped at step {step}");
+    }
+    assert!(
+        (gm[first_cut] - gp[first_cut]).abs() > 1e-3 * gp[first_cut],
+        "the cut-off completion changed nothing: {gm:?} vs {gp:?}"
+    );
+}
+
 /// Four batches of 2 prompts, two updates each: one device, and two workers (FSDP, the
 /// default: the LoRA base and the full policy and its reference sharded) with one prompt each.
 #[test]
