@@ -162,7 +162,11 @@ fn truncated_completions_leave_the_loss_when_masked() {
     };
     let all_cut = run(true, &[]);
     assert_eq!(column(&all_cut, "num_stop_tokens"), vec![0.0; 3]);
-    assert_eq!(column(&all_cut, "grad_norm"), vec![0.0; 3], "nothing trains");
+    assert_eq!(
+        column(&all_cut, "grad_norm"),
+        vec![0.0; 3],
+        "nothing trains"
+    );
 
     let ids: Vec<String> = (0..2048).step_by(3).map(|i| i.to_string()).collect();
     let stops = format!("stop_token_ids=[{}]", ids.join(","));
@@ -173,10 +177,16 @@ fn truncated_completions_leave_the_loss_when_masked() {
         .iter()
         .position(|&s| s < rows)
         .expect("some batch has a cut-off completion");
-    assert!(stopped[first_cut] > 0.0, "and some that stopped: {stopped:?}");
+    assert!(
+        stopped[first_cut] > 0.0,
+        "and some that stopped: {stopped:?}"
+    );
     let (gm, gp) = (column(&masked, "grad_norm"), column(&plain, "grad_norm"));
     for step in 0..first_cut {
-        assert_eq!(gm[step], gp[step], "every completion stopped at step {step}");
+        assert_eq!(
+            gm[step], gp[step],
+            "every completion stopped at step {step}"
+        );
     }
     assert!(
         (gm[first_cut] - gp[first_cut]).abs() > 1e-3 * gp[first_cut],
@@ -331,6 +341,57 @@ fn a_reward_program_that_fails_stops_the_run_naming_it_and_the_row() {
     assert!(err.contains("reward command `sh -c"), "{err}");
     assert!(err.contains("not-a-number"), "{err}");
     assert!(err.contains("\"completion\""), "the row: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// One of two workers fails (its reward program crashes on its prompt) while the other has
+/// gone on to the step's collectives: the run ends at once, naming the rank, the program and
+/// the row, never waiting forever.
+#[test]
+fn a_rank_whose_reward_fails_stops_every_rank_naming_it() {
+    let dir = temp_dir("grpo-rank-fails");
+    // Rows alternate: rank 0 reads the even ones, rank 1 the odd ones (no shuffle).
+    let rows: Vec<String> = (0..8)
+        .map(|i| {
+            let prompt = if i % 2 == 1 {
+                "poison this one"
+            } else {
+                "tell me about trees"
+            };
+            format!("{{\"instruction\": \"{prompt}\"}}")
+        })
+        .collect();
+    let data = dir.path().join("prompts.json");
+    std::fs::write(&data, format!("[{}]", rows.join(","))).unwrap();
+    let out = output(&dir.path().join("run"));
+    let data_files = format!("dataset.data_files={}", data.display());
+    let started = Instant::now();
+    let result = tune(&[
+        "run",
+        "--nproc_per_node",
+        "2",
+        "grpo_lora_finetune_distributed",
+        "--config",
+        "tiny/grpo_lora_single_device",
+        &out,
+        &data_files,
+        "shuffle=False",
+        "batch_size=1",
+        "forward_batch_size=1",
+        "num_steps=2",
+        "reward_functions=[{_component_: tune.rewards.command, name: picky, command: [sh, -c, 'while read l; do case \"$l\" in *poison*) echo boom >&2; exit 3;; esac; echo 1; done']}]",
+    ]);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert!(!result.status.success(), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "it waited: {err}"
+    );
+    assert!(err.contains("rank 1 failed"), "{err}");
+    assert!(
+        err.contains("poison this one") && err.contains("boom"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
