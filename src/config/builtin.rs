@@ -82,6 +82,7 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("smollm2/135M_full_single_device", FullFinetune),
     builtin!("smollm2/135M_grpo_lora_single_device", GrpoLora),
     builtin!("smollm2/135M_lora_single_device", LoraFinetune),
+    builtin!("smollm3/3B_lora_single_device", LoraFinetune),
     builtin!("tiny/full", FullFinetune, distributed),
     builtin!("tiny/full_dpo", FullDpo, distributed),
     builtin!("tiny/full_dpo_single_device", FullDpo),

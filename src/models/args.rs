@@ -20,6 +20,8 @@ pub enum Family {
     Gemma2,
     /// Gemma 3's text-only models (`Gemma3ForCausalLM`, model_type `gemma3_text`).
     Gemma3,
+    /// SmolLM3: Llama with layers that apply no RoPE (`no_rope_layers`).
+    SmolLm3,
 }
 
 impl Family {
@@ -32,6 +34,7 @@ impl Family {
         "gemma",
         "gemma2",
         "gemma3_text",
+        "smollm3",
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Self> {
@@ -44,6 +47,7 @@ impl Family {
             "gemma" => Self::Gemma,
             "gemma2" => Self::Gemma2,
             "gemma3_text" => Self::Gemma3,
+            "smollm3" => Self::SmolLm3,
             _ => return None,
         })
     }
@@ -58,6 +62,7 @@ impl Family {
             Self::Gemma => "gemma",
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
+            Self::SmolLm3 => "smollm3",
         }
     }
 
@@ -127,6 +132,9 @@ pub struct ModelArgs {
     /// with `i - window < j <= i`), by layer index; empty when none does.
     pub sliding_layers: Vec<bool>,
     pub sliding_window: Option<usize>,
+    /// SmolLM3: which layers rotate q and k (`no_rope_layers`, 1 = RoPE), by layer index;
+    /// empty when every layer does.
+    pub rope_layers: Vec<bool>,
     /// Gemma 2/3: the attention and MLP outputs are normalised too (`post_attention_layernorm`
     /// on the attention output, `pre_feedforward_layernorm` / `post_feedforward_layernorm`
     /// around the MLP).
@@ -251,6 +259,7 @@ impl ModelArgs {
             .and_then(Value::as_u64)
             .map(|w| w as usize);
         let sliding_layers = sliding_layers(&raw, family, num_layers, sliding_window)?;
+        let rope_layers = rope_layers(&raw, family, num_layers)?;
         let local_rope_theta = match family {
             Family::Gemma3 => Some(
                 local_rope
@@ -281,8 +290,10 @@ impl ModelArgs {
                 .get("max_position_embeddings")
                 .and_then(Value::as_u64)
                 .unwrap_or(4096) as usize,
-            // transformers defaults tie_word_embeddings to true for Gemma and Qwen, false for Llama.
-            tie_word_embeddings: b("tie_word_embeddings").unwrap_or(gemma),
+            // transformers defaults tie_word_embeddings to true for Gemma and SmolLM3, false for
+            // Llama.
+            tie_word_embeddings: b("tie_word_embeddings")
+                .unwrap_or(gemma || family == Family::SmolLm3),
             attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
             mlp_bias: b("mlp_bias").unwrap_or(false),
             qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
@@ -296,6 +307,7 @@ impl ModelArgs {
             final_logit_softcap: cap("final_logit_softcapping").filter(|_| softcaps),
             sliding_window: sliding_window.filter(|_| sliding_layers.iter().any(|s| *s)),
             sliding_layers,
+            rope_layers,
             sandwich_norms: matches!(family, Family::Gemma2 | Family::Gemma3),
             local_rope_theta,
             bos_token_id: ids("bos_token_id").first().copied(),
@@ -342,7 +354,9 @@ fn sliding_layers(
     num_layers: usize,
     window: Option<usize>,
 ) -> Result<Vec<bool>, String> {
-    if window.is_none() {
+    // SmolLM3 slides only behind its switch (transformers ignores `layer_types` without it).
+    let switched_off = raw.get("use_sliding_window").and_then(Value::as_bool) != Some(true);
+    if window.is_none() || (family == Family::SmolLm3 && switched_off) {
         return Ok(Vec::new());
     }
     if let Some(types) = raw.get("layer_types").and_then(Value::as_array) {
@@ -375,6 +389,11 @@ fn sliding_layers(
                 .collect()
         }
         Family::Mistral | Family::Phi3 => vec![true; num_layers],
+        // With its switch on, SmolLM3's NoPE layers slide.
+        Family::SmolLm3 => rope_layers(raw, family, num_layers)?
+            .into_iter()
+            .map(|rope| !rope)
+            .collect(),
         Family::Qwen2 | Family::Qwen3
             if raw.get("use_sliding_window").and_then(Value::as_bool) == Some(true) =>
         {
@@ -384,6 +403,42 @@ fn sliding_layers(
         }
         _ => Vec::new(),
     })
+}
+
+/// Which layers apply RoPE, as transformers' SmolLM3 decides it: `no_rope_layers` (one 0/1 per
+/// layer) when the config has it, else every `no_rope_layer_interval`-th layer (default 4)
+/// goes without. Every other family rotates every layer (empty).
+fn rope_layers(raw: &Value, family: Family, num_layers: usize) -> Result<Vec<bool>, String> {
+    if family != Family::SmolLm3 {
+        return Ok(Vec::new());
+    }
+    if let Some(flags) = raw.get("no_rope_layers").filter(|v| !v.is_null()) {
+        let flags = flags
+            .as_array()
+            .ok_or("\"no_rope_layers\" must be a list of 0 and 1, one per layer")?;
+        if flags.len() != num_layers {
+            return Err(format!(
+                "\"no_rope_layers\" has {} entries for {num_layers} layers",
+                flags.len()
+            ));
+        }
+        return flags
+            .iter()
+            .map(|f| match f.as_u64() {
+                Some(0) => Ok(false),
+                Some(1) => Ok(true),
+                _ => Err(format!(
+                    "\"no_rope_layers\" holds {f}; each entry is 1 (RoPE) or 0 (none)"
+                )),
+            })
+            .collect();
+    }
+    let interval = raw
+        .get("no_rope_layer_interval")
+        .and_then(Value::as_u64)
+        .unwrap_or(4)
+        .max(1) as usize;
+    Ok((0..num_layers).map(|i| (i + 1) % interval != 0).collect())
 }
 
 fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
@@ -418,6 +473,59 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
 
 #[cfg(test)]
 mod tests {
+    fn smollm3(extra: serde_json::Value) -> Result<ModelArgs, String> {
+        let mut raw = serde_json::json!({"model_type": "smollm3", "hidden_size": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 8, "intermediate_size": 128,
+            "vocab_size": 100});
+        for (k, v) in extra.as_object().unwrap() {
+            raw[k] = v.clone();
+        }
+        ModelArgs::from_json(raw)
+    }
+
+    #[test]
+    fn smollm3_reads_its_nope_layers_and_ties_by_default() {
+        let every_fourth = smollm3(serde_json::json!({})).unwrap();
+        let expected: Vec<bool> = (0..8).map(|i| (i + 1) % 4 != 0).collect();
+        assert_eq!(every_fourth.rope_layers, expected);
+        assert!(every_fourth.tie_word_embeddings);
+        assert!(every_fourth.sliding_layers.is_empty());
+        let listed =
+            smollm3(serde_json::json!({"no_rope_layers": [1, 1, 0, 1, 1, 1, 0, 1]})).unwrap();
+        assert_eq!(listed.rope_layers.iter().filter(|r| !**r).count(), 2);
+        // Sliding only behind `use_sliding_window`, on the NoPE layers.
+        let sliding = smollm3(
+            serde_json::json!({"use_sliding_window": true, "sliding_window": 16,
+            "no_rope_layer_interval": 2}),
+        )
+        .unwrap();
+        assert_eq!(
+            sliding.sliding_layers,
+            vec![false, true, false, true, false, true, false, true]
+        );
+        let switched_off = smollm3(serde_json::json!({"sliding_window": 16})).unwrap();
+        assert_eq!(switched_off.sliding_window, None);
+        // Other families rotate every layer.
+        let llama =
+            ModelArgs::from_json(serde_json::json!({"model_type": "llama", "hidden_size": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 100, "no_rope_layers": [0, 0]}))
+            .unwrap();
+        assert!(llama.rope_layers.is_empty());
+    }
+
+    #[test]
+    fn smollm3_refuses_a_malformed_no_rope_list_naming_it() {
+        let short = smollm3(serde_json::json!({"no_rope_layers": [1, 0]})).unwrap_err();
+        assert!(
+            short.contains("\"no_rope_layers\" has 2 entries for 8 layers"),
+            "{short}"
+        );
+        let bad =
+            smollm3(serde_json::json!({"no_rope_layers": [1, 1, 2, 1, 1, 1, 0, 1]})).unwrap_err();
+        assert!(bad.contains("holds 2"), "{bad}");
+    }
+
     use super::*;
 
     #[test]

@@ -322,6 +322,7 @@ impl<B: Backend> Builder<'_, B> {
             scale: a.attn_scale,
             softcap: a.attn_logit_softcap,
             sliding: a.sliding_layers.get(layer).copied().unwrap_or(false),
+            rope: a.rope_layers.get(layer).copied().unwrap_or(true),
         })
     }
 

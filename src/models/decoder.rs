@@ -32,6 +32,8 @@ pub struct Attention<B: Backend> {
     pub softcap: Option<f64>,
     /// Attends through the pass's sliding-window mask (and Gemma 3's local RoPE).
     pub sliding: bool,
+    /// Rotates q and k by position (SmolLM3's NoPE layers do not).
+    pub rope: bool,
 }
 
 /// What every layer of one forward pass shares: RoPE tables, the attention masks, switches.
@@ -84,8 +86,11 @@ impl<B: Backend> Attention<B> {
             (Some((q, k)), true) => (q, k),
             _ => (&ctx.rope_q, &ctx.rope_k),
         };
-        let q = rope::apply(q, rope_q) * self.scale;
-        let k = rope::apply(k, rope_k);
+        let (q, k) = if self.rope {
+            (rope::apply(q, rope_q) * self.scale, rope::apply(k, rope_k))
+        } else {
+            (q * self.scale, k)
+        };
         // Keys and values as `[batch, kv_heads, k_len, head_dim]`, the cache's layout.
         let (mut k, mut v) = (permute(k, [0, 2, 1, 3]), permute(v, [0, 2, 1, 3]));
         if let Some(cache) = cache {

@@ -120,6 +120,32 @@ fn kv_cache_equals_full_forward_gemma2_and_gemma3_sliding_windows() {
     cache_matches_full_recompute("families/gemma3", &prompt);
 }
 
+/// SmolLM3 (NoPE layers): transformers' greedy tokens (KV cache) from
+/// reference/family-fixtures.json, with and without tune's cache, and the cached logits equal
+/// a full recompute at every step.
+#[test]
+fn smollm3_greedy_decoding_matches_transformers() {
+    let text = std::fs::read_to_string(fixture("reference/family-fixtures.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        json["smollm3"]["greedy"][k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, expected) = (ids("prompt"), ids("tokens"));
+    let lm = model("families/smollm3");
+    for use_kv_cache in [true, false] {
+        let mut opts = greedy(expected.len(), use_kv_cache);
+        opts.stop_ids.clear();
+        let out = generate(&lm, &prompt, &opts, |_| {}).unwrap();
+        assert_eq!(out.tokens, expected, "kv cache: {use_kv_cache}");
+    }
+    cache_matches_full_recompute("families/smollm3", &prompt);
+}
+
 #[test]
 fn stops_at_a_stop_token_unless_told_not_to() {
     let r = reference();

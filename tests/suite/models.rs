@@ -136,3 +136,10 @@ fn gemma2_matches_transformers() {
 fn gemma3_matches_transformers() {
     check_model("families/gemma3", "family-gemma3.safetensors");
 }
+
+/// SmolLM3's NoPE layers (1 and 3 of 4) attend without rotating q and k: rotating them would
+/// move the logits by 2.9 (the fixture script checks that).
+#[test]
+fn smollm3_matches_transformers() {
+    check_model("families/smollm3", "family-smollm3.safetensors");
+}

@@ -22,6 +22,8 @@ pub enum ModelFamily {
     Gemma3,
     Llama3_3,
     SmolLM2,
+    /// Not a torchtune module (torchtune has no SmolLM3); `tune.models.smollm3.*` names it.
+    SmolLM3,
 }
 
 /// (family, module name, sizes torchtune ships — used only for suggestions).
@@ -63,6 +65,7 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     (ModelFamily::Gemma3, "gemma3", &["1b"]),
     (ModelFamily::Llama3_3, "llama3_3", &["70b"]),
     (ModelFamily::SmolLM2, "smollm2", &["135m", "360m", "1_7b"]),
+    (ModelFamily::SmolLM3, "smollm3", &["3b"]),
 ];
 
 impl ModelFamily {
