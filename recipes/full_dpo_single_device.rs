@@ -38,7 +38,7 @@ pub fn run<B: AutodiffBackend>(
         loss::dpo(&cfg.loss),
         DpoReference::Frozen(Box::new(reference)),
     );
-    dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
+    dpo.activation_checkpointing = tune::setup::run::checkpointing(cfg);
 
     let seed = run.seed;
     let session = session::session(

@@ -93,7 +93,7 @@ pub fn run<B: AutodiffBackend>(
         teacher: teacher_model,
         objective,
         kd_ratio,
-        activation_checkpointing: cfg.enable_activation_checkpointing,
+        activation_checkpointing: tune::setup::run::checkpointing(cfg),
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
     Ok(())

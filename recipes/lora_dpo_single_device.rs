@@ -36,7 +36,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Loss: DPO against the adapter-free model.
     let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss), DpoReference::AdaptersDisabled);
-    dpo.activation_checkpointing = cfg.enable_activation_checkpointing;
+    dpo.activation_checkpointing = tune::setup::run::checkpointing(cfg);
 
     let seed = run.seed;
     let session = session::session(

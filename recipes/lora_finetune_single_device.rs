@@ -51,7 +51,7 @@ pub fn run<B: AutodiffBackend>(
     });
 
     let mut loss = SftLoss {
-        activation_checkpointing: cfg.enable_activation_checkpointing,
+        activation_checkpointing: settings::checkpointing(cfg),
         output_chunks: settings::output_chunks(cfg),
         fake_quant_after: None,
         ..SftLoss::default()

@@ -58,7 +58,7 @@ pub fn run<B: AutodiffBackend>(
 
     let mut loss = SftLoss {
         fake_quant_after: qat.fake_quant_after_n_steps,
-        activation_checkpointing: cfg.enable_activation_checkpointing,
+        activation_checkpointing: settings::checkpointing(cfg),
         output_chunks: settings::output_chunks(cfg),
         ..SftLoss::default()
     };

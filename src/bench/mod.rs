@@ -311,7 +311,10 @@ pub fn run<B: AutodiffBackend>(
     trainer.time_phases = true;
     let mut loss_step = SftLoss {
         fake_quant_after: None,
-        activation_checkpointing: s.activation_checkpointing,
+        activation_checkpointing:
+            crate::training::activation_checkpointing::Checkpointing::layers_if(
+                s.activation_checkpointing,
+            ),
         output_chunks: s.output_chunks,
         padding_free: !s.keep_padding,
     };

@@ -163,7 +163,7 @@ pub fn settings(cfg: &TrainConfig, keys: &GrpoKeys, tokenizer: &Tokenizer) -> Gr
         loss: super::loss::grpo(&cfg.loss, keys.max_generated_tokens),
         scale_rewards: keys.scale_rewards,
         mask_truncated_completions: keys.mask_truncated_completions,
-        activation_checkpointing: cfg.enable_activation_checkpointing,
+        activation_checkpointing: super::run::checkpointing(cfg),
         pad_id: tokenizer.pad_id().unwrap_or(0),
     }
 }

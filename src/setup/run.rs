@@ -6,9 +6,10 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use crate::config::schema::{RecipeKeys, TrainConfig, fingerprint_entries};
+use crate::config::schema::{Device, RecipeKeys, TrainConfig, fingerprint_entries};
 use crate::distributed::World;
 use crate::models::CausalLm;
+use crate::training::activation_checkpointing::Checkpointing;
 use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
 use crate::training::fsdp::Sharding;
 use crate::training::optimizer::Optimizer;
@@ -32,6 +33,22 @@ pub fn output_chunks(cfg: &TrainConfig) -> usize {
     cfg.loss
         .num_output_chunks
         .unwrap_or(crate::training::chunked_loss::DEFAULT_CHUNKS)
+}
+
+/// `enable_activation_checkpointing` and `enable_activation_offloading` as one setting.
+/// Offloading moves each layer's kept input to host memory; on device cpu that is where it
+/// already lives, so there it changes nothing (validation says so, and refuses offloading
+/// without checkpointing, as torchtune does).
+pub fn checkpointing(cfg: &TrainConfig) -> Checkpointing {
+    let on_host = Device::or_default(cfg.device) == Device::Cpu;
+    match (
+        cfg.enable_activation_checkpointing,
+        cfg.enable_activation_offloading,
+    ) {
+        (false, _) => Checkpointing::Off,
+        (true, true) if !on_host => Checkpointing::LayersOffloaded,
+        (true, _) => Checkpointing::Layers,
+    }
 }
 
 pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {

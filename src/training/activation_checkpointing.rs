@@ -10,12 +10,81 @@
 //! only recomputes element-wise operations and raised peak memory in our measurements.
 
 use burn::module::AutodiffModule;
-use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
 
 use crate::models::decoder::{DecoderLayer, OutputHead};
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::{ForwardMode, dropout};
+
+/// What a training step keeps of each decoder layer for its backward pass
+/// (`enable_activation_checkpointing`, `enable_activation_offloading`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checkpointing {
+    /// Every activation, in the autodiff graph.
+    #[default]
+    Off,
+    /// Each layer's input only; the layer is recomputed in the backward pass.
+    Layers,
+    /// As `Layers`, each input in host memory from its forward until one layer before its
+    /// backward (torchtune's activation offloading): the device holds at most two of them.
+    LayersOffloaded,
+}
+
+impl Checkpointing {
+    /// Per-layer recomputation when `on` (no offloading).
+    pub fn layers_if(on: bool) -> Self {
+        if on { Self::Layers } else { Self::Off }
+    }
+
+    /// Whether the step recomputes each layer in its own backward passes.
+    pub fn recomputes(self) -> bool {
+        self != Self::Off
+    }
+}
+
+thread_local! {
+    /// The most bytes of layer inputs one pass of this thread (a rank's worker) held in host
+    /// memory, since [`take_offloaded_bytes`] last read it.
+    static OFFLOADED_BYTES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The most bytes of layer inputs one pass of the calling thread held in host memory since
+/// the last call (the trainer reads it per step, as the metric `offloaded_activation_bytes`).
+pub fn take_offloaded_bytes() -> usize {
+    OFFLOADED_BYTES.with(|bytes| bytes.replace(0))
+}
+
+/// A layer's input kept for its backward pass: on the device, or offloaded to host memory.
+enum Kept<B: Backend> {
+    Device(Tensor<B, 3>),
+    Host(TensorData),
+}
+
+impl<B: Backend> Kept<B> {
+    fn new(t: Tensor<B, 3>, offload: bool) -> Self {
+        if offload {
+            Self::Host(t.into_data())
+        } else {
+            Self::Device(t)
+        }
+    }
+
+    fn host_bytes(&self) -> usize {
+        match self {
+            Self::Device(_) => 0,
+            Self::Host(data) => data.bytes.len(),
+        }
+    }
+
+    /// On the device again (an upload when it was offloaded).
+    fn on(self, device: &B::Device) -> Tensor<B, 3> {
+        match self {
+            Self::Device(t) => t,
+            Self::Host(data) => Tensor::from_data(data, device),
+        }
+    }
+}
 
 /// Seeds each layer's random draws (LoRA dropout) from the step seed, so the recomputation
 /// draws exactly what the forward pass drew.
@@ -34,6 +103,7 @@ pub fn forward_backward<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
+    offload: bool,
     step_seed: u64,
     head: impl FnOnce(&OutputHead<B>, Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
 ) -> (Tensor<B, 1>, Vec<B::Gradients>) {
@@ -68,7 +138,7 @@ pub fn forward_backward<B: AutodiffBackend>(
     };
     let mut next = (!layers.is_empty() && !keep).then(|| gather_inner(0));
     for i in 0..layers.len() {
-        layer_inputs.push(h.clone());
+        layer_inputs.push(Kept::new(h.clone(), offload));
         dropout::seed_thread(layer_seed(step_seed, i));
         if keep {
             let whole = model.layer(i).into_owned();
@@ -82,6 +152,9 @@ pub fn forward_backward<B: AutodiffBackend>(
         h = out;
         next = prefetched.or_else(|| (i + 1 < layers.len()).then(|| gather_inner(i + 1)));
     }
+
+    let held: usize = layer_inputs.iter().map(Kept::host_bytes).sum();
+    OFFLOADED_BYTES.with(|bytes| bytes.set(bytes.get().max(held)));
 
     // The head (final norm, projection, loss) with autodiff from the top layer's output;
     // FSDP gathers the output end for it and reduce-scatters its gradients.
@@ -110,9 +183,15 @@ pub fn forward_backward<B: AutodiffBackend>(
         Some(layer) => Some(layer),
         None => (!layers.is_empty()).then(|| gather(layers.len() - 1)),
     };
+    // Offloaded inputs come back one layer ahead: layer i - 1's is uploaded while layer i's
+    // backward runs, so the device holds two at most.
+    let mut ahead: Option<Tensor<B::InnerBackend, 3>> = None;
     for i in (0..layers.len()).rev() {
-        let (Some(grad), Some(x), Some(layer)) = (upstream.take(), layer_inputs.pop(), next.take())
-        else {
+        let x = ahead
+            .take()
+            .or_else(|| layer_inputs.pop().map(|kept| kept.on(&device)));
+        ahead = layer_inputs.pop().map(|kept| kept.on(&device));
+        let (Some(grad), Some(x), Some(layer)) = (upstream.take(), x, next.take()) else {
             break;
         };
         let x = Tensor::<B, 3>::from_inner(x).require_grad();
@@ -178,26 +257,27 @@ fn overlap<T, P: Send>(
 
 /// A loss step's forward (and, with checkpointing, backward) pass: `(loss, None)` for the
 /// trainer to back-propagate, or `(loss, Some(gradients))` already computed with per-layer
-/// recomputation when `checkpointing` is on.
+/// recomputation when `checkpointing` recomputes.
 #[allow(clippy::type_complexity)]
 pub fn loss_and_grads<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
-    checkpointing: bool,
+    checkpointing: Checkpointing,
     step_seed: u64,
     weight: f64,
     loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
 ) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
     // A sharded model trains only through per-layer passes: its layers are whole one at a
     // time, and their gradients reach its shards only from here.
-    if checkpointing || model.shards.is_some() {
+    if checkpointing.recomputes() || model.shards.is_some() {
         let head = |output: &OutputHead<B>, top: Tensor<B, 3>| {
             let loss = loss_of_logits(output.logits(output.norm(top), mode));
             let grads = (loss.clone() * weight).backward();
             (loss, vec![grads])
         };
-        let (loss, grads) = forward_backward(model, input, mode, step_seed, head);
+        let offload = checkpointing == Checkpointing::LayersOffloaded;
+        let (loss, grads) = forward_backward(model, input, mode, offload, step_seed, head);
         (loss, Some(grads))
     } else {
         (loss_of_logits(model.forward(input, mode)), None)

@@ -11,7 +11,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::activation_checkpointing;
+use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
 use super::loss::sequence_log_probs;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
@@ -144,7 +144,7 @@ pub struct DpoLoss<B: AutodiffBackend> {
     pub settings: DpoSettings,
     pub reference: DpoReference<B>,
     /// `enable_activation_checkpointing`: recompute each policy layer in the backward pass.
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
 }
 
 impl<B: AutodiffBackend> DpoLoss<B> {
@@ -152,7 +152,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
         Self {
             settings,
             reference,
-            activation_checkpointing: false,
+            activation_checkpointing: Checkpointing::Off,
         }
     }
 

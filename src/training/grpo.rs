@@ -27,7 +27,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
-use super::activation_checkpointing;
+use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo_loss::{
     GrpoLossError, GrpoObjective, ImportanceSamplingLevel, ScaleRewards, TorchtuneGrpoSettings,
@@ -82,7 +82,7 @@ pub struct GrpoSettings {
     /// Completions that hit `max_generated_tokens` leave the loss (TRL's).
     pub mask_truncated_completions: bool,
     /// Recompute each policy layer in the backward pass.
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
     /// The token after a row's end (any: it is never attended to nor trained on).
     pub pad_id: u32,
 }
@@ -189,7 +189,7 @@ fn float_grid<B: Backend>(
 pub struct GrpoLoss {
     pub loss: GrpoObjective,
     pub temperature: f64,
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
     /// The rollouts the next updates train on ([`GrpoSteps`] sets them each step).
     pub rollouts: Option<Rollouts>,
 }
@@ -977,6 +977,7 @@ fn combine(updates: Vec<StepDone>) -> StepDone {
         stop: None,
         times: None,
         gradient_bytes: Default::default(),
+        offloaded_activation_bytes: 0,
     });
     last.loss = loss;
     last.tokens = tokens;

@@ -10,7 +10,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
-use super::activation_checkpointing;
+use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
 use super::loss::{self, flat_logits, next_token_targets};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
@@ -151,7 +151,7 @@ pub struct KdLoss<B: AutodiffBackend> {
     pub objective: KdObjective,
     pub kd_ratio: f64,
     /// `enable_activation_checkpointing`: recompute each student layer in the backward pass.
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
 }
 
 impl<B: AutodiffBackend> KdLoss<B> {

@@ -4,9 +4,10 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
-use super::{activation_checkpointing, chunked_loss, loss};
+use super::{chunked_loss, loss};
 use crate::data::{Batch, IGNORE_INDEX, LONG_PACK, unpad};
 use crate::kernels;
 use crate::models::decoder::OutputHead;
@@ -18,7 +19,7 @@ pub struct SftLoss {
     /// QAT: fake quantization switches on at this step (`fake_quant_after_n_steps`).
     pub fake_quant_after: Option<usize>,
     /// `enable_activation_checkpointing`: recompute each layer in the backward pass.
-    pub activation_checkpointing: bool,
+    pub activation_checkpointing: Checkpointing,
     /// `loss.num_output_chunks`: the output projection and loss run in this many row chunks
     /// when the projection is frozen (see [`chunked_loss`]); 1 turns chunking off.
     pub output_chunks: usize,
@@ -31,7 +32,7 @@ impl Default for SftLoss {
     fn default() -> Self {
         Self {
             fake_quant_after: None,
-            activation_checkpointing: false,
+            activation_checkpointing: Checkpointing::Off,
             output_chunks: chunked_loss::DEFAULT_CHUNKS,
             padding_free: true,
         }
@@ -47,7 +48,7 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     input: TokenBatch<'_>,
     labels: &[i64],
     mode: ForwardMode,
-    (checkpointing, output_chunks): (bool, usize),
+    (checkpointing, output_chunks): (Checkpointing, usize),
     step_seed: u64,
     weight: f64,
 ) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
@@ -68,10 +69,16 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     let head = |output: &OutputHead<B>, hidden| {
         chunked_loss::cross_entropy_backward(output, hidden, labels, mode, weight, &chunks)
     };
-    let (loss, grads) = if checkpointing || model.shards.is_some() {
-        activation_checkpointing::forward_backward(model, input, mode, step_seed, |output, top| {
-            head(output, output.norm(top))
-        })
+    let (loss, grads) = if checkpointing.recomputes() || model.shards.is_some() {
+        let offload = checkpointing == Checkpointing::LayersOffloaded;
+        activation_checkpointing::forward_backward(
+            model,
+            input,
+            mode,
+            offload,
+            step_seed,
+            |output, top| head(output, output.norm(top)),
+        )
     } else {
         head(&model.head(), model.hidden(input, mode, None))
     };

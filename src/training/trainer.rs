@@ -98,6 +98,9 @@ pub struct StepDone {
     /// Bytes of the step's gradients this rank held (with FSDP its rows of the sharded
     /// parameters'), on the device and, with FSDP's CPU offload, in host memory.
     pub gradient_bytes: GradientBytes,
+    /// Activation offloading: the most bytes of layer inputs one pass of the step held in host
+    /// memory (0 without it).
+    pub offloaded_activation_bytes: usize,
 }
 
 /// Where a step's gradients were held, in bytes.
@@ -210,7 +213,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         loss_step: &mut dyn LossStep<B>,
     ) -> Result<(Self, StepDone), TrainError> {
         let mut times = self.time_phases.then(StepTimes::default);
+        super::activation_checkpointing::take_offloaded_bytes();
         let step = self.run_step(micro_batches, loss_step, times.as_mut())?;
+        let offloaded_activation_bytes = super::activation_checkpointing::take_offloaded_bytes();
         let checked = self.guard(&step)?;
         let (mut trainer, lr, grad_norm) = self.update(step.grads, &checked, times.as_mut())?;
         trainer.state.global_step += 1;
@@ -224,6 +229,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             stop: step.totals.stop,
             times,
             gradient_bytes: step.gradient_bytes,
+            offloaded_activation_bytes,
         };
         Ok((trainer, done))
     }
@@ -453,6 +459,13 @@ impl<B: AutodiffBackend> Trainer<B> {
             "optimizer_state_bytes".into(),
             self.optimizer.state_bytes() as f64,
         ));
+        // Activation offloading: the layer inputs one pass kept in host memory.
+        if done.offloaded_activation_bytes > 0 {
+            m.push((
+                "offloaded_activation_bytes".into(),
+                done.offloaded_activation_bytes as f64,
+            ));
+        }
         // FSDP's CPU offload: what this rank keeps in host memory instead.
         if let Some(offload) = &self.offload {
             m.push((

@@ -1,6 +1,6 @@
 //! Activation checkpointing: the per-layer recomputation gives the gradients of a plain
-//! backward pass (LoRA adapters and full fine-tuning with tied embeddings), and the recipe
-//! trains with it.
+//! backward pass (LoRA adapters and full fine-tuning with tied embeddings), with each layer's
+//! input kept on the device or offloaded to host memory, and the recipe trains with it.
 
 use crate::support;
 
@@ -37,27 +37,30 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
         let grads = (loss.clone() * weight).backward();
         (loss, vec![grads])
     };
-    let (ckpt_loss, parts) =
-        activation_checkpointing::forward_backward(&model, input, mode, 7, head);
-    assert!(
-        parts.len() > model.args.num_layers,
-        "one backward per layer plus the head"
-    );
-    let mut acc = step::GradAccumulator::default();
-    for g in parts {
-        acc.add(&model, g);
-    }
-    let ckpt = grad_values(&model, acc.take());
-
     let a: f32 = plain_loss.into_scalar();
-    let b: f32 = ckpt_loss.into_scalar();
-    assert!((a - b).abs() < 1e-6, "loss {a} vs {b}");
     assert_eq!(
         plain.len(),
         expected_params,
         "trainable parameters with gradients"
     );
-    assert_same_grads(&plain, &ckpt);
+    // Each layer's input kept on the device, or offloaded to host memory and brought back one
+    // layer ahead of its backward: the same loss and gradients.
+    for offload in [false, true] {
+        let (ckpt_loss, parts) =
+            activation_checkpointing::forward_backward(&model, input, mode, offload, 7, head);
+        assert!(
+            parts.len() > model.args.num_layers,
+            "one backward per layer plus the head"
+        );
+        let mut acc = step::GradAccumulator::default();
+        for g in parts {
+            acc.add(&model, g);
+        }
+        let ckpt = grad_values(&model, acc.take());
+        let b: f32 = ckpt_loss.into_scalar();
+        assert!((a - b).abs() < 1e-6, "offload {offload}: loss {a} vs {b}");
+        assert_same_grads(&plain, &ckpt);
+    }
 }
 
 #[test]

@@ -80,7 +80,7 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
 
     // The same head under per-layer recomputation.
     let (loss, parts) =
-        activation_checkpointing::forward_backward(&model, input, MODE, 7, |head, top| {
+        activation_checkpointing::forward_backward(&model, input, MODE, false, 7, |head, top| {
             chunked_loss::cross_entropy_backward(
                 head,
                 head.norm(top),

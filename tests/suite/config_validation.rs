@@ -426,6 +426,7 @@ fn unsupported_options_warn() {
         "lora_finetune",
         &[
             "compile=True",
+            "enable_activation_checkpointing=True",
             "enable_activation_offloading=True",
             "profiler={_component_: torchtune.training.setup_torch_profiler, enabled: True, cpu: True}",
             "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
@@ -446,6 +447,12 @@ fn unsupported_options_warn() {
     assert!(
         w.iter().any(|w| w.to_string()
             == "compile: torch.compile has no equivalent here; running uncompiled")
+    );
+    // Offloading on the CPU: the activations are in host memory already.
+    assert!(
+        w.iter().any(|w| w.key == "enable_activation_offloading"
+            && w.to_string().contains("changes nothing")),
+        "{w:?}"
     );
     // Disabled or false options stay quiet.
     assert!(
@@ -881,6 +888,13 @@ fn ranges_setup_used_to_check_and_unbuilt_datasets_are_refused_at_validation() {
             "loss.beta=0",
             "loss.beta",
             "DPO's beta must be positive",
+        ),
+        (
+            "tiny/lora_single_device",
+            "lora_finetune",
+            "enable_activation_offloading=True",
+            "enable_activation_offloading",
+            "but enable_activation_checkpointing is False",
         ),
         (
             "tiny/lora_single_device",

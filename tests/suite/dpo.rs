@@ -304,7 +304,8 @@ fn dpo_step_with_activation_checkpointing_matches_the_plain_step() {
             },
             DpoReference::AdaptersDisabled,
         );
-        step.activation_checkpointing = checkpointing;
+        step.activation_checkpointing =
+            tune::training::activation_checkpointing::Checkpointing::layers_if(checkpointing);
         let out = step.step(&model, &batch, info).unwrap();
         let loss: f32 = out.loss.clone().into_scalar();
         let metrics: Vec<(&str, f64)> = out

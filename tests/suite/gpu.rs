@@ -116,6 +116,44 @@ fn lora_recipe_trains_on_wgpu() {
     );
 }
 
+/// `enable_activation_offloading: True` on wgpu: each decoder layer's input, all activation
+/// checkpointing keeps, waits in host memory between its forward and (one layer ahead of) its
+/// backward, logged as `offloaded_activation_bytes`; the run trains exactly as checkpointing
+/// alone does.
+#[test]
+fn activation_offloading_on_wgpu_trains_as_checkpointing_alone() {
+    let run = |extra: &[&str]| {
+        let out = temp_dir("gpu-offload");
+        let mut args = vec![
+            "device=wgpu",
+            "max_steps_per_epoch=3",
+            "enable_activation_checkpointing=True",
+        ];
+        args.extend_from_slice(extra);
+        let res = tiny_lora(&out, &args);
+        let stderr = String::from_utf8_lossy(&res.stderr).to_string();
+        assert!(res.status.success(), "{stderr}");
+        read_metrics(&out.path().join("logs/metrics.jsonl"))
+    };
+    let kept = run(&[]);
+    let offloaded = run(&["enable_activation_offloading=True"]);
+    for key in ["loss", "grad_norm"] {
+        let (a, b) = (column(&offloaded, key), column(&kept, key));
+        assert_eq!(a.len(), b.len(), "{key}: steps");
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * y.abs(), "{key}: {a:?} vs {b:?}");
+        }
+    }
+    assert!(kept[0].get("offloaded_activation_bytes").is_none());
+    let bytes = column(&offloaded, "offloaded_activation_bytes");
+    // Every layer's input of the largest micro-batch: layers x rows x positions x hidden x 4.
+    let layers_times_hidden = 2.0 * 64.0 * 4.0;
+    assert!(
+        bytes.iter().all(|&b| b > 0.0 && b % layers_times_hidden == 0.0),
+        "{bytes:?}"
+    );
+}
+
 /// What wgpu cannot do is refused by name before anything loads: bf16 (WGSL has no bf16), no
 /// adapter at all (here: a Vulkan loader pointed at no driver), several workers on one adapter.
 #[test]

@@ -73,7 +73,7 @@ pub fn check_kd_step<B: AutodiffBackend>(device: &B::Device) {
         teacher: teacher_on::<B::InnerBackend>(device),
         objective: KdObjective::ForwardKl,
         kd_ratio,
-        activation_checkpointing: false,
+        activation_checkpointing: tune::training::activation_checkpointing::Checkpointing::Off,
     };
 
     // Both forwards.
@@ -334,7 +334,7 @@ fn teacher_with_a_peft_adapter_loads_it() {
         teacher,
         objective: KdObjective::ForwardKl,
         kd_ratio: 0.5,
-        activation_checkpointing: false,
+        activation_checkpointing: tune::training::activation_checkpointing::Checkpointing::Off,
     };
     let base = Reference::open("tiny-llama.safetensors");
     let logits = step.teacher_logits(&reference_batch(&base));
@@ -372,7 +372,8 @@ fn kd_step_with_activation_checkpointing_matches_the_plain_step() {
             teacher: teacher(),
             objective: KdObjective::ForwardKl,
             kd_ratio: 0.5,
-            activation_checkpointing: checkpointing,
+            activation_checkpointing:
+                tune::training::activation_checkpointing::Checkpointing::layers_if(checkpointing),
         };
         let out = step.step(&model, &batch, info).unwrap();
         let loss: f32 = out.loss.clone().into_scalar();

@@ -74,7 +74,10 @@ fn loss_and_grad_values(
         token_batch(batch),
         &batch.labels,
         TRAIN,
-        settings,
+        (
+            tune::training::activation_checkpointing::Checkpointing::layers_if(settings.0),
+            settings.1,
+        ),
         0,
         weight,
     );
@@ -110,7 +113,10 @@ fn sft_step_gives_the_padded_loss_and_gradients() {
 
             let mut sft = SftLoss {
                 fake_quant_after: None,
-                activation_checkpointing: checkpointing,
+                activation_checkpointing:
+                    tune::training::activation_checkpointing::Checkpointing::layers_if(
+                        checkpointing,
+                    ),
                 output_chunks: chunks,
                 padding_free: true,
             };
@@ -163,7 +169,7 @@ fn kd_step_gives_the_padded_losses_and_gradients() {
         teacher: teacher_on::<Cpu>(&Default::default()),
         objective: KdObjective::ForwardKl,
         kd_ratio: 0.5,
-        activation_checkpointing: false,
+        activation_checkpointing: tune::training::activation_checkpointing::Checkpointing::Off,
     };
     let teacher_logits = kd.teacher_logits(&batch);
     let student_logits = model.forward(token_batch(&batch), TRAIN);

@@ -110,6 +110,29 @@ fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
 /// parameter, gradient and optimizer state already lives in host memory, so it changes nothing
 /// and says so. On a GPU it offloads FSDP's shards (`training::offload`), which replicated
 /// weights (`data_parallel_shard_dim: 1`) do not have: that pair is refused.
+/// Activation offloading moves what checkpointing keeps, so it needs checkpointing (torchtune
+/// refuses it without, too); on the CPU, host memory is the device's.
+fn activation_offloading(c: &TrainConfig, cx: &mut Checker) {
+    if !c.enable_activation_offloading {
+        return;
+    }
+    if !c.enable_activation_checkpointing {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "enable_activation_offloading",
+                "offloads the layer inputs activation checkpointing keeps, but enable_activation_checkpointing is False (torchtune refuses this too)",
+            )
+            .with_fix("set `enable_activation_checkpointing: True`, or remove `enable_activation_offloading`"),
+        );
+    } else if Device::or_default(c.device) == Device::Cpu {
+        cx.warn(
+            "enable_activation_offloading",
+            "on device cpu the activations already live in host memory: offloading them changes nothing",
+        );
+    }
+}
+
 fn offload_on_device(c: &TrainConfig, offload: Option<bool>, path: &str, cx: &mut Checker) {
     if offload != Some(true) {
         return;
@@ -251,10 +274,10 @@ keys! {
     dtype: Dtype = default(Dtype::default).rule(trains_in),
     /// Recompute each decoder layer in the backward pass instead of keeping its activations.
     enable_activation_checkpointing: bool = off(),
-    /// torchtune's activation offloading: not supported (activations stay on the device).
-    enable_activation_offloading: bool = off().warn(
-        "activation offloading is not supported; activations stay on the device",
-    ),
+    /// With activation checkpointing, each decoder layer's kept input waits in host memory
+    /// from its forward until one layer before its backward (torchtune's activation
+    /// offloading; cuda and wgpu: on the CPU it already lives there).
+    enable_activation_offloading: bool = off(),
     /// torch.compile: nothing to compile here.
     compile: bool = off().warn("torch.compile has no equivalent here; running uncompiled"),
     /// Log the metrics every this many steps.
@@ -360,6 +383,7 @@ impl TrainConfig {
 
 /// Keys that only mean something together.
 fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
+    activation_offloading(c, cx);
     offload_on_device(c, c.fsdp_cpu_offload, "fsdp_cpu_offload", cx);
     let older = c.fsdp.as_ref().and_then(|f| f.cpu_offload);
     offload_on_device(c, older, "fsdp.cpu_offload", cx);
