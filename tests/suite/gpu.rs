@@ -127,6 +127,7 @@ fn activation_offloading_on_wgpu_trains_as_checkpointing_alone() {
         let mut args = vec![
             "device=wgpu",
             "max_steps_per_epoch=3",
+            "clip_grad_norm=1.0",
             "enable_activation_checkpointing=True",
         ];
         args.extend_from_slice(extra);
