@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use anyhow::anyhow;
 use clap::Parser;
 
+use tune::training::activation_checkpointing::Checkpointing;
 use tune::cli::{CheckpointsAction, Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
@@ -119,6 +120,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             steps,
             lora_rank,
             activation_checkpointing,
+            activation_offloading,
             dtype,
             output_chunks,
             attention,
@@ -138,7 +140,10 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 seq_len,
                 steps,
                 lora_rank,
-                activation_checkpointing,
+                checkpointing: match (activation_checkpointing, activation_offloading) {
+                    (true, true) => Checkpointing::LayersOffloaded,
+                    (checkpointing, _) => Checkpointing::layers_if(checkpointing),
+                },
                 dtype: dtype.into(),
                 output_chunks,
                 attention,

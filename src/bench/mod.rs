@@ -22,6 +22,7 @@ use crate::modules::nf4::Nf4Dtype;
 use crate::precision;
 use crate::precision::Dtype;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
+use crate::training::activation_checkpointing::Checkpointing;
 use crate::training::metrics::{MetricLoggers, peak_memory_bytes};
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
 use crate::training::schedule::Schedule;
@@ -91,9 +92,9 @@ pub struct BenchSettings {
     pub seq_len: usize,
     pub steps: usize,
     pub lora_rank: usize,
-    /// Per-layer activation checkpointing (forward and backward interleave, so the step time
-    /// is reported whole, under backward).
-    pub activation_checkpointing: bool,
+    /// Per-layer activation checkpointing, offloaded or not (forward and backward interleave,
+    /// so the step time is reported whole, under backward).
+    pub checkpointing: Checkpointing,
     /// The run's float dtype, as a config's `dtype` (bf16 is what GPU runs use).
     pub dtype: Dtype,
     /// `loss.num_output_chunks` (chunked output projection and loss when it is frozen).
@@ -141,6 +142,9 @@ pub struct BenchReport {
     pub optimizer_seconds: f64,
     pub step_seconds: f64,
     pub peak_memory_bytes: u64,
+    /// On a GPU: the most device memory the training steps' samples saw (the process's RSS
+    /// above is the host's).
+    pub device_memory: Option<crate::device::DeviceMemory>,
     pub achieved_flops: f64,
     pub matmul_peak_flops: f64,
     /// NF4 modes: bytes the quantized base weights hold per parameter they store.
@@ -311,10 +315,7 @@ pub fn run<B: AutodiffBackend>(
     trainer.time_phases = true;
     let mut loss_step = SftLoss {
         fake_quant_after: None,
-        activation_checkpointing:
-            crate::training::activation_checkpointing::Checkpointing::layers_if(
-                s.activation_checkpointing,
-            ),
+        activation_checkpointing: s.checkpointing,
         output_chunks: s.output_chunks,
         padding_free: !s.keep_padding,
     };
@@ -369,6 +370,9 @@ pub fn run<B: AutodiffBackend>(
             (trainer, done) = trainer
                 .train_step(std::slice::from_ref(&batch), &mut loss_step)
                 .map_err(|e| fail(&e))?;
+            if let Some(now) = done.device_memory {
+                report.device_memory = Some(report.device_memory.map_or(now, |m| m.max(now)));
+            }
             (done.times.unwrap_or_default(), done.tokens)
         };
         if i >= warmup {
@@ -462,6 +466,8 @@ impl BenchReport {
             "backward_seconds": self.backward_seconds,
             "optimizer_seconds": self.optimizer_seconds,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_device_memory_active_bytes": self.device_memory.map(|m| m.in_use),
+            "peak_device_memory_reserved_bytes": self.device_memory.map(|m| m.reserved),
             "load_seconds": self.load_seconds,
             "achieved_flops": self.achieved_flops,
             "matmul_peak_flops": self.matmul_peak_flops,
@@ -500,6 +506,13 @@ impl BenchReport {
             100.0 * self.achieved_flops / self.matmul_peak_flops.max(1.0),
             self.matmul_peak_flops / 1e9,
         );
+        if let Some(device) = self.device_memory {
+            out.push_str(&format!(
+                "\nDevice memory (cubecl's memory manager, sampled in each step): peak {:.3} GB in use, {:.3} GB reserved\n",
+                gb(device.in_use),
+                gb(device.reserved)
+            ));
+        }
         if self.nf4_bytes_per_param > 0.0 {
             out.push_str(&format!(
                 "\nNF4 base weights: {:.4} bytes per parameter\n",

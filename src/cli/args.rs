@@ -156,6 +156,10 @@ pub enum Command {
         /// Per-layer activation checkpointing, as `enable_activation_checkpointing: true`.
         #[arg(long)]
         activation_checkpointing: bool,
+        /// With checkpointing, each layer's kept input in host memory, as
+        /// `enable_activation_offloading: true` (cuda / wgpu).
+        #[arg(long, requires = "activation_checkpointing")]
+        activation_offloading: bool,
         /// Float dtype of weights, activations and optimizer state, as a config's `dtype`.
         #[arg(long, value_enum, default_value = "fp32")]
         dtype: crate::bench::BenchDtype,

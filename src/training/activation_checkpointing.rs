@@ -153,6 +153,9 @@ pub fn forward_backward<B: AutodiffBackend>(
         next = prefetched.or_else(|| (i + 1 < layers.len()).then(|| gather_inner(i + 1)));
     }
 
+    // Every layer's input is kept (on the device, or offloaded): a sample of the device's
+    // memory for the step's peak.
+    crate::device::sample_device_memory(&device);
     let held: usize = layer_inputs.iter().map(Kept::host_bytes).sum();
     OFFLOADED_BYTES.with(|bytes| bytes.set(bytes.get().max(held)));
 
@@ -201,6 +204,7 @@ pub fn forward_backward<B: AutodiffBackend>(
             let y = layer.forward(x.clone(), &ctx, None);
             (y * Tensor::from_inner(grad)).sum().backward()
         });
+        crate::device::sample_device_memory(&device);
         upstream = x.grad(&layer_grads);
         if let Some(shards) = &model.shards {
             shards.scatter_grads::<B, _>(&mut layer_grads, &layer);

@@ -968,6 +968,16 @@ fn combine(updates: Vec<StepDone>) -> StepDone {
     let loss = updates.iter().map(|u| u.loss).sum::<f64>() / n;
     let tokens = updates.iter().map(|u| u.tokens).sum();
     let stop = updates.iter().find_map(|u| u.stop);
+    // The step's peaks are the largest of its updates'.
+    let offloaded_activation_bytes = updates
+        .iter()
+        .map(|u| u.offloaded_activation_bytes)
+        .max()
+        .unwrap_or(0);
+    let device_memory = updates
+        .iter()
+        .filter_map(|u| u.device_memory)
+        .reduce(crate::device::DeviceMemory::max);
     let mut last = updates.into_iter().last().unwrap_or_else(|| StepDone {
         loss: f64::NAN,
         lr: 0.0,
@@ -978,9 +988,12 @@ fn combine(updates: Vec<StepDone>) -> StepDone {
         times: None,
         gradient_bytes: Default::default(),
         offloaded_activation_bytes: 0,
+        device_memory: None,
     });
     last.loss = loss;
     last.tokens = tokens;
+    last.offloaded_activation_bytes = offloaded_activation_bytes;
+    last.device_memory = device_memory;
     last.metrics = metrics;
     last.stop = stop;
     last

@@ -101,6 +101,8 @@ pub struct StepDone {
     /// Activation offloading: the most bytes of layer inputs one pass of the step held in host
     /// memory (0 without it).
     pub offloaded_activation_bytes: usize,
+    /// On a GPU: the most device memory the step's samples saw (`device::sample_device_memory`).
+    pub device_memory: Option<crate::device::DeviceMemory>,
 }
 
 /// Where a step's gradients were held, in bytes.
@@ -214,10 +216,12 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(Self, StepDone), TrainError> {
         let mut times = self.time_phases.then(StepTimes::default);
         super::activation_checkpointing::take_offloaded_bytes();
+        crate::device::take_device_peak();
         let step = self.run_step(micro_batches, loss_step, times.as_mut())?;
         let offloaded_activation_bytes = super::activation_checkpointing::take_offloaded_bytes();
         let checked = self.guard(&step)?;
         let (mut trainer, lr, grad_norm) = self.update(step.grads, &checked, times.as_mut())?;
+        crate::device::sample_device_memory(&trainer.model.device());
         trainer.state.global_step += 1;
         trainer.state.tokens_seen += step.totals.tokens as u64;
         let done = StepDone {
@@ -230,6 +234,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             times,
             gradient_bytes: step.gradient_bytes,
             offloaded_activation_bytes,
+            device_memory: crate::device::take_device_peak(),
         };
         Ok((trainer, done))
     }
@@ -267,6 +272,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             check_vocabulary(batch, self.model.args.vocab_size, self.state.global_step)?;
             let started = Instant::now();
             let mut out = loss_step.step(&self.model, batch, info)?;
+            // The forward's activations are alive here (unless the step ran its own backward).
+            crate::device::sample_device_memory(&device);
             let own_grads = out.grads.is_some();
             let forward_end = self.phase_end(started, &mut times, |t| {
                 if own_grads {
@@ -278,6 +285,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             for grads in out.take_gradients() {
                 accumulator.add(&self.model, grads);
             }
+            crate::device::sample_device_memory(&device);
             self.phase_end(forward_end, &mut times, |t| &mut t.backward);
             sums.add(out.loss.inner(), out.metrics, out.weight as f64);
             weight += out.weight;
@@ -447,6 +455,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         m.extend(done.metrics.iter().map(|(k, v)| ((*k).into(), *v)));
         m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
+        // On a GPU, the device's own memory, in GiB under torchtune's names.
+        if let Some(device) = done.device_memory {
+            let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+            m.push(("peak_memory_active".into(), gib(device.in_use)));
+            m.push(("peak_memory_reserved".into(), gib(device.reserved)));
+        }
         // This rank's weights: with FSDP its rows of each decoder layer, the rest whole.
         m.push((
             "parameter_bytes".into(),

@@ -119,7 +119,7 @@ fn lora_recipe_trains_on_wgpu() {
 /// `enable_activation_offloading: True` on wgpu: each decoder layer's input, all activation
 /// checkpointing keeps, waits in host memory between its forward and (one layer ahead of) its
 /// backward, logged as `offloaded_activation_bytes`; the run trains exactly as checkpointing
-/// alone does.
+/// alone does. Both log the device's own memory (`peak_memory_active`, `peak_memory_reserved`).
 #[test]
 fn activation_offloading_on_wgpu_trains_as_checkpointing_alone() {
     let run = |extra: &[&str]| {
@@ -146,11 +146,24 @@ fn activation_offloading_on_wgpu_trains_as_checkpointing_alone() {
         }
     }
     assert!(kept[0].get("offloaded_activation_bytes").is_none());
+    // The device's own memory, as cubecl's memory manager counts it (GiB, torchtune's names).
+    // (The tiny model's two layers cannot show offloading's saving: one layer ahead is both.)
+    let peak = |m: &[serde_json::Value], key: &str| column(m, key).into_iter().fold(0.0, f64::max);
+    let (active_kept, active_offloaded) = (
+        peak(&kept, "peak_memory_active"),
+        peak(&offloaded, "peak_memory_active"),
+    );
+    eprintln!("peak_memory_active: {active_kept} GiB kept, {active_offloaded} GiB offloaded");
+    for (metrics, active) in [(&kept, active_kept), (&offloaded, active_offloaded)] {
+        assert!(active > 0.0 && peak(metrics, "peak_memory_reserved") >= active);
+    }
     let bytes = column(&offloaded, "offloaded_activation_bytes");
     // Every layer's input of the largest micro-batch: layers x rows x positions x hidden x 4.
     let layers_times_hidden = 2.0 * 64.0 * 4.0;
     assert!(
-        bytes.iter().all(|&b| b > 0.0 && b % layers_times_hidden == 0.0),
+        bytes
+            .iter()
+            .all(|&b| b > 0.0 && b % layers_times_hidden == 0.0),
         "{bytes:?}"
     );
 }
