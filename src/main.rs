@@ -9,12 +9,12 @@ use std::process::ExitCode;
 use anyhow::anyhow;
 use clap::Parser;
 
-use tune::training::activation_checkpointing::Checkpointing;
 use tune::cli::{CheckpointsAction, Cli, CliError, Command, commands};
 use tune::config::RecipeConfig;
 use tune::config::schema::Device;
 use tune::distributed::launch::{LaunchError, LaunchPlan, run_workers};
 use tune::distributed::{WorkerError, World};
+use tune::training::activation_checkpointing::Checkpointing;
 
 // A training step allocates and frees the same activation buffers every time. mimalloc
 // reuses them from thread-local pages instead of going back to glibc's arenas and the

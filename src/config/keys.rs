@@ -270,6 +270,34 @@ pub(crate) fn join(prefix: &str, key: &str) -> String {
     }
 }
 
+/// A component's settings: the ones its section `set` that the component (`name`) does not
+/// `read` are refused by name, since a setting of another component would otherwise be
+/// silently ignored. `hint(key)` may add what to write instead.
+pub(crate) fn refuse_unread_settings(
+    cx: &mut Checker,
+    path: &str,
+    name: &str,
+    (set, reads): (&[&str], &[&str]),
+    hint: impl Fn(&str) -> Option<&'static str>,
+) {
+    for &key in set.iter().filter(|key| !reads.contains(key)) {
+        let instead = hint(key).map(|h| format!(" ({h})")).unwrap_or_default();
+        let fix = if reads.is_empty() {
+            format!("remove it: `{name}` has no settings of its own here")
+        } else {
+            format!("remove it: `{name}` reads {}", reads.join(", "))
+        };
+        cx.problem(
+            Problem::new(
+                ProblemKind::UnknownKey,
+                join(path, key),
+                format!("`{key}` is not a setting of `{name}`{instead}"),
+            )
+            .with_fix(fix),
+        );
+    }
+}
+
 /// The walk's state: the problems and warnings so far, and what rules may ask of the run.
 #[derive(Debug)]
 pub struct Checker {

@@ -8,7 +8,9 @@ use serde::Serialize;
 use super::CheckpointerConfig;
 use crate::config::components::RewardKind;
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, default, join, keys, off, optional, required};
+use crate::config::keys::{
+    Checker, default, join, keys, off, optional, refuse_unread_settings, required,
+};
 use crate::config::recipes::Recipe;
 use crate::config::values::choices;
 use crate::training::grpo_loss::ScaleRewards;
@@ -104,23 +106,7 @@ impl RewardConfig {
 fn reward_rules(r: &RewardConfig, path: &str, cx: &mut Checker) {
     let (reads, needs) = RewardConfig::settings(r.component);
     let name = crate::config::components::Component::Reward(r.component).canonical_name();
-    for key in r.set() {
-        if !reads.contains(&key) {
-            let fix = if reads.is_empty() {
-                format!("remove it: `{name}` has no settings besides weight and name")
-            } else {
-                format!("remove it: `{name}` reads {}", reads.join(", "))
-            };
-            cx.problem(
-                Problem::new(
-                    ProblemKind::UnknownKey,
-                    join(path, key),
-                    format!("`{key}` is not a setting of `{name}`"),
-                )
-                .with_fix(fix),
-            );
-        }
-    }
+    refuse_unread_settings(cx, path, &name, (&r.set(), reads), |_| None);
     for key in needs.iter().filter(|k| !r.set().contains(k)) {
         let example = match *key {
             "command" => "e.g. `command: [python3, reward.py]`",

@@ -4,7 +4,7 @@ use serde::Serialize;
 
 use crate::config::components::LossKind;
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, join, keys, optional};
+use crate::config::keys::{Checker, join, keys, optional, refuse_unread_settings};
 use crate::config::values::choices;
 use crate::training::grpo_loss::{ImportanceSamplingLevel, TrlLossType};
 
@@ -204,27 +204,14 @@ impl LossConfig {
 fn loss_settings(loss: &LossConfig, path: &str, cx: &mut Checker) {
     let reads = LossConfig::settings(loss.component);
     let name = crate::config::components::Component::Loss(loss.component).canonical_name();
-    for key in loss.set() {
-        if !reads.contains(&key) {
-            let instead = match (loss.component, key) {
-                (LossKind::TrlGrpo, "kl_coeff") => {
-                    " (TRL's loss calls its KL coefficient `beta`)".to_string()
-                }
-                (LossKind::Grpo(_), "beta") => {
-                    " (torchtune's GRPO losses call their KL coefficient `kl_coeff`)".to_string()
-                }
-                _ => String::new(),
-            };
-            cx.problem(
-                Problem::new(
-                    ProblemKind::UnknownKey,
-                    join(path, key),
-                    format!("`{key}` is not a setting of `{name}`{instead}"),
-                )
-                .with_fix(format!("remove it: `{name}` reads {}", reads.join(", "))),
-            );
+    let hint = |key: &str| match (loss.component, key) {
+        (LossKind::TrlGrpo, "kl_coeff") => Some("TRL's loss calls its KL coefficient `beta`"),
+        (LossKind::Grpo(_), "beta") => {
+            Some("torchtune's GRPO losses call their KL coefficient `kl_coeff`")
         }
-    }
+        _ => None,
+    };
+    refuse_unread_settings(cx, path, &name, (&loss.set(), reads), hint);
     if loss.component == LossKind::Dpo && loss.beta == Some(0.0) {
         cx.problem(
             Problem::new(
