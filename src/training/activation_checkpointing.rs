@@ -165,8 +165,8 @@ pub fn forward_backward<B: AutodiffBackend>(
     let output = model.head();
     let (loss, mut grads) = head(&output, top.clone());
     let mut upstream = grads
-        .iter()
-        .filter_map(|g| top.grad(g))
+        .iter_mut()
+        .filter_map(|g| top.grad_remove(g))
         .reduce(|a, b| a + b);
     if let Some(shards) = &model.shards {
         for set in &mut grads {
@@ -205,7 +205,9 @@ pub fn forward_backward<B: AutodiffBackend>(
             (y * Tensor::from_inner(grad)).sum().backward()
         });
         crate::device::sample_device_memory(&device);
-        upstream = x.grad(&layer_grads);
+        // Taken out of the layer's set: the sets are kept until the step's update, and the
+        // input's gradient would hold a layer input's worth of memory per layer.
+        upstream = x.grad_remove(&mut layer_grads);
         if let Some(shards) = &model.shards {
             shards.scatter_grads::<B, _>(&mut layer_grads, &layer);
         }
