@@ -80,7 +80,10 @@ pub fn loss_and_grads<B: AutodiffBackend>(
             |output, top| head(output, output.norm(top)),
         )
     } else {
-        head(&model.head(), model.hidden(input, mode, None))
+        let hidden = model.hidden(input, mode, None);
+        // Every layer's activations are alive until the chunks' backward: the device's peak.
+        crate::device::sample_device_memory(&model.device());
+        head(&model.head(), hidden)
     };
     (loss, Some(grads))
 }
