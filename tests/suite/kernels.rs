@@ -178,7 +178,9 @@ fn target_log_probs_match_burn_with_gradients() {
     let (y_fused, g_fused) = run(true);
     let (y_burn, g_burn) = run(false);
     close("target log-probs (autodiff)", y_fused, y_burn, 1e-5);
-    close("target log-probs gradient", g_fused, g_burn, 1e-5);
+    // The gradient is `w * (onehot - softmax)` with row weights up to 9: 1e-5 relative to
+    // them (an absolute 1e-5 failed once in CI at 1.05e-5, a few float32 roundings of 9).
+    close("target log-probs gradient", g_fused, g_burn, 9e-5);
 }
 
 /// The fused masked softmax against the generic path other backends take (forced here by
