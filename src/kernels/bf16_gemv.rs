@@ -47,24 +47,34 @@ fn product(a: Operand<'_>, b: Operand<'_>, native: bool) -> Option<Vec<f32>> {
         .collect();
     let kernel = Kernel::new(&rows, native);
     let weights: &[u16] = b.data.reinterpret_cast();
-    // Column-major while computing (tasks own whole columns), transposed at the end. A few
-    // tasks per thread: small weights are a few microseconds of work in all.
+    Some(by_columns(m, n, |first_column, out| {
+        let columns = Columns {
+            data: weights,
+            first: b.offset + first_column * b.col_stride,
+            stride: b.col_stride,
+            k,
+        };
+        kernel.columns(m, columns, out);
+    }))
+}
+
+/// The `[m, n]` row-major product from `fill(first_column, out)`, which writes the columns
+/// from `first_column` on column-major (`out[c * m + r]`): tasks own whole columns while
+/// computing, and the result is transposed at the end. A few tasks per thread: small weights
+/// are a few microseconds of work in all.
+pub(super) fn by_columns(
+    m: usize,
+    n: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync + Send,
+) -> Vec<f32> {
     let task_cols = TASK_COLS.max(n.div_ceil(4 * rayon::current_num_threads()));
     let mut by_column = vec![0.0f32; n * m];
     by_column
         .par_chunks_mut(task_cols * m)
         .enumerate()
-        .for_each(|(t, out)| {
-            let columns = Columns {
-                data: weights,
-                first: b.offset + t * task_cols * b.col_stride,
-                stride: b.col_stride,
-                k,
-            };
-            kernel.columns(m, columns, out);
-        });
+        .for_each(|(t, out)| fill(t * task_cols, out));
     if m == 1 {
-        return Some(by_column);
+        return by_column;
     }
     let mut out = vec![0.0f32; m * n];
     for (c, values) in by_column.chunks_exact(m).enumerate() {
@@ -72,7 +82,7 @@ fn product(a: Operand<'_>, b: Operand<'_>, native: bool) -> Option<Vec<f32>> {
             out[r * n + c] = v;
         }
     }
-    Some(out)
+    out
 }
 
 /// Weight lines `data[first + c * stride..][..k]` for `c` from 0: B's columns, K contiguous.

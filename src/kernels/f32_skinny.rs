@@ -12,14 +12,10 @@
 //! Values: f32 products summed in f32 (each dot in SIMD lanes, then the lanes), another order
 //! than gemm's; the tests hold it to gemm's within 1e-5 relative.
 
-use rayon::prelude::*;
-
 use super::simd::{self, multiversion};
 
 /// The fewest and the most activation rows this path takes.
 pub const ROWS: std::ops::RangeInclusive<usize> = 2..=16;
-/// Output columns per parallel task, at least.
-const TASK_COLS: usize = 32;
 
 /// `rows @ w.T` as a row-major `[m, n]`: `rows` holds `m` rows of `k` values (row-major), and
 /// weight line `c` (of `n`) is `weights[first + c * stride..][..k]`. Panics when a line runs
@@ -45,22 +41,10 @@ pub fn product(
             "skinny product: the weight is out of bounds"
         );
     }
-    let task_cols = TASK_COLS.max(n.div_ceil(4 * rayon::current_num_threads()));
-    let mut by_column = vec![0.0f32; n * m];
-    by_column
-        .par_chunks_mut(task_cols * m)
-        .enumerate()
-        .for_each(|(t, out)| {
-            let start = first + t * task_cols * stride;
-            columns(rows, m, k, &weights[start..], stride, out);
-        });
-    let mut out = vec![0.0f32; m * n];
-    for (c, values) in by_column.chunks_exact(m).enumerate() {
-        for (r, &v) in values.iter().enumerate() {
-            out[r * n + c] = v;
-        }
-    }
-    out
+    super::bf16_gemv::by_columns(m, n, |first_column, out| {
+        let start = first + first_column * stride;
+        columns(rows, m, k, &weights[start..], stride, out);
+    })
 }
 
 multiversion! {
