@@ -82,13 +82,25 @@ pub struct PromptDataset {
 
 impl PromptDataset {
     /// Loads the files `spec` names (relative paths from `base_dir`) and builds the prompts.
-    pub fn build(spec: &DatasetSpec, tokenizer: &Tokenizer, base_dir: &Path) -> Result<Self> {
+    /// `max_seq_len` (the tokenizer component's) truncates `text_completion_dataset`'s
+    /// prompts, as torchtune's text completion dataset truncates its tokens.
+    pub fn build(
+        spec: &DatasetSpec,
+        tokenizer: &Tokenizer,
+        max_seq_len: Option<usize>,
+        base_dir: &Path,
+    ) -> Result<Self> {
         let rows = load_rows(spec, base_dir)?;
-        Self::from_rows(&rows, spec, tokenizer)
+        Self::from_rows(&rows, spec, tokenizer, max_seq_len)
     }
 
     /// As [`PromptDataset::build`], from rows already loaded (after `split`).
-    pub fn from_rows(rows: &[Row], spec: &DatasetSpec, tokenizer: &Tokenizer) -> Result<Self> {
+    pub fn from_rows(
+        rows: &[Row],
+        spec: &DatasetSpec,
+        tokenizer: &Tokenizer,
+        max_seq_len: Option<usize>,
+    ) -> Result<Self> {
         let partition = match &spec.partition {
             Some(p) if spec.kind == DatasetKind::Gsm8k => {
                 Some(Partition::parse(p).map_err(|message| DataError::Spec { message })?)
@@ -108,10 +120,11 @@ impl PromptDataset {
             let sample = match spec.kind {
                 DatasetKind::Gsm8k => gsm8k(row, &spec.column_map, tokenizer)?,
                 DatasetKind::Prompt => prompt(row, spec, tokenizer)?,
+                DatasetKind::TextCompletion => text_completion(row, spec, tokenizer, max_seq_len)?,
                 other => {
                     return Err(DataError::Spec {
                         message: format!(
-                            "{other:?} datasets hold responses to train on, not prompts to generate from; use gsm8k_dataset or prompt_dataset"
+                            "{other:?} datasets hold responses to train on, not prompts to generate from; use gsm8k_dataset, prompt_dataset or text_completion_dataset"
                         ),
                     });
                 }
@@ -234,6 +247,38 @@ fn prompt(row: &Row, spec: &DatasetSpec, tok: &Tokenizer) -> Result<PromptSample
     })
 }
 
+/// `text_completion_dataset` as PPO's prompts (torchtune's PPO configs): the `column` (default
+/// `text`) encoded as plain text with BOS, EOS only with `add_eos` (torchtune's configs set it
+/// False), cut to `max_seq_len`, exactly as the SFT recipes tokenize it.
+fn text_completion(
+    row: &Row,
+    spec: &DatasetSpec,
+    tok: &Tokenizer,
+    max_seq_len: Option<usize>,
+) -> Result<PromptSample> {
+    let obj = object(row)?;
+    let key = spec.column.as_deref().unwrap_or("text");
+    let map = BTreeMap::from([("text".to_string(), key.to_string())]);
+    let (prompt, column) = text(row, obj, &map, "text")?;
+    if prompt.trim().is_empty() {
+        return Err(DataError::EmptyValue {
+            path: (*row.file).clone(),
+            row: row.index,
+            column,
+        });
+    }
+    let tokens = tokenize_text(tok, prompt, spec.add_eos, max_seq_len)
+        .map_err(tokenize_err(row))?
+        .tokens;
+    let mut columns = obj.clone();
+    columns.remove(&column);
+    Ok(PromptSample {
+        tokens,
+        prompt: prompt.to_string(),
+        columns,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,7 +327,8 @@ mod tests {
         let fx = fixture();
         for case in fx["gsm8k_dataset"]["cases"].as_array().expect("cases") {
             let partition = case["partition"].as_str();
-            let ds = PromptDataset::build(&gsm8k_spec(partition), &tok, &root()).expect("dataset");
+            let ds =
+                PromptDataset::build(&gsm8k_spec(partition), &tok, None, &root()).expect("dataset");
             let expected = case["samples"].as_array().expect("samples");
             assert_eq!(ds.len(), expected.len(), "partition {partition:?}");
             for (got, want) in ds.samples().iter().zip(expected) {
@@ -304,7 +350,7 @@ mod tests {
     fn gsm8k_tokens_are_bos_and_the_prompt_without_eos() {
         let mut tok = tiny();
         llama3(&mut tok);
-        let ds = PromptDataset::build(&gsm8k_spec(None), &tok, &root()).expect("dataset");
+        let ds = PromptDataset::build(&gsm8k_spec(None), &tok, None, &root()).expect("dataset");
         let s = &ds.samples()[0];
         let mut want: Vec<u32> = tok.format_bos_id().into_iter().collect();
         want.extend(tok.encode(&s.prompt, false).expect("encode"));
@@ -375,7 +421,7 @@ mod tests {
         let spec = DatasetSpec::new(DatasetKind::Gsm8k);
         for solution in ["no marker", "#### 1 #### 2"] {
             let r = rows(vec![json!({"question": "q", "answer": solution})]);
-            let err = PromptDataset::from_rows(&r, &spec, &tok).expect_err(solution);
+            let err = PromptDataset::from_rows(&r, &spec, &tok, None).expect_err(solution);
             assert!(err.to_string().contains("`#### `"), "{err}");
         }
     }
@@ -403,7 +449,7 @@ mod tests {
         let r = rows(vec![
             json!({"question": "What is 6 x 12?", "answer": "72", "id": 3}),
         ]);
-        let ds = PromptDataset::from_rows(&r, &spec, &tok).expect("dataset");
+        let ds = PromptDataset::from_rows(&r, &spec, &tok, None).expect("dataset");
         let s = &ds.samples()[0];
         let want = tokenize_prompt(
             &tok,
@@ -435,7 +481,7 @@ mod tests {
             ..DatasetSpec::new(DatasetKind::Prompt)
         };
         let r = rows(vec![json!({"prompt": "Count to three:"})]);
-        let ds = PromptDataset::from_rows(&r, &spec, &tok).expect("dataset");
+        let ds = PromptDataset::from_rows(&r, &spec, &tok, None).expect("dataset");
         let mut want: Vec<u32> = tok.format_bos_id().into_iter().collect();
         want.extend(tok.encode("Count to three:", false).expect("encode"));
         assert_eq!(ds.samples()[0].tokens, want);
@@ -447,7 +493,7 @@ mod tests {
         let tok = tiny();
         let spec = DatasetSpec::new(DatasetKind::Prompt);
         let r = rows(vec![json!({"prompt": "ok"}), json!({"question": "q"})]);
-        let err = PromptDataset::from_rows(&r, &spec, &tok).expect_err("missing");
+        let err = PromptDataset::from_rows(&r, &spec, &tok, None).expect_err("missing");
         assert!(
             matches!(&err, DataError::MissingColumn { row: 1, column, available, .. } if column == "prompt" && available == "question"),
             "{err}"
@@ -462,8 +508,8 @@ mod tests {
             partition: Some("0-0/2".into()),
             ..DatasetSpec::new(DatasetKind::Prompt)
         };
-        assert!(PromptDataset::from_rows(&r, &spec, &tok).is_err());
+        assert!(PromptDataset::from_rows(&r, &spec, &tok, None).is_err());
         let sft = DatasetSpec::new(DatasetKind::Instruct);
-        assert!(PromptDataset::from_rows(&r, &sft, &tok).is_err());
+        assert!(PromptDataset::from_rows(&r, &sft, &tok, None).is_err());
     }
 }

@@ -109,6 +109,10 @@ pub struct ModelArgs {
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
+    /// A `*ForSequenceClassification` checkpoint (a reward or value model, torchtune's
+    /// `ModelType.REWARD`): its head `score` projects to this many classes instead of the
+    /// vocabulary, and is never tied to the embeddings.
+    pub num_labels: Option<usize>,
     /// Qwen2: q/k/v projections carry a bias.
     pub attention_bias: bool,
     pub mlp_bias: bool,
@@ -253,6 +257,7 @@ impl ModelArgs {
             }
         };
         let gemma = family.is_gemma();
+        let num_labels = classifier_labels(&raw);
         let num_layers = req("num_hidden_layers")?;
         let sliding_window = raw
             .get("sliding_window")
@@ -292,8 +297,9 @@ impl ModelArgs {
                 .unwrap_or(4096) as usize,
             // transformers defaults tie_word_embeddings to true for Gemma and SmolLM3, false for
             // Llama.
-            tie_word_embeddings: b("tie_word_embeddings")
-                .unwrap_or(gemma || family == Family::SmolLm3),
+            tie_word_embeddings: num_labels.is_none()
+                && b("tie_word_embeddings").unwrap_or(gemma || family == Family::SmolLm3),
+            num_labels,
             attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
             mlp_bias: b("mlp_bias").unwrap_or(false),
             qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
@@ -315,6 +321,21 @@ impl ModelArgs {
             pad_token_id: ids("pad_token_id").first().copied(),
             raw,
         })
+    }
+
+    /// The output head's name in a Hugging Face checkpoint: `score` for a classifier,
+    /// `lm_head` for a causal model.
+    pub fn head_name(&self) -> &'static str {
+        if self.num_labels.is_some() {
+            "score"
+        } else {
+            "lm_head"
+        }
+    }
+
+    /// The output head's width: the classes of a classifier, else the vocabulary.
+    pub fn output_size(&self) -> usize {
+        self.num_labels.unwrap_or(self.vocab_size)
     }
 
     pub fn q_dim(&self) -> usize {
@@ -439,6 +460,22 @@ fn rope_layers(raw: &Value, family: Family, num_layers: usize) -> Result<Vec<boo
         .unwrap_or(4)
         .max(1) as usize;
     Ok((0..num_layers).map(|i| (i + 1) % interval != 0).collect())
+}
+
+/// The classes of a `*ForSequenceClassification` checkpoint (transformers' `num_labels`, or the
+/// size of `id2label`, which is what `PretrainedConfig` saves; 2 when neither is there, its
+/// default); `None` for any other architecture.
+fn classifier_labels(raw: &Value) -> Option<usize> {
+    let architecture = raw.get("architectures")?.as_array()?.first()?.as_str()?;
+    if !architecture.ends_with("ForSequenceClassification") {
+        return None;
+    }
+    let labels = raw
+        .get("num_labels")
+        .and_then(Value::as_u64)
+        .map(|n| n as usize)
+        .or_else(|| raw.get("id2label")?.as_object().map(|m| m.len()));
+    Some(labels.unwrap_or(2))
 }
 
 fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {

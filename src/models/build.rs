@@ -381,7 +381,7 @@ impl<B: Backend> Builder<'_, B> {
         let lm_head = if a.tie_word_embeddings {
             None
         } else {
-            Some(self.linear("lm_head", a.vocab_size, a.hidden_size, false)?)
+            Some(self.linear(a.head_name(), a.output_size(), a.hidden_size, false)?)
         };
         Ok(CausalLm {
             model: DecoderBody {

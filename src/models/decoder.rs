@@ -417,7 +417,7 @@ impl<B: Backend> CausalLm<B> {
                 Some(_) => None,
                 None => Some(self.model.embed_tokens.weight.clone()),
             },
-            vocab_size: self.args.vocab_size,
+            vocab_size: self.args.output_size(),
             final_logit_softcap: self.args.final_logit_softcap,
         };
         match &self.shards {

@@ -26,8 +26,9 @@ impl<B: Backend> CausalLm<B> {
             out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
             out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
         }
+        let head_name = self.args.head_name();
         if let Some(head) = &mut self.lm_head {
-            out.push(("lm_head".to_string(), head));
+            out.push((head_name.to_string(), head));
         }
         out
     }
@@ -192,6 +193,17 @@ impl<B: Backend> CausalLm<B> {
 
     /// Names and tensors (weights or their gradients) in the on-disk layout of the model's family.
     pub fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
+        // A classifier's head is the module `lm_head` here and `score` on disk.
+        let params = match self.args.head_name() {
+            "lm_head" => params,
+            head => params
+                .into_iter()
+                .map(|(name, value)| match name.strip_prefix("lm_head.") {
+                    Some(rest) => (format!("{head}.{rest}"), value),
+                    None => (name, value),
+                })
+                .collect(),
+        };
         if self.args.fused_projections {
             fuse_projections(params)
         } else {

@@ -32,7 +32,12 @@ pub fn prompt_data(cfg: &TrainConfig, base_dir: &Path) -> Result<PromptData, Set
     for entry in cfg.dataset.iter() {
         let mut spec = spec(entry);
         super::data::fetch_if_hub(&mut spec)?;
-        parts.push(PromptDataset::build(&spec, &tokenizer, base_dir)?);
+        parts.push(PromptDataset::build(
+            &spec,
+            &tokenizer,
+            cfg.tokenizer.max_seq_len,
+            base_dir,
+        )?);
     }
     let prompts = PromptDataset::concat(parts);
     let loader = sample_loader(

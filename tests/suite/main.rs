@@ -32,6 +32,7 @@ mod models;
 mod nf4;
 mod offload;
 mod plot;
+mod ppo;
 mod precision;
 mod qat;
 mod qat_recipes;
