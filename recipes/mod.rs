@@ -10,6 +10,7 @@ pub mod grpo_lora_finetune_single_device;
 pub mod knowledge_distillation_single_device;
 pub mod lora_dpo_single_device;
 pub mod lora_finetune_single_device;
+pub mod ppo_full_finetune_single_device;
 pub mod qat_lora_finetune_single_device;
 pub mod qat_single_device;
 
@@ -96,6 +97,9 @@ pub fn run<B: AutodiffBackend>(
                 }
                 RecipeKeys::GrpoLora(keys) => {
                     grpo_lora_finetune_single_device::run(cfg, keys, ctx, run)
+                }
+                RecipeKeys::PpoFull(keys) => {
+                    ppo_full_finetune_single_device::run(cfg, keys, ctx, run)
                 }
             };
             if outcome.is_ok() {

@@ -98,6 +98,7 @@ static BUILTINS: &[BuiltinConfig] = &[
         distributed
     ),
     builtin!("tiny/kd_lora_single_device", KnowledgeDistillation),
+    builtin!("tiny/ppo_full_single_device", PpoFull),
     builtin!("tiny/lora", LoraFinetune, distributed),
     builtin!("tiny/lora_dpo", LoraDpo, distributed),
     builtin!("tiny/lora_dpo_single_device", LoraDpo),

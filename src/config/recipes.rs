@@ -18,6 +18,7 @@ pub enum Recipe {
     KnowledgeDistillation,
     GrpoFull,
     GrpoLora,
+    PpoFull,
     Generate,
 }
 
@@ -110,6 +111,15 @@ static GRPO_LORA: RecipeInfo = RecipeInfo {
     description: "GRPO with LoRA (reference = adapters disabled)",
 };
 
+static PPO_FULL: RecipeInfo = RecipeInfo {
+    recipe: Recipe::PpoFull,
+    name: "ppo_full_finetune",
+    aliases: &["ppo_full_finetune_single_device"],
+    // torchtune has PPO on one device only.
+    distributed: None,
+    description: "PPO (RLHF): the policy trains on a reward model's scores, with a value model and a KL penalty against a frozen reference",
+};
+
 static GENERATE: RecipeInfo = RecipeInfo {
     recipe: Recipe::Generate,
     name: "generate",
@@ -129,6 +139,7 @@ pub static RECIPES: &[&RecipeInfo] = &[
     &KNOWLEDGE_DISTILLATION,
     &GRPO_FULL,
     &GRPO_LORA,
+    &PPO_FULL,
     &GENERATE,
 ];
 
@@ -144,6 +155,7 @@ impl Recipe {
             Self::KnowledgeDistillation => &KNOWLEDGE_DISTILLATION,
             Self::GrpoFull => &GRPO_FULL,
             Self::GrpoLora => &GRPO_LORA,
+            Self::PpoFull => &PPO_FULL,
             Self::Generate => &GENERATE,
         }
     }
@@ -173,7 +185,9 @@ impl Recipe {
     pub fn needs_lora(self) -> Option<bool> {
         match self {
             Self::LoraFinetune | Self::LoraDpo | Self::QatLora | Self::GrpoLora => Some(true),
-            Self::FullFinetune | Self::FullDpo | Self::Qat | Self::GrpoFull => Some(false),
+            Self::FullFinetune | Self::FullDpo | Self::Qat | Self::GrpoFull | Self::PpoFull => {
+                Some(false)
+            }
             Self::KnowledgeDistillation | Self::Generate => None,
         }
     }
@@ -185,6 +199,17 @@ impl Recipe {
     /// The reinforcement-learning recipes: they generate from prompts and train on rewards.
     pub fn is_grpo(self) -> bool {
         matches!(self, Self::GrpoFull | Self::GrpoLora)
+    }
+
+    /// PPO: a policy, a value model, a reward model and a reference (`policy_model` and
+    /// `reward_and_value_model` in place of `model`).
+    pub fn is_ppo(self) -> bool {
+        self == Self::PpoFull
+    }
+
+    /// The recipes that generate from prompts: GRPO's and PPO's.
+    pub fn generates(self) -> bool {
+        self.is_grpo() || self.is_ppo()
     }
 
     pub fn is_qat(self) -> bool {

@@ -67,6 +67,30 @@ pub fn validate_with(
             GenerateConfig::read_keys(root, "", &mut cx)
                 .map(|g| RecipeConfig::Generate(Box::new(g)))
         }
+        Recipe::PpoFull => {
+            use crate::config::schema::ppo;
+            // The config's own top level, less what `train_view` refuses itself.
+            let mut top = without_variables(root, cfg);
+            top.remove("model");
+            top.remove("epochs");
+            cx.unknown_keys(
+                &top,
+                "",
+                &[&ppo::SHARED_KEYS, RecipeKeys::keys_of(recipe)],
+                false,
+            );
+            let view = ppo::train_view(root, &mut cx);
+            let (problems, warnings) = (cx.problems.len(), cx.warnings.len());
+            let common = TrainConfig::read_keys(&view, "", &mut cx);
+            ppo::rename_policy_paths(&mut cx, problems, warnings);
+            let own = RecipeKeys::read(recipe, root, &mut cx);
+            if let (Some(common), Some(own)) = (&common, own.as_ref().and_then(RecipeKeys::ppo)) {
+                ppo::ppo_rules(common, own, &mut cx);
+            }
+            common
+                .zip(own)
+                .map(|(common, own)| RecipeConfig::Train(own, Box::new(common)))
+        }
         training => {
             cx.unknown_keys(
                 &without_variables(root, cfg),

@@ -7,6 +7,7 @@ pub mod logging;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod ppo;
 pub mod quant;
 pub mod run;
 pub mod session;
@@ -79,6 +80,16 @@ pub enum SetupError {
         key: &'static str,
         dir: PathBuf,
         holder: String,
+    },
+    /// Two models' checkpoints (PPO's policy and value model) would go to one directory.
+    #[error(
+        "{second} {} is also {first}: the policy's and the value model's checkpoints would overwrite each other; set a different {second} (torchtune's configs use `${{output_dir}}/value`)",
+        dir.display()
+    )]
+    SameCheckpointDir {
+        dir: PathBuf,
+        first: &'static str,
+        second: &'static str,
     },
     #[error(
         "output_dir {} holds checkpoints of another run ({} differs in: {}). Continue that run with resume_from_checkpoint=True (with those keys as they were), choose a new output_dir, or set overwrite_output_dir=True to delete its checkpoints and start over",

@@ -40,6 +40,19 @@ pub enum ModelConfigError {
         theirs: String,
         hf: &'static str,
     },
+    /// A classifier builder (a reward or value model) on a checkpoint with a language-model
+    /// head, or the other way round.
+    #[error(
+        "{section}._component_: `{builder}` {wants}, but the checkpoint holds a {holds} ({architecture}); {fix}"
+    )]
+    Head {
+        section: String,
+        builder: String,
+        wants: &'static str,
+        holds: &'static str,
+        architecture: String,
+        fix: &'static str,
+    },
 }
 
 /// Loads the model the checkpointer points at. `key` names the section for error messages
@@ -377,6 +390,48 @@ pub fn check_architecture(
         {
             return Err(mismatch(key, v.to_string(), theirs.to_string(), hf));
         }
+    }
+    let architecture = args
+        .raw
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("no `architectures` in config.json")
+        .to_string();
+    let head = |wants, holds, fix| {
+        SetupError::from(ModelConfigError::Head {
+            section: section.to_string(),
+            builder: arch.component.canonical_name(),
+            wants,
+            holds,
+            architecture: architecture.clone(),
+            fix,
+        })
+    };
+    match (arch.classes(), args.num_labels) {
+        (Some(ours), Some(theirs)) if ours != theirs => {
+            return Err(mismatch(
+                "num_classes",
+                ours.to_string(),
+                theirs.to_string(),
+                "num_labels (the size of id2label)",
+            ));
+        }
+        (Some(_), None) => {
+            return Err(head(
+                "scores sequences (a reward or value model)",
+                "language model",
+                "point its checkpointer at a `*ForSequenceClassification` checkpoint with a `score` head (a reward model), as torchtune's `model_type: REWARD` checkpoints are",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(head(
+                "is a language model",
+                "sequence classifier",
+                "point the checkpointer at a `*ForCausalLM` checkpoint",
+            ));
+        }
+        _ => {}
     }
     if let Some(tied) = arch.tie_word_embeddings
         && tied != args.tie_word_embeddings

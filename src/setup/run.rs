@@ -270,6 +270,28 @@ pub fn checkpointer(
     )
 }
 
+/// The checkpoint client of a second model the run saves (PPO's value model): into `dir`,
+/// with the tokenizer files of `source_dir`, kept as `keep_last_n_checkpoints` says.
+pub fn companion_checkpointer(
+    cfg: &TrainConfig,
+    dir: &std::path::Path,
+    source_dir: &std::path::Path,
+    recipe: &str,
+    fingerprint: RunFingerprint,
+    storage_dtype: crate::checkpoint::StorageDtype,
+) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
+    crate::training::checkpointing::RunCheckpointer::new(
+        dir.to_path_buf(),
+        cfg.keep_last_n_checkpoints(),
+        recipe,
+        crate::training::checkpointing::SaveContent::FullModel,
+        fingerprint,
+        source_dir.to_path_buf(),
+        storage_dtype,
+        crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
+    )
+}
+
 /// The trainer core for `model` as the config asks: its loop settings, optimizer and metric
 /// loggers (rank 0's; the other ranks log nothing). A resume checkpoint restores the optimizer
 /// moments and the position in the data. Also returns the log directory, for the recipe's
@@ -332,6 +354,20 @@ pub fn lock_run_dirs(cfg: &TrainConfig) -> Result<RunLocks, SetupError> {
         files.push(lock_dir(&cfg.output_dir, "output_dir")?);
     }
     Ok(RunLocks { _files: files })
+}
+
+/// A second checkpoint directory of the run (PPO's value model's), claimed as the first is:
+/// locked for the run, and a fresh run refuses it when it holds another run's checkpoints
+/// (unless `overwrite_output_dir`).
+pub fn claim_companion_dir(
+    dir: &std::path::Path,
+    key: &'static str,
+    fingerprint: &RunFingerprint,
+    overwrite: bool,
+) -> Result<RunLocks, SetupError> {
+    let lock = lock_dir(dir, key)?;
+    claim_checkpoint_dir(dir, fingerprint, overwrite)?;
+    Ok(RunLocks { _files: vec![lock] })
 }
 
 /// Whether two existing directories are one (after `lock_dir` created them).

@@ -238,6 +238,34 @@ impl RankWriter {
     }
 }
 
+/// A second model a run checkpoints beside its own (PPO's value model).
+pub trait Companion<B: AutodiffBackend> {
+    /// Saves it at each of the run's saves (the run's model and optimizer passed to the hook
+    /// are not its own: it saves what it holds).
+    fn hook(&mut self) -> &mut dyn SaveHook<B>;
+    /// Waits for its last save to be durable.
+    fn finish(&mut self) -> Result<(), TrainError>;
+}
+
+/// Two save hooks, `first` then `then`, at every save.
+struct Both<'a, B: AutodiffBackend> {
+    first: &'a mut dyn SaveHook<B>,
+    then: &'a mut dyn SaveHook<B>,
+}
+
+impl<B: AutodiffBackend> SaveHook<B> for Both<'_, B> {
+    fn save(
+        &mut self,
+        kind: SaveKind,
+        model: &mut CausalLm<B>,
+        optimizer: &OptimizerSnapshot,
+        state: &TrainState,
+    ) -> Result<(), TrainError> {
+        self.first.save(kind, model, optimizer, state)?;
+        self.then.save(kind, model, optimizer, state)
+    }
+}
+
 /// The save hook of ranks that do not write.
 struct NoSave;
 
@@ -297,18 +325,42 @@ impl<B: AutodiffBackend> Session<B> {
         steps: &mut dyn EpochSteps<B>,
         push: Option<&PushToHub>,
     ) -> Result<TrainSummary, FinishError> {
+        self.run_with(steps, push, None)
+    }
+
+    /// [`Self::run`], saving `companion` at every save too, before the run's own checkpoint
+    /// (PPO's value model, which has its own checkpoint client and directory), and waiting
+    /// for its last save as for the run's.
+    pub fn run_with(
+        self,
+        steps: &mut dyn EpochSteps<B>,
+        push: Option<&PushToHub>,
+        mut companion: Option<&mut dyn Companion<B>>,
+    ) -> Result<TrainSummary, FinishError> {
         let Session {
             trainer,
             mut saver,
             mut rank_writer,
             ..
         } = self;
-        let hook: &mut dyn SaveHook<B> = match (saver.as_mut(), rank_writer.as_mut()) {
+        let own: &mut dyn SaveHook<B> = match (saver.as_mut(), rank_writer.as_mut()) {
             (Some(s), _) => s,
             (None, Some(w)) => w.hook(),
             (None, None) => &mut NoSave,
         };
-        let fitted = trainer.run(steps, hook);
+        let fitted = match companion.as_deref_mut() {
+            Some(first) => trainer.run(
+                steps,
+                &mut Both {
+                    first: first.hook(),
+                    then: own,
+                },
+            ),
+            None => trainer.run(steps, own),
+        };
+        if let Some(c) = companion {
+            c.finish()?;
+        }
         if let Some(writer) = rank_writer.as_mut() {
             writer.finish()?;
         }

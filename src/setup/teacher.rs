@@ -50,7 +50,11 @@ pub fn kd_objective(cfg: &LossConfig) -> KdObjective {
         LossKind::SymmetricKl => KdObjective::SymmetricKl {
             sym_kd_ratio: cfg.sym_kd_ratio(),
         },
-        LossKind::CrossEntropy | LossKind::Dpo | LossKind::Grpo(_) | LossKind::TrlGrpo => {
+        LossKind::CrossEntropy
+        | LossKind::Dpo
+        | LossKind::Grpo(_)
+        | LossKind::TrlGrpo
+        | LossKind::Ppo => {
             panic!("validation allows only a KL divergence as kd_loss")
         }
     }

@@ -129,7 +129,7 @@ impl Rollouts {
 
     /// Per row and completion position, the index in the row's flattened next-token
     /// predictions (`[seq]`) that predicts it: `prompt_len - 1 + c`, clamped into the row.
-    fn window_indices(&self) -> Vec<i32> {
+    pub(crate) fn window_indices(&self) -> Vec<i32> {
         let seq = self.batch.seq_len;
         self.prompt_lens
             .iter()
@@ -657,22 +657,22 @@ fn loss_error(e: GrpoLossError) -> TrainError {
 }
 
 /// The sampling seed of completion `k` of dataset row `row` at the step seeded `step_seed`.
-fn completion_seed(step_seed: u64, row: usize, k: usize) -> u64 {
+pub(crate) fn completion_seed(step_seed: u64, row: usize, k: usize) -> u64 {
     let key = format!("{step_seed}:{row}:{k}");
     crate::distributed::sync::hash64(key.as_bytes())
 }
 
 /// One completion to train on, before collation.
-struct RolloutRow<'a> {
-    prompt: &'a [u32],
-    completion: &'a [u32],
+pub(crate) struct RolloutRow<'a> {
+    pub prompt: &'a [u32],
+    pub completion: &'a [u32],
     /// Whether its tokens count in the loss.
-    counts: bool,
+    pub counts: bool,
 }
 
 /// Right-pads prompt + completion rows into one batch, the labels being the completion's
 /// tokens (so next-token targets pick exactly them), and the loss mask per completion position.
-fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
+pub(crate) fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
     let seq = rows
         .iter()
         .map(|r| r.prompt.len() + r.completion.len())
@@ -744,7 +744,7 @@ fn score<B: Backend>(
 
 impl Rollouts {
     /// Rows `start..end`, with the same width (per-token values line up with the whole).
-    fn rows_range(&self, start: usize, end: usize) -> Rollouts {
+    pub(crate) fn rows_range(&self, start: usize, end: usize) -> Rollouts {
         let seq = self.batch.seq_len;
         let w = self.width;
         let batch = Batch {
@@ -954,7 +954,7 @@ impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
 /// One step's updates as one [`StepDone`]: losses and metrics averaged over the updates (as
 /// torchtune logs its GRPO stats), the last update's rate and gradient norm, tokens summed, a
 /// stop signal from any (acted on after the whole step, so a checkpoint never splits one).
-fn combine(updates: Vec<StepDone>) -> StepDone {
+pub(crate) fn combine(updates: Vec<StepDone>) -> StepDone {
     let n = updates.len().max(1) as f64;
     let mut metrics: Vec<(&'static str, f64)> = Vec::new();
     for u in &updates {

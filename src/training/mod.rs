@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod offload;
 pub mod optimizer;
 pub mod optimizer_shards;
+pub mod ppo;
 pub mod ppo_maths;
 pub mod progress;
 pub mod save_hook;

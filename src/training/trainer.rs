@@ -609,6 +609,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
+    /// The optimizer as a checkpoint holds it, for a recipe that saves a second trainer's
+    /// model itself (PPO's value model).
+    pub fn optimizer_snapshot(&self) -> Result<OptimizerSnapshot, TrainError> {
+        self.snapshot()
+    }
+
     /// The optimizer for a checkpoint: with a sharded state, this rank's share (when every rank
     /// writes its own) or the whole state gathered from every rank; otherwise the state on rank
     /// 0, the one that writes, and nothing elsewhere.
@@ -684,7 +690,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Optimizer steps per epoch: this rank's batches over the accumulation steps, at most
     /// `max_steps_per_epoch`; at least one, or the data is too little.
-    pub(super) fn steps_per_epoch(&self, loader: &DataLoader) -> Result<usize, TrainError> {
+    pub fn steps_per_epoch(&self, loader: &DataLoader) -> Result<usize, TrainError> {
         let accum = self.settings.gradient_accumulation_steps.max(1);
         let batches = loader.num_batches_per_rank(self.world.size);
         let mut steps = batches / accum;
@@ -727,7 +733,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         super::memory::enter_training_steady_state();
         let steps_per_epoch = steps.steps_per_epoch(&self)?;
         self.state.steps_per_epoch = steps_per_epoch;
-        self.state.total_steps = steps_per_epoch * self.settings.epochs * steps.updates_per_step();
+        self.state.total_steps = steps
+            .schedule_steps(steps_per_epoch)
+            .unwrap_or(steps_per_epoch * self.settings.epochs * steps.updates_per_step());
         let save_every_epochs = steps.save_every_n_epochs().max(1);
         let max_steps = steps.max_steps();
         if self.settings.shard_optimizer && self.world.is_distributed() {
@@ -862,6 +870,12 @@ pub trait EpochSteps<B: AutodiffBackend> {
 
     /// Stop after this many steps over all epochs (GRPO's `num_steps`), with the final save.
     fn max_steps(&self) -> Option<usize> {
+        None
+    }
+
+    /// The optimizer updates the learning-rate schedule spans, when not every epoch's
+    /// (PPO's: its `num_steps` steps' updates, as torchtune's `lr_steps`).
+    fn schedule_steps(&self, _steps_per_epoch: usize) -> Option<usize> {
         None
     }
 

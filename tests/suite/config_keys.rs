@@ -6,7 +6,7 @@ use serde_yaml::{Mapping, Value};
 
 use tune::config::keys::{KeyInfo, Ty, shape_ok};
 use tune::config::recipes::{RECIPES, Recipe};
-use tune::config::schema::{GenerateConfig, RecipeConfig, RecipeKeys, TrainConfig};
+use tune::config::schema::{GenerateConfig, RecipeConfig, RecipeKeys};
 use tune::config::{ProblemKind, ValidateOptions, load_config, validate_with};
 
 const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
@@ -16,7 +16,10 @@ const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
 fn keys_of(recipe: Recipe) -> Vec<(String, &'static KeyInfo)> {
     let top: Vec<&'static [KeyInfo]> = match recipe {
         Recipe::Generate => vec![GenerateConfig::KEYS],
-        training => vec![TrainConfig::KEYS, RecipeKeys::keys_of(training)],
+        training => vec![
+            RecipeKeys::shared_keys(training),
+            RecipeKeys::keys_of(training),
+        ],
     };
     let mut out = Vec::new();
     for group in top {
@@ -92,6 +95,7 @@ fn tiny_config(recipe: Recipe) -> &'static str {
         Recipe::KnowledgeDistillation => "tiny/kd_lora_single_device",
         Recipe::GrpoFull => "tiny/grpo_full_single_device",
         Recipe::GrpoLora => "tiny/grpo_lora_single_device",
+        Recipe::PpoFull => "tiny/ppo_full_single_device",
         Recipe::Generate => "tiny/generation",
     }
 }
@@ -202,10 +206,10 @@ fn normalise(value: &mut serde_json::Value) {
 fn the_derived_fingerprint_equals_the_one_earlier_checkpoints_hold() {
     let fixtures = crate::support::fixture("fingerprints");
     let mut compared = 0;
-    // The GRPO recipes came after those checkpoints: they have none to resume.
+    // The GRPO and PPO recipes came after those checkpoints: they have none to resume.
     for info in RECIPES
         .iter()
-        .filter(|r| r.recipe.is_training() && !r.recipe.is_grpo())
+        .filter(|r| r.recipe.is_training() && !r.recipe.generates())
     {
         let config = tiny_config(info.recipe);
         let file = fixtures.join(format!("{}.json", config.trim_start_matches("tiny/")));

@@ -61,3 +61,211 @@ fn a_reward_model_scores_every_position_as_transformers_and_saves_as_it_loaded()
     let again = load_model::<Cpu>(out.path(), None, &device).unwrap().model;
     assert_eq!(again.hf_state_dict(), state);
 }
+
+const PPO: &str = "ppo_full_finetune_single_device";
+const CONFIG: &str = "tiny/ppo_full_single_device";
+
+fn ppo_run(dir: &std::path::Path, extra: &[&str]) -> Vec<serde_json::Value> {
+    let out = format!("output_dir={}", dir.display());
+    let mut a = vec!["run", PPO, "--config", CONFIG, &out];
+    a.extend_from_slice(extra);
+    tune_ok(&a);
+    read_metrics(&dir.join("logs/metrics.jsonl"))
+}
+
+/// The tiny config's run: the reward model's score of the policy's responses rises, every
+/// statistic torchtune's recipe logs is logged, and both models are saved as loadable Hugging
+/// Face checkpoints (the value model a one-label sequence classifier, trained).
+#[test]
+fn ppo_raises_the_reward_models_score_and_saves_policy_and_value() {
+    let dir = temp_dir("ppo");
+    let metrics = ppo_run(dir.path(), &[]);
+    // num_steps 480 in batches of 8: 60 steps, each 2 PPO epochs of 2 mini-batches.
+    assert_eq!(metrics.len(), 60);
+    assert_eq!(metrics.last().unwrap()["step"].as_u64(), Some(240));
+    for key in [
+        "scores",
+        "num_stop_tokens",
+        "rlhf_reward",
+        "kl",
+        "kl_reward",
+        "lr",
+        "loss",
+        "policy_loss",
+        "value_loss",
+        "clipfrac",
+        "ratios",
+        "approx_policy_kl",
+        "response_lengths",
+        "tokens_per_second_per_gpu_trajectory",
+        "tokens_per_second_per_gpu_ppo",
+    ] {
+        assert!(
+            metrics[0].get(key).is_some(),
+            "{key} missing in {}",
+            metrics[0]
+        );
+    }
+    let scores = column(&metrics, "scores");
+    let q = scores.len() / 4;
+    let (first, last) = (mean(&scores[..q]), mean(&scores[scores.len() - q..]));
+    assert!(
+        last > first + 0.3,
+        "the score did not rise: first steps {first:.3}, last steps {last:.3} ({scores:?})"
+    );
+    // The policy starts as the reference: no KL at the first step, some later.
+    let kl = column(&metrics, "kl");
+    assert!(kl[0].abs() < 1e-6 && kl.iter().any(|&k| k > 1e-3), "{kl:?}");
+    // The logged loss is torchtune's: policy loss plus value_coeff (0.1) times value loss.
+    for m in &metrics {
+        let (loss, p, v) = (
+            m["loss"].as_f64().unwrap(),
+            m["policy_loss"].as_f64().unwrap(),
+            m["value_loss"].as_f64().unwrap(),
+        );
+        assert!(
+            (loss - (p + 0.1 * v)).abs() < 1e-4 * (1.0 + loss.abs()),
+            "{m}"
+        );
+    }
+    let device = Default::default();
+    // 100 prompts make 12 batches an epoch: the 60 steps end in the fifth epoch.
+    let policy = load_model::<Cpu>(&dir.path().join("policy/epoch_4"), None, &device)
+        .unwrap()
+        .model;
+    assert_eq!(policy.args.num_labels, None);
+    let value = load_model::<Cpu>(&dir.path().join("value/epoch_4"), None, &device)
+        .unwrap()
+        .model;
+    assert_eq!(value.args.num_labels, Some(1));
+    let start = load_model::<Cpu>(&fixture("tiny-llama-reward"), None, &device)
+        .unwrap()
+        .model;
+    let score = |m: &tune::models::CausalLm<Cpu>| {
+        m.hf_state_dict()
+            .into_iter()
+            .find(|(n, _)| n == "score.weight")
+            .map(|(_, t)| t)
+            .expect("score.weight")
+    };
+    assert!(
+        max_abs_diff("score.weight", &score(&value), &score(&start)) > 1e-4,
+        "the value model trained"
+    );
+}
+
+/// With activation checkpointing (torchtune's PPO configs turn it on) both models make the
+/// same updates: the same scores and the same final weights.
+#[test]
+fn ppo_with_activation_checkpointing_makes_the_same_updates() {
+    let (plain, checkpointed) = (temp_dir("ppo-plain"), temp_dir("ppo-ac"));
+    let short = ["num_steps=64"];
+    let a = ppo_run(plain.path(), &short);
+    let b = ppo_run(
+        checkpointed.path(),
+        &[short[0], "enable_activation_checkpointing=True"],
+    );
+    assert_eq!(column(&a, "scores"), column(&b, "scores"));
+    let device = Default::default();
+    for model in ["policy/epoch_0", "value/epoch_0"] {
+        let x = load_model::<Cpu>(&plain.path().join(model), None, &device)
+            .unwrap()
+            .model;
+        let y = load_model::<Cpu>(&checkpointed.path().join(model), None, &device)
+            .unwrap()
+            .model;
+        for ((name, u), (_, v)) in x.hf_state_dict().iter().zip(y.hf_state_dict().iter()) {
+            assert!(max_abs_diff(name, u, v) < 1e-6, "{model} {name}");
+        }
+    }
+}
+
+/// What a PPO config can get wrong, each named by its key with the fix.
+#[test]
+fn ppo_config_mistakes_are_refused_by_name() {
+    use tune::config::{ValidateOptions, load_config, validate_with};
+    let check = |overrides: &[&str]| {
+        let cfg = load_config(CONFIG, &args(overrides)).expect("config loads");
+        validate_with(PPO, &cfg, &ValidateOptions { check_paths: false })
+    };
+    check(&[]).unwrap_or_else(|e| panic!("the tiny config validates: {e}"));
+    let e = check(&[
+        "model={_component_: tune.models.llama3.llama3_tiny}",
+        "epochs=1",
+    ])
+    .unwrap_err();
+    assert!(
+        e.has("model", "`policy_model`") && e.has("epochs", "num_steps"),
+        "{e}"
+    );
+    // Problems inside the policy's section name `policy_model`.
+    let e = check(&["policy_model._component_=tune.models.llama3.lora_llama3_tiny"]).unwrap_err();
+    assert!(e.has("policy_model._component_", "LoRA builder"), "{e}");
+    let e =
+        check(&["reward_and_value_model._component_=torchtune.models.llama2.llama2"]).unwrap_err();
+    assert!(
+        e.has("reward_and_value_model._component_", "classifier"),
+        "{e}"
+    );
+    let e = check(&["reward_and_value_model.num_classes=2"]).unwrap_err();
+    assert!(
+        e.has("reward_and_value_model.num_classes", "num_classes: 1"),
+        "{e}"
+    );
+    let e = check(&["ppo_batch_size=3", "gradient_accumulation_steps=3"]).unwrap_err();
+    assert!(
+        e.has("ppo_batch_size", "does not divide batch_size (8)"),
+        "{e}"
+    );
+    let e = check(&["num_steps=4"]).unwrap_err();
+    assert!(e.has("num_steps", "fewer than one batch"), "{e}");
+    for (key, over) in [
+        ("clip_grad_norm", "clip_grad_norm=1.0"),
+        ("resume_from_checkpoint", "resume_from_checkpoint=True"),
+        ("max_steps_per_epoch", "max_steps_per_epoch=2"),
+    ] {
+        let e = check(&[over]).unwrap_err();
+        assert!(e.has(key, "is not read by the PPO recipe"), "{e}");
+    }
+    let e = check(&["loss.kl_coeff=0.1"]).unwrap_err();
+    assert!(e.has("loss.kl_coeff", "top-level `kl_coeff`"), "{e}");
+    let e = check(&["dataset={_component_: torchtune.datasets.alpaca_dataset}"]).unwrap_err();
+    assert!(
+        e.has("dataset._component_", "generates completions from prompts"),
+        "{e}"
+    );
+}
+
+/// A reward checkpoint that is a language model, and a value checkpoint directory that is the
+/// policy's, stop the run before it trains, naming the key and the fix.
+#[test]
+fn a_causal_reward_checkpoint_and_a_shared_checkpoint_dir_are_refused() {
+    let dir = temp_dir("ppo-bad");
+    let out = format!("output_dir={}", dir.path().display());
+    let o = tune(&[
+        "run",
+        PPO,
+        "--config",
+        CONFIG,
+        &out,
+        "reward_checkpointer.checkpoint_dir=assets/tiny-llama",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("reward_and_value_model._component_")
+            && err.contains("ForSequenceClassification"),
+        "{err}"
+    );
+    let shared = format!(
+        "value_checkpointer.output_dir={}/policy",
+        dir.path().display()
+    );
+    let o = tune(&["run", PPO, "--config", CONFIG, &out, &shared]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("value_checkpointer.output_dir") && err.contains("overwrite each other"),
+        "{err}"
+    );
+}

@@ -101,6 +101,8 @@ pub enum LossKind {
     /// TRL's `GRPOTrainer` loss (`loss_type` grpo, bnpo, dr_grpo, dapo; GSPO by
     /// `importance_sampling_level: sequence`).
     TrlGrpo,
+    /// torchtune's `PPOLoss` (the PPO recipe's clipped policy and value losses).
+    Ppo,
 }
 
 /// A reward function of the GRPO recipes' `reward_functions` (`crate::rewards`).

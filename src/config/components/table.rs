@@ -360,6 +360,14 @@ static TABLE: &[Entry] = &[
         &[],
         Component::Loss(LossKind::TrlGrpo),
     ),
+    e(
+        "tune.loss.PPOLoss",
+        &[
+            "torchtune.rlhf.loss.PPOLoss",
+            "torchtune.modules.rlhf.loss.PPOLoss",
+        ],
+        Component::Loss(LossKind::Ppo),
+    ),
     // Reward functions (the GRPO recipes' `reward_functions`)
     e(
         "tune.rewards.gsm8k_shaped_correctness",

@@ -13,6 +13,7 @@ use crate::config::keys::{
     optional,
 };
 use crate::config::paths;
+use crate::config::recipes::Recipe;
 use crate::config::values::choices;
 use crate::data::{ConversationStyle, DataFiles, Partition};
 
@@ -93,13 +94,20 @@ fn partition_format(partition: &Option<String>, path: &str, cx: &mut Checker) {
 }
 
 /// Prompt datasets (gsm8k, prompt_dataset) hold prompts to generate from, which only the GRPO
-/// recipes read, and the GRPO recipes read nothing else; `partition` is gsm8k's.
+/// and PPO recipes read, and the GRPO recipes read nothing else; PPO also reads
+/// `text_completion_dataset`'s text as prompts (torchtune's PPO configs); `partition` is
+/// gsm8k's.
 fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
     let builder = &d.component;
-    if let Some(recipe) = cx
-        .recipe
-        .filter(|r| r.is_grpo() && !builder.kind.is_prompt())
-    {
+    let reads = |recipe: Recipe| {
+        builder.kind.is_prompt() || (recipe.is_ppo() && builder.kind == DatasetKind::TextCompletion)
+    };
+    if let Some(recipe) = cx.recipe.filter(|&r| r.generates() && !reads(r)) {
+        let fix = if recipe.is_ppo() {
+            "use `torchtune.datasets.text_completion_dataset` (with `column: <prompt column>`, `add_eos: False`) or `tune.datasets.prompt_dataset`"
+        } else {
+            "use `tune.datasets.prompt_dataset` (with `column_map: {prompt: <column>}`) or `torchtune.dev.grpo.gsm8k.gsm8k_dataset`"
+        };
         cx.problem(
             Problem::new(
                 ProblemKind::WrongComponentKind,
@@ -109,11 +117,11 @@ fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
                     builder.name
                 ),
             )
-            .with_fix("use `tune.datasets.prompt_dataset` (with `column_map: {prompt: <column>}`) or `torchtune.dev.grpo.gsm8k.gsm8k_dataset`"),
+            .with_fix(fix),
         );
     }
     if builder.kind.is_prompt()
-        && let Some(recipe) = cx.recipe.filter(|r| r.is_training() && !r.is_grpo())
+        && let Some(recipe) = cx.recipe.filter(|r| r.is_training() && !r.generates())
     {
         cx.problem(
             Problem::new(

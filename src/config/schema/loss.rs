@@ -85,6 +85,17 @@ keys! {
     importance_sampling_level: Option<ImportanceSamplingLevel> = optional(),
     /// TRL's GRPO loss: the k3 KL times the importance ratio (TRL's default, true).
     use_bias_correction_kl: Option<bool> = optional(),
+    /// `PPOLoss`: the clip range of the value model's new values around its old ones
+    /// (default 0.2, torchtune's).
+    value_clip_range: Option<f64> = optional().range(
+        |v| v.is_finite() && v >= 0.0,
+        "0 or a positive number",
+    ),
+    /// `PPOLoss`: the value loss's weight in the loss (default 0.1, torchtune's).
+    value_coeff: Option<f64> = optional().range(
+        |v| v.is_finite() && v >= 0.0,
+        "0 or a positive number",
+    ),
     /// `SymmetricKLLoss`: the forward KL's share (default 0.5).
     sym_kd_ratio: Option<f64> = optional().range(
         |v| (0.0..=1.0).contains(&v),
@@ -103,6 +114,7 @@ impl LossConfig {
             LossKind::SymmetricKl => &["num_output_chunks", "sym_kd_ratio"],
             LossKind::Dpo => &["beta", "label_smoothing"],
             LossKind::Grpo(_) => &["kl_coeff", "epsilon"],
+            LossKind::Ppo => &["epsilon", "value_clip_range", "value_coeff"],
             LossKind::TrlGrpo => &[
                 "beta",
                 "epsilon",
@@ -132,6 +144,8 @@ impl LossConfig {
                 "use_bias_correction_kl",
                 self.use_bias_correction_kl.is_some(),
             ),
+            ("value_clip_range", self.value_clip_range.is_some()),
+            ("value_coeff", self.value_coeff.is_some()),
             ("sym_kd_ratio", self.sym_kd_ratio.is_some()),
         ]
         .into_iter()
@@ -193,6 +207,16 @@ impl LossConfig {
         );
     }
 
+    /// `PPOLoss`'s settings, torchtune's defaults (epsilon 0.1, value clip range 0.2, value
+    /// coefficient 0.1) where left out.
+    pub fn ppo(&self) -> crate::training::ppo::PpoLossSettings {
+        crate::training::ppo::PpoLossSettings {
+            epsilon: self.epsilon(),
+            value_clip_range: self.value_clip_range.unwrap_or(0.2),
+            value_coeff: self.value_coeff.unwrap_or(0.1),
+        }
+    }
+
     /// `sym_kd_ratio`, torchtune's 0.5 when left out.
     pub fn sym_kd_ratio(&self) -> f64 {
         self.sym_kd_ratio.unwrap_or(0.5)
@@ -208,6 +232,9 @@ fn loss_settings(loss: &LossConfig, path: &str, cx: &mut Checker) {
         (LossKind::TrlGrpo, "kl_coeff") => Some("TRL's loss calls its KL coefficient `beta`"),
         (LossKind::Grpo(_), "beta") => {
             Some("torchtune's GRPO losses call their KL coefficient `kl_coeff`")
+        }
+        (LossKind::Ppo, "kl_coeff") => {
+            Some("PPO's KL coefficient is the top-level `kl_coeff`, as in torchtune's configs")
         }
         _ => None,
     };
@@ -230,6 +257,7 @@ pub(super) fn recipe_loss(loss: &LossConfig, path: &str, cx: &mut Checker) {
     use crate::training::grpo_loss::TorchtuneGrpoLoss;
     let expected: &[LossKind] = match cx.recipe {
         Some(r) if r.is_dpo() => &[LossKind::Dpo],
+        Some(r) if r.is_ppo() => &[LossKind::Ppo],
         Some(r) if r.is_grpo() => &[
             LossKind::Grpo(TorchtuneGrpoLoss::Simple),
             LossKind::Grpo(TorchtuneGrpoLoss::Token),

@@ -10,6 +10,7 @@ mod logging;
 mod loss;
 mod model;
 mod optimizer;
+pub mod ppo;
 mod quantizer;
 mod tokenizer;
 mod train;
@@ -22,6 +23,7 @@ pub use logging::{MetricLoggerConfig, ProfilerConfig};
 pub use loss::LossConfig;
 pub use model::{LoraModule, ModelConfig};
 pub use optimizer::{LrSchedulerConfig, OptimizerConfig};
+pub use ppo::PpoKeys;
 pub use quantizer::QuantizerConfig;
 pub use tokenizer::{TemplateChoice, TokenizerConfig, TruncationType};
 pub use train::{

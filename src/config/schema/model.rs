@@ -87,6 +87,10 @@ keys! {
     rope_base: Option<f64> = optional(),
     /// A generic builder's `tie_word_embeddings`: must equal config.json's.
     tie_word_embeddings: Option<bool> = optional(),
+    /// A classifier builder's classes (`llama2_classifier`, `mistral_classifier`): must equal
+    /// the checkpoint's labels (`*ForSequenceClassification`); PPO's reward and value models
+    /// have 1.
+    num_classes: Option<usize> = optional().range(|v| v >= 1.0, "at least 1"),
     /// Attention dropout: only 0 (torchtune's configs all use 0.0).
     attn_dropout: Option<f64> = optional().refuse(
         "attention dropout is not implemented (torchtune's configs all use 0.0); set `attn_dropout: 0.0`",
@@ -97,6 +101,19 @@ impl ModelConfig {
     /// Adapters train on a frozen base (LoRA, QLoRA, DoRA builders).
     pub fn is_lora(&self) -> bool {
         self.component.is_lora()
+    }
+
+    /// The classes of a classifier builder (`*_classifier` with `num_classes`, torchtune's
+    /// `*_reward_7b` with one); `None` for a causal language model.
+    pub fn classes(&self) -> Option<usize> {
+        let size = self.component.size.as_str();
+        if size == "classifier" {
+            Some(self.num_classes.unwrap_or(0))
+        } else if size.starts_with("reward") {
+            Some(1)
+        } else {
+            None
+        }
     }
 
     /// The base's linear weights are stored in NF4: torchtune's `qlora_*` builders, or
@@ -144,6 +161,7 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
         ),
         _ => {}
     }
+    classifier_rules(m, path, cx);
     if m.quantize_base && !builder.is_lora() {
         cx.problem(
             Problem::new(
@@ -219,5 +237,61 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
                 format!("ignored: `{name}` is not a LoRA builder"),
             );
         }
+    }
+}
+
+/// A classifier builder (a reward or value model, scores instead of next-token logits) is what
+/// PPO's `reward_and_value_model` is, and nothing else is: it needs its `num_classes` (1).
+fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
+    let name = m.component.canonical_name();
+    let key = join(path, "_component_");
+    let scores = path == "reward_and_value_model";
+    match m.classes() {
+        None if scores => cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                &key,
+                format!("PPO's reward and value models score sequences, but `{name}` is a language model builder"),
+            )
+            .with_fix(format!(
+                "use the classifier builder `torchtune.models.{module}.{module}_classifier` with `num_classes: 1`",
+                module = m.component.family.module()
+            )),
+        ),
+        Some(_) if !scores => cx.problem(
+            Problem::new(
+                ProblemKind::WrongComponentKind,
+                &key,
+                format!("`{name}` is a classifier (a reward model's scores), not a language model to train or generate with"),
+            )
+            .with_fix("use a language model builder here; classifiers are PPO's `reward_and_value_model`"),
+        ),
+        Some(0) => cx.problem(
+            Problem::new(
+                ProblemKind::MissingKey,
+                join(path, "num_classes"),
+                format!("`{name}` needs `num_classes`"),
+            )
+            .with_fix("PPO's reward and value models have `num_classes: 1`"),
+        ),
+        Some(n) if n != 1 && scores => cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                join(path, "num_classes"),
+                format!("is {n}, but PPO's reward and value models give one score per token"),
+            )
+            .with_fix("set `num_classes: 1`"),
+        ),
+        _ => {}
+    }
+    if m.num_classes.is_some() && m.component.size != "classifier" {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                join(path, "num_classes"),
+                format!("`{name}` takes no `num_classes` (only `*_classifier` builders do)"),
+            )
+            .with_fix("remove it"),
+        );
     }
 }

@@ -9,7 +9,7 @@ use serde_yaml::{Mapping, Value};
 
 use super::{
     CheckpointerConfig, Datasets, GrpoKeys, LossConfig, LrSchedulerConfig, MetricLoggerConfig,
-    ModelConfig, OptimizerConfig, ProfilerConfig, QuantizerConfig, TokenizerConfig,
+    ModelConfig, OptimizerConfig, PpoKeys, ProfilerConfig, QuantizerConfig, TokenizerConfig,
 };
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{
@@ -511,6 +511,7 @@ pub enum RecipeKeys {
     KnowledgeDistillation(Box<KdKeys>),
     GrpoFull(Box<GrpoKeys>),
     GrpoLora(Box<GrpoKeys>),
+    PpoFull(Box<PpoKeys>),
 }
 
 impl RecipeKeys {
@@ -525,6 +526,7 @@ impl RecipeKeys {
             Self::KnowledgeDistillation(_) => Recipe::KnowledgeDistillation,
             Self::GrpoFull(_) => Recipe::GrpoFull,
             Self::GrpoLora(_) => Recipe::GrpoLora,
+            Self::PpoFull(_) => Recipe::PpoFull,
         }
     }
 
@@ -536,7 +538,17 @@ impl RecipeKeys {
             Recipe::KnowledgeDistillation => KdKeys::KEYS,
             Recipe::FullDpo => FullDpoKeys::KEYS,
             Recipe::GrpoFull | Recipe::GrpoLora => GrpoKeys::KEYS,
+            Recipe::PpoFull => PpoKeys::KEYS,
             Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::LoraDpo | Recipe::Generate => &[],
+        }
+    }
+
+    /// The keys every training recipe reads, as `recipe`'s config writes them (PPO's policy
+    /// is `policy_model`, and it has no `epochs`).
+    pub fn shared_keys(recipe: Recipe) -> &'static [KeyInfo] {
+        match recipe {
+            Recipe::PpoFull => &super::ppo::SHARED_KEYS,
+            _ => TrainConfig::KEYS,
         }
     }
 
@@ -555,6 +567,7 @@ impl RecipeKeys {
             }
             Recipe::GrpoFull => Self::GrpoFull(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
             Recipe::GrpoLora => Self::GrpoLora(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
+            Recipe::PpoFull => Self::PpoFull(Box::new(PpoKeys::read_keys(root, "", cx)?)),
             Recipe::Generate => return None,
         })
     }
@@ -568,6 +581,7 @@ impl RecipeKeys {
             Self::Qat(keys) | Self::QatLora(keys) => keys.fingerprint_keys("", top, out),
             Self::KnowledgeDistillation(keys) => keys.fingerprint_keys("", top, out),
             Self::GrpoFull(keys) | Self::GrpoLora(keys) => keys.fingerprint_keys("", top, out),
+            Self::PpoFull(keys) => keys.fingerprint_keys("", top, out),
         }
     }
 
@@ -575,6 +589,14 @@ impl RecipeKeys {
     pub fn grpo(&self) -> Option<&GrpoKeys> {
         match self {
             Self::GrpoFull(keys) | Self::GrpoLora(keys) => Some(keys),
+            _ => None,
+        }
+    }
+
+    /// PPO's keys, for the PPO recipe.
+    pub fn ppo(&self) -> Option<&PpoKeys> {
+        match self {
+            Self::PpoFull(keys) => Some(keys),
             _ => None,
         }
     }

@@ -1,0 +1,120 @@
+//! PPO (torchtune's `ppo_full_finetune_single_device.py`): a policy and a value model train on
+//! the scores a frozen reward model gives the policy's own responses, with a per-token KL
+//! penalty against a frozen reference. Four checkpoints load: the policy (`checkpointer`), the
+//! reference (`ref_policy_checkpointer`), the value model (`value_checkpointer`, usually the
+//! reward model) and the reward model (`reward_checkpointer`). Each save writes the policy to
+//! the checkpointer's output directory and the value model to `value_checkpointer.output_dir`,
+//! both complete Hugging Face directories.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use tune::config::schema::{PpoKeys, TrainConfig};
+use tune::models::Trainable;
+use tune::setup::{grpo, model, ppo, session};
+use tune::training::checkpointing::SaveContent;
+use tune::training::ppo::PpoSteps;
+
+use super::RunContext;
+use tune::distributed::WorkerError;
+use tune::setup::run::RunStart;
+
+pub fn run<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    keys: &PpoKeys,
+    ctx: &RunContext<B>,
+    run: RunStart,
+) -> Result<(), WorkerError> {
+    // The value model's checkpoints have a directory of their own, claimed as the run's is.
+    ppo::check_dirs(cfg, keys)?;
+    let value_dir = ppo::value_checkpoint_dir(cfg, keys);
+    let _value_lock = tune::setup::run::claim_companion_dir(
+        &value_dir,
+        "value_checkpointer.output_dir",
+        &run.fingerprint,
+        cfg.overwrite_output_dir,
+    )?;
+
+    // The models: policy and value train; reference and reward are frozen, off the graph.
+    let loaded = model::load(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    model::check_architecture("policy_model", &cfg.model, &loaded.model.args)?;
+    let policy = loaded.model.set_trainable(Trainable::All);
+    let reference = model::load::<B::InnerBackend>(
+        &keys.ref_policy_checkpointer,
+        "ref_policy_checkpointer",
+        &ctx.device,
+    )?
+    .model;
+    model::check_architecture("policy_model", &cfg.model, &reference.args)?;
+    let value = model::load::<B>(&keys.value_checkpointer, "value_checkpointer", &ctx.device)?;
+    let scorer = &keys.reward_and_value_model;
+    model::check_architecture("reward_and_value_model", scorer, &value.model.args)?;
+    let value_storage = value.storage_dtype;
+    let value_model = value.model.set_trainable(Trainable::All);
+    let reward = model::load::<B::InnerBackend>(
+        &keys.reward_checkpointer,
+        "reward_checkpointer",
+        &ctx.device,
+    )?
+    .model;
+    model::check_architecture("reward_and_value_model", scorer, &reward.args)?;
+
+    // Prompts and the rollout, trajectory and loss settings.
+    let data = grpo::prompt_data(cfg, &ctx.base_dir)?;
+    let settings = ppo::settings(cfg, keys, &data.tokenizer);
+
+    let seed = run.seed;
+    let value_saver = tune::setup::run::companion_checkpointer(
+        cfg,
+        &value_dir,
+        &keys.value_checkpointer.checkpoint_dir,
+        ctx.recipe_name,
+        run.fingerprint.clone(),
+        value_storage,
+    )?;
+    let value_trainer = ppo::value_trainer(cfg, seed, value_model, run.world.clone());
+    let mut session = session::session(
+        cfg,
+        run,
+        policy,
+        SaveContent::FullModel,
+        loaded.storage_dtype,
+        ctx.recipe_name,
+        &ctx.device,
+    )?;
+    // torchtune's epochs: as many passes over the prompts as `num_steps` needs.
+    let steps_per_epoch = session.trainer.steps_per_epoch(&data.loader)?;
+    session.trainer.settings.epochs = settings.total_steps.div_ceil(steps_per_epoch.max(1));
+    let value = Rc::new(RefCell::new(Some(value_trainer)));
+    let mut value_checkpoints = ppo::ValueCheckpoints {
+        value: value.clone(),
+        saver: value_saver,
+    };
+    let mut steps = PpoSteps::new(
+        settings,
+        cfg.batch_size,
+        &data.prompts,
+        &data.loader,
+        reference,
+        reward,
+        value,
+    );
+    session.announce(|| {
+        format!(
+            "PPO of {} ({} parameters) with value model {} and reward model {}: {} steps of {} prompts, responses of up to {} tokens; seed {seed}; metrics in {}",
+            cfg.checkpointer.checkpoint_dir.display(),
+            session.trainer.model.args.num_params(),
+            keys.value_checkpointer.checkpoint_dir.display(),
+            keys.reward_checkpointer.checkpoint_dir.display(),
+            steps.settings.total_steps,
+            cfg.batch_size,
+            keys.max_generated_tokens,
+            session.log_dir,
+        )
+    });
+
+    session.run_with(&mut steps, None, Some(&mut value_checkpoints))?;
+    Ok(())
+}
