@@ -33,12 +33,14 @@ pub fn run<B: AutodiffBackend>(
     let _value_lock = tune::setup::run::claim_companion_dir(
         &value_dir,
         "value_checkpointer.output_dir",
-        &run.fingerprint,
+        &run,
         cfg.overwrite_output_dir,
     )?;
+    // Resumed: both models from their checkpoints of the same step.
+    let value_resume = ppo::value_resume(&value_dir, &run)?;
 
     // The models: policy and value train; reference and reward are frozen, off the graph.
-    let loaded = model::load(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let loaded = model::load_or_resume(&cfg.checkpointer, &run, &ctx.device)?;
     model::check_architecture("policy_model", &cfg.model, &loaded.model.args)?;
     let policy = loaded.model.set_trainable(Trainable::All);
     let reference = model::load::<B::InnerBackend>(
@@ -48,7 +50,16 @@ pub fn run<B: AutodiffBackend>(
     )?
     .model;
     model::check_architecture("policy_model", &cfg.model, &reference.args)?;
-    let value = model::load::<B>(&keys.value_checkpointer, "value_checkpointer", &ctx.device)?;
+    let value =
+        match &value_resume {
+            Some(r) => tune::model_io::hf::load_model::<B>(&r.dir, None, &ctx.device).map_err(
+                |source| tune::setup::SetupError::Model {
+                    key: "resume_from_checkpoint",
+                    source,
+                },
+            )?,
+            None => model::load::<B>(&keys.value_checkpointer, "value_checkpointer", &ctx.device)?,
+        };
     let scorer = &keys.reward_and_value_model;
     model::check_architecture("reward_and_value_model", scorer, &value.model.args)?;
     let value_storage = value.storage_dtype;
@@ -74,7 +85,7 @@ pub fn run<B: AutodiffBackend>(
         run.fingerprint.clone(),
         value_storage,
     )?;
-    let value_trainer = ppo::value_trainer(cfg, seed, value_model, run.world.clone());
+    let value_trainer = ppo::value_trainer(cfg, seed, value_model, run.world.clone(), value_resume);
     let mut session = session::session(
         cfg,
         run,

@@ -11,6 +11,7 @@ use crate::distributed::World;
 use crate::generation::{GroupSampling, SamplingParams};
 use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
+use crate::training::checkpointing::Resume;
 use crate::training::metrics::MetricLoggers;
 use crate::training::optimizer::Optimizer;
 use crate::training::ppo::PpoSettings;
@@ -86,22 +87,47 @@ pub fn value_checkpoint_dir(cfg: &TrainConfig, keys: &PpoKeys) -> PathBuf {
 }
 
 /// The value model's trainer core: the policy's settings and a second optimizer of the same
-/// kind, logging nothing of its own (the policy's step logs both models' metrics).
+/// kind, logging nothing of its own (the policy's step logs both models' metrics); resumed,
+/// its optimizer and position are the checkpoint's.
 pub fn value_trainer<B: AutodiffBackend>(
     cfg: &TrainConfig,
     seed: u64,
     model: CausalLm<B>,
     world: World,
+    resume: Option<Resume>,
 ) -> Trainer<B> {
+    let mut optimizer = Optimizer::new(super::optim::optimizer(&cfg.optimizer));
+    let mut state = TrainState::default();
+    if let Some(r) = resume {
+        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &model.device());
+        state = r.state;
+    }
     Trainer::new(
         super::run::trainer_settings(cfg, seed),
         model,
-        Optimizer::new(super::optim::optimizer(&cfg.optimizer)),
-        TrainState::default(),
+        optimizer,
+        state,
         MetricLoggers { sinks: Vec::new() },
         false,
         world,
     )
+}
+
+/// The value model a resumed run continues: its checkpoint of the same name as the policy's
+/// the run resumes from (`None` for a fresh run).
+pub fn value_resume(
+    value_dir: &std::path::Path,
+    run: &super::run::RunStart,
+) -> Result<Option<Resume>, crate::training::TrainError> {
+    let Some(policy) = &run.resume else {
+        return Ok(None);
+    };
+    let name = policy
+        .dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    crate::training::checkpointing::resume_companion(value_dir, &name, &run.fingerprint).map(Some)
 }
 
 /// Both checkpoint directories must differ: each holds `epoch_N` checkpoints of its own model.

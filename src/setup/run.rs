@@ -271,7 +271,10 @@ pub fn checkpointer(
 }
 
 /// The checkpoint client of a second model the run saves (PPO's value model): into `dir`,
-/// with the tokenizer files of `source_dir`, kept as `keep_last_n_checkpoints` says.
+/// with the tokenizer files of `source_dir`. Each of its saves is published before the run's
+/// own is requested, and it keeps one checkpoint more than `keep_last_n_checkpoints`: a run
+/// stopped between the two saves of a step resumes from the step before, whose companion is
+/// still there.
 pub fn companion_checkpointer(
     cfg: &TrainConfig,
     dir: &std::path::Path,
@@ -280,16 +283,18 @@ pub fn companion_checkpointer(
     fingerprint: RunFingerprint,
     storage_dtype: crate::checkpoint::StorageDtype,
 ) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
-    crate::training::checkpointing::RunCheckpointer::new(
+    let mut saver = crate::training::checkpointing::RunCheckpointer::new(
         dir.to_path_buf(),
-        cfg.keep_last_n_checkpoints(),
+        cfg.keep_last_n_checkpoints().map(|n| n + 1),
         recipe,
         crate::training::checkpointing::SaveContent::FullModel,
         fingerprint,
         source_dir.to_path_buf(),
         storage_dtype,
         crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
-    )
+    )?;
+    saver.always_block = true;
+    Ok(saver)
 }
 
 /// The trainer core for `model` as the config asks: its loop settings, optimizer and metric
@@ -357,16 +362,28 @@ pub fn lock_run_dirs(cfg: &TrainConfig) -> Result<RunLocks, SetupError> {
 }
 
 /// A second checkpoint directory of the run (PPO's value model's), claimed as the first is:
-/// locked for the run, and a fresh run refuses it when it holds another run's checkpoints
-/// (unless `overwrite_output_dir`).
+/// locked for the run; a fresh run refuses it when it holds another run's checkpoints (unless
+/// `overwrite_output_dir`), a resumed run tidies away the partial checkpoints a crash left.
 pub fn claim_companion_dir(
     dir: &std::path::Path,
     key: &'static str,
-    fingerprint: &RunFingerprint,
+    run: &RunStart,
     overwrite: bool,
 ) -> Result<RunLocks, SetupError> {
     let lock = lock_dir(dir, key)?;
-    claim_checkpoint_dir(dir, fingerprint, overwrite)?;
+    if run.resume.is_some() {
+        let cleaned = crate::checkpoint_client::clean_partial(dir).map_err(|e| {
+            crate::training::TrainError::from(crate::training::error::CheckpointingError::from(e))
+        })?;
+        for c in cleaned {
+            eprintln!(
+                "removed the partial checkpoint {} left by an interrupted run",
+                c.path.display()
+            );
+        }
+    } else {
+        claim_checkpoint_dir(dir, &run.fingerprint, overwrite)?;
+    }
     Ok(RunLocks { _files: vec![lock] })
 }
 

@@ -180,6 +180,10 @@ pub struct RunCheckpointer {
     /// FSDP with an output directory every rank sees: every rank writes its share of each
     /// checkpoint (`sharded_checkpoint`); this writer moves the others' in.
     pub sharded: Option<ShardedRun>,
+    /// Every save is published before `save` returns (PPO's value model: its checkpoint is
+    /// then durable before the policy's of the same step is even requested, so a published
+    /// policy checkpoint always has its value model's beside it).
+    pub always_block: bool,
     output_dir: PathBuf,
 }
 
@@ -219,6 +223,7 @@ impl RunCheckpointer {
             optimizer_shards: None,
             world_size: 1,
             sharded: None,
+            always_block: false,
             output_dir,
         })
     }
@@ -416,7 +421,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         meta.extra = serde_json::to_value(&info).unwrap_or_default();
 
         let request = SaveRequest::new(name.clone(), meta, writer);
-        let report = if kind.blocks() {
+        let report = if kind.blocks() || self.always_block {
             self.client.save_blocking(request)
         } else {
             self.client.save(request)
@@ -542,20 +547,47 @@ pub fn find_resume(
             }
         },
     };
+    resume_of(&found.dir, &found.meta().extra, fingerprint, tidy).map(Some)
+}
+
+/// The companion checkpoint `name` in `dir` (PPO's value model's, of the same name as the
+/// checkpoint the run resumes from): verified, checked against this run, its optimizer read.
+pub fn resume_companion(
+    dir: &Path,
+    name: &str,
+    fingerprint: &RunFingerprint,
+) -> Result<Resume, TrainError> {
+    let at = dir.join(name);
+    let manifest = crate::checkpoint_client::verify(&at, true).map_err(|source| {
+        CheckpointingError::MissingCompanion {
+            dir: dir.to_path_buf(),
+            name: name.to_string(),
+            source,
+        }
+    })?;
+    resume_of(&at, &manifest.meta.extra, fingerprint, false)
+}
+
+/// The resume point in checkpoint `dir` whose metadata's `extra` is `extra`, if it belongs to
+/// this run; `report` says which keys changed that may.
+fn resume_of(
+    dir: &Path,
+    extra: &serde_json::Value,
+    fingerprint: &RunFingerprint,
+    report: bool,
+) -> Result<Resume, TrainError> {
     let info: ResumeInfo =
-        serde_json::from_value(found.meta().extra.clone()).map_err(|source| {
-            CheckpointingError::NotTune {
-                dir: found.dir.clone(),
-                source,
-            }
+        serde_json::from_value(extra.clone()).map_err(|source| CheckpointingError::NotTune {
+            dir: dir.to_path_buf(),
+            source,
         })?;
     let mut changed = info.fingerprint.differences(fingerprint);
     changed.retain(|key| {
         let may_change = fingerprint.resume_may_change.contains(key);
-        if may_change && tidy {
+        if may_change && report {
             eprintln!(
                 "{key} changed since {} was saved ({} -> {}); resuming with the new value",
-                found.dir.display(),
+                dir.display(),
                 info.fingerprint.get(key),
                 fingerprint.get(key),
             );
@@ -564,21 +596,21 @@ pub fn find_resume(
     });
     if !changed.is_empty() {
         return Err(CheckpointingError::ConfigChanged {
-            dir: found.dir.clone(),
+            dir: dir.to_path_buf(),
             changed,
         }
         .into());
     }
     let optimizer_state = if info.optimizer_sharded {
-        read_optimizer_state(&found.dir)
+        read_optimizer_state(dir)
     } else {
-        read_state(&found.dir, OPTIMIZER_FILE, info.optimizer_shards)
+        read_state(dir, OPTIMIZER_FILE, info.optimizer_shards)
     }
     .map_err(CheckpointingError::from)?;
-    Ok(Some(Resume {
-        dir: found.dir.clone(),
+    Ok(Resume {
+        dir: dir.to_path_buf(),
         state: info.state,
         optimizer_step: info.optimizer_step,
         optimizer_state,
-    }))
+    })
 }

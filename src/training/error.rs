@@ -154,6 +154,19 @@ pub enum CheckpointingError {
         changed.join(", ")
     )]
     ConfigChanged { dir: PathBuf, changed: Vec<String> },
+    /// A second model's checkpoint (PPO's value model) that must go with the run's.
+    #[error(
+        "cannot resume: {} has no complete checkpoint of the value model to go with the policy's {} ({source}); restore it, or remove the policy's {} to resume from the checkpoint before",
+        dir.display(),
+        name,
+        name
+    )]
+    MissingCompanion {
+        dir: PathBuf,
+        name: String,
+        #[source]
+        source: crate::checkpoint_client::VerifyError,
+    },
     #[error("rank {rank}: writing its files of the checkpoint: {source}")]
     Shard {
         rank: usize,

@@ -221,7 +221,6 @@ fn ppo_config_mistakes_are_refused_by_name() {
     assert!(e.has("num_steps", "fewer than one batch"), "{e}");
     for (key, over) in [
         ("clip_grad_norm", "clip_grad_norm=1.0"),
-        ("resume_from_checkpoint", "resume_from_checkpoint=True"),
         ("max_steps_per_epoch", "max_steps_per_epoch=2"),
     ] {
         let e = check(&[over]).unwrap_err();
@@ -266,6 +265,119 @@ fn a_causal_reward_checkpoint_and_a_shared_checkpoint_dir_are_refused() {
     assert!(!o.status.success());
     assert!(
         err.contains("value_checkpointer.output_dir") && err.contains("overwrite each other"),
+        "{err}"
+    );
+}
+
+/// A run killed after its first checkpoints resumes both models and continues with the
+/// uninterrupted run's scores and losses, ending with the same weights.
+#[test]
+fn a_killed_ppo_run_resumes_both_models_as_the_uninterrupted_run() {
+    use std::time::{Duration, Instant};
+    let extra = ["num_steps=48", "save_every_n_steps=2"];
+    let reference = temp_dir("ppo-ref");
+    ppo_run(reference.path(), &extra);
+
+    let dir = temp_dir("ppo-killed");
+    let out = format!("output_dir={}", dir.path().display());
+    let mut a = vec!["run", PPO, "--config", CONFIG, &out];
+    a.extend_from_slice(&extra);
+    let mut child = tune_command(&a)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Two steps of four updates each: the first checkpoints are `step_8`.
+    let first = dir.path().join("policy/step_8/tune_checkpoint.json");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !first.is_file() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(first.is_file(), "step_8 was published");
+    assert!(
+        dir.path()
+            .join("value/step_8/tune_checkpoint.json")
+            .is_file()
+    );
+    let resumed = ppo_run(
+        dir.path(),
+        &[extra[0], extra[1], "resume_from_checkpoint=True"],
+    );
+    let want = read_metrics(&reference.path().join("logs/metrics.jsonl"));
+    let after = |rows: &[serde_json::Value], key: &str| -> Vec<f64> {
+        rows.iter()
+            .filter(|r| r["step"].as_u64().unwrap_or(0) > 8)
+            .map(|r| r[key].as_f64().unwrap())
+            .collect()
+    };
+    for key in ["scores", "loss", "value_loss", "kl"] {
+        let (got, want) = (after(&resumed, key), after(&want, key));
+        assert_eq!(got.len(), want.len(), "{key}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                "{key}: {got:?} against {want:?}"
+            );
+        }
+    }
+    for model in [
+        "policy/epoch_0/model.safetensors",
+        "value/epoch_0/model.safetensors",
+    ] {
+        let bytes = |d: &std::path::Path| std::fs::read(d.join(model)).unwrap();
+        assert!(
+            bytes(dir.path()) == bytes(reference.path()),
+            "{model} differs"
+        );
+    }
+}
+
+/// The value model's checkpoint of a step is published before the policy's: a run stopped
+/// between the two resumes from the step before, and the value model's newer checkpoint is
+/// replaced. A policy checkpoint whose value checkpoint is gone is refused by name.
+#[test]
+fn ppo_resumes_from_the_newest_step_both_models_saved() {
+    let extra = ["num_steps=48", "save_every_n_steps=2"];
+    let reference = temp_dir("ppo-pair-ref");
+    ppo_run(reference.path(), &extra);
+    let dir = temp_dir("ppo-pair");
+    ppo_run(dir.path(), &extra);
+    // As if stopped after the value model's step_16 was published, before the policy's.
+    for gone in ["policy/epoch_0", "policy/step_16", "value/epoch_0"] {
+        std::fs::remove_dir_all(dir.path().join(gone)).unwrap();
+    }
+    ppo_run(
+        dir.path(),
+        &[extra[0], extra[1], "resume_from_checkpoint=True"],
+    );
+    for model in [
+        "policy/epoch_0/model.safetensors",
+        "value/epoch_0/model.safetensors",
+    ] {
+        let bytes = |d: &std::path::Path| std::fs::read(d.join(model)).unwrap();
+        assert!(
+            bytes(dir.path()) == bytes(reference.path()),
+            "{model} differs"
+        );
+    }
+    std::fs::remove_dir_all(dir.path().join("value/epoch_0")).unwrap();
+    let out = format!("output_dir={}", dir.path().display());
+    let o = tune(&[
+        "run",
+        PPO,
+        "--config",
+        CONFIG,
+        &out,
+        extra[0],
+        extra[1],
+        "resume_from_checkpoint=True",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("no complete checkpoint of the value model") && err.contains("epoch_0"),
         "{err}"
     );
 }

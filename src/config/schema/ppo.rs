@@ -213,11 +213,6 @@ pub fn ppo_rules(c: &TrainConfig, k: &PpoKeys, cx: &mut Checker) {
             "PPO has no validation loss; remove `run_val_every_n_steps`",
         ),
         (
-            "resume_from_checkpoint",
-            c.resume_from_checkpoint,
-            "resuming PPO (its policy and value checkpoints as one) is not built yet: start the run again, or train from the last checkpoints by pointing `checkpointer` and `value_checkpointer` at them",
-        ),
-        (
             "push_to_hub",
             c.push_to_hub.is_some(),
             "PPO saves two models (policy and value); push the policy's checkpoint with `tune push` after the run",
