@@ -83,7 +83,8 @@ pub fn validate_with(
             let (problems, warnings) = (cx.problems.len(), cx.warnings.len());
             let common = TrainConfig::read_keys(&view, "", &mut cx);
             ppo::rename_policy_paths(&mut cx, problems, warnings);
-            let own = RecipeKeys::read(recipe, root, &mut cx);
+            let own_view = ppo::own_view(root, &mut cx);
+            let own = RecipeKeys::read(recipe, &own_view, &mut cx);
             if let (Some(common), Some(own)) = (&common, own.as_ref().and_then(RecipeKeys::ppo)) {
                 ppo::ppo_rules(common, own, &mut cx);
             }

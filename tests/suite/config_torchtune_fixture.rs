@@ -2,6 +2,7 @@
 //! its paths point at real files.
 
 use crate::support::{args, path_in, temp_dir, touch};
+use tune::config::schema::RecipeConfig;
 use tune::config::{load_config, validate};
 
 const FIXTURE: &str = concat!(
@@ -70,7 +71,7 @@ fn torchtune_config_without_overrides_reports_missing_paths() {
 /// `low_cpu_ram`, `checkpointer.keep_last_n_checkpoints`, a generic builder with architecture
 /// arguments, Phi-4's `vocab_path`/`merges_path` tokenizer, Qwen3, the older `fsdp:` block
 /// (Llama 2 7B and Llama 3.1 405B QLoRA). They validate (paths aside); a vision config, a Llama 4
-/// config and a PPO config are refused by name, and a 70B full config's `fsdp_cpu_offload: True`
+/// config are refused by name, torchtune's two PPO configs validate, and a 70B full config's `fsdp_cpu_offload: True`
 /// validates on its cuda and is said to change nothing on the CPU.
 /// (benches/torchtune_configs.py runs `tune validate` on all of torchtune's multi-device configs.)
 #[test]
@@ -185,16 +186,49 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
         err.contains("vision-language models are not supported"),
         "{err}"
     );
-    let ppo = format!("{dir}/mistral_7B_full_ppo_low_memory.yaml");
-    assert!(tune::cli::commands::infer_recipe(&ppo).is_none());
-    let mut out = Vec::new();
-    let err = match tune::cli::commands::validate_cmd(&ppo, &[], None, &mut out) {
-        Err(tune::cli::CliError::BadInput(e)) => e.to_string(),
-        Err(_) => panic!("a PPO config is bad input"),
-        Ok(()) => panic!("a PPO config validated"),
+    // PPO: Mistral's (its reward and value model a `torchtune.modules.classifier_model` over
+    // `mistral_7b`) and TinyLlama's (a `llama2_classifier` with architecture arguments).
+    for file in [
+        "mistral_7B_full_ppo_low_memory.yaml",
+        "llama2_1B_full_ppo_low_memory_single_device.yaml",
+    ] {
+        let path = format!("{dir}/{file}");
+        assert_eq!(
+            tune::cli::commands::infer_recipe(&path),
+            Some(tune::config::recipes::Recipe::PpoFull),
+            "{file}"
+        );
+        let cfg = load_config(&path, &[]).unwrap();
+        let (typed, _) =
+            tune::config::validate_with("ppo_full_finetune_single_device", &cfg, &no_paths)
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let RecipeConfig::Train(own, _) = typed else {
+            panic!("{file}: a training config")
+        };
+        let ppo = own.ppo().expect("PPO's keys");
+        assert_eq!(ppo.reward_and_value_model.classes(), Some(1), "{file}");
+    }
+    let mistral = load_config(&format!("{dir}/mistral_7B_full_ppo_low_memory.yaml"), &[]).unwrap();
+    let (typed, _) =
+        tune::config::validate_with("ppo_full_finetune_single_device", &mistral, &no_paths)
+            .unwrap();
+    let RecipeConfig::Train(own, _) = typed else {
+        panic!("a training config")
     };
+    let scorer = &own.ppo().unwrap().reward_and_value_model;
+    assert_eq!(
+        scorer.component.canonical_name(),
+        "tune.models.mistral.mistral_classifier"
+    );
+    let no_base = load_config(
+        &format!("{dir}/mistral_7B_full_ppo_low_memory.yaml"),
+        &args(&["~reward_and_value_model.base_model_path"]),
+    )
+    .unwrap();
+    let e = tune::config::validate_with("ppo_full_finetune_single_device", &no_base, &no_paths)
+        .unwrap_err();
     assert!(
-        err.contains("ppo_full_finetune_single_device") && err.contains("does not have"),
-        "{err}"
+        e.has("reward_and_value_model.base_model_path", "mistral_7b"),
+        "{e}"
     );
 }

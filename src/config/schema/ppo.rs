@@ -123,6 +123,62 @@ pub fn train_view(root: &Mapping, cx: &mut Checker) -> Mapping {
     view
 }
 
+/// torchtune's `torchtune.modules.classifier_model` (its Mistral PPO config's reward and value
+/// model): the model `base_model_path` names with its output replaced by a `num_classes`
+/// projection, which is that family's `*_classifier` builder. PPO's own keys are read from a
+/// view with the section written so; a missing or unusable `base_model_path` is refused by
+/// name.
+pub fn own_view(root: &Mapping, cx: &mut Checker) -> Mapping {
+    let mut view = root.clone();
+    let section = "reward_and_value_model";
+    let Some(Value::Mapping(model)) = view.get_mut(section) else {
+        return view;
+    };
+    let component = model.get("_component_").and_then(Value::as_str);
+    if !matches!(
+        component,
+        Some("torchtune.modules.classifier_model" | "tune.modules.classifier_model")
+    ) {
+        return view;
+    }
+    let key = format!("{section}.base_model_path");
+    let base = model.remove("base_model_path");
+    let Some(base) = base.as_ref().and_then(Value::as_str) else {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingKey,
+                &key,
+                "`torchtune.modules.classifier_model` needs the builder of the model it classifies with",
+            )
+            .with_fix("e.g. `base_model_path: torchtune.models.mistral.mistral_7b`"),
+        );
+        return view;
+    };
+    use crate::config::components::{Component, ComponentKind, lookup};
+    match lookup(base, Some(ComponentKind::Model)).map(|l| l.component) {
+        Ok(Component::Model(builder)) if !builder.is_lora() => {
+            let module = builder.family.module();
+            model.insert(
+                Value::from("_component_"),
+                Value::from(format!("torchtune.models.{module}.{module}_classifier")),
+            );
+        }
+        Ok(_) => cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                &key,
+                format!("`{base}` is a LoRA builder; PPO trains every weight of its value model"),
+            )
+            .with_fix("name the family's full builder, e.g. `torchtune.models.mistral.mistral_7b`"),
+        ),
+        Err(e) => cx.problem(
+            Problem::new(ProblemKind::InvalidValue, &key, e.to_string())
+                .with_fix("name a model builder, e.g. `torchtune.models.mistral.mistral_7b`"),
+        ),
+    }
+    view
+}
+
 /// Problems of [`train_view`]'s `model` are the config's `policy_model`'s: those from the
 /// `problems`-th and `warnings`-th on (what reading the view reported).
 pub fn rename_policy_paths(cx: &mut Checker, problems: usize, warnings: usize) {
