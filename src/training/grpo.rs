@@ -48,7 +48,7 @@ use crate::rewards::{Completion, Weighted, score_batch};
 use crate::tokenizer::Tokenizer;
 
 /// The policy's forward pass while training (dropout on, adapters on).
-const POLICY_MODE: ForwardMode = ForwardMode {
+pub(crate) const POLICY_MODE: ForwardMode = ForwardMode {
     adapters: true,
     fake_quant: true,
     train: true,
@@ -56,7 +56,7 @@ const POLICY_MODE: ForwardMode = ForwardMode {
 
 /// Scoring without gradients: the old policy (adapters on) and, with `adapters: false`, the
 /// LoRA reference.
-const SCORING_MODE: ForwardMode = ForwardMode {
+pub(crate) const SCORING_MODE: ForwardMode = ForwardMode {
     adapters: true,
     fake_quant: true,
     train: false,
@@ -656,6 +656,13 @@ fn loss_error(e: GrpoLossError) -> TrainError {
     rollout_error(RolloutError::Loss(e))
 }
 
+/// The seed of step `index` of `epoch` of a run seeded `seed`: the streams a step samples from
+/// (the same on every rank, and for a resumed run).
+pub(crate) fn step_seed(seed: u64, epoch: usize, index: usize) -> u64 {
+    seed.wrapping_add((epoch as u64) << 32)
+        .wrapping_add(index as u64)
+}
+
 /// The sampling seed of completion `k` of dataset row `row` at the step seeded `step_seed`.
 pub(crate) fn completion_seed(step_seed: u64, row: usize, k: usize) -> u64 {
     let key = format!("{step_seed}:{row}:{k}");
@@ -908,11 +915,7 @@ impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
         let world = trainer.world.clone();
         let prompts = self.prompts_of(&world, epoch, index);
         // Seeded by the run and the step, never the rank (see the module's doc).
-        let step_seed = trainer
-            .settings
-            .seed
-            .wrapping_add((epoch as u64) << 32)
-            .wrapping_add(index as u64);
+        let step_seed = step_seed(trainer.settings.seed, epoch, index);
         let (rollouts, stats) = self.roll_out(&trainer, &prompts, step_seed)?;
         let has_successes = stats.successes.is_some();
         let sums = sync::all_reduce_scalars::<B::InnerBackend>(

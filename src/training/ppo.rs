@@ -50,21 +50,10 @@ use crate::checkpoint::HostTensor;
 use crate::data::{DataLoader, PromptDataset, PromptSample};
 use crate::generation::{GroupSampling, sample_group};
 use crate::models::CausalLm;
-use crate::modules::ForwardMode;
 
-/// The policy's and the value model's forward pass while training.
-const TRAIN_MODE: ForwardMode = ForwardMode {
-    adapters: true,
-    fake_quant: true,
-    train: true,
-};
-
-/// Scoring a batch without gradients (torchtune's `torch.no_grad()` with the models in eval).
-const SCORING_MODE: ForwardMode = ForwardMode {
-    adapters: true,
-    fake_quant: true,
-    train: false,
-};
+/// The policy's and the value model's forward pass while training (GRPO's policy's); scoring
+/// a batch without gradients is GRPO's scoring pass (torchtune's `torch.no_grad()` in eval).
+use super::grpo::{POLICY_MODE as TRAIN_MODE, SCORING_MODE};
 
 /// torchtune's `PPOLoss` settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -584,11 +573,7 @@ impl<B: AutodiffBackend> EpochSteps<B> for PpoSteps<'_, B> {
         index: usize,
     ) -> Result<(Trainer<B>, StepDone), TrainError> {
         let prompts = self.prompts_of(epoch, index);
-        let step_seed = trainer
-            .settings
-            .seed
-            .wrapping_add((epoch as u64) << 32)
-            .wrapping_add(index as u64);
+        let step_seed = super::grpo::step_seed(trainer.settings.seed, epoch, index);
         let value = self.value.borrow_mut().take().ok_or_else(missing_batch)?;
         let (trainer, value, done) = self.step_both(trainer, value, &prompts, step_seed)?;
         *self.value.borrow_mut() = Some(value);

@@ -269,6 +269,17 @@ fn a_causal_reward_checkpoint_and_a_shared_checkpoint_dir_are_refused() {
     );
 }
 
+/// Both runs end with the same policy and value model, byte for byte.
+fn assert_same_final_models(a: &std::path::Path, b: &std::path::Path) {
+    for model in [
+        "policy/epoch_0/model.safetensors",
+        "value/epoch_0/model.safetensors",
+    ] {
+        let bytes = |d: &std::path::Path| std::fs::read(d.join(model)).unwrap();
+        assert!(bytes(a) == bytes(b), "{model} differs");
+    }
+}
+
 /// A run killed after its first checkpoints resumes both models and continues with the
 /// uninterrupted run's scores and losses, ending with the same weights.
 #[test]
@@ -322,16 +333,7 @@ fn a_killed_ppo_run_resumes_both_models_as_the_uninterrupted_run() {
             );
         }
     }
-    for model in [
-        "policy/epoch_0/model.safetensors",
-        "value/epoch_0/model.safetensors",
-    ] {
-        let bytes = |d: &std::path::Path| std::fs::read(d.join(model)).unwrap();
-        assert!(
-            bytes(dir.path()) == bytes(reference.path()),
-            "{model} differs"
-        );
-    }
+    assert_same_final_models(dir.path(), reference.path());
 }
 
 /// The value model's checkpoint of a step is published before the policy's: a run stopped
@@ -352,16 +354,7 @@ fn ppo_resumes_from_the_newest_step_both_models_saved() {
         dir.path(),
         &[extra[0], extra[1], "resume_from_checkpoint=True"],
     );
-    for model in [
-        "policy/epoch_0/model.safetensors",
-        "value/epoch_0/model.safetensors",
-    ] {
-        let bytes = |d: &std::path::Path| std::fs::read(d.join(model)).unwrap();
-        assert!(
-            bytes(dir.path()) == bytes(reference.path()),
-            "{model} differs"
-        );
-    }
+    assert_same_final_models(dir.path(), reference.path());
     std::fs::remove_dir_all(dir.path().join("value/epoch_0")).unwrap();
     let out = format!("output_dir={}", dir.path().display());
     let o = tune(&[
