@@ -98,11 +98,11 @@ static BUILTINS: &[BuiltinConfig] = &[
         distributed
     ),
     builtin!("tiny/kd_lora_single_device", KnowledgeDistillation),
-    builtin!("tiny/ppo_full_single_device", PpoFull),
     builtin!("tiny/lora", LoraFinetune, distributed),
     builtin!("tiny/lora_dpo", LoraDpo, distributed),
     builtin!("tiny/lora_dpo_single_device", LoraDpo),
     builtin!("tiny/lora_single_device", LoraFinetune),
+    builtin!("tiny/ppo_full_single_device", PpoFull),
     builtin!("tiny/qat_full", Qat, distributed),
     builtin!("tiny/qat_lora", QatLora, distributed),
     builtin!("tiny/qat_lora_single_device", QatLora),

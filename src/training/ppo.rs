@@ -414,8 +414,6 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
         step_seed: u64,
     ) -> Result<(Rollouts, Trajectory, f64), TrainError> {
         let s = &self.settings;
-        let width = s.trajectory.max_generated_tokens;
-        let pad = s.trajectory.pad_id;
         let samples: Vec<&PromptSample> = prompts
             .iter()
             .filter_map(|&i| self.prompts.get(i))
@@ -428,69 +426,104 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
                 .map_err(|source| {
                     TrainError::Rollout(Box::new(RolloutError::Generate { row, source }))
                 })?;
-            let mut response = group.completions.into_iter().next().unwrap_or_default();
-            response.resize(width, pad);
-            responses.push(response);
+            responses.push(group.completions.into_iter().next().unwrap_or_default());
         }
-        let rows: Vec<RolloutRow<'_>> = samples
-            .iter()
-            .zip(&responses)
-            .map(|(sample, response)| RolloutRow {
-                prompt: &sample.tokens,
-                completion: response,
-                counts: true,
-            })
-            .collect();
-        let rollouts = collate_rollouts(&rows, pad);
-        // Every model scores the same sequences, `forward_batch_size` rows at a time.
-        let n = rollouts.batch.batch_size;
-        let (mut log_probs, mut ref_log_probs, mut values, mut scores) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let temperature = s.sampling.sampling.temperature;
-        let mut start = 0;
-        while start < n {
-            let end = (start + s.forward_batch_size).min(n);
-            let part = rollouts.rows_range(start, end);
-            let input = token_batch(&part.batch);
-            let all_tokens = Tensor::<B::InnerBackend, 2, Bool>::from_data(
-                TensorData::new(vec![true; part.mask.len()], [end - start, width]),
-                &policy.device(),
-            );
-            let lp = completion_log_probs(policy.forward(input, SCORING_MODE), &part, temperature);
-            log_probs.extend(HostTensor::from_tensor(&lp).data);
-            let rlp = completion_log_probs(
-                self.reference.forward(input, SCORING_MODE),
-                &part,
-                temperature,
-            );
-            ref_log_probs.extend(HostTensor::from_tensor(&rlp).data);
-            let v = response_values(value.forward(input, SCORING_MODE), &part, all_tokens);
-            values.extend(HostTensor::from_tensor(&v).data);
-            // The reward model's score at each response's last token: its output there reads
-            // only the tokens up to it, the same whatever follows.
-            let out = self.reward.forward(input, SCORING_MODE);
-            let out = HostTensor::from_tensor(&crate::precision::to_f32(out));
-            let seq = part.batch.seq_len;
-            let response_rows = &responses[start..end];
-            for (r, response) in response_rows.iter().enumerate() {
-                let last = last_index(response, &s.sampling.stop_ids);
-                let at = (part.prompt_lens[r] + last).min(seq - 1);
-                scores.push(out.data[r * seq + at]);
-            }
-            start = end;
-        }
-        let rollout_seconds = started.elapsed().as_secs_f64();
-        let tokens: Vec<u32> = responses.concat();
-        let scored = Scored {
-            responses: Grid::new(n, width, tokens),
-            scores,
-            log_probs: Grid::new(n, width, log_probs),
-            ref_log_probs: Grid::new(n, width, ref_log_probs),
-            values: Grid::new(n, width, values),
+        let prompt_tokens: Vec<&[u32]> = samples.iter().map(|p| p.tokens.as_slice()).collect();
+        let models = PpoModels {
+            policy,
+            reference: &self.reference,
+            value,
+            reward: &self.reward,
         };
-        let t = trajectory(scored, &s.sampling.stop_ids, &s.trajectory);
-        Ok((rollouts, t, rollout_seconds))
+        let (rollouts, t) = score_responses(&models, &prompt_tokens, responses, s)?;
+        Ok((rollouts, t, started.elapsed().as_secs_f64()))
     }
+}
+
+/// The four models a batch of responses is scored with, off the autodiff graph.
+pub struct PpoModels<'a, B: Backend> {
+    pub policy: &'a CausalLm<B>,
+    pub reference: &'a CausalLm<B>,
+    pub value: &'a CausalLm<B>,
+    pub reward: &'a CausalLm<B>,
+}
+
+/// Scores each prompt's response (its tokens up to and including its first stop token; padded
+/// here to `max_generated_tokens`) with the four models, `forward_batch_size` rows at a time,
+/// and post-processes them into the trajectory (`ppo_maths::trajectory`): the sequences the
+/// updates train on and what `PPOLoss` reads of them.
+pub fn score_responses<B: Backend>(
+    models: &PpoModels<'_, B>,
+    prompts: &[&[u32]],
+    mut responses: Vec<Vec<u32>>,
+    s: &PpoSettings,
+) -> Result<(Rollouts, Trajectory), TrainError> {
+    let width = s.trajectory.max_generated_tokens;
+    let pad = s.trajectory.pad_id;
+    for response in &mut responses {
+        response.resize(width, pad);
+    }
+    let rows: Vec<RolloutRow<'_>> = prompts
+        .iter()
+        .zip(&responses)
+        .map(|(prompt, response)| RolloutRow {
+            prompt,
+            completion: response,
+            counts: true,
+        })
+        .collect();
+    let rollouts = collate_rollouts(&rows, pad);
+    // Every model scores the same sequences, `forward_batch_size` rows at a time.
+    let n = rollouts.batch.batch_size;
+    let (mut log_probs, mut ref_log_probs, mut values, mut scores) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let temperature = s.sampling.sampling.temperature;
+    let device = models.policy.device();
+    let mut start = 0;
+    while start < n {
+        let end = (start + s.forward_batch_size).min(n);
+        let part = rollouts.rows_range(start, end);
+        let input = token_batch(&part.batch);
+        let all_tokens = Tensor::<B, 2, Bool>::from_data(
+            TensorData::new(vec![true; part.mask.len()], [end - start, width]),
+            &device,
+        );
+        let lp = completion_log_probs(
+            models.policy.forward(input, SCORING_MODE),
+            &part,
+            temperature,
+        );
+        log_probs.extend(HostTensor::from_tensor(&lp).data);
+        let rlp = completion_log_probs(
+            models.reference.forward(input, SCORING_MODE),
+            &part,
+            temperature,
+        );
+        ref_log_probs.extend(HostTensor::from_tensor(&rlp).data);
+        let v = response_values(models.value.forward(input, SCORING_MODE), &part, all_tokens);
+        values.extend(HostTensor::from_tensor(&v).data);
+        // The reward model's score at each response's last token: its output there reads
+        // only the tokens up to it, the same whatever follows.
+        let out = models.reward.forward(input, SCORING_MODE);
+        let out = HostTensor::from_tensor(&crate::precision::to_f32(out));
+        let seq = part.batch.seq_len;
+        for (r, response) in responses[start..end].iter().enumerate() {
+            let last = last_index(response, &s.sampling.stop_ids);
+            let at = (part.prompt_lens[r] + last).min(seq - 1);
+            scores.push(out.data[r * seq + at]);
+        }
+        start = end;
+    }
+    let tokens: Vec<u32> = responses.concat();
+    let scored = Scored {
+        responses: Grid::new(n, width, tokens),
+        scores,
+        log_probs: Grid::new(n, width, log_probs),
+        ref_log_probs: Grid::new(n, width, ref_log_probs),
+        values: Grid::new(n, width, values),
+    };
+    let t = trajectory(scored, &s.sampling.stop_ids, &s.trajectory);
+    Ok((rollouts, t))
 }
 
 /// The index of a response's last token before padding: its first stop token, else its last.
@@ -502,7 +535,7 @@ fn last_index(response: &[u32], stop_ids: &[u32]) -> usize {
 }
 
 /// Rows `rows` of the batch's trajectories, as one micro-batch.
-fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMicroBatch {
+pub fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMicroBatch {
     let width = rollouts.width;
     let seq = rollouts.batch.seq_len;
     let pick = |values: &[f32]| -> Vec<f32> {

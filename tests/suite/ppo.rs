@@ -374,3 +374,206 @@ fn ppo_resumes_from_the_newest_step_both_models_saved() {
         "{err}"
     );
 }
+
+/// One PPO step against torchtune's recipe on the tiny models (tests/fixtures/ppo_step.json,
+/// made by make_ppo_step_fixture.py): from fixed prompts and responses, the four models' scores,
+/// the trajectory (penalties, masks, rewards, advantages), `PPOLoss` and every gradient of the
+/// policy and of the value model.
+#[test]
+fn one_ppo_step_is_torchtunes_from_the_responses_to_every_gradient() {
+    use burn::module::AutodiffModule;
+    use std::sync::Arc;
+    use tune::generation::{GroupSampling, SamplingParams};
+    use tune::models::Trainable;
+    use tune::training::grads::named_grads;
+    use tune::training::loss_step::{LossStep, StepInfo};
+    use tune::training::ppo::{
+        PolicyLoss, PpoLossSettings, PpoModels, PpoSettings, ValueLoss, micro_batch,
+        score_responses,
+    };
+    use tune::training::ppo_maths::TrajectorySettings;
+
+    let f: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("ppo_step.json")).unwrap()).unwrap();
+    let s = &f["settings"];
+    let num = |k: &str| s[k].as_f64().unwrap();
+    let floats = |k: &str| -> Vec<f32> {
+        f[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let bools = |k: &str| -> Vec<bool> {
+        f[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_bool().unwrap())
+            .collect()
+    };
+    let rows = |k: &str| -> Vec<Vec<u32>> {
+        f[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect()
+    };
+    let stop_ids: Vec<u32> = vec![s["stop_tokens"][0].as_u64().unwrap() as u32];
+    let width = f["width"].as_u64().unwrap() as usize;
+    let settings = PpoSettings {
+        forward_batch_size: 3,
+        ppo_epochs: 1,
+        ppo_batch_size: 4,
+        gradient_accumulation_steps: 1,
+        total_steps: 1,
+        sampling: GroupSampling {
+            max_new_tokens: width,
+            sampling: SamplingParams {
+                temperature: num("temperature"),
+                top_k: None,
+                top_p: None,
+            },
+            stop_ids: stop_ids.clone(),
+        },
+        trajectory: TrajectorySettings {
+            pad_id: s["pad_id"].as_u64().unwrap() as u32,
+            max_generated_tokens: width,
+            min_response_length: Some(num("min_response_length") as usize),
+            penalise_no_eos: true,
+            reward_penalty: num("reward_penalty") as f32,
+            kl_coeff: num("kl_coeff") as f32,
+            gamma: num("gamma"),
+            lmbda: num("lmbda"),
+            whiten_rewards: false,
+        },
+        loss: PpoLossSettings {
+            epsilon: num("epsilon"),
+            value_clip_range: num("value_clip_range"),
+            value_coeff: num("value_coeff"),
+        },
+        activation_checkpointing: Default::default(),
+    };
+    let device = Default::default();
+    let load = |dir: &str| {
+        load_model::<CpuAutodiff>(&fixture(dir), None, &device)
+            .unwrap()
+            .model
+    };
+    let policy = load("tiny-llama").set_trainable(Trainable::All);
+    let value = load("tiny-llama-reward").set_trainable(Trainable::All);
+    let (reference, reward) = (policy.valid(), value.valid());
+    let prompts = rows("prompts");
+    let prompt_refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    // tune's sampler stops at a response's first stop token.
+    let responses: Vec<Vec<u32>> = rows("responses")
+        .into_iter()
+        .map(|r| match r.iter().position(|t| stop_ids.contains(t)) {
+            Some(at) => r[..=at].to_vec(),
+            None => r,
+        })
+        .collect();
+    let (policy_valid, value_valid) = (policy.valid(), value.valid());
+    let models = PpoModels {
+        policy: &policy_valid,
+        reference: &reference,
+        value: &value_valid,
+        reward: &reward,
+    };
+    let (rollouts, t) = score_responses(&models, &prompt_refs, responses, &settings).unwrap();
+    let close = |what: &str, got: &[f32], want: &[f32], tol: f32| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()),
+                "{what}[{i}]: {g} against torchtune's {w}"
+            );
+        }
+    };
+    assert_eq!(t.response_padding.values, bools("response_padding_mask"));
+    assert_eq!(t.value_padding.values, bools("value_padding_mask"));
+    close("scores", &t.scores, &floats("scores"), 1e-5);
+    close("logprobs", &t.log_probs.values, &floats("logprobs"), 1e-5);
+    close(
+        "ref_logprobs",
+        &t.ref_log_probs.values,
+        &floats("ref_logprobs"),
+        1e-5,
+    );
+    close("values", &t.values.values, &floats("values"), 1e-5);
+    close(
+        "advantages",
+        &t.advantages.values,
+        &floats("advantages"),
+        1e-4,
+    );
+    close("returns", &t.returns.values, &floats("returns"), 1e-5);
+
+    let mb = Arc::new(micro_batch(&rollouts, &t, &[0, 1, 2, 3]));
+    let info = StepInfo {
+        epoch: 0,
+        global_step: 0,
+        seed: 0,
+    };
+    let mut policy_loss = PolicyLoss {
+        epsilon: settings.loss.epsilon,
+        temperature: num("temperature"),
+        activation_checkpointing: Default::default(),
+        queue: [mb.clone()].into(),
+    };
+    let mut p = policy_loss.step(&policy, &mb.rollouts.batch, info).unwrap();
+    let mut value_loss = ValueLoss {
+        value_clip_range: settings.loss.value_clip_range,
+        value_coeff: settings.loss.value_coeff,
+        activation_checkpointing: Default::default(),
+        queue: [mb.clone()].into(),
+    };
+    let mut v = value_loss.step(&value, &mb.rollouts.batch, info).unwrap();
+    let scalar =
+        |out: &tune::training::loss_step::StepOutput<CpuAutodiff>| out.loss.clone().into_scalar();
+    let metric = |out: &tune::training::loss_step::StepOutput<CpuAutodiff>, k: &str| {
+        out.metric(k).unwrap() as f32
+    };
+    let want = |k: &str| f[k].as_f64().unwrap() as f32;
+    close("loss", &[scalar(&p) + scalar(&v)], &[want("loss")], 1e-5);
+    close(
+        "policy_loss",
+        &[metric(&p, "policy_loss")],
+        &[want("policy_loss")],
+        1e-5,
+    );
+    close(
+        "value_loss",
+        &[metric(&v, "value_loss")],
+        &[want("value_loss")],
+        1e-5,
+    );
+    close("ratios", &[metric(&p, "ratios")], &[want("ratios")], 1e-6);
+    close(
+        "clipfrac",
+        &[metric(&p, "clipfrac")],
+        &[want("clipfrac")],
+        1e-6,
+    );
+
+    let r = Reference::open("ppo_step.safetensors");
+    for (prefix, model, out) in [("policy", &policy, &mut p), ("value", &value, &mut v)] {
+        let parts = out.take_gradients();
+        assert_eq!(parts.len(), 1);
+        let named = model.to_hf_layout(named_grads(model, &parts[0]));
+        let count = f["grad_count"][prefix].as_u64().unwrap() as usize;
+        assert_eq!(named.len(), count, "{prefix}: one gradient per parameter");
+        for (name, grad) in named {
+            assert_grad_close(
+                &format!("{prefix} {name}"),
+                &grad,
+                &r.f32(&format!("{prefix}.{name}")),
+            );
+        }
+    }
+}
