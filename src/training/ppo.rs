@@ -66,11 +66,17 @@ pub struct PpoLossSettings {
     pub value_coeff: f64,
 }
 
+/// A mask as fp32 0/1 values, whatever the device's default float dtype: the losses compute in
+/// fp32 (the log-probabilities and values are), and bf16 training must not mix the two.
+fn fp32<B: Backend>(mask: Tensor<B, 2, Bool>) -> Tensor<B, 2> {
+    crate::precision::to_f32(mask.float())
+}
+
 /// `rlhf.masked_mean` over the whole tensor; `None`: the plain mean.
 fn masked_mean<B: Backend>(x: Tensor<B, 2>, mask: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 1> {
     match mask {
         Some(mask) => {
-            let m = mask.float();
+            let m = fp32(mask);
             (x * m.clone()).sum() / (m.sum() + 1e-8)
         }
         None => x.mean(),
@@ -93,7 +99,7 @@ pub fn policy_loss<B: Backend>(
     let loss_clipped = losing.clone() * clipped;
     let loss_unclipped = losing * ratios.clone();
     let clipfrac = masked_mean(
-        loss_clipped.clone().greater(loss_unclipped.clone()).float(),
+        fp32(loss_clipped.clone().greater(loss_unclipped.clone())),
         mask.clone(),
     );
     let loss = masked_mean(loss_clipped.max_pair(loss_unclipped), mask);

@@ -27,15 +27,15 @@ fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
         .into_iter()
         .filter(|b| b.name.starts_with("tiny/"))
         .collect();
-    // One per torchtune script: 10 single-device (generate included) and 9 distributed.
-    assert_eq!(tiny.len(), 19, "one tiny config per recipe script");
+    // One per torchtune script: 11 single-device (generate and PPO included) and 9 distributed.
+    assert_eq!(tiny.len(), 20, "one tiny config per recipe script");
     let mut scripts: Vec<&str> = tiny
         .iter()
         .map(|b| b.recipe.script_name(b.distributed))
         .collect();
     scripts.sort_unstable();
     scripts.dedup();
-    assert_eq!(scripts.len(), 19);
+    assert_eq!(scripts.len(), 20);
     for b in tiny {
         let mut cfg = load_config(b.name, &[]).expect("loads");
         support::rebase_assets(&mut cfg.value, assets.path());

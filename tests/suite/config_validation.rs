@@ -339,7 +339,7 @@ fn unknown_recipe() {
     let e = validate("lora_fintune", &cfg).unwrap_err();
     assert_eq!(e.problems[0].kind, ProblemKind::UnknownRecipe);
     let text = e.to_string();
-    assert!(text.contains("unknown recipe `lora_fintune` (did you mean `lora_finetune`?); known recipes: full_finetune, lora_finetune, lora_dpo, full_dpo, qat, qat_lora, knowledge_distillation, grpo_full_finetune, grpo_lora_finetune, generate"), "{text}");
+    assert!(text.contains("unknown recipe `lora_fintune` (did you mean `lora_finetune`?); known recipes: full_finetune, lora_finetune, lora_dpo, full_dpo, qat, qat_lora, knowledge_distillation, grpo_full_finetune, grpo_lora_finetune, ppo_full_finetune, generate"), "{text}");
 }
 
 #[test]

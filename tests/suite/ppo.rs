@@ -577,3 +577,18 @@ fn one_ppo_step_is_torchtunes_from_the_responses_to_every_gradient() {
         }
     }
 }
+
+/// PPO in bf16 (weights, rollouts, the four models, both updates; losses in fp32) raises the
+/// score as in fp32.
+#[test]
+fn ppo_in_bf16_raises_the_reward_models_score() {
+    let dir = temp_dir("ppo-bf16");
+    let metrics = ppo_run(dir.path(), &["dtype=bf16"]);
+    let scores = column(&metrics, "scores");
+    let q = scores.len() / 4;
+    let (first, last) = (mean(&scores[..q]), mean(&scores[scores.len() - q..]));
+    assert!(
+        last > first + 0.3,
+        "the score did not rise: first steps {first:.3}, last steps {last:.3} ({scores:?})"
+    );
+}

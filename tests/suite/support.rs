@@ -110,7 +110,7 @@ pub fn path_in(dir: &Path, rel: &str) -> String {
 /// A temp root holding the files the tiny configs name under `assets/`.
 pub fn tiny_assets() -> TempDir {
     let t = temp_dir("assets");
-    for model in ["tiny-llama", "tiny-llama-teacher"] {
+    for model in ["tiny-llama", "tiny-llama-teacher", "tiny-llama-reward"] {
         for f in [
             "config.json",
             "model.safetensors",
