@@ -132,6 +132,44 @@ pub fn torch_randperm(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// One rank's batches of the epoch being run, drawn from the loader once per epoch (its order
+/// is a function of the epoch): what a recipe's steps index into.
+#[derive(Debug, Clone, Default)]
+pub struct EpochBatches {
+    drawn: Option<(usize, Vec<Vec<usize>>)>,
+}
+
+impl EpochBatches {
+    /// The sample indices of batch `index` of `epoch` for rank `rank` of `world` (empty past
+    /// the epoch's last batch).
+    pub fn batch(
+        &mut self,
+        loader: &DataLoader,
+        epoch: usize,
+        index: usize,
+        rank: usize,
+        world: usize,
+    ) -> &[usize] {
+        self.batches(loader, epoch, rank, world)
+            .get(index)
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Every batch of `epoch` for rank `rank` of `world`.
+    pub fn batches(
+        &mut self,
+        loader: &DataLoader,
+        epoch: usize,
+        rank: usize,
+        world: usize,
+    ) -> &[Vec<usize>] {
+        if self.drawn.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.drawn = Some((epoch, loader.rank_batches(epoch as u64, rank, world)));
+        }
+        self.drawn.as_ref().map_or(&[], |(_, b)| b.as_slice())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

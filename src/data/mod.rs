@@ -18,7 +18,7 @@ pub use collate::{Batch, PreferenceSample, collate_packed, collate_preference, c
 pub use dataset::{Dataset, Samples};
 pub use error::{DataError, Result, TokenizeError};
 pub use gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE};
-pub use loader::{DataLoader, LoaderConfig};
+pub use loader::{DataLoader, EpochBatches, LoaderConfig};
 pub use packing::{PackedSample, pack};
 pub use prompts::{Partition, PromptDataset, PromptSample, prompt_tokens};
 pub use sample::{IGNORE_INDEX, SftSample};

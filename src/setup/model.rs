@@ -408,23 +408,23 @@ pub fn check_architecture(
             fix,
         })
     };
-    match (arch.classes(), args.num_labels) {
-        (Some(ours), Some(theirs)) if ours != theirs => {
+    match (arch.is_classifier(), args.num_labels) {
+        (true, Some(theirs)) if arch.classes().is_some_and(|ours| ours != theirs) => {
             return Err(mismatch(
                 "num_classes",
-                ours.to_string(),
+                arch.classes().map_or_else(String::new, |n| n.to_string()),
                 theirs.to_string(),
                 "num_labels (the size of id2label)",
             ));
         }
-        (Some(_), None) => {
+        (true, None) => {
             return Err(head(
                 "scores sequences (a reward or value model)",
                 "language model",
                 "point its checkpointer at a `*ForSequenceClassification` checkpoint with a `score` head (a reward model), as torchtune's `model_type: REWARD` checkpoints are",
             ));
         }
-        (None, Some(_)) => {
+        (false, Some(_)) => {
             return Err(head(
                 "is a language model",
                 "sequence classifier",

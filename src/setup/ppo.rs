@@ -168,10 +168,8 @@ impl<B: AutodiffBackend> crate::training::save_hook::SaveHook<B> for ValueCheckp
         let Some(trainer) = slot.as_mut() else {
             // A step that failed took the value trainer with it; the run is ending.
             return Err(crate::training::TrainError::Rollout(Box::new(
-                crate::training::error::RolloutError::Loss(
-                    crate::training::grpo_loss::GrpoLossError::Setting(
-                        "the value model was lost in a failed step; it is not saved".into(),
-                    ),
+                crate::training::error::RolloutError::Invariant(
+                    "the value model was lost in a failed step; it is not saved",
                 ),
             )));
         };

@@ -194,4 +194,7 @@ pub enum RolloutError {
     },
     #[error(transparent)]
     Loss(#[from] super::grpo_loss::GrpoLossError),
+    /// A state the recipe's own steps rule out (a bug in tune, not in the config or data).
+    #[error("{0} (a bug in tune: please report it)")]
+    Invariant(&'static str),
 }

@@ -399,7 +399,7 @@ pub struct GrpoSteps<'a, B: AutodiffBackend> {
     /// `rewards/<name>` per reward function, in their order.
     pub reward_metrics: Vec<&'static str>,
     /// This rank's batches of the epoch being run.
-    epoch: Option<(usize, Vec<Vec<usize>>)>,
+    epoch: crate::data::EpochBatches,
 }
 
 impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
@@ -432,7 +432,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
             reference,
             loss,
             reward_metrics,
-            epoch: None,
+            epoch: Default::default(),
         }
     }
 
@@ -452,16 +452,9 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
 
     /// This rank's prompts (dataset indices) of step `index` of `epoch`.
     fn prompts_of(&mut self, world: &World, epoch: usize, index: usize) -> Vec<usize> {
-        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            let batches = self
-                .loader
-                .rank_batches(epoch as u64, world.rank, world.size);
-            self.epoch = Some((epoch, batches));
-        }
-        match &self.epoch {
-            Some((_, batches)) => batches.get(index).cloned().unwrap_or_default(),
-            None => Vec::new(),
-        }
+        self.epoch
+            .batch(self.loader, epoch, index, world.rank, world.size)
+            .to_vec()
     }
 
     /// Samples, scores and prepares the rollouts of `prompts` (dataset indices): the rollouts

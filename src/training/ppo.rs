@@ -39,7 +39,6 @@ use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
 use super::grpo::{RolloutRow, Rollouts, collate_rollouts, completion_log_probs, completion_seed};
-use super::grpo_loss::GrpoLossError;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
     Grid, Scored, Trajectory, TrajectorySettings, trajectory, trajectory_metrics,
@@ -152,15 +151,16 @@ impl PpoMicroBatch {
 }
 
 fn missing_batch() -> TrainError {
-    TrainError::Rollout(Box::new(RolloutError::Loss(GrpoLossError::Setting(
-        "a PPO update ran without its trajectories".into(),
-    ))))
+    TrainError::Rollout(Box::new(RolloutError::Invariant(
+        "a PPO update ran without its trajectories",
+    )))
 }
 
+/// The config refuses `dataset_val` for PPO: no validation pass reaches these loss steps.
 fn no_validation() -> TrainError {
-    TrainError::Rollout(Box::new(RolloutError::Loss(GrpoLossError::Setting(
-        "PPO has no validation loss".into(),
-    ))))
+    TrainError::Rollout(Box::new(RolloutError::Invariant(
+        "PPO has no validation loss",
+    )))
 }
 
 /// The policy's loss step: its log-probabilities of the micro-batch's responses through the
@@ -360,7 +360,7 @@ pub struct PpoSteps<'a, B: AutodiffBackend> {
     policy_loss: PolicyLoss,
     value_loss: ValueLoss,
     batch_size: usize,
-    epoch: Option<(usize, Vec<Vec<usize>>)>,
+    epoch: crate::data::EpochBatches,
 }
 
 impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
@@ -396,18 +396,13 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
             policy_loss,
             value_loss,
             batch_size,
-            epoch: None,
+            epoch: Default::default(),
         }
     }
 
     fn prompts_of(&mut self, epoch: usize, index: usize) -> Vec<usize> {
-        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            self.epoch = Some((epoch, self.loader.rank_batches(epoch as u64, 0, 1)));
-        }
-        match &self.epoch {
-            Some((_, batches)) => batches.get(index).cloned().unwrap_or_default(),
-            None => Vec::new(),
-        }
+        // PPO runs on one device.
+        self.epoch.batch(self.loader, epoch, index, 0, 1).to_vec()
     }
 
     /// Samples one response per prompt, scores it with the four models and post-processes it
@@ -613,7 +608,11 @@ impl<B: AutodiffBackend> EpochSteps<B> for PpoSteps<'_, B> {
     ) -> Result<(Trainer<B>, StepDone), TrainError> {
         let prompts = self.prompts_of(epoch, index);
         let step_seed = super::grpo::step_seed(trainer.settings.seed, epoch, index);
-        let value = self.value.borrow_mut().take().ok_or_else(missing_batch)?;
+        let value = self.value.borrow_mut().take().ok_or_else(|| {
+            TrainError::Rollout(Box::new(RolloutError::Invariant(
+                "the value model's trainer was lost in an earlier step",
+            )))
+        })?;
         let (trainer, value, done) = self.step_both(trainer, value, &prompts, step_seed)?;
         *self.value.borrow_mut() = Some(value);
         Ok((trainer, done))

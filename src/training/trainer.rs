@@ -899,7 +899,7 @@ pub struct Batches<'a, B: AutodiffBackend> {
     pub loss_step: &'a mut dyn LossStep<B>,
     pub validation: Option<&'a Validation>,
     /// This rank's batches of the epoch being run (drawn once per epoch).
-    epoch: Option<(usize, Vec<Vec<usize>>)>,
+    epoch: crate::data::EpochBatches,
 }
 
 impl<'a, B: AutodiffBackend> Batches<'a, B> {
@@ -914,7 +914,7 @@ impl<'a, B: AutodiffBackend> Batches<'a, B> {
             loader,
             loss_step,
             validation,
-            epoch: None,
+            epoch: Default::default(),
         }
     }
 }
@@ -931,16 +931,10 @@ impl<B: AutodiffBackend> EpochSteps<B> for Batches<'_, B> {
         index: usize,
     ) -> Result<(Trainer<B>, StepDone), TrainError> {
         let accum = trainer.settings.gradient_accumulation_steps.max(1);
-        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            let world = &trainer.world;
-            let batches = self
-                .loader
-                .rank_batches(epoch as u64, world.rank, world.size);
-            self.epoch = Some((epoch, batches));
-        }
-        let Some((_, batches)) = &self.epoch else {
-            unreachable!("drawn above")
-        };
+        let world = &trainer.world;
+        let batches = self
+            .epoch
+            .batches(self.loader, epoch, world.rank, world.size);
         let first = index * accum;
         let micro_batches = batches[first..first + accum]
             .iter()

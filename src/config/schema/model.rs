@@ -103,16 +103,20 @@ impl ModelConfig {
         self.component.is_lora()
     }
 
-    /// The classes of a classifier builder (`*_classifier` with `num_classes`, torchtune's
-    /// `*_reward_7b` with one); `None` for a causal language model.
-    pub fn classes(&self) -> Option<usize> {
+    /// A classifier builder (`*_classifier`, torchtune's `*_reward_7b`): a reward or value
+    /// model's scores instead of next-token logits.
+    pub fn is_classifier(&self) -> bool {
         let size = self.component.size.as_str();
-        if size == "classifier" {
-            Some(self.num_classes.unwrap_or(0))
-        } else if size.starts_with("reward") {
-            Some(1)
-        } else {
-            None
+        size == "classifier" || size.starts_with("reward")
+    }
+
+    /// A classifier builder's classes: `num_classes` for `*_classifier` (which validation
+    /// requires), one for `*_reward_7b`; `None` for a language model.
+    pub fn classes(&self) -> Option<usize> {
+        match self.component.size.as_str() {
+            "classifier" => self.num_classes,
+            size if size.starts_with("reward") => Some(1),
+            _ => None,
         }
     }
 
@@ -246,8 +250,8 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
     let name = m.component.canonical_name();
     let key = join(path, "_component_");
     let scores = path == "reward_and_value_model";
-    match m.classes() {
-        None if scores => cx.problem(
+    match (m.is_classifier(), m.classes()) {
+        (false, _) if scores => cx.problem(
             Problem::new(
                 ProblemKind::WrongComponentKind,
                 &key,
@@ -258,7 +262,7 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
                 module = m.component.family.module()
             )),
         ),
-        Some(_) if !scores => cx.problem(
+        (true, _) if !scores => cx.problem(
             Problem::new(
                 ProblemKind::WrongComponentKind,
                 &key,
@@ -266,7 +270,7 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             )
             .with_fix("use a language model builder here; classifiers are PPO's `reward_and_value_model`"),
         ),
-        Some(0) => cx.problem(
+        (true, None) => cx.problem(
             Problem::new(
                 ProblemKind::MissingKey,
                 join(path, "num_classes"),
@@ -274,7 +278,7 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             )
             .with_fix("PPO's reward and value models have `num_classes: 1`"),
         ),
-        Some(n) if n != 1 && scores => cx.problem(
+        (true, Some(n)) if n != 1 => cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
                 join(path, "num_classes"),
