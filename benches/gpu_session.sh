@@ -14,7 +14,14 @@
 #      builders when its wheels import) on the same shapes, same machine;
 #   3. benches/gpu_distributed.sh: single device against a 1-rank lora_finetune_distributed;
 #   4. FSDP's CPU offload (`fsdp_cpu_offload: True`) on one cuda rank against the run without
-#      it: the same losses, the rows and AdamW state in host memory, tokens/s of each.
+#      it: the same losses, the rows and AdamW state in host memory, tokens/s of each;
+#   5. long sequences: SmolLM2-135M LoRA at 512-4096 tokens with burn's composed attention,
+#      tune's fused cubecl attention, and fused + activation checkpointing + offloading:
+#      tokens/s, peak device memory (cubecl's memory manager) and each run's losses, which must
+#      agree between the attention paths (fp32, then bf16);
+#   6. the RL recipes on cuda: the tiny GRPO and PPO configs (the reward must be logged, the
+#      run must finish).
+# Each part's time limit is its own (PARTS="1 5" runs some); the whole is about eight minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.gpu}
@@ -28,12 +35,20 @@ if [ -f "$BIN/tune.xz" ]; then
   export TUNE=/tmp/tune-bin/tune
 fi
 nvidia-smi -L | tee "$RESULTS/gpu.txt"
+PARTS=${PARTS:-"1 5 2 3 4 6"}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+# cubecl loads the driver and NVRTC at run time: the toolkit's, or the one PyTorch's wheels carry.
+for lib in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in os.listdir(p)))" 2>/dev/null); do
+  [ -d "$lib" ] && LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH
 if ls "$BIN"/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     "$BIN"/whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -c "import torchtune.models.llama3; print('torchtune imports')" 2>&1 | tail -1
 
+if part 1; then
 echo "== 1. tiny LoRA on cuda"
 for dtype in fp32 bf16; do
   timeout 100 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
@@ -44,16 +59,58 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"tiny lora cuda {sys.argv[2]}: {len(rows)} steps, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
 PY
 done
+fi
 
+if part 5; then
+echo "== 5. long sequences: composed vs fused attention, checkpointing and offloading"
+for dtype in fp32 bf16; do
+  for seq in 512 1024 2048 4096; do
+    [ "$dtype" = fp32 ] && [ "$seq" != 1024 ] && continue
+    for variant in composed fused offload; do
+      extra=(--attention fused)
+      [ "$variant" = composed ] && extra=(--attention composed)
+      [ "$variant" = offload ] && extra=(--activation-checkpointing --activation-offloading)
+      timeout 60 "$TUNE" bench --device cuda --dtype $dtype --shape smollm2-135m --mode lora \
+        --batch-size 1 --seq-len $seq --steps 3 "${extra[@]}" --json 2>>"$RESULTS/long.err" |
+        python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['variant']='$variant'; print(json.dumps(r))" \
+        >> "$RESULTS/long.jsonl" || echo "$dtype $seq $variant: failed (exit $?)" | tee -a "$RESULTS/long.err"
+    done
+  done
+done
+python3 - "$RESULTS/long.jsonl" <<'PY' | tee "$RESULTS/long.md"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("| dtype | seq | attention | tokens/s | peak device GiB in use | reserved | losses |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+gib = lambda b: f"{b / 2**30:.2f}" if b else "-"
+for r in rows:
+    print(f"| {r['dtype']} | {r['seq_len']} | {r['variant']} | {r['tokens_per_second']:.0f} | "
+          f"{gib(r['peak_device_memory_active_bytes'])} | {gib(r['peak_device_memory_reserved_bytes'])} | "
+          + " ".join(f"{l:.5f}" for l in r["losses"]) + " |")
+by = {}
+for r in rows:
+    by.setdefault((r["dtype"], r["seq_len"]), {})[r["variant"]] = r["losses"]
+for (dtype, seq), v in by.items():
+    if "composed" in v and "fused" in v:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(v["fused"], v["composed"]))
+        print(f"{dtype} {seq}: largest relative loss difference fused vs composed {worst:.2e}")
+PY
+fi
+
+if part 2; then
 echo "== 2. tune vs PyTorch on cuda, bf16"
 RUNS=${RUNS:-"smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
   DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 220 benches/compare.sh \
   2>"$RESULTS/compare.err" | tee "$RESULTS/compare.md"
 tail -5 "$RESULTS/compare.err"
+fi
 
+if part 3; then
 echo "== 3. data parallelism on cuda"
 RUN_DIR=/tmp/tune-gpu-bench timeout 100 benches/gpu_distributed.sh 2>&1 | tee "$RESULTS/distributed.md"
+fi
 
+if part 4; then
 echo "== 4. FSDP CPU offload on cuda (one rank)"
 for off in False True; do
   timeout 60 "$TUNE" run full_finetune_distributed --config tiny/full device=cuda \
@@ -71,3 +128,20 @@ for name, rows in zip(["on device", "offloaded"], runs):
           f"host optimizer state {last.get('offloaded_optimizer_state_bytes', 0)/1e6:.2f} MB")
 print(f"largest relative loss difference: {worst:.2e}")
 PY
+fi
+
+if part 6; then
+echo "== 6. GRPO and PPO on cuda (tiny configs)"
+for recipe in grpo_full_finetune_single_device:grpo_full_single_device ppo_full_finetune_single_device:ppo_full_single_device; do
+  IFS=: read -r name config <<< "$recipe"
+  timeout 60 "$TUNE" run "$name" --config "tiny/$config" device=cuda output_dir="/tmp/tiny-$config" \
+    2>&1 | tail -2
+  python3 - "/tmp/tiny-$config/logs/metrics.jsonl" "$name" <<'PY' | tee -a "$RESULTS/rl.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+keys = [k for k in rows[-1] if "reward" in k or k in ("loss", "kl", "tokens_per_second")]
+print(f"{sys.argv[2]} on cuda: {len(rows)} steps; first " + ", ".join(f"{k} {rows[0].get(k, float('nan')):.4g}" for k in keys)
+      + "; last " + ", ".join(f"{k} {rows[-1].get(k, float('nan')):.4g}" for k in keys))
+PY
+done
+fi

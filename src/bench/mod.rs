@@ -153,6 +153,10 @@ pub struct BenchReport {
     pub snapshot_seconds: f64,
     pub sync_save_seconds: f64,
     pub checkpoint_bytes: u64,
+    /// Each training step's loss, the unmeasured first steps included: the same data and
+    /// weights every run (seeded), so two runs that differ only in a kernel (`--attention`)
+    /// must give the same losses.
+    pub losses: Vec<f64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -370,6 +374,7 @@ pub fn run<B: AutodiffBackend>(
             (trainer, done) = trainer
                 .train_step(std::slice::from_ref(&batch), &mut loss_step)
                 .map_err(|e| fail(&e))?;
+            report.losses.push(done.loss);
             if let Some(now) = done.device_memory {
                 report.device_memory = Some(report.device_memory.map_or(now, |m| m.max(now)));
             }
@@ -472,6 +477,7 @@ impl BenchReport {
             "achieved_flops": self.achieved_flops,
             "matmul_peak_flops": self.matmul_peak_flops,
             "nf4_bytes_per_param": self.nf4_bytes_per_param,
+            "losses": self.losses,
         })
     }
 

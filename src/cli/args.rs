@@ -166,8 +166,9 @@ pub enum Command {
         /// Row chunks of the output projection and loss, as `loss.num_output_chunks` (1: none).
         #[arg(long, default_value_t = 8)]
         output_chunks: usize,
-        /// The CPU's fused attention (the default), or burn's composed ops, which keep every
-        /// layer's `seq x seq` probabilities for the backward: to measure the difference.
+        /// tune's fused attention (the default: the CPU's kernel, or the cubecl kernels on cuda
+        /// and wgpu), or burn's composed ops, which keep every layer's `seq x seq`
+        /// probabilities for the backward: to measure the difference.
         #[arg(long, value_enum, default_value = "fused")]
         attention: crate::bench::Attention,
         /// Rows of real lengths instead of full rows: a JSON file `{"lengths": [...]}`

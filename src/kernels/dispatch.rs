@@ -62,8 +62,15 @@ fn cast<From: 'static, To: 'static>(x: From) -> Result<To, From> {
     }
 }
 
+/// `Ok(x)` as a `To` when `From` and `To` are the same type (for the cubecl kernels' own
+/// dispatch), else `Err(x)` unchanged.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub(crate) fn same_type<From: 'static, To: 'static>(x: From) -> Result<To, From> {
+    cast(x)
+}
+
 /// Moves a value back to the type it was cast from (the types are equal by construction).
-fn cast_back<From: 'static, To: 'static>(x: From) -> To {
+pub(crate) fn cast_back<From: 'static, To: 'static>(x: From) -> To {
     match cast(x) {
         Ok(x) => x,
         Err(_) => unreachable!("cast_back is only called after a successful cast"),

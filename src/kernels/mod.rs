@@ -6,7 +6,10 @@
 //! The model and loss code stays generic over the backend and calls the functions here. When
 //! the backend is Flex (the CPU backend), with or without autodiff, they run the fused row
 //! kernels in [`rows`] with a vectorised `exp` and a hand-written backward. On any other
-//! backend they are burn's own composed operations, so CUDA is untouched.
+//! backend they are burn's own composed operations, except attention: on burn's cubecl
+//! backends (CUDA, wgpu) it is tune's cubecl kernels ([`cube_attention`](mod@cube_attention)).
+//! Why: burn's autodiff attention keeps every layer's `heads x seq x seq` probabilities, and
+//! long sequences are what a GPU user runs out of device memory on first.
 //!
 //! bf16 on Flex: burn-flex 0.21 runs bf16 ops one element at a time on one core, so bf16
 //! tensors take these kernels too: products on a bf16 GEMM ([`matmul`]), the row kernels and
@@ -20,6 +23,8 @@ pub mod attention;
 pub mod bf16;
 pub mod bf16_gemm;
 mod bf16_gemv;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod cube_attention;
 pub(crate) mod dispatch;
 mod f32_skinny;
 mod flex;
@@ -116,8 +121,9 @@ pub fn attention_skips_hidden_tiles<B: Backend>() -> bool {
 /// On Flex it is the fused kernel ([`attention`](mod@attention)): blocks, online softmax, and
 /// a backward that recomputes the probabilities, so a layer keeps no `q_len * k_len` scores
 /// for the backward; bf16 queries, keys and values are widened to fp32 for it and the output
-/// rounded back (PyTorch's CPU attention accumulates bf16 in fp32 too). Elsewhere (CUDA,
-/// wgpu), and for a decoding step (one query position without autodiff), it is the composed
+/// rounded back (PyTorch's CPU attention accumulates bf16 in fp32 too). On CUDA and wgpu it is
+/// the cubecl kernels of [`cube_attention`](mod@cube_attention) (the same algorithm, one source
+/// for both). For a decoding step (one query position without autodiff) it is the composed
 /// [`composed_attention`].
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
@@ -178,6 +184,16 @@ fn attention_in<B: Backend>(
     if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
         return composed(q, k, v);
     }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let [q, k, v] = match cube_attention::attention(q, k, v, mask, softcap) {
+        Ok(grouped) => {
+            return match layout {
+                OutputLayout::Grouped => grouped,
+                OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
+            };
+        }
+        Err(x) => x,
+    };
     let dtype = q.dtype();
     if dtype == DType::BF16 && is_flex::<B>() {
         let [q, k, v] = [q, k, v].map(|t| cast(t, DType::F32));

@@ -4,9 +4,10 @@
 //! software Vulkan (lavapipe); on a machine with a GPU they run on the GPU.
 //!
 //! Each check is the CPU test's own function with the same fixture tolerances, so a kernel or
-//! op that computes something else on the cubecl backend fails here by name. src/kernels' fused
-//! CPU kernels are Flex-only; on this backend the same functions run burn's composed ops (which
-//! burn's fusion compiles into cubecl kernels), and these checks hold those to the fixtures.
+//! op that computes something else on the cubecl backend fails here by name. Attention here is
+//! tune's cubecl kernels (src/kernels/cube_attention.rs), checked against burn's composed path
+//! and, through every model check, against the fixtures; src/kernels' other fused kernels are
+//! Flex-only, and on this backend the same functions run burn's composed ops.
 //!
 //! Built only with `--features wgpu` (.ci/run: `cargo test --features wgpu --test suite gpu`).
 
@@ -44,6 +45,13 @@ fn qwen2_logits_loss_and_every_gradient() {
 fn gemma2_logits_loss_and_every_gradient() {
     // Soft-capping, sandwich norms and sliding windows: the family with the most ops of its own.
     crate::models::check_model_on::<Gpu>("families/gemma2", "family-gemma2.safetensors", &device());
+}
+
+/// The cubecl fused attention (src/kernels/cube_attention.rs) against burn's composed path on
+/// wgpu, values and q, k, v gradients within 1e-5: the CPU kernel's cases.
+#[test]
+fn fused_attention_matches_the_composed_path_with_gradients() {
+    crate::kernels::fused_attention_cases::<Wgpu>(&device());
 }
 
 #[test]

@@ -350,35 +350,38 @@ fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
 
 /// One fused-attention case: `[batch, kv_heads, n_rep * q_len, dim]` queries against `k_len`
 /// keys through `mask`, fused against composed, values and the gradients of q, k and v.
-fn check_attention(
+fn check_attention<B: Backend>(
     what: &str,
     [batch, kv_heads, n_rep, dim]: [usize; 4],
-    mask: &kernels::AttentionMask<Flex>,
+    mask: &kernels::AttentionMask<B>,
     softcap: Option<f64>,
 ) {
     let [_, q_len, k_len] = mask.dims;
     let rows = n_rep * q_len;
-    let q = random::<Flex, 4>([batch, kv_heads, rows, dim], 1.0) * (dim as f64).powf(-0.5);
-    let k = random::<Flex, 4>([batch, kv_heads, k_len, dim], 1.0);
-    let v = random::<Flex, 4>([batch, kv_heads, k_len, dim], 1.0);
-    let w = random::<Flex, 4>([batch, kv_heads, rows, dim], 1.0);
+    let q = random::<B, 4>([batch, kv_heads, rows, dim], 1.0) * (dim as f64).powf(-0.5);
+    let k = random::<B, 4>([batch, kv_heads, k_len, dim], 1.0);
+    let v = random::<B, 4>([batch, kv_heads, k_len, dim], 1.0);
+    let w = random::<B, 4>([batch, kv_heads, rows, dim], 1.0);
     let tol = 1e-5;
     close(
-        &format!("{what}: output (Flex)"),
+        &format!("{what}: output (no autodiff)"),
         kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
         kernels::composed_attention(q.clone(), k.clone(), v.clone(), mask, softcap),
         tol,
     );
-    let ad_mask = kernels::AttentionMask::<Ad> {
+    type Ad<B> = Autodiff<B>;
+    let ad_mask = kernels::AttentionMask::<Ad<B>> {
         host: mask.host.clone(),
         spans: mask.spans.clone(),
         dims: mask.dims,
         tensor: Tensor::from_inner(mask.tensor.clone()),
     };
     // The output of `attend` and the q, k, v gradients of `sum(output * weights)`.
-    type Attend<'a> = &'a dyn Fn(Tensor<Ad, 4>, Tensor<Ad, 4>, Tensor<Ad, 4>) -> Tensor<Ad, 4>;
-    let with_grads = |weights: &Tensor<Flex, 4>, attend: Attend| {
-        let [q, k, v] = [&q, &k, &v].map(|t| Tensor::<Ad, 4>::from_inner(t.clone()).require_grad());
+    type Attend<'a, B> =
+        &'a dyn Fn(Tensor<Ad<B>, 4>, Tensor<Ad<B>, 4>, Tensor<Ad<B>, 4>) -> Tensor<Ad<B>, 4>;
+    let with_grads = |weights: &Tensor<B, 4>, attend: Attend<B>| {
+        let [q, k, v] =
+            [&q, &k, &v].map(|t| Tensor::<Ad<B>, 4>::from_inner(t.clone()).require_grad());
         let out = attend(q.clone(), k.clone(), v.clone());
         let grads = (out.clone() * Tensor::from_inner(weights.clone()))
             .sum()
@@ -413,7 +416,7 @@ fn check_attention(
     }
     let sizes = [n_rep, q_len];
     close(
-        &format!("{what}: by-position output (Flex)"),
+        &format!("{what}: by-position output (no autodiff)"),
         kernels::attention_by_position(q.clone(), k.clone(), v.clone(), mask, softcap),
         by_position(
             kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
@@ -445,33 +448,42 @@ fn check_attention(
 
 #[test]
 fn fused_attention_matches_the_composed_path_with_gradients() {
+    fused_attention_cases::<Flex>(&Default::default());
+}
+
+/// The fused attention against the composed path on backend `B` (the CPU's kernel here, the
+/// cubecl kernels in `gpu`): values and q, k, v gradients over grouped queries, packs, sliding
+/// windows with soft-capping, cached keys, one position and a fully masked row.
+pub(crate) fn fused_attention_cases<B: Backend>(device: &B::Device) {
     use tune::models::mask;
-    let device = Default::default();
     // Causal, several query and key blocks with partial last ones, grouped queries.
-    let causal = mask::causal::<Flex>(2, 130, 0, None, &device);
+    let causal = mask::causal::<B>(2, 130, 0, None, device);
     check_attention("causal", [2, 2, 3, 16], &causal, None);
+    // A real model's head size (SmolLM2, Llama 3.2 1B): 64.
+    let long_heads = mask::causal::<B>(1, 70, 0, None, device);
+    check_attention("head dim 64", [1, 2, 2, 64], &long_heads, None);
     // Packed documents: a mask per batch row, blocks on document edges.
     let docs: Vec<u32> = (0..2 * 90)
         .map(|i| ((i % 90) / 37 + i / 90) as u32)
         .collect();
-    let packed = mask::causal::<Flex>(2, 90, 0, Some(&docs), &device);
+    let packed = mask::causal::<B>(2, 90, 0, Some(&docs), device);
     assert_eq!(packed.dims[0], 2);
     check_attention("packed", [2, 1, 2, 8], &packed, None);
     // Gemma 2: a sliding window and soft-capped scores.
-    let window = mask::causal_window::<Flex>(1, 150, 0, None, Some(40), &device);
+    let window = mask::causal_window::<B>(1, 150, 0, None, Some(40), device);
     check_attention("sliding + softcap", [1, 2, 2, 16], &window, Some(5.0));
     // Cached keys: a chunk of queries after 100 positions, and one decoding step.
-    let chunk = mask::causal::<Flex>(1, 5, 100, None, &device);
+    let chunk = mask::causal::<B>(1, 5, 100, None, device);
     check_attention("offset", [1, 3, 3, 16], &chunk, None);
     // One query position: through autodiff it is the fused kernel (a decoding step without
     // autodiff takes the composed path).
-    let step = mask::causal::<Flex>(2, 1, 77, None, &device);
+    let step = mask::causal::<B>(2, 1, 77, None, device);
     check_attention("one position", [2, 2, 4, 8], &step, None);
     // A row that hides every key: uniform weights, as the composed softmax gives.
     let mut host = vec![0.0f32; 3 * 70];
     host[70..140].fill(-1.0e30);
     host[140 + 65..].fill(-1.0e30);
-    let odd = kernels::AttentionMask::<Flex>::new(host, [1, 3, 70], &device);
+    let odd = kernels::AttentionMask::<B>::new(host, [1, 3, 70], device);
     check_attention("fully masked row", [1, 1, 1, 8], &odd, None);
 }
 
