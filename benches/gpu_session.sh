@@ -4,7 +4,8 @@
 #
 #   Here:  cargo build --release --features cuda --bin tune --example random_checkpoint
 #          cp target/release/tune target/release/examples/random_checkpoint .gpu/
-#          (tune may travel xz-compressed as .gpu/tune.xz: 47 MB stripped, 9 MB compressed)
+#          (either may travel stripped and xz-compressed as .gpu/NAME.xz: tune is 70 MB
+#          stripped, 18 MB compressed)
 #          (optional) wheels for torchtune 0.6.1 and what it imports in .gpu/whl/
 #   There: RESULTS=/some/dir benches/gpu_session.sh
 #
@@ -28,14 +29,17 @@ BIN=${BIN:-.gpu}
 RESULTS=${RESULTS:-/tmp/tune-gpu-results}
 mkdir -p "$RESULTS"
 export TUNE=$PWD/$BIN/tune RANDOM_CHECKPOINT=$PWD/$BIN/random_checkpoint
-if [ -f "$BIN/tune.xz" ]; then
-  mkdir -p /tmp/tune-bin
-  python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
-    "$BIN/tune.xz" /tmp/tune-bin/tune && chmod +x /tmp/tune-bin/tune
-  export TUNE=/tmp/tune-bin/tune
-fi
+for exe in tune random_checkpoint; do
+  if [ -f "$BIN/$exe.xz" ]; then
+    mkdir -p /tmp/tune-bin
+    python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
+      "$BIN/$exe.xz" "/tmp/tune-bin/$exe" && chmod +x "/tmp/tune-bin/$exe"
+  fi
+done
+[ -x /tmp/tune-bin/tune ] && export TUNE=/tmp/tune-bin/tune
+[ -x /tmp/tune-bin/random_checkpoint ] && export RANDOM_CHECKPOINT=/tmp/tune-bin/random_checkpoint
 nvidia-smi -L | tee "$RESULTS/gpu.txt"
-PARTS=${PARTS:-"1 5 2 3 4 6"}
+PARTS=${PARTS:-"1 5 6 2 3 4"}  # run in this file's order
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 # cubecl loads the driver and NVRTC at run time: the toolkit's, or the one PyTorch's wheels carry.
 for lib in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in os.listdir(p)))" 2>/dev/null); do
@@ -51,7 +55,7 @@ python3 -c "import torchtune.models.llama3; print('torchtune imports')" 2>&1 | t
 if part 1; then
 echo "== 1. tiny LoRA on cuda"
 for dtype in fp32 bf16; do
-  timeout 100 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
+  timeout 90 "$TUNE" run lora_finetune_single_device --config tiny/lora_single_device \
     device=cuda dtype=$dtype output_dir="/tmp/tiny-$dtype" epochs=1 2>&1 | tail -3
   python3 - "/tmp/tiny-$dtype/logs/metrics.jsonl" "$dtype" <<'PY' | tee -a "$RESULTS/tiny.txt"
 import json, sys
@@ -70,8 +74,8 @@ for dtype in fp32 bf16; do
       extra=(--attention fused)
       [ "$variant" = composed ] && extra=(--attention composed)
       [ "$variant" = offload ] && extra=(--activation-checkpointing --activation-offloading)
-      timeout 60 "$TUNE" bench --device cuda --dtype $dtype --shape smollm2-135m --mode lora \
-        --batch-size 1 --seq-len $seq --steps 3 "${extra[@]}" --json 2>>"$RESULTS/long.err" |
+      timeout 45 "$TUNE" bench --device cuda --dtype $dtype --shape smollm2-135m --mode lora \
+        --batch-size 1 --seq-len $seq --steps 2 "${extra[@]}" --json 2>>"$RESULTS/long.err" |
         python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['variant']='$variant'; print(json.dumps(r))" \
         >> "$RESULTS/long.jsonl" || echo "$dtype $seq $variant: failed (exit $?)" | tee -a "$RESULTS/long.err"
     done
@@ -97,10 +101,26 @@ for (dtype, seq), v in by.items():
 PY
 fi
 
+if part 6; then
+echo "== 6. GRPO and PPO on cuda (tiny configs)"
+for recipe in grpo_full_finetune_single_device:grpo_full_single_device ppo_full_finetune_single_device:ppo_full_single_device; do
+  IFS=: read -r name config <<< "$recipe"
+  timeout 60 "$TUNE" run "$name" --config "tiny/$config" device=cuda output_dir="/tmp/tiny-$config" \
+    2>&1 | tail -2
+  python3 - "/tmp/tiny-$config/logs/metrics.jsonl" "$name" <<'PY' | tee -a "$RESULTS/rl.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+keys = [k for k in rows[-1] if "reward" in k or k in ("loss", "kl", "tokens_per_second")]
+print(f"{sys.argv[2]} on cuda: {len(rows)} steps; first " + ", ".join(f"{k} {rows[0].get(k, float('nan')):.4g}" for k in keys)
+      + "; last " + ", ".join(f"{k} {rows[-1].get(k, float('nan')):.4g}" for k in keys))
+PY
+done
+fi
+
 if part 2; then
 echo "== 2. tune vs PyTorch on cuda, bf16"
 RUNS=${RUNS:-"smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
-  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 220 benches/compare.sh \
+  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 150 benches/compare.sh \
   2>"$RESULTS/compare.err" | tee "$RESULTS/compare.md"
 tail -5 "$RESULTS/compare.err"
 fi
@@ -128,20 +148,4 @@ for name, rows in zip(["on device", "offloaded"], runs):
           f"host optimizer state {last.get('offloaded_optimizer_state_bytes', 0)/1e6:.2f} MB")
 print(f"largest relative loss difference: {worst:.2e}")
 PY
-fi
-
-if part 6; then
-echo "== 6. GRPO and PPO on cuda (tiny configs)"
-for recipe in grpo_full_finetune_single_device:grpo_full_single_device ppo_full_finetune_single_device:ppo_full_single_device; do
-  IFS=: read -r name config <<< "$recipe"
-  timeout 60 "$TUNE" run "$name" --config "tiny/$config" device=cuda output_dir="/tmp/tiny-$config" \
-    2>&1 | tail -2
-  python3 - "/tmp/tiny-$config/logs/metrics.jsonl" "$name" <<'PY' | tee -a "$RESULTS/rl.txt"
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-keys = [k for k in rows[-1] if "reward" in k or k in ("loss", "kl", "tokens_per_second")]
-print(f"{sys.argv[2]} on cuda: {len(rows)} steps; first " + ", ".join(f"{k} {rows[0].get(k, float('nan')):.4g}" for k in keys)
-      + "; last " + ", ".join(f"{k} {rows[-1].get(k, float('nan')):.4g}" for k in keys))
-PY
-done
 fi
