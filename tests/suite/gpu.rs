@@ -1,5 +1,5 @@
 //! The golden checks again on burn's cubecl backend (`device: wgpu`), the code path every GPU
-//! run takes: its JIT kernels, fusion and autotune, device transfers, and tune's own ops where
+//! run takes: its JIT-compiled kernels, device transfers, and tune's own ops where
 //! they are written against burn's backend API (the NF4 linear). CI runs them on Mesa's
 //! software Vulkan (lavapipe); on a machine with a GPU they run on the GPU.
 //!
