@@ -46,6 +46,10 @@ pub fn run<B: AutodiffBackend>(
         RecipeConfig::Train(own, cfg) => {
             // Before any tensor exists: bf16 becomes the device's float dtype.
             precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
+            // `attention`: the fused kernels or burn's composed ops, for every model of the run.
+            tune::kernels::set_fused_attention(
+                cfg.attention == tune::config::schema::Attention::Fused,
+            );
             // One run per directory it writes (rank 0 holds the locks for the whole run).
             let _locks = if ctx.world.is_main() {
                 Some(tune::setup::run::lock_run_dirs(cfg)?)

@@ -60,13 +60,7 @@ impl From<BenchDtype> for Dtype {
     }
 }
 
-/// `tune bench --attention`: the CPU's fused attention (the default), or burn's composed ops,
-/// which keep every layer's `seq x seq` probabilities for the backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Attention {
-    Fused,
-    Composed,
-}
+pub use crate::config::schema::Attention;
 
 impl BenchMode {
     /// Adapters train, the base is frozen.

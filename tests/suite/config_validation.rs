@@ -118,6 +118,18 @@ fn wrong_type_names_expected_and_found() {
         e.has("device", "expected one of cpu, cuda, wgpu, found `gpu`"),
         "{e}"
     );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["attention=flash"],
+    );
+    assert!(
+        e.has(
+            "attention",
+            "expected one of fused, composed, found `flash`"
+        ),
+        "{e}"
+    );
 }
 
 #[test]

@@ -416,3 +416,31 @@ fn device_wgpu_without_the_feature_says_how_to_build_it() {
     assert_eq!(res.status.code(), Some(2), "{err}");
     assert!(err.contains("--features wgpu"), "{err}");
 }
+
+/// `attention: composed` runs burn's composed attention instead of tune's fused kernel: the
+/// same losses within float rounding, and not bit for bit the fused run's (the key took effect).
+#[test]
+fn composed_attention_trains_as_the_fused_kernel() {
+    let losses = |attention: &str| {
+        let out = temp_dir(&format!("lora-attention-{attention}"));
+        let run = tiny_lora(
+            &out,
+            &[&format!("attention={attention}"), "max_steps_per_epoch=6"],
+        );
+        assert!(
+            run.status.success(),
+            "attention={attention}:\n{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        column(
+            &read_metrics(&out.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let (fused, composed) = (losses("fused"), losses("composed"));
+    assert_eq!(fused.len(), composed.len());
+    for (f, c) in fused.iter().zip(&composed) {
+        assert!((f - c).abs() <= 1e-4 * f.abs(), "{fused:?} vs {composed:?}");
+    }
+    assert_ne!(fused, composed, "the two paths round differently");
+}

@@ -27,7 +27,7 @@ pub use ppo::PpoKeys;
 pub use quantizer::QuantizerConfig;
 pub use tokenizer::{TemplateChoice, TokenizerConfig, TruncationType};
 pub use train::{
-    Device, FsdpBlock, FullDpoKeys, KdKeys, PushToHub, QatKeys, RecipeKeys, TrainConfig,
+    Attention, Device, FsdpBlock, FullDpoKeys, KdKeys, PushToHub, QatKeys, RecipeKeys, TrainConfig,
 };
 
 use crate::config::keys::{Fingerprint, FingerprintEntries};

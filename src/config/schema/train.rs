@@ -36,6 +36,24 @@ choices!(Device {
     "wgpu" => Device::Wgpu,
 });
 
+/// How attention is computed (`attention`, also `tune bench --attention`): tune's fused kernels
+/// (the CPU's, or the cubecl kernels on cuda and wgpu), which keep no `seq x seq` probabilities
+/// for the backward, or burn's composed ops, which do. The two give the same results within
+/// float rounding; they differ in memory and speed (BENCHMARKS.md: on an H200 the composed path
+/// was faster at 512-4096 tokens and held 11.5x the device memory at 4096).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    #[default]
+    Fused,
+    Composed,
+}
+
+choices!(Attention {
+    "fused" => Attention::Fused,
+    "composed" => Attention::Composed,
+});
+
 impl Device {
     /// `device` left out or null: CUDA when this build has it, else the CPU (torchtune's
     /// `get_device`).
@@ -278,6 +296,10 @@ keys! {
     /// from its forward until one layer before its backward (torchtune's activation
     /// offloading; cuda and wgpu: on the CPU it already lives there).
     enable_activation_offloading: bool = off(),
+    /// `fused` (tune's attention kernels, memory linear in the sequence length) or `composed`
+    /// (burn's ops: every layer keeps its `seq x seq` probabilities for the backward; faster on
+    /// a GPU at short sequences).
+    attention: Attention = default(Attention::default),
     /// torch.compile: nothing to compile here.
     compile: bool = off().warn("torch.compile has no equivalent here; running uncompiled"),
     /// Log the metrics every this many steps.
