@@ -61,19 +61,45 @@ const CUBE_UNITS: u32 = 64;
 // ---------------------------------------------------------------------------------------------
 // Kernels.
 
-/// The mask row and shown keys `lo..hi` of query row `r` of group `g`.
-#[cube]
-fn mask_row(
-    spans: &Array<i32>,
-    g: usize,
-    r: usize,
+/// What every kernel reads: queries, keys, values, the mask and its row spans (`(lo, hi)` per
+/// mask row).
+#[derive(CubeLaunch, CubeType)]
+struct Operands {
+    q: Array<f32>,
+    k: Array<f32>,
+    v: Array<f32>,
+    mask: Array<f32>,
+    spans: Array<i32>,
+}
+
+/// The sizes of one call: `units` threads, `rows` query rows per group of `kv_heads` heads,
+/// the mask's `mask_batch`, `q_len` and `k_len`, and the soft cap.
+#[derive(CubeLaunch, CubeType)]
+struct Sizes {
+    units: usize,
+    rows: usize,
     kv_heads: usize,
     mask_batch: usize,
     q_len: usize,
-) -> (usize, usize, usize) {
-    let row = ((g / kv_heads) % mask_batch) * q_len + r % q_len;
-    let lo = usize::cast_from(spans[2 * row]);
-    let hi = usize::cast_from(spans[2 * row + 1]);
+    k_len: usize,
+    cap: f32,
+}
+
+/// What the backward kernels read besides the operands: each query row's score max and
+/// 1 / sum (`stats`), its `sum(dO * O)` (`delta`) and the output's gradient.
+#[derive(CubeLaunch, CubeType)]
+struct Backprop {
+    stats: Array<f32>,
+    delta: Array<f32>,
+    grad_out: Array<f32>,
+}
+
+/// The mask row and shown keys `lo..hi` of query row `r` of group `g`.
+#[cube]
+fn mask_row(x: &Operands, n: &Sizes, g: usize, r: usize) -> (usize, usize, usize) {
+    let row = ((g / n.kv_heads) % n.mask_batch) * n.q_len + r % n.q_len;
+    let lo = usize::cast_from(x.spans[2 * row]);
+    let hi = usize::cast_from(x.spans[2 * row + 1]);
     (row, lo, hi)
 }
 
@@ -91,39 +117,28 @@ fn capped_score(s: f32, cap: f32, #[comptime] capped: bool) -> (f32, f32) {
 
 /// One unit per query row: the output row and its softmax statistics.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn forward_kernel(
-    q: &Array<f32>,
-    k: &Array<f32>,
-    v: &Array<f32>,
-    mask: &Array<f32>,
-    spans: &Array<i32>,
+    x: &Operands,
     out: &mut Array<f32>,
     stats: &mut Array<f32>,
-    units: usize,
-    rows: usize,
-    kv_heads: usize,
-    mask_batch: usize,
-    q_len: usize,
-    k_len: usize,
-    cap: f32,
+    n: Sizes,
     #[comptime] dim: usize,
     #[comptime] capped: bool,
 ) {
     let pos = ABSOLUTE_POS;
-    if pos >= units {
+    if pos >= n.units {
         terminate!();
     }
-    let g = pos / rows;
-    let (row, lo, hi) = mask_row(spans, g, pos % rows, kv_heads, mask_batch, q_len);
+    let g = pos / n.rows;
+    let (row, lo, hi) = mask_row(x, &n, g, pos % n.rows);
     let q0 = pos * dim;
-    let kv0 = g * k_len * dim;
-    let m0 = row * k_len;
+    let kv0 = g * n.k_len * dim;
+    let m0 = row * n.k_len;
     let mut qr = Array::<f32>::new(dim);
     let mut acc = Array::<f32>::new(dim);
     #[unroll]
     for d in 0..dim {
-        qr[d] = q[q0 + d];
+        qr[d] = x.q[q0 + d];
         acc[d] = 0.0;
     }
     // Below any score with its mask added (the masks tune builds use -1e30).
@@ -134,17 +149,17 @@ fn forward_kernel(
         let mut s = f32::new(0.0);
         #[unroll]
         for d in 0..dim {
-            s += qr[d] * k[k0 + d];
+            s += qr[d] * x.k[k0 + d];
         }
-        let (s, _t) = capped_score(s, cap, capped);
-        let s = s + mask[m0 + j];
+        let (s, _t) = capped_score(s, n.cap, capped);
+        let s = s + x.mask[m0 + j];
         let m_new = max(m, s);
         let scale = (m - m_new).exp();
         let p = (s - m_new).exp();
         l = l * scale + p;
         #[unroll]
         for d in 0..dim {
-            acc[d] = acc[d] * scale + p * v[k0 + d];
+            acc[d] = acc[d] * scale + p * x.v[k0 + d];
         }
         m = m_new;
     }
@@ -161,64 +176,51 @@ fn forward_kernel(
 
 /// One unit per query row: `dQ` from the recomputed probabilities.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn grad_query_kernel(
-    q: &Array<f32>,
-    k: &Array<f32>,
-    v: &Array<f32>,
-    mask: &Array<f32>,
-    spans: &Array<i32>,
-    stats: &Array<f32>,
-    delta: &Array<f32>,
-    grad_out: &Array<f32>,
+    x: &Operands,
+    b: &Backprop,
     dq: &mut Array<f32>,
-    units: usize,
-    rows: usize,
-    kv_heads: usize,
-    mask_batch: usize,
-    q_len: usize,
-    k_len: usize,
-    cap: f32,
+    n: Sizes,
     #[comptime] dim: usize,
     #[comptime] capped: bool,
 ) {
     let pos = ABSOLUTE_POS;
-    if pos >= units {
+    if pos >= n.units {
         terminate!();
     }
-    let g = pos / rows;
-    let (row, lo, hi) = mask_row(spans, g, pos % rows, kv_heads, mask_batch, q_len);
+    let g = pos / n.rows;
+    let (row, lo, hi) = mask_row(x, &n, g, pos % n.rows);
     let q0 = pos * dim;
-    let kv0 = g * k_len * dim;
-    let m0 = row * k_len;
+    let kv0 = g * n.k_len * dim;
+    let m0 = row * n.k_len;
     let mut qr = Array::<f32>::new(dim);
     let mut gr = Array::<f32>::new(dim);
     let mut acc = Array::<f32>::new(dim);
     #[unroll]
     for d in 0..dim {
-        qr[d] = q[q0 + d];
-        gr[d] = grad_out[q0 + d];
+        qr[d] = x.q[q0 + d];
+        gr[d] = b.grad_out[q0 + d];
         acc[d] = 0.0;
     }
-    let (m_r, inv_r, delta_r) = (stats[2 * pos], stats[2 * pos + 1], delta[pos]);
+    let (m_r, inv_r, delta_r) = (b.stats[2 * pos], b.stats[2 * pos + 1], b.delta[pos]);
     for j in lo..hi {
         let k0 = kv0 + j * dim;
         let mut s = f32::new(0.0);
         let mut dp = f32::new(0.0);
         #[unroll]
         for d in 0..dim {
-            s += qr[d] * k[k0 + d];
-            dp += gr[d] * v[k0 + d];
+            s += qr[d] * x.k[k0 + d];
+            dp += gr[d] * x.v[k0 + d];
         }
-        let (s, t) = capped_score(s, cap, capped);
-        let p = (s + mask[m0 + j] - m_r).exp() * inv_r;
+        let (s, t) = capped_score(s, n.cap, capped);
+        let p = (s + x.mask[m0 + j] - m_r).exp() * inv_r;
         let mut ds = p * (dp - delta_r);
         if capped {
             ds *= 1.0 - t * t;
         }
         #[unroll]
         for d in 0..dim {
-            acc[d] += ds * k[k0 + d];
+            acc[d] += ds * x.k[k0 + d];
         }
     }
     #[unroll]
@@ -229,34 +231,21 @@ fn grad_query_kernel(
 
 /// One unit per key: `dK` and `dV` over the query rows of its group whose mask row shows it.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn grad_key_value_kernel(
-    q: &Array<f32>,
-    k: &Array<f32>,
-    v: &Array<f32>,
-    mask: &Array<f32>,
-    spans: &Array<i32>,
-    stats: &Array<f32>,
-    delta: &Array<f32>,
-    grad_out: &Array<f32>,
+    x: &Operands,
+    b: &Backprop,
     dk: &mut Array<f32>,
     dv: &mut Array<f32>,
-    units: usize,
-    rows: usize,
-    kv_heads: usize,
-    mask_batch: usize,
-    q_len: usize,
-    k_len: usize,
-    cap: f32,
+    n: Sizes,
     #[comptime] dim: usize,
     #[comptime] capped: bool,
 ) {
     let pos = ABSOLUTE_POS;
-    if pos >= units {
+    if pos >= n.units {
         terminate!();
     }
-    let g = pos / k_len;
-    let j = pos % k_len;
+    let g = pos / n.k_len;
+    let j = pos % n.k_len;
     let k0 = pos * dim;
     let mut kr = Array::<f32>::new(dim);
     let mut vr = Array::<f32>::new(dim);
@@ -264,33 +253,33 @@ fn grad_key_value_kernel(
     let mut dv_acc = Array::<f32>::new(dim);
     #[unroll]
     for d in 0..dim {
-        kr[d] = k[k0 + d];
-        vr[d] = v[k0 + d];
+        kr[d] = x.k[k0 + d];
+        vr[d] = x.v[k0 + d];
         dk_acc[d] = 0.0;
         dv_acc[d] = 0.0;
     }
-    for r in 0..rows {
-        let (row, lo, hi) = mask_row(spans, g, r, kv_heads, mask_batch, q_len);
+    for r in 0..n.rows {
+        let (row, lo, hi) = mask_row(x, &n, g, r);
         if j >= lo && j < hi {
-            let qi = g * rows + r;
+            let qi = g * n.rows + r;
             let q0 = qi * dim;
             let mut s = f32::new(0.0);
             let mut dp = f32::new(0.0);
             #[unroll]
             for d in 0..dim {
-                s += q[q0 + d] * kr[d];
-                dp += grad_out[q0 + d] * vr[d];
+                s += x.q[q0 + d] * kr[d];
+                dp += b.grad_out[q0 + d] * vr[d];
             }
-            let (s, t) = capped_score(s, cap, capped);
-            let p = (s + mask[row * k_len + j] - stats[2 * qi]).exp() * stats[2 * qi + 1];
-            let mut ds = p * (dp - delta[qi]);
+            let (s, t) = capped_score(s, n.cap, capped);
+            let p = (s + x.mask[row * n.k_len + j] - b.stats[2 * qi]).exp() * b.stats[2 * qi + 1];
+            let mut ds = p * (dp - b.delta[qi]);
             if capped {
                 ds *= 1.0 - t * t;
             }
             #[unroll]
             for d in 0..dim {
-                dv_acc[d] += p * grad_out[q0 + d];
-                dk_acc[d] += ds * q[q0 + d];
+                dv_acc[d] += p * b.grad_out[q0 + d];
+                dk_acc[d] += ds * x.q[q0 + d];
             }
         }
     }
@@ -321,6 +310,7 @@ struct Call<R: CubeRuntime> {
 }
 
 impl<R: CubeRuntime> Call<R> {
+    /// The cubes for `units` threads.
     fn cube(&self, client: &ComputeClient<R>, units: usize) -> (CubeCount, CubeDim) {
         let dim = CubeDim::new_1d(CUBE_UNITS);
         (calculate_cube_count_elemwise(client, units, dim), dim)
@@ -330,29 +320,18 @@ impl<R: CubeRuntime> Call<R> {
         empty_device_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
     }
 
-    /// The output (grouped, as `q`) and the softmax statistics (max, 1 / sum) of every query row.
-    fn forward(
-        &self,
-        q: &CubeTensor<R>,
-        k: &CubeTensor<R>,
-        v: &CubeTensor<R>,
-    ) -> (CubeTensor<R>, CubeTensor<R>) {
-        let units = self.groups * self.rows;
-        let out = self.empty(q, q.meta.shape().clone());
-        let stats = self.empty(q, Shape::new([2 * units]));
-        let client = &q.client;
-        let (count, dim) = self.cube(client, units);
-        forward_kernel::launch::<R>(
-            client,
-            count,
-            dim,
+    fn operands(&self, [q, k, v]: &[CubeTensor<R>; 3]) -> OperandsLaunch<R> {
+        OperandsLaunch::new(
             q.clone().into_array_arg(),
             k.clone().into_array_arg(),
             v.clone().into_array_arg(),
             self.mask.clone().into_array_arg(),
             self.spans.clone().into_array_arg(),
-            out.clone().into_array_arg(),
-            stats.clone().into_array_arg(),
+        )
+    }
+
+    fn sizes(&self, units: usize) -> SizesLaunch<R> {
+        SizesLaunch::new(
             units,
             self.rows,
             self.kv_heads,
@@ -360,13 +339,32 @@ impl<R: CubeRuntime> Call<R> {
             self.q_len,
             self.k_len,
             self.softcap.unwrap_or(1.0),
+        )
+    }
+
+    /// The output (grouped, as `q`) and the softmax statistics (max, 1 / sum) of every query
+    /// row.
+    fn forward(&self, inputs: &[CubeTensor<R>; 3]) -> (CubeTensor<R>, CubeTensor<R>) {
+        let q = &inputs[0];
+        let units = self.groups * self.rows;
+        let out = self.empty(q, q.meta.shape().clone());
+        let stats = self.empty(q, Shape::new([2 * units]));
+        let (count, dim) = self.cube(&q.client, units);
+        forward_kernel::launch::<R>(
+            &q.client,
+            count,
+            dim,
+            self.operands(inputs),
+            out.clone().into_array_arg(),
+            stats.clone().into_array_arg(),
+            self.sizes(units),
             self.dim,
             self.softcap.is_some(),
         );
         (out, stats)
     }
 
-    /// `dQ`, `dK`, `dV` from the saved inputs, statistics, `delta` (each query row's
+    /// `dQ`, `dK`, `dV` from the saved inputs and statistics, `delta` (each query row's
     /// `sum(dO * O)`) and the output's gradient.
     fn backward(
         &self,
@@ -376,6 +374,13 @@ impl<R: CubeRuntime> Call<R> {
     ) -> [CubeTensor<R>; 3] {
         let [q, k, v] = &saved.inputs;
         let client = &q.client;
+        let backprop = || {
+            BackpropLaunch::new(
+                saved.stats.clone().into_array_arg(),
+                delta.clone().into_array_arg(),
+                grad.clone().into_array_arg(),
+            )
+        };
         let dq = self.empty(q, q.meta.shape().clone());
         let units = self.groups * self.rows;
         let (count, dim) = self.cube(client, units);
@@ -383,22 +388,10 @@ impl<R: CubeRuntime> Call<R> {
             client,
             count,
             dim,
-            q.clone().into_array_arg(),
-            k.clone().into_array_arg(),
-            v.clone().into_array_arg(),
-            self.mask.clone().into_array_arg(),
-            self.spans.clone().into_array_arg(),
-            saved.stats.clone().into_array_arg(),
-            delta.clone().into_array_arg(),
-            grad.clone().into_array_arg(),
+            self.operands(&saved.inputs),
+            backprop(),
             dq.clone().into_array_arg(),
-            units,
-            self.rows,
-            self.kv_heads,
-            self.mask_batch,
-            self.q_len,
-            self.k_len,
-            self.softcap.unwrap_or(1.0),
+            self.sizes(units),
             self.dim,
             self.softcap.is_some(),
         );
@@ -410,23 +403,11 @@ impl<R: CubeRuntime> Call<R> {
             client,
             count,
             dim,
-            q.clone().into_array_arg(),
-            k.clone().into_array_arg(),
-            v.clone().into_array_arg(),
-            self.mask.clone().into_array_arg(),
-            self.spans.clone().into_array_arg(),
-            saved.stats.clone().into_array_arg(),
-            delta.clone().into_array_arg(),
-            grad.clone().into_array_arg(),
+            self.operands(&saved.inputs),
+            backprop(),
             dk.clone().into_array_arg(),
             dv.clone().into_array_arg(),
-            units,
-            self.rows,
-            self.kv_heads,
-            self.mask_batch,
-            self.q_len,
-            self.k_len,
-            self.softcap.unwrap_or(1.0),
+            self.sizes(units),
             self.dim,
             self.softcap.is_some(),
         );
@@ -475,15 +456,11 @@ impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 3> for CubeAttention
 /// The call's sizes, with the mask and its spans on the device of `q`.
 fn call<R: CubeRuntime, BT: BoolElement>(
     q: &CubeTensor<R>,
-    k: &CubeTensor<R>,
-    mask: CubeTensor<R>,
     masking: &AttentionMask<Cube<R, BT>>,
     softcap: Option<f64>,
 ) -> Call<R> {
-    let dims = q.meta.shape().dims::<4>();
-    let [batch, kv_heads, rows, dim] = dims;
+    let [batch, kv_heads, rows, dim] = q.meta.shape().dims::<4>();
     let [mask_batch, q_len, k_len] = masking.dims;
-    debug_assert_eq!(k.meta.shape()[2], k_len);
     let spans: Vec<i32> = masking
         .spans
         .iter()
@@ -501,7 +478,7 @@ fn call<R: CubeRuntime, BT: BoolElement>(
         dim,
         mask_batch,
         softcap: softcap.map(|c| c as f32),
-        mask: into_contiguous(mask),
+        mask: into_contiguous(masking.tensor.clone().into_primitive().tensor()),
         spans,
     }
 }
@@ -552,14 +529,7 @@ fn inference<R: CubeRuntime, BT: BoolElement>(
 ) -> Tensor<Cube<R, BT>, 4> {
     let dtype = q.dtype();
     let [q, k, v] = [q, k, v].map(fp32);
-    let c = call(
-        &q,
-        &k,
-        mask.tensor.clone().into_primitive().tensor(),
-        mask,
-        softcap,
-    );
-    let (out, _) = c.forward(&q, &k, &v);
+    let (out, _) = call(&q, mask, softcap).forward(&[q, k, v]);
     Tensor::<Cube<R, BT>, 4>::from_primitive(TensorPrimitive::Float(out)).cast(dtype)
 }
 
@@ -573,14 +543,8 @@ fn autodiff<R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
     let [q, k, v]: [FloatTensor<Autodiff<Cube<R, BT>, C>>; 3] =
         [q, k, v].map(|t| t.cast(DType::F32).into_primitive().tensor());
     let inputs = [&q, &k, &v].map(|t| into_contiguous(t.primitive.clone()));
-    let c = call(
-        &inputs[0],
-        &inputs[1],
-        mask.tensor.clone().into_primitive().tensor(),
-        mask,
-        softcap,
-    );
-    let (out, stats) = c.forward(&inputs[0], &inputs[1], &inputs[2]);
+    let c = call(&inputs[0], mask, softcap);
+    let (out, stats) = c.forward(&inputs);
     let y = match CubeAttentionBackward
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
         .compute_bound()
