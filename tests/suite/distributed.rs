@@ -995,35 +995,52 @@ fn nodes_with_different_configs_are_refused() {
 #[test]
 fn a_killed_node_stops_the_other_naming_it() {
     for killed in [1usize, 0] {
-        let dir = temp_dir("dp-killed");
-        let out = output(&dir);
-        let port = free_port_pair();
-        let args = [
-            "lora_finetune_distributed",
-            "--config",
-            "tiny/lora",
-            out.as_str(),
-            "epochs=50",
-        ];
-        let mut nodes = vec![node(port, 0, &args), node(port, 1, &args)];
-        // Killed once training runs (its first metrics are on disk).
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !dir.path().join("logs/metrics.jsonl").is_file() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-        let mut victim = nodes.remove(killed);
-        victim.kill().unwrap();
-        let killed_at = Instant::now();
-        let _ = victim.wait();
-        let res = wait_with_deadline(nodes.remove(0), Duration::from_secs(30));
-        assert!(killed_at.elapsed() < Duration::from_secs(10));
-        let err = String::from_utf8_lossy(&res.stderr);
-        assert_eq!(res.status.code(), Some(1), "{err}");
-        let named = format!("node {killed} (rank {killed}) stopped before the run finished");
-        assert!(err.contains(&named), "{err}");
-        assert_rendezvous_gone(port);
+        killed_node_stops_the_other("lora_finetune_distributed", "tiny/lora", killed, false);
     }
+}
+
+/// GRPO with FSDP on two nodes, a node killed as soon as the first step is logged: the next
+/// step opens with its rollouts, in which every decoding step's forward gathers weights from
+/// both ranks and the ranks vote on the end of each group. The other node stops naming it
+/// instead of waiting on the vote or a gather.
+#[test]
+fn a_node_killed_during_grpo_rollouts_stops_the_other_naming_it() {
+    killed_node_stops_the_other("grpo_full_finetune_distributed", "tiny/grpo_full", 1, true);
+}
+
+/// Runs `recipe` on two nodes, kills node `killed` (SIGKILL) once training runs (its metrics
+/// file exists, 200 ms later) or, with `after_first_step`, as soon as a step is logged, and
+/// checks that the other stops within seconds naming it, its rendezvous gone too.
+fn killed_node_stops_the_other(recipe: &str, config: &str, killed: usize, after_first_step: bool) {
+    let dir = temp_dir("dp-killed");
+    let out = output(&dir);
+    let port = free_port_pair();
+    let args = [recipe, "--config", config, out.as_str(), "epochs=50"];
+    let mut nodes = vec![node(port, 0, &args), node(port, 1, &args)];
+    let metrics = dir.path().join("logs/metrics.jsonl");
+    let ready = || match std::fs::read_to_string(&metrics) {
+        Ok(text) => !after_first_step || text.lines().next().is_some(),
+        Err(_) => false,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ready() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(ready(), "{recipe}: no metrics within a minute");
+    if !after_first_step {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut victim = nodes.remove(killed);
+    victim.kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = victim.wait();
+    let res = wait_with_deadline(nodes.remove(0), Duration::from_secs(30));
+    assert!(killed_at.elapsed() < Duration::from_secs(10));
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    let named = format!("node {killed} (rank {killed}) stopped before the run finished");
+    assert!(err.contains(&named), "{err}");
+    assert_rendezvous_gone(port);
 }
 
 /// The rendezvous child (`tune rendezvous --port P`) exits within seconds of its parent.
