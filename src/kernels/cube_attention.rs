@@ -453,10 +453,12 @@ impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 3> for CubeAttention
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
-/// The call's sizes, with the mask and its spans on the device of `q`.
-fn call<R: CubeRuntime, BT: BoolElement>(
+/// The call's sizes, with the mask (`mask_tensor`: `masking`'s device tensor on the inner
+/// backend) and its spans on the device of `q`.
+fn call<B: Backend, R: CubeRuntime, BT: BoolElement>(
     q: &CubeTensor<R>,
-    masking: &AttentionMask<Cube<R, BT>>,
+    masking: &AttentionMask<B>,
+    mask_tensor: &CubeTensor<R>,
     softcap: Option<f64>,
 ) -> Call<R> {
     let [batch, kv_heads, rows, dim] = q.meta.shape().dims::<4>();
@@ -478,7 +480,7 @@ fn call<R: CubeRuntime, BT: BoolElement>(
         dim,
         mask_batch,
         softcap: softcap.map(|c| c as f32),
-        mask: into_contiguous(masking.tensor.clone().into_primitive().tensor()),
+        mask: into_contiguous(mask_tensor.clone()),
         spans,
     }
 }
@@ -488,54 +490,39 @@ fn fp32<R: CubeRuntime, BT: BoolElement>(t: Tensor<Cube<R, BT>, 4>) -> CubeTenso
     into_contiguous(t.cast(DType::F32).into_primitive().tensor())
 }
 
-/// The mask `mask` of backend `B` as the inner backend's `AttentionMask`, when `B` is `I` or
-/// `Autodiff<I, C>`.
+/// The mask's device tensor on the inner backend, when `B` is `Cube<R, BT>` or
+/// `Autodiff<Cube<R, BT>, C>` (either checkpoint strategy); `None` on any other backend.
 fn inner_mask<B: Backend, R: CubeRuntime, BT: BoolElement>(
     mask: &AttentionMask<B>,
-) -> Option<AttentionMask<Cube<R, BT>>> {
-    let tensor = match same_type::<Tensor<B, 3>, Tensor<Cube<R, BT>, 3>>(mask.tensor.clone()) {
-        Ok(t) => t,
-        Err(t) => {
-            let t = match same_type::<_, Tensor<Autodiff<Cube<R, BT>, NoCheckpointing>, 3>>(t) {
-                Ok(t) => return Some(with_tensor(mask, t.inner())),
-                Err(t) => t,
-            };
-            match same_type::<_, Tensor<Autodiff<Cube<R, BT>, BalancedCheckpointing>, 3>>(t) {
-                Ok(t) => t.inner(),
-                Err(_) => return None,
-            }
-        }
+) -> Option<CubeTensor<R>> {
+    let t = match same_type::<Tensor<B, 3>, Tensor<Cube<R, BT>, 3>>(mask.tensor.clone()) {
+        Ok(t) => return Some(t.into_primitive().tensor()),
+        Err(t) => t,
     };
-    Some(with_tensor(mask, tensor))
-}
-
-fn with_tensor<B: Backend, I: Backend>(
-    mask: &AttentionMask<B>,
-    tensor: Tensor<I, 3>,
-) -> AttentionMask<I> {
-    AttentionMask {
-        host: mask.host.clone(),
-        spans: mask.spans.clone(),
-        dims: mask.dims,
-        tensor,
-    }
+    let t = match same_type::<_, Tensor<Autodiff<Cube<R, BT>, NoCheckpointing>, 3>>(t) {
+        Ok(t) => return Some(t.inner().into_primitive().tensor()),
+        Err(t) => t,
+    };
+    same_type::<_, Tensor<Autodiff<Cube<R, BT>, BalancedCheckpointing>, 3>>(t)
+        .ok()
+        .map(|t| t.inner().into_primitive().tensor())
 }
 
 /// No autodiff (validation, a frozen reference, generation's prefill): the forward alone.
-fn inference<R: CubeRuntime, BT: BoolElement>(
+fn inference<B: Backend, R: CubeRuntime, BT: BoolElement>(
     [q, k, v]: [Tensor<Cube<R, BT>, 4>; 3],
-    mask: &AttentionMask<Cube<R, BT>>,
+    mask: (&AttentionMask<B>, &CubeTensor<R>),
     softcap: Option<f64>,
 ) -> Tensor<Cube<R, BT>, 4> {
     let dtype = q.dtype();
     let [q, k, v] = [q, k, v].map(fp32);
-    let (out, _) = call(&q, mask, softcap).forward(&[q, k, v]);
+    let (out, _) = call::<B, R, BT>(&q, mask.0, mask.1, softcap).forward(&[q, k, v]);
     Tensor::<Cube<R, BT>, 4>::from_primitive(TensorPrimitive::Float(out)).cast(dtype)
 }
 
-fn autodiff<R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
+fn autodiff<B: Backend, R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
     [q, k, v]: [Tensor<Autodiff<Cube<R, BT>, C>, 4>; 3],
-    mask: &AttentionMask<Cube<R, BT>>,
+    mask: (&AttentionMask<B>, &CubeTensor<R>),
     softcap: Option<f64>,
 ) -> Tensor<Autodiff<Cube<R, BT>, C>, 4> {
     let dtype = q.dtype();
@@ -543,7 +530,7 @@ fn autodiff<R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
     let [q, k, v]: [FloatTensor<Autodiff<Cube<R, BT>, C>>; 3] =
         [q, k, v].map(|t| t.cast(DType::F32).into_primitive().tensor());
     let inputs = [&q, &k, &v].map(|t| into_contiguous(t.primitive.clone()));
-    let c = call(&inputs[0], mask, softcap);
+    let c = call::<B, R, BT>(&inputs[0], mask.0, mask.1, softcap);
     let (out, stats) = c.forward(&inputs);
     let y = match CubeAttentionBackward
         .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
@@ -572,22 +559,20 @@ fn on_cube<B: Backend, R: CubeRuntime, BT: BoolElement>(
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
 ) -> Result<Tensor<B, 4>, [Tensor<B, 4>; 3]> {
-    let Some(inner) = is::<B, R, BT>()
-        .then(|| inner_mask::<B, R, BT>(mask))
-        .flatten()
-    else {
+    let Some(inner) = inner_mask::<B, R, BT>(mask) else {
         return Err(x);
     };
+    let mask = (mask, &inner);
     let x = match typed::<B, Cube<R, BT>>(x) {
-        Ok(x) => return Ok(cast_back(inference(x, &inner, softcap))),
+        Ok(x) => return Ok(cast_back(inference(x, mask, softcap))),
         Err(x) => x,
     };
     let x = match typed::<B, Autodiff<Cube<R, BT>, NoCheckpointing>>(x) {
-        Ok(x) => return Ok(cast_back(autodiff(x, &inner, softcap))),
+        Ok(x) => return Ok(cast_back(autodiff(x, mask, softcap))),
         Err(x) => x,
     };
     match typed::<B, Autodiff<Cube<R, BT>, BalancedCheckpointing>>(x) {
-        Ok(x) => Ok(cast_back(autodiff(x, &inner, softcap))),
+        Ok(x) => Ok(cast_back(autodiff(x, mask, softcap))),
         Err(x) => Err(x),
     }
 }
@@ -600,14 +585,6 @@ fn typed<B: Backend, T: Backend>(
         return Err(x);
     }
     Ok(x.map(cast_back::<Tensor<B, 4>, Tensor<T, 4>>))
-}
-
-/// Whether `B` is `Cube<R, BT>`, with or without autodiff (either checkpoint strategy).
-fn is<B: Backend, R: CubeRuntime, BT: BoolElement>() -> bool {
-    let b = TypeId::of::<B>();
-    b == TypeId::of::<Cube<R, BT>>()
-        || b == TypeId::of::<Autodiff<Cube<R, BT>, NoCheckpointing>>()
-        || b == TypeId::of::<Autodiff<Cube<R, BT>, BalancedCheckpointing>>()
 }
 
 /// `softmax(q @ k^T (soft-capped) + mask) @ v`, grouped as [`super::attention`], through the

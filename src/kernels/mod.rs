@@ -170,13 +170,11 @@ fn attention_in<B: Backend>(
         }
     }
     let [mask_batch, q_len, _] = mask.dims;
-    let composed = |q, k, v| {
-        let grouped = composed_attention(q, k, v, mask, softcap);
-        match layout {
-            OutputLayout::Grouped => grouped,
-            OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
-        }
+    let laid_out = |grouped| match layout {
+        OutputLayout::Grouped => grouped,
+        OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
     };
+    let composed = |q, k, v| laid_out(composed_attention(q, k, v, mask, softcap));
     // A decoding step (one query position, no autodiff) keeps nothing for a backward and its
     // scores are one row per query head: two batched products beat the fused kernel's
     // per-block overhead there (measured: decode rate 13% lower through it on SmolLM2-135M).
@@ -186,12 +184,7 @@ fn attention_in<B: Backend>(
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     let [q, k, v] = match cube_attention::attention(q, k, v, mask, softcap) {
-        Ok(grouped) => {
-            return match layout {
-                OutputLayout::Grouped => grouped,
-                OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
-            };
-        }
+        Ok(grouped) => return laid_out(grouped),
         Err(x) => x,
     };
     let dtype = q.dtype();
