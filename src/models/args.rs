@@ -7,6 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::ModelError;
+pub use super::moe_args::MoeArgs;
 
 /// The model families `tune` understands, from `model_type` in `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +23,12 @@ pub enum Family {
     Gemma3,
     /// SmolLM3: Llama with layers that apply no RoPE (`no_rope_layers`).
     SmolLm3,
+    /// Qwen2-MoE: Qwen 2 attention, sparse layers with a gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE: Qwen 3 attention, sparse layers.
+    Qwen3Moe,
+    /// Mixtral: Mistral attention, every layer sparse (`block_sparse_moe`, experts `w1/w3/w2`).
+    Mixtral,
 }
 
 impl Family {
@@ -35,6 +42,9 @@ impl Family {
         "gemma2",
         "gemma3_text",
         "smollm3",
+        "qwen2_moe",
+        "qwen3_moe",
+        "mixtral",
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Self> {
@@ -48,6 +58,9 @@ impl Family {
             "gemma2" => Self::Gemma2,
             "gemma3_text" => Self::Gemma3,
             "smollm3" => Self::SmolLm3,
+            "qwen2_moe" => Self::Qwen2Moe,
+            "qwen3_moe" => Self::Qwen3Moe,
+            "mixtral" => Self::Mixtral,
             _ => return None,
         })
     }
@@ -63,6 +76,9 @@ impl Family {
             Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
             Self::SmolLm3 => "smollm3",
+            Self::Qwen2Moe => "qwen2_moe",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
         }
     }
 
@@ -146,6 +162,8 @@ pub struct ModelArgs {
     /// Gemma 3: the RoPE base of the sliding layers (the full layers use `rope_theta` and
     /// `rope_scaling`).
     pub local_rope_theta: Option<f64>,
+    /// Mixture-of-experts layers (Qwen2/3-MoE, Mixtral); `None` for a dense model.
+    pub moe: Option<MoeArgs>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
@@ -279,6 +297,15 @@ impl ModelArgs {
             .filter(|_| matches!(family, Family::Gemma2 | Family::Gemma3));
         let cap = |key: &str| f(key).filter(|c| *c > 0.0);
         let softcaps = family == Family::Gemma2;
+        let moe = MoeArgs::from_config(&raw, family, num_layers)?;
+        // Qwen2-MoE names its q/k/v bias `qkv_bias` (on by default); the Qwen 2 family's is
+        // `attention_bias` (on by default).
+        let attention_bias = match family {
+            Family::Qwen2Moe => b("qkv_bias")
+                .or_else(|| b("attention_bias"))
+                .unwrap_or(true),
+            _ => b("attention_bias").unwrap_or(family == Family::Qwen2),
+        };
         Ok(Self {
             family,
             vocab_size: req("vocab_size")?,
@@ -300,9 +327,9 @@ impl ModelArgs {
             tie_word_embeddings: num_labels.is_none()
                 && b("tie_word_embeddings").unwrap_or(gemma || family == Family::SmolLm3),
             num_labels,
-            attention_bias: b("attention_bias").unwrap_or(family == Family::Qwen2),
+            attention_bias,
             mlp_bias: b("mlp_bias").unwrap_or(false),
-            qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
             norm_weight_offset: gemma,
             scale_embeddings: gemma,
             activation,
@@ -316,6 +343,7 @@ impl ModelArgs {
             rope_layers,
             sandwich_norms: matches!(family, Family::Gemma2 | Family::Gemma3),
             local_rope_theta,
+            moe,
             bos_token_id: ids("bos_token_id").first().copied(),
             eos_token_ids: ids("eos_token_id"),
             pad_token_id: ids("pad_token_id").first().copied(),
@@ -338,6 +366,16 @@ impl ModelArgs {
         self.num_labels.unwrap_or(self.vocab_size)
     }
 
+    /// A parameter's name in the Hugging Face checkpoint, from its module path here: the same,
+    /// except for a sparse layer's block (`moe` here; `mlp` in Qwen's checkpoints,
+    /// `block_sparse_moe` with experts `w1`/`w3`/`w2` in Mixtral's).
+    pub fn hf_name(&self, path: &str) -> String {
+        match &self.moe {
+            Some(moe) => moe.hf_name(path),
+            None => path.to_string(),
+        }
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -357,10 +395,16 @@ impl ModelArgs {
                 0
             }
             + if self.qk_norm { 2 * self.head_dim } else { 0 };
-        let mlp = 3 * h * self.intermediate_size;
-        let layer = attn + mlp + if self.sandwich_norms { 4 * h } else { 2 * h };
+        let dense = 3 * h * self.intermediate_size;
+        let mlps: usize = (0..self.num_layers)
+            .map(|l| match &self.moe {
+                Some(moe) if moe.is_sparse(l) => moe.params(h),
+                _ => dense,
+            })
+            .sum();
+        let layer = attn + if self.sandwich_norms { 4 * h } else { 2 * h };
         let embed = self.vocab_size * h;
-        embed * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + h
+        embed * if self.tie_word_embeddings { 1 } else { 2 } + self.num_layers * layer + mlps + h
     }
 }
 
@@ -409,13 +453,13 @@ fn sliding_layers(
                 .map(|i| (i + 1) % pattern.max(1) != 0)
                 .collect()
         }
-        Family::Mistral | Family::Phi3 => vec![true; num_layers],
+        Family::Mistral | Family::Mixtral | Family::Phi3 => vec![true; num_layers],
         // With its switch on, SmolLM3's NoPE layers slide.
         Family::SmolLm3 => rope_layers(raw, family, num_layers)?
             .into_iter()
             .map(|rope| !rope)
             .collect(),
-        Family::Qwen2 | Family::Qwen3
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen2Moe | Family::Qwen3Moe
             if raw.get("use_sliding_window").and_then(Value::as_bool) == Some(true) =>
         {
             return Err(

@@ -7,8 +7,10 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
+use super::args::MoeArgs;
 use super::args::{Family, ModelArgs};
 use super::decoder::{Attention, CausalLm, DecoderBody, DecoderLayer, Embedding, Mlp};
+use super::moe::SparseMoe;
 use super::rope::Rope;
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights};
 use crate::modules::frozen_nf4::{FrozenNf4, Nf4Rows, RowOrder};
@@ -326,6 +328,50 @@ impl<B: Backend> Builder<'_, B> {
         })
     }
 
+    /// A sparse layer's block: router, experts and (Qwen2-MoE) the gated shared expert, read by
+    /// the family's checkpoint names ([`ModelArgs::hf_name`]).
+    fn moe(&mut self, p: &str, moe: &MoeArgs) -> Result<SparseMoe<B>, CheckpointError> {
+        let (a, h) = (self.args, self.args.hidden_size);
+        let name = |path: String| a.hf_name(&path);
+        let gate = self.linear(&name(format!("{p}.gate")), moe.num_experts, h, false)?;
+        let mut experts = Vec::with_capacity(moe.num_experts);
+        for e in 0..moe.num_experts {
+            let expert = format!("{p}.experts.{e}");
+            experts.push(self.swiglu(&expert, moe.expert_intermediate_size, &name)?);
+        }
+        let (shared_expert, shared_expert_gate) = match moe.shared_expert_intermediate_size {
+            Some(i) => (
+                Some(self.swiglu(&format!("{p}.shared_expert"), i, &name)?),
+                Some(self.linear(&name(format!("{p}.shared_expert_gate")), 1, h, false)?),
+            ),
+            None => (None, None),
+        };
+        Ok(SparseMoe {
+            gate,
+            experts,
+            shared_expert,
+            shared_expert_gate,
+            top_k: moe.top_k,
+            norm_topk_prob: moe.norm_topk_prob,
+        })
+    }
+
+    /// An expert's SwiGLU MLP of width `i` (no biases), its projections named by `name`.
+    fn swiglu(
+        &mut self,
+        p: &str,
+        i: usize,
+        name: &dyn Fn(String) -> String,
+    ) -> Result<Mlp<B>, CheckpointError> {
+        let h = self.args.hidden_size;
+        Ok(Mlp {
+            gate_proj: self.linear(&name(format!("{p}.gate_proj")), i, h, false)?,
+            up_proj: self.linear(&name(format!("{p}.up_proj")), i, h, false)?,
+            down_proj: self.linear(&name(format!("{p}.down_proj")), h, i, false)?,
+            activation: self.args.activation,
+        })
+    }
+
     fn mlp(&mut self, p: &str) -> Result<Mlp<B>, CheckpointError> {
         let a = self.args;
         let (h, i, bias) = (a.hidden_size, a.intermediate_size, a.mlp_bias);
@@ -367,6 +413,10 @@ impl<B: Backend> Builder<'_, B> {
             };
             let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
             let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
+            let (mlp, moe) = match &a.moe {
+                Some(moe) if moe.is_sparse(l) => (None, Some(self.moe(&format!("{p}.moe"), moe)?)),
+                _ => (Some(self.mlp(&format!("{p}.mlp"))?), None),
+            };
             layers.push(DecoderLayer {
                 input_layernorm: self.norm(&format!("{p}.input_layernorm"), a.hidden_size)?,
                 self_attn: self.attention(&format!("{p}.self_attn"), l)?,
@@ -374,7 +424,8 @@ impl<B: Backend> Builder<'_, B> {
                     .norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?,
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
-                mlp: self.mlp(&format!("{p}.mlp"))?,
+                mlp,
+                moe,
             });
         }
         let norm = self.norm("model.norm", a.hidden_size)?;

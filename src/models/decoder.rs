@@ -9,6 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
+use super::moe::SparseMoe;
 use super::rope::{self, RopeTables};
 use super::shards::LayerShards;
 use crate::kernels::{attention_by_position, permute, softcap, swiglu};
@@ -125,16 +126,19 @@ pub struct Mlp<B: Backend> {
 impl<B: Backend> Mlp<B> {
     pub fn forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
         let [batch, seq, hidden] = x.dims();
-        let rows = x.reshape([batch * seq, hidden]);
+        self.forward_rows(x.reshape([batch * seq, hidden]), mode)
+            .reshape([batch, seq, hidden])
+    }
+
+    /// `[rows, hidden]` -> `[rows, hidden]`.
+    pub fn forward_rows(&self, rows: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
         let gate = self.gate_proj.forward(rows.clone(), mode);
         let up = self.up_proj.forward(rows, mode);
         let hidden_activation = match self.activation {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => gelu_tanh(gate) * up,
         };
-        self.down_proj
-            .forward(hidden_activation, mode)
-            .reshape([batch, seq, hidden])
+        self.down_proj.forward(hidden_activation, mode)
     }
 }
 
@@ -155,36 +159,82 @@ pub struct DecoderLayer<B: Backend> {
     pub pre_feedforward_layernorm: Option<RmsNorm<B>>,
     /// Gemma 2/3: on the MLP output.
     pub post_feedforward_layernorm: Option<RmsNorm<B>>,
-    pub mlp: Mlp<B>,
+    /// A dense layer's MLP (`None` in a sparse layer).
+    pub mlp: Option<Mlp<B>>,
+    /// A sparse layer's experts (`None` in a dense layer).
+    pub moe: Option<SparseMoe<B>>,
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    /// The layer's linear layers, attention's then the MLP's.
-    pub fn linears(&self) -> [&Linear<B>; 7] {
-        let (a, m) = (&self.self_attn, &self.mlp);
-        [
-            &a.q_proj,
-            &a.k_proj,
-            &a.v_proj,
-            &a.o_proj,
-            &m.gate_proj,
-            &m.up_proj,
-            &m.down_proj,
-        ]
+    /// The layer's linear layers with their paths below the layer (`self_attn.q_proj`),
+    /// attention's then the MLP's or the experts' (never a router).
+    pub fn named_linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        let a = &mut self.self_attn;
+        let mut out: Vec<(String, &mut Linear<B>)> = vec![
+            ("self_attn.q_proj".into(), &mut a.q_proj),
+            ("self_attn.k_proj".into(), &mut a.k_proj),
+            ("self_attn.v_proj".into(), &mut a.v_proj),
+            ("self_attn.o_proj".into(), &mut a.o_proj),
+        ];
+        if let Some(m) = &mut self.mlp {
+            out.push(("mlp.gate_proj".into(), &mut m.gate_proj));
+            out.push(("mlp.up_proj".into(), &mut m.up_proj));
+            out.push(("mlp.down_proj".into(), &mut m.down_proj));
+        }
+        if let Some(moe) = &mut self.moe {
+            out.extend(
+                moe.linears_mut()
+                    .into_iter()
+                    .map(|(path, l)| (format!("moe.{path}"), l)),
+            );
+        }
+        out
+    }
+
+    /// [`Self::named_linears_mut`], shared.
+    pub fn named_linears(&self) -> Vec<(String, &Linear<B>)> {
+        let a = &self.self_attn;
+        let mut out: Vec<(String, &Linear<B>)> = vec![
+            ("self_attn.q_proj".into(), &a.q_proj),
+            ("self_attn.k_proj".into(), &a.k_proj),
+            ("self_attn.v_proj".into(), &a.v_proj),
+            ("self_attn.o_proj".into(), &a.o_proj),
+        ];
+        if let Some(m) = &self.mlp {
+            out.push(("mlp.gate_proj".into(), &m.gate_proj));
+            out.push(("mlp.up_proj".into(), &m.up_proj));
+            out.push(("mlp.down_proj".into(), &m.down_proj));
+        }
+        if let Some(moe) = &self.moe {
+            out.extend(
+                moe.linears()
+                    .into_iter()
+                    .map(|(path, l)| (format!("moe.{path}"), l)),
+            );
+        }
+        out
+    }
+
+    /// The layer's linear layers, in [`Self::named_linears_mut`]'s order.
+    pub fn linears(&self) -> Vec<&Linear<B>> {
+        self.named_linears().into_iter().map(|(_, l)| l).collect()
     }
 
     /// [`Self::linears`], mutable.
-    pub fn linears_mut(&mut self) -> [&mut Linear<B>; 7] {
-        let (a, m) = (&mut self.self_attn, &mut self.mlp);
-        [
-            &mut a.q_proj,
-            &mut a.k_proj,
-            &mut a.v_proj,
-            &mut a.o_proj,
-            &mut m.gate_proj,
-            &mut m.up_proj,
-            &mut m.down_proj,
-        ]
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear<B>> {
+        self.named_linears_mut()
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect()
+    }
+
+    /// The MLP or the experts.
+    fn feed_forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+        match (&self.mlp, &self.moe) {
+            (_, Some(moe)) => moe.forward(x, mode),
+            (Some(mlp), None) => mlp.forward(x, mode),
+            (None, None) => x.zeros_like(),
+        }
     }
 
     /// FSDP: keeps this rank's rows of every NF4 base weight (`Linear::shard_nf4`).
@@ -258,14 +308,11 @@ impl<B: Backend> DecoderLayer<B> {
         ) {
             // Gemma 2/3: every sublayer's output is normalised before the residual add.
             let h = x + self.post_attention_layernorm.forward(attn);
-            let mlp = self.mlp.forward(pre.forward(h.clone()), ctx.mode);
+            let mlp = self.feed_forward(pre.forward(h.clone()), ctx.mode);
             return h + post.forward(mlp);
         }
         let h = x + attn;
-        h.clone()
-            + self
-                .mlp
-                .forward(self.post_attention_layernorm.forward(h), ctx.mode)
+        h.clone() + self.feed_forward(self.post_attention_layernorm.forward(h), ctx.mode)
     }
 }
 

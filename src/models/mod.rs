@@ -7,6 +7,8 @@ pub mod cache;
 pub mod decoder;
 pub mod host_rows;
 pub mod mask;
+pub mod moe;
+mod moe_args;
 pub mod params;
 pub mod rope;
 pub mod shards;

@@ -15,16 +15,9 @@ impl<B: Backend> CausalLm<B> {
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
         let mut out = Vec::new();
         for (i, layer) in self.model.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            let a = &mut layer.self_attn;
-            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
-            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
-            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
-            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
-            let m = &mut layer.mlp;
-            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
-            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
-            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+            for (path, linear) in layer.named_linears_mut() {
+                out.push((format!("model.layers.{i}.{path}"), linear));
+            }
         }
         let head_name = self.args.head_name();
         if let Some(head) = &mut self.lm_head {
@@ -39,17 +32,7 @@ impl<B: Backend> CausalLm<B> {
     fn nf4_weights(&self) -> Vec<(String, HostTensor)> {
         let mut out = Vec::new();
         for (i, layer) in self.model.layers.iter().enumerate() {
-            let (a, m) = (&layer.self_attn, &layer.mlp);
-            let linears = [
-                ("self_attn.q_proj", &a.q_proj),
-                ("self_attn.k_proj", &a.k_proj),
-                ("self_attn.v_proj", &a.v_proj),
-                ("self_attn.o_proj", &a.o_proj),
-                ("mlp.gate_proj", &m.gate_proj),
-                ("mlp.up_proj", &m.up_proj),
-                ("mlp.down_proj", &m.down_proj),
-            ];
-            for (name, linear) in linears {
+            for (name, linear) in layer.named_linears() {
                 if let Some(q) = linear.nf4() {
                     let value = HostTensor::new(q.shape().to_vec(), q.dequantize_for_export());
                     out.push((format!("model.layers.{i}.{name}.weight"), value));
@@ -204,6 +187,11 @@ impl<B: Backend> CausalLm<B> {
                 })
                 .collect(),
         };
+        // A sparse layer's block is `moe` here, named as the family's checkpoints name it.
+        let params = params
+            .into_iter()
+            .map(|(name, value)| (self.args.hf_name(&name), value))
+            .collect();
         if self.args.fused_projections {
             fuse_projections(params)
         } else {

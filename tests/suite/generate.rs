@@ -120,15 +120,13 @@ fn kv_cache_equals_full_forward_gemma2_and_gemma3_sliding_windows() {
     cache_matches_full_recompute("families/gemma3", &prompt);
 }
 
-/// SmolLM3 (NoPE layers): transformers' greedy tokens (KV cache) from
-/// reference/family-fixtures.json, with and without tune's cache, and the cached logits equal
-/// a full recompute at every step.
-#[test]
-fn smollm3_greedy_decoding_matches_transformers() {
+/// `family`'s greedy tokens from reference/family-fixtures.json (transformers, KV cache),
+/// with and without tune's cache, and the cached logits equal a full recompute at every step.
+fn family_greedy_decoding_matches_transformers(family: &str) {
     let text = std::fs::read_to_string(fixture("reference/family-fixtures.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |k: &str| -> Vec<u32> {
-        json["smollm3"]["greedy"][k]
+        json[family]["greedy"][k]
             .as_array()
             .unwrap()
             .iter()
@@ -136,14 +134,32 @@ fn smollm3_greedy_decoding_matches_transformers() {
             .collect()
     };
     let (prompt, expected) = (ids("prompt"), ids("tokens"));
-    let lm = model("families/smollm3");
+    let dir = format!("families/{family}");
+    let lm = model(&dir);
     for use_kv_cache in [true, false] {
         let mut opts = greedy(expected.len(), use_kv_cache);
         opts.stop_ids.clear();
         let out = generate(&lm, &prompt, &opts, |_| {}).unwrap();
-        assert_eq!(out.tokens, expected, "kv cache: {use_kv_cache}");
+        assert_eq!(out.tokens, expected, "{family}, kv cache: {use_kv_cache}");
     }
-    cache_matches_full_recompute("families/smollm3", &prompt);
+    cache_matches_full_recompute(&dir, &prompt);
+}
+
+/// SmolLM3's NoPE layers.
+#[test]
+fn smollm3_greedy_decoding_matches_transformers() {
+    family_greedy_decoding_matches_transformers("smollm3");
+}
+
+/// Qwen3-MoE: each decoding step routes its one token through its own two experts.
+#[test]
+fn qwen3_moe_greedy_decoding_matches_transformers() {
+    family_greedy_decoding_matches_transformers("qwen3_moe");
+}
+
+#[test]
+fn mixtral_greedy_decoding_matches_transformers() {
+    family_greedy_decoding_matches_transformers("mixtral");
 }
 
 #[test]

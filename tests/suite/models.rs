@@ -143,3 +143,23 @@ fn gemma3_matches_transformers() {
 fn smollm3_matches_transformers() {
     check_model("families/smollm3", "family-smollm3.safetensors");
 }
+
+/// Qwen3-MoE: two sparse layers (4 experts, top 2, renormalised) around a dense one
+/// (`mlp_only_layers`); every expert's, the router's and the dense MLP's gradients, by the
+/// checkpoint's per-expert names.
+#[test]
+fn qwen3_moe_matches_transformers() {
+    check_model("families/qwen3_moe", "family-qwen3_moe.safetensors");
+}
+
+/// Qwen2-MoE: probabilities not renormalised, and a shared expert gated by a sigmoid.
+#[test]
+fn qwen2_moe_matches_transformers() {
+    check_model("families/qwen2_moe", "family-qwen2_moe.safetensors");
+}
+
+/// Mixtral: `block_sparse_moe` with experts `w1`/`w3`/`w2` on disk.
+#[test]
+fn mixtral_matches_transformers() {
+    check_model("families/mixtral", "family-mixtral.safetensors");
+}
