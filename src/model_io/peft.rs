@@ -162,9 +162,10 @@ pub fn attach_lora<B: Backend>(
     let device = model.device();
     let mut rng = lora::init_rng(seed);
     let mut attached = Vec::new();
+    let args = model.args.clone();
     for (path, linear) in model.linears_mut() {
         let leaf = path.rsplit('.').next().unwrap_or(&path);
-        if targets.iter().any(|t| t == leaf) {
+        if targets.iter().any(|t| t == leaf) && args.lora_adapts(&path) {
             let (out, inp) = (linear.out_features(), linear.in_features());
             let mut lora = Lora::init(inp, out, settings, &mut rng, &device);
             if settings.dora {
@@ -200,8 +201,9 @@ pub fn load_adapter<B: Backend>(
     let settings = config.settings();
     let device = model.device();
     let mut used = 0usize;
+    let args = model.args.clone();
     for (module, linear) in model.linears_mut() {
-        if !config.targets(&module) {
+        if !config.targets(&module) || !args.lora_adapts(&module) {
             continue;
         }
         let (out, inp) = (linear.out_features(), linear.in_features());

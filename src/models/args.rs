@@ -7,7 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::ModelError;
-pub use super::moe_args::MoeArgs;
+pub use super::moe_args::{ExpertNaming, MoeArgs};
 
 /// The model families `tune` understands, from `model_type` in `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -374,6 +374,41 @@ impl ModelArgs {
             Some(moe) => moe.hf_name(path),
             None => path.to_string(),
         }
+    }
+
+    /// LoRA's target leaf names as this checkpoint names its layers: the MLP's
+    /// `gate_proj`/`up_proj`/`down_proj` are Mixtral's experts' `w1`/`w3`/`w2` (peft's
+    /// `target_modules` for Mixtral name them so).
+    pub fn lora_targets(&self, targets: &[String]) -> Vec<String> {
+        match self.moe.as_ref().map(|m| m.naming) {
+            Some(ExpertNaming::Mixtral) => targets
+                .iter()
+                .map(|t| {
+                    match t.as_str() {
+                        "gate_proj" => "w1",
+                        "up_proj" => "w3",
+                        "down_proj" => "w2",
+                        other => other,
+                    }
+                    .to_string()
+                })
+                .collect(),
+            _ => targets.to_vec(),
+        }
+    }
+
+    /// Whether LoRA adapts the linear layer `name` (a checkpoint name) when its leaf is a
+    /// target: in a sparse model, the MLP targets mean what peft 0.21 adapts when it loads the
+    /// adapter on transformers 5 ([`MoeArgs::lora_on_experts`]), so that what tune trains is
+    /// what peft loads.
+    pub fn lora_adapts(&self, name: &str) -> bool {
+        let Some(moe) = &self.moe else {
+            return true;
+        };
+        let mlp_leaf = ["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"]
+            .iter()
+            .any(|leaf| name.ends_with(&format!(".{leaf}")));
+        !mlp_leaf || name.contains(".experts.") == moe.lora_on_experts
     }
 
     pub fn q_dim(&self) -> usize {

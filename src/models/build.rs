@@ -554,7 +554,7 @@ pub fn build_rows<B: Backend>(
         }
     }
     let mut shards = LayerShards::new(rows.rank, rows.world);
-    shards.adopt(&model, &source.full_shapes);
+    shards.adopt(&model, &source.full_shapes, &|path| args.hf_name(path));
     model.shards = Some(Arc::new(shards));
     Ok(Some(model))
 }

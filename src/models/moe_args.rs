@@ -30,6 +30,13 @@ pub struct MoeArgs {
     /// `intermediate_size`).
     pub sparse_layers: Vec<bool>,
     pub naming: ExpertNaming,
+    /// What LoRA's MLP targets (`gate_proj`/`up_proj`/`down_proj`) adapt, as peft 0.21 does
+    /// on transformers 5, which holds the routed experts fused in 3-D tensors: for Qwen3-MoE
+    /// and Mixtral peft maps the targets onto the fused experts (and loads per-expert
+    /// adapters, the layout it wrote on transformers 4, into them), so the routed experts and
+    /// not a dense layer's MLP; for Qwen2-MoE it has no such mapping and adapts the linear
+    /// modules of those names, the shared experts and dense MLPs, not the routed experts.
+    pub lora_on_experts: bool,
 }
 
 impl MoeArgs {
@@ -105,6 +112,7 @@ impl MoeArgs {
             shared_expert_intermediate_size,
             sparse_layers,
             naming,
+            lora_on_experts: family != Family::Qwen2Moe,
         }))
     }
 
@@ -225,6 +233,25 @@ mod tests {
         )
         .unwrap();
         assert!(!unbiased.attention_bias);
+    }
+
+    /// peft 0.21 on transformers 5: Qwen3-MoE's and Mixtral's MLP targets are the routed
+    /// experts; Qwen2-MoE's are its linear modules of those names (shared expert, dense MLPs).
+    #[test]
+    fn lora_adapts_what_peft_adapts_per_family() {
+        let qwen3 = args("qwen3_moe", serde_json::json!({"num_experts": 4})).unwrap();
+        assert!(qwen3.lora_adapts("model.layers.0.mlp.experts.2.up_proj"));
+        assert!(!qwen3.lora_adapts("model.layers.1.mlp.up_proj"));
+        assert!(qwen3.lora_adapts("model.layers.1.self_attn.q_proj"));
+        let qwen2 = args("qwen2_moe", serde_json::json!({"num_experts": 4})).unwrap();
+        assert!(!qwen2.lora_adapts("model.layers.0.mlp.experts.2.up_proj"));
+        assert!(qwen2.lora_adapts("model.layers.0.mlp.shared_expert.up_proj"));
+        let mixtral = args("mixtral", serde_json::json!({"num_local_experts": 4})).unwrap();
+        assert!(mixtral.lora_adapts("model.layers.0.block_sparse_moe.experts.1.w3"));
+        assert_eq!(
+            mixtral.lora_targets(&["q_proj".into(), "gate_proj".into(), "down_proj".into()]),
+            ["q_proj", "w1", "w2"]
+        );
     }
 
     #[test]

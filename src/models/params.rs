@@ -11,12 +11,15 @@ use crate::checkpoint::HostTensor;
 use crate::modules::Linear;
 
 impl<B: Backend> CausalLm<B> {
-    /// Every linear layer with its module path (`model.layers.0.self_attn.q_proj`), in order.
+    /// Every linear layer with its name in the checkpoint (`model.layers.0.self_attn.q_proj`;
+    /// a sparse layer's as the family names it, [`ModelArgs::hf_name`](super::ModelArgs::hf_name)), in order. Routers
+    /// are not among them.
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
         let mut out = Vec::new();
+        let args = &self.args;
         for (i, layer) in self.model.layers.iter_mut().enumerate() {
             for (path, linear) in layer.named_linears_mut() {
-                out.push((format!("model.layers.{i}.{path}"), linear));
+                out.push((args.hf_name(&format!("model.layers.{i}.{path}")), linear));
             }
         }
         let head_name = self.args.head_name();
@@ -162,13 +165,15 @@ impl<B: Backend> CausalLm<B> {
             .into_iter()
             .filter(|p| !p.is_adapter())
             .map(|p| {
-                let value = merged.remove(&p.name).unwrap_or(p.value);
+                let value = merged
+                    .remove(&self.args.hf_name(&p.name))
+                    .unwrap_or(p.value);
                 (p.name, value)
             })
             .collect();
         // NF4 bases: merged when adapted, else dequantized.
         for (name, value) in self.nf4_weights() {
-            let value = merged.remove(&name).unwrap_or(value);
+            let value = merged.remove(&self.args.hf_name(&name)).unwrap_or(value);
             params.push((name, value));
         }
         self.to_hf_layout(params)

@@ -256,15 +256,18 @@ impl LayerShards {
     }
 
     /// Records the whole shape of every parameter of `module` (holding this rank's rows
-    /// already, as a per-rank load builds them) that `full_shapes` names by module path.
+    /// already, as a per-rank load builds them) that `full_shapes` names: by its checkpoint
+    /// name, `checkpoint_name` of its module path.
     pub fn adopt<X: Backend, M: Module<X>>(
         &mut self,
         module: &M,
         full_shapes: &HashMap<String, Vec<usize>>,
+        checkpoint_name: &dyn Fn(&str) -> String,
     ) {
         struct Adopt<'a> {
             shards: &'a mut LayerShards,
             full_shapes: &'a HashMap<String, Vec<usize>>,
+            checkpoint_name: &'a dyn Fn(&str) -> String,
             path: Vec<String>,
         }
         impl<X: Backend> ModuleVisitor<X> for Adopt<'_> {
@@ -275,7 +278,8 @@ impl LayerShards {
                 self.path.pop();
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<X, D>>) {
-                if let Some(full) = self.full_shapes.get(&self.path.join(".")) {
+                let name = (self.checkpoint_name)(&self.path.join("."));
+                if let Some(full) = self.full_shapes.get(&name) {
                     self.shards.full_shapes.insert(param.id, full.clone());
                 }
             }
@@ -283,6 +287,7 @@ impl LayerShards {
         module.visit(&mut Adopt {
             shards: self,
             full_shapes,
+            checkpoint_name,
             path: Vec::new(),
         });
     }

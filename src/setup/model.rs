@@ -29,6 +29,10 @@ pub enum ModelConfigError {
     TiedOutput,
     #[error("model.lora_attn_modules: none of {targets:?} is a linear layer of this model")]
     NoTargets { targets: Vec<String> },
+    #[error(
+        "model.use_dora: DoRA on a mixture-of-experts model's experts (apply_lora_to_mlp: True) is not supported: peft cannot load DoRA magnitudes onto transformers' fused experts; set apply_lora_to_mlp: False or use_dora: False"
+    )]
+    DoraOnExperts,
     /// A generic builder's architecture argument that is not the checkpoint's.
     #[error(
         "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"
@@ -179,17 +183,21 @@ pub fn attach_adapters<B: Backend>(
         config.base_model_name_or_path = Some(base_model);
         return Ok(config);
     }
-    let attached = peft::attach_lora(model, &plan.targets, &plan.settings, seed);
+    let targets = model.args.lora_targets(&plan.targets);
+    let mlp = ["gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"];
+    let adapts_experts =
+        model.args.moe.is_some() && targets.iter().any(|t| mlp.contains(&t.as_str()));
+    if plan.settings.dora && adapts_experts {
+        return Err(ModelConfigError::DoraOnExperts.into());
+    }
+    let attached = peft::attach_lora(model, &targets, &plan.settings, seed);
     if attached.is_empty() {
-        return Err(ModelConfigError::NoTargets {
-            targets: plan.targets.clone(),
-        }
-        .into());
+        return Err(ModelConfigError::NoTargets { targets }.into());
     }
     Ok(peft::AdapterConfig::new(
         Some(base_model),
         &plan.settings,
-        plan.targets.clone(),
+        targets,
     ))
 }
 

@@ -29,6 +29,7 @@ mod kernels;
 mod lora;
 mod lora_recipes;
 mod models;
+mod moe;
 mod nf4;
 mod offload;
 mod plot;

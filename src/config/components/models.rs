@@ -24,6 +24,11 @@ pub enum ModelFamily {
     SmolLM2,
     /// Not a torchtune module (torchtune has no SmolLM3); `tune.models.smollm3.*` names it.
     SmolLM3,
+    /// Not torchtune modules (torchtune has no mixture-of-experts models):
+    /// `tune.models.qwen3_moe.*`, `tune.models.qwen2_moe.*`, `tune.models.mixtral.*`.
+    Qwen3Moe,
+    Qwen2Moe,
+    Mixtral,
 }
 
 /// (family, module name, sizes torchtune ships — used only for suggestions).
@@ -66,6 +71,13 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     (ModelFamily::Llama3_3, "llama3_3", &["70b"]),
     (ModelFamily::SmolLM2, "smollm2", &["135m", "360m", "1_7b"]),
     (ModelFamily::SmolLM3, "smollm3", &["3b"]),
+    (
+        ModelFamily::Qwen3Moe,
+        "qwen3_moe",
+        &["30b_a3b", "235b_a22b"],
+    ),
+    (ModelFamily::Qwen2Moe, "qwen2_moe", &["a2_7b", "57b_a14b"]),
+    (ModelFamily::Mixtral, "mixtral", &["8x7b", "8x22b"]),
 ];
 
 impl ModelFamily {
@@ -218,6 +230,16 @@ mod tests {
             ModelFamily::SmolLM2
         );
         assert_eq!(builder("tune.models.llama3.lora_llama3_tiny").size, "tiny");
+        // the longest family name wins: qwen3_moe, not qwen3 of size `moe_30b_a3b`
+        let b = builder("tune.models.qwen3_moe.lora_qwen3_moe_30b_a3b");
+        assert_eq!(
+            (b.family, b.variant, b.size.as_str()),
+            (ModelFamily::Qwen3Moe, ModelVariant::Lora, "30b_a3b")
+        );
+        assert_eq!(
+            builder("tune.models.mixtral.qlora_mixtral_8x7b").family,
+            ModelFamily::Mixtral
+        );
         assert_eq!(
             builder("torchtune.models.llama3.qlora_llama3_8b").variant,
             ModelVariant::QLora

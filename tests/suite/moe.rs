@@ -1,0 +1,214 @@
+//! Mixture-of-experts checkpoints through tune: saved as the Hub stores them, trained by the
+//! LoRA and full recipes (the golden logits and gradients are in `models.rs`).
+
+use crate::support::*;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::json;
+use tune::checkpoint::StorageDtype;
+use tune::checkpoint::safetensors_io::SafetensorsFile;
+use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
+use tune::models::{ModelArgs, RandomInit, build};
+
+/// Every tensor of the model's safetensors files in `dir`: name -> (dtype, shape, bytes).
+fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("model") && name.ends_with(".safetensors") {
+            let f = SafetensorsFile::open(&path).unwrap();
+            for name in f.names() {
+                let (dtype, shape, bytes) = f.raw(&name).unwrap();
+                out.insert(name, (format!("{dtype:?}"), shape, bytes.to_vec()));
+            }
+        }
+    }
+    out
+}
+
+/// The three families' checkpoints save back byte for byte under the Hub's names (per-expert
+/// tensors; Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`).
+#[test]
+fn moe_checkpoints_save_as_the_hub_stores_them() {
+    for family in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+        let src = fixture(&format!("families/{family}"));
+        let lm = load_model::<Cpu>(&src, None, &Default::default())
+            .unwrap()
+            .model;
+        let out = temp_dir(&format!("moe-save-{family}"));
+        save_model(
+            &lm,
+            out.path(),
+            Some(&src),
+            StorageDtype::F32,
+            DEFAULT_MAX_SHARD_BYTES,
+        )
+        .unwrap();
+        let (want, got) = (tensors(&src), tensors(out.path()));
+        assert_eq!(
+            want.keys().collect::<Vec<_>>(),
+            got.keys().collect::<Vec<_>>(),
+            "{family}: tensor names"
+        );
+        for (name, tensor) in &want {
+            assert!(got[name] == *tensor, "{family}: {name} differs");
+        }
+    }
+}
+
+/// A Qwen3-MoE checkpoint the tiny tokenizer fits: 3 layers, the middle one dense
+/// (`mlp_only_layers`), 4 experts of which each token takes 2.
+fn tiny_qwen3_moe() -> TempDir {
+    let config = json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": true, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+        "output_router_logits": false, "tie_word_embeddings": false, "bos_token_id": 2000,
+        "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32"
+    });
+    let args = ModelArgs::from_json(config).unwrap();
+    let mut init = RandomInit::new(3, &args);
+    let lm = build::<Cpu>(&args, &mut init, &Default::default()).unwrap();
+    let dir = temp_dir("tiny-qwen3-moe");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    save_model(
+        &lm,
+        dir.path(),
+        Some(&assets),
+        StorageDtype::F32,
+        DEFAULT_MAX_SHARD_BYTES,
+    )
+    .unwrap();
+    dir
+}
+
+fn first_and_last_mean(losses: &[f64]) -> (f64, f64) {
+    let n = losses.len().min(5);
+    (mean(&losses[..n]), mean(&losses[losses.len() - n..]))
+}
+
+/// LoRA on a sparse model adapts what peft adapts when it loads the adapter on transformers 5:
+/// attention and every routed expert's projections (peft maps `gate_proj`/`up_proj`/`down_proj`
+/// onto the fused experts, so a dense layer's MLP takes none); routers stay as loaded, and the
+/// loss falls.
+#[test]
+fn lora_on_a_moe_adapts_attention_and_experts_as_peft_does() {
+    let ckpt = tiny_qwen3_moe();
+    let out = temp_dir("moe-lora");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let metrics = run_recipe(
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &out,
+        &[
+            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.apply_lora_to_mlp=True",
+            "model.lora_rank=8",
+            "model.lora_alpha=16",
+            &checkpoint_dir,
+            "max_steps_per_epoch=25",
+        ],
+    );
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+
+    let epoch = out.path().join("epoch_0");
+    let adapter = SafetensorsFile::open(&epoch.join("adapter_model.safetensors")).unwrap();
+    let names = adapter.names();
+    for module in [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.2.self_attn.v_proj",
+        "model.layers.0.mlp.experts.0.gate_proj",
+        "model.layers.2.mlp.experts.3.down_proj",
+    ] {
+        let key = format!("base_model.model.{module}.lora_A.weight");
+        assert!(names.contains(&key), "{key} not in {names:?}");
+    }
+    assert!(
+        names.iter().all(|n| !n.contains("layers.1.mlp.")),
+        "{names:?}"
+    );
+    // q and v in 3 layers, 3 projections of 4 experts in 2 layers; A and B each
+    assert_eq!(names.len(), 2 * (3 * 2 + 2 * 4 * 3), "{names:?}");
+
+    // The merged export: adapted weights changed, routers and the dense MLP exactly as loaded.
+    let (before, after) = (tensors(ckpt.path()), tensors(&epoch));
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>()
+    );
+    for (name, tensor) in &before {
+        let same = after[name] == *tensor;
+        let adapted =
+            name.contains("q_proj") || name.contains("v_proj") || name.contains(".experts.");
+        assert_eq!(same, !adapted, "{name}: changed = {}", !same);
+    }
+}
+
+/// DoRA on experts would write magnitudes peft cannot load onto transformers' fused experts:
+/// refused by key before training.
+#[test]
+fn dora_on_experts_is_refused_by_key() {
+    let ckpt = tiny_qwen3_moe();
+    let out = temp_dir("moe-dora");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let run = tiny_lora(
+        &out,
+        &[
+            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.apply_lora_to_mlp=True",
+            "model.lora_rank=8",
+            "model.lora_alpha=16",
+            "model.use_dora=True",
+            &checkpoint_dir,
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("model.use_dora") && stderr.contains("apply_lora_to_mlp: False"),
+        "{stderr}"
+    );
+}
+
+/// Full fine-tuning trains every weight of a sparse model, routers included, and saves it as
+/// it was loaded (the same names, shapes and dtypes).
+#[test]
+fn full_finetuning_a_moe_trains_its_routers_and_experts() {
+    let ckpt = tiny_qwen3_moe();
+    let out = temp_dir("moe-full");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let metrics = run_recipe(
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &out,
+        &[
+            "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+            &checkpoint_dir,
+            "max_steps_per_epoch=25",
+        ],
+    );
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+    let (before, after) = (tensors(ckpt.path()), tensors(&out.path().join("epoch_0")));
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>()
+    );
+    for name in [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.2.mlp.experts.3.up_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+    ] {
+        assert_eq!(before[name].1, after[name].1, "{name}: shape");
+        assert!(before[name] != after[name], "{name} did not train");
+    }
+}
