@@ -141,15 +141,16 @@ impl MoeArgs {
             ExpertNaming::Mixtral => "block_sparse_moe",
         };
         // `moe.experts.{e}.<projection>`
-        if self.naming == ExpertNaming::Mixtral && parts.get(block + 1) == Some(&"experts") {
-            if let Some(projection) = out.get_mut(block + 3) {
-                *projection = match *projection {
-                    "gate_proj" => "w1",
-                    "up_proj" => "w3",
-                    "down_proj" => "w2",
-                    other => other,
-                };
-            }
+        if self.naming == ExpertNaming::Mixtral
+            && parts.get(block + 1) == Some(&"experts")
+            && let Some(projection) = out.get_mut(block + 3)
+        {
+            *projection = match *projection {
+                "gate_proj" => "w1",
+                "up_proj" => "w3",
+                "down_proj" => "w2",
+                other => other,
+            };
         }
         out.join(".")
     }
