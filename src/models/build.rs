@@ -331,9 +331,9 @@ impl<B: Backend> Builder<'_, B> {
     /// A sparse layer's block: router, experts and (Qwen2-MoE) the gated shared expert, read by
     /// the family's checkpoint names ([`ModelArgs::hf_name`]).
     fn moe(&mut self, p: &str, moe: &MoeArgs) -> Result<SparseMoe<B>, CheckpointError> {
-        let (a, h) = (self.args, self.args.hidden_size);
+        let a = self.args;
         let name = |path: String| a.hf_name(&path);
-        let gate = self.linear(&name(format!("{p}.gate")), moe.num_experts, h, false)?;
+        let gate = self.router(&name(format!("{p}.gate")), moe.num_experts)?;
         let mut experts = Vec::with_capacity(moe.num_experts);
         for e in 0..moe.num_experts {
             let expert = format!("{p}.experts.{e}");
@@ -342,7 +342,7 @@ impl<B: Backend> Builder<'_, B> {
         let (shared_expert, shared_expert_gate) = match moe.shared_expert_intermediate_size {
             Some(i) => (
                 Some(self.swiglu(&format!("{p}.shared_expert"), i, &name)?),
-                Some(self.linear(&name(format!("{p}.shared_expert_gate")), 1, h, false)?),
+                Some(self.router(&name(format!("{p}.shared_expert_gate")), 1)?),
             ),
             None => (None, None),
         };
@@ -354,6 +354,16 @@ impl<B: Backend> Builder<'_, B> {
             top_k: moe.top_k,
             norm_topk_prob: moe.norm_topk_prob,
         })
+    }
+
+    /// A router (`[out, hidden]`, no bias): kept in float whatever the base weights' storage,
+    /// as QLoRA keeps everything but the decoder's projections (bitsandbytes' and torchtune's
+    /// QLoRA quantize linear projections; a router is a few thousand values LoRA never adapts).
+    fn router(&mut self, prefix: &str, out: usize) -> Result<Linear<B>, CheckpointError> {
+        let w = self
+            .src
+            .take(&format!("{prefix}.weight"), &[out, self.args.hidden_size])?;
+        Ok(Linear::new(w.to_tensor(self.device), None))
     }
 
     /// An expert's SwiGLU MLP of width `i` (no biases), its projections named by `name`.

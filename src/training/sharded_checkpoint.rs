@@ -113,14 +113,16 @@ impl RankShare {
         let mut by_file: BTreeMap<usize, Vec<Piece>> = BTreeMap::new();
         for ((p, full), file) in params.iter().zip(full_shapes).zip(file_of) {
             let sharded = shards.is_some_and(|s| s.is_sharded(&p.id));
+            // By its checkpoint name (a sparse layer's block as the family names it).
+            let name = model.args.hf_name(&p.name);
             let piece = if sharded {
                 let rows = shards.map_or(0..0, |s| s.rows(full[0], rank));
                 let mut offsets = vec![0; full.len()];
                 offsets[0] = rows.start;
-                Piece::from_host(&p.name, &p.value, dtype, full, offsets)
+                Piece::from_host(&name, &p.value, dtype, full, offsets)
             } else if whole_here {
                 let offsets = vec![0; full.len()];
-                Piece::from_host(&p.name, &p.value, dtype, full, offsets)
+                Piece::from_host(&name, &p.value, dtype, full, offsets)
             } else {
                 continue;
             };

@@ -212,3 +212,43 @@ fn full_finetuning_a_moe_trains_its_routers_and_experts() {
         assert!(before[name] != after[name], "{name} did not train");
     }
 }
+
+/// FSDP over two workers (each holding its rows of every expert and router) takes the same
+/// steps as one device, and its sharded save is the Hub's layout, as the one-device save is.
+#[test]
+fn fsdp_on_a_moe_matches_one_device_and_saves_the_hub_layout() {
+    let ckpt = tiny_qwen3_moe();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let extra = [
+        "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+        checkpoint_dir.as_str(),
+        "max_steps_per_epoch=4",
+    ];
+    let (one, two) = (temp_dir("moe-fsdp-1"), temp_dir("moe-fsdp-2"));
+    crate::distributed::train(
+        1,
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &one,
+        4,
+        &extra,
+    );
+    crate::distributed::train(2, "full_finetune_distributed", "tiny/full", &two, 2, &extra);
+    let losses = |dir: &TempDir| {
+        column(
+            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
+    }
+    let (a, b) = (
+        tensors(&one.path().join("epoch_0")),
+        tensors(&two.path().join("epoch_0")),
+    );
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    assert!(a.contains_key("model.layers.2.mlp.experts.3.down_proj.weight"));
+}
