@@ -165,9 +165,10 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// Float multiply-adds of one step: 2 * params * tokens forward (+ attention), x3 with backward.
+/// Float multiply-adds of one step: 2 * params * tokens forward (+ attention), x3 with backward;
+/// a mixture of experts counts the experts each token computes with, not all of them.
 fn step_flops(args: &ModelArgs, tokens: usize, seq: usize, mode: BenchMode) -> f64 {
-    let dense = 2.0 * args.num_params() as f64 * tokens as f64;
+    let dense = 2.0 * args.active_params() as f64 * tokens as f64;
     let attention =
         4.0 * args.num_layers as f64 * args.q_dim() as f64 * seq as f64 * tokens as f64 / 2.0;
     let forward = dense + attention;
@@ -269,6 +270,7 @@ pub fn run<B: AutodiffBackend>(
             ]
             .map(String::from)
             .to_vec();
+            let targets = model.args.lora_targets(&targets);
             let settings = LoraSettings {
                 rank: s.lora_rank,
                 alpha: 2.0 * s.lora_rank as f64,

@@ -140,7 +140,8 @@ pub enum Command {
         after_help = "Examples:\n  tune bench --shape smollm2-135m --mode lora --batch-size 4 --seq-len 256 --steps 5\n  tune bench --shape tiny --mode full"
     )]
     Bench {
-        /// tiny, smollm2-135m or llama3.2-1b.
+        /// One of benches/shapes.json: tiny, smollm2-135m, llama3.2-1b, qwen3-30b-a3b-2l (a
+        /// mixture-of-experts layer), qwen3-30b-a3b-2l-32e.
         #[arg(long, default_value = "tiny")]
         shape: String,
         #[arg(long, value_enum, default_value = "lora")]

@@ -120,12 +120,14 @@ impl MoeArgs {
         self.sparse_layers.get(layer).copied().unwrap_or(false)
     }
 
-    /// Parameters of one sparse layer's block: router, experts and shared expert.
-    pub fn params(&self, hidden: usize) -> usize {
+    /// Parameters of one sparse layer's block: router, experts and shared expert; with
+    /// `active`, the experts one token computes with (`top_k` of them).
+    pub fn params(&self, hidden: usize, active: bool) -> usize {
         let shared = self
             .shared_expert_intermediate_size
             .map_or(0, |i| 3 * hidden * i + hidden);
-        self.num_experts * (hidden + 3 * hidden * self.expert_intermediate_size) + shared
+        let experts = if active { self.top_k } else { self.num_experts };
+        self.num_experts * hidden + experts * 3 * hidden * self.expert_intermediate_size + shared
     }
 
     /// The checkpoint name of a module path (`model.layers.0.moe.experts.1.gate_proj.weight`
@@ -179,8 +181,10 @@ mod tests {
             serde_json::json!({"num_experts": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}),
         )
         .unwrap();
-        let moe = a.moe.unwrap();
+        let moe = a.moe.clone().unwrap();
         assert_eq!(moe.sparse_layers, [false, true, false, false]);
+        // one sparse layer: 8 experts of 3 * 32 * 16 and a router of 8 * 32; 2 of 8 active
+        assert_eq!(a.num_params() - a.active_params(), (8 - 2) * 3 * 32 * 16);
         assert_eq!(
             (moe.num_experts, moe.top_k, moe.expert_intermediate_size),
             (8, 2, 16)
