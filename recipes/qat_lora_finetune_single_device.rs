@@ -44,7 +44,7 @@ pub fn run<B: AutodiffBackend>(
         ctx.recipe_name,
         &ctx.device,
     )?
-    .with_quantized_export(scheme);
+    .with_quantized_export(scheme)?;
     session.announce(|| {
         format!(
             "QAT LoRA fine-tuning {} ({}) with {scheme:?} on {} linear layers{}; {} samples; seed {seed}; metrics in {}",

@@ -43,7 +43,7 @@ pub fn run<B: AutodiffBackend>(
         ctx.recipe_name,
         &ctx.device,
     )?
-    .with_quantized_export(scheme);
+    .with_quantized_export(scheme)?;
     session.announce(|| {
         format!(
             "QAT full fine-tuning {} ({} parameters) with {scheme:?} on {} linear layers{}; {} samples; seed {seed}; metrics in {}",

@@ -399,33 +399,88 @@ pub fn save_sharded(
     dtype: StorageDtype,
     max_shard_bytes: usize,
 ) -> Result<Vec<String>, CheckpointError> {
+    save_sharded_with(dir, tensors, dtype, &[], max_shard_bytes)
+}
+
+/// A tensor copied as stored: name, dtype, shape and its bytes.
+pub type StoredTensor<'a> = (String, Dtype, Vec<usize>, &'a [u8]);
+
+/// [`save_sharded`] with `copied` tensors after `tensors`, written byte for byte in their own
+/// dtypes (a multimodal checkpoint's vision tower beside the language model tune trained).
+pub fn save_sharded_with(
+    dir: &Path,
+    tensors: &[(String, HostTensor)],
+    dtype: StorageDtype,
+    copied: &[StoredTensor],
+    max_shard_bytes: usize,
+) -> Result<Vec<String>, CheckpointError> {
     let bytes = dtype.bytes_per_element();
-    let files = file_of_each(
-        tensors.iter().map(|(_, t)| t.numel() * bytes),
-        max_shard_bytes,
-    );
-    let mut shards: Vec<Vec<&(String, HostTensor)>> =
-        vec![vec![]; files.last().map_or(1, |last| last + 1)];
-    for (entry, file) in tensors.iter().zip(files) {
-        shards[file].push(entry);
-    }
-    if shards.len() == 1 {
-        write_file(&dir.join(SINGLE_FILE), tensors, dtype)?;
-        return Ok(vec![SINGLE_FILE.to_string()]);
-    }
-    let n = shards.len();
-    let mut weight_map = BTreeMap::new();
-    let mut names = Vec::with_capacity(n + 1);
-    let mut total = 0usize;
-    for (i, shard) in shards.into_iter().enumerate() {
-        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, n);
-        let owned: Vec<(String, HostTensor)> = shard.into_iter().cloned().collect();
-        for (name, t) in &owned {
-            weight_map.insert(name.clone(), file.clone());
-            total += t.numel() * dtype.bytes_per_element();
+    let sizes = tensors
+        .iter()
+        .map(|(_, t)| t.numel() * bytes)
+        .chain(copied.iter().map(|(_, _, _, b)| b.len()));
+    let files = file_of_each(sizes, max_shard_bytes);
+    let n = files.last().map_or(1, |last| last + 1);
+    let file_name = |i: usize| {
+        if n == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         }
-        write_file(&dir.join(&file), &owned, dtype)?;
+    };
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0usize;
+    let mut names = Vec::with_capacity(n + 1);
+    for i in 0..n {
+        let file = file_name(i);
+        let in_file = |k: usize| files[k] == i;
+        let encoded: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| in_file(*k))
+            .map(|(_, (name, t))| {
+                (
+                    name.clone(),
+                    dtype.safetensors(),
+                    t.shape.clone(),
+                    dtype.encode(&t.data),
+                )
+            })
+            .collect();
+        let raw: Vec<(String, Dtype, Vec<usize>, &[u8])> = copied
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| in_file(tensors.len() + k))
+            .map(|(_, t)| t.clone())
+            .collect();
+        let mut views = Vec::with_capacity(encoded.len() + raw.len());
+        let entries = encoded
+            .iter()
+            .map(|(n, d, s, b)| (n, *d, s, b.as_slice()))
+            .chain(raw.iter().map(|(n, d, s, b)| (n, *d, s, *b)));
+        for (name, dtype, shape, bytes) in entries {
+            weight_map.insert(name.clone(), file.clone());
+            total += bytes.len();
+            let view = TensorView::new(dtype, shape.clone(), bytes).map_err(|e| {
+                CheckpointError::Invalid {
+                    path: dir.join(&file),
+                    message: format!("{name}: {e}"),
+                }
+            })?;
+            views.push((name.clone(), view));
+        }
+        let path = dir.join(&file);
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| {
+            CheckpointError::Invalid {
+                path: path.clone(),
+                message: e.to_string(),
+            }
+        })?;
         names.push(file);
+    }
+    if n == 1 {
+        return Ok(names);
     }
     let index =
         serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });

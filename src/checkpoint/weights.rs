@@ -19,6 +19,8 @@ pub struct Weights {
     /// Tensor name -> index into `files` (0 for DCP), for the tensors not yet taken.
     tensors: HashMap<String, usize>,
     taken: BTreeSet<String>,
+    /// The checkpoint's name of each tensor [`Weights::rename`] gave another name.
+    stored: HashMap<String, String>,
     /// The dtype most tensors were stored in, so saves can keep it.
     pub storage_dtype: StorageDtype,
 }
@@ -148,6 +150,7 @@ impl Weights {
             dcp: None,
             tensors,
             taken: BTreeSet::new(),
+            stored: HashMap::new(),
             storage_dtype,
         })
     }
@@ -171,8 +174,36 @@ impl Weights {
             dcp: Some(dcp),
             tensors,
             taken: BTreeSet::new(),
+            stored: HashMap::new(),
             storage_dtype,
         })
+    }
+
+    /// Reads each tensor under the name `rename` gives it, and sets aside the tensors it gives
+    /// none (a multimodal checkpoint's vision tower, when its language model is read as a text
+    /// model): those are no longer looked up, nor reported by [`Self::finish`]. Returns them, sorted.
+    pub fn rename(&mut self, rename: impl Fn(&str) -> Option<String>) -> Vec<String> {
+        let mut set_aside = Vec::new();
+        let mut tensors = HashMap::with_capacity(self.tensors.len());
+        for (name, index) in std::mem::take(&mut self.tensors) {
+            match rename(&name) {
+                Some(new) => {
+                    if new != name {
+                        self.stored.insert(new.clone(), name);
+                    }
+                    tensors.insert(new, index);
+                }
+                None => set_aside.push(name),
+            }
+        }
+        self.tensors = tensors;
+        set_aside.sort();
+        set_aside
+    }
+
+    /// The checkpoint's own name for tensor `name`.
+    fn stored_name<'a>(&'a self, name: &'a str) -> &'a str {
+        self.stored.get(name).map_or(name, String::as_str)
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -187,10 +218,12 @@ impl Weights {
     pub fn dtype(&self, name: &str) -> Option<StorageDtype> {
         if let Some(dcp) = &self.dcp {
             self.tensors.get(name)?;
-            return dcp.dtype(name).map(StorageDtype::from_safetensors);
+            return dcp
+                .dtype(self.stored_name(name))
+                .map(StorageDtype::from_safetensors);
         }
         let file = &self.files[*self.tensors.get(name)?];
-        Some(stored_dtype(file, name))
+        Some(stored_dtype(file, self.stored_name(name)))
     }
 
     /// Takes tensor `name`, checking it has `expected` shape.
@@ -224,9 +257,10 @@ impl Weights {
     /// Marks tensor `name`, read with [`Self::read_rows`], as taken (its pages released).
     pub fn done(&mut self, name: &str) {
         if let Some(index) = self.tensors.remove(name) {
+            let stored = self.stored_name(name);
             match &self.dcp {
-                Some(dcp) => dcp.release(name),
-                None => self.files[index].release(name),
+                Some(dcp) => dcp.release(stored),
+                None => self.files[index].release(stored),
             }
             self.taken.insert(name.to_string());
         }
@@ -249,26 +283,27 @@ impl Weights {
                     expected: expected.to_vec(),
                 })?;
         // Where the tensor is: a sharded (DCP) checkpoint's pieces, or one safetensors file.
+        let stored = self.stored_name(name);
         let (path, found) = match &self.dcp {
-            Some(dcp) => (&dcp.dir, dcp.shape(name).unwrap_or_default().to_vec()),
+            Some(dcp) => (&dcp.dir, dcp.shape(stored).unwrap_or_default().to_vec()),
             None => (
                 &self.files[index].path,
-                self.files[index].shape(name).unwrap_or_default(),
+                self.files[index].shape(stored).unwrap_or_default(),
             ),
         };
         if found != expected {
             return Err(CheckpointError::ShapeMismatch {
-                name: name.to_string(),
+                name: stored.to_string(),
                 file: path.clone(),
                 expected: expected.to_vec(),
                 found,
             });
         }
         let tensor = match (&self.dcp, rows) {
-            (Some(dcp), Some(rows)) => dcp.read_rows(name, rows)?,
-            (Some(dcp), None) => dcp.read(name)?,
-            (None, Some(rows)) => self.files[index].read_rows(name, rows)?,
-            (None, None) => self.files[index].read(name)?,
+            (Some(dcp), Some(rows)) => dcp.read_rows(stored, rows)?,
+            (Some(dcp), None) => dcp.read(stored)?,
+            (None, Some(rows)) => self.files[index].read_rows(stored, rows)?,
+            (None, None) => self.files[index].read(stored)?,
         };
         if consume {
             self.done(name);

@@ -35,6 +35,7 @@ macro_rules! builtin {
 static BUILTINS: &[BuiltinConfig] = &[
     builtin!("gemma/2B_lora_single_device", LoraFinetune),
     builtin!("gemma/2B_qlora_single_device", LoraFinetune),
+    builtin!("gemma3/4B_lora_single_device", LoraFinetune),
     builtin!("generation", Generate),
     builtin!("llama3/8B_qat_full", Qat, distributed),
     builtin!("llama3/8B_qat_lora", QatLora, distributed),
@@ -64,6 +65,7 @@ static BUILTINS: &[BuiltinConfig] = &[
     ),
     builtin!("mistral/7B_lora_single_device", LoraFinetune),
     builtin!("mistral/7B_qlora_single_device", LoraFinetune),
+    builtin!("mixtral/8x7B_qlora_single_device", LoraFinetune),
     builtin!("phi3/mini_lora_single_device", LoraFinetune),
     builtin!("phi3/mini_qlora_single_device", LoraFinetune),
     builtin!(
@@ -79,6 +81,8 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("qwen2_5/0.5B_lora_single_device", LoraFinetune),
     builtin!("qwen2_5/1.5B_lora_single_device", LoraFinetune),
     builtin!("qwen2_5/7B_lora", LoraFinetune, distributed),
+    builtin!("qwen3_moe/30B_A3B_lora", LoraFinetune, distributed),
+    builtin!("qwen3_moe/30B_A3B_qlora_single_device", LoraFinetune),
     builtin!("smollm2/135M_full_single_device", FullFinetune),
     builtin!("smollm2/135M_grpo_lora_single_device", GrpoLora),
     builtin!("smollm2/135M_lora_single_device", LoraFinetune),

@@ -6,9 +6,12 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 
 use crate::checkpoint::error::CheckpointError;
-use crate::checkpoint::safetensors_io::{StorageDtype, save_sharded};
-use crate::checkpoint::weights::Weights;
+use crate::checkpoint::safetensors_io::{
+    SafetensorsFile, StorageDtype, StoredTensor, save_sharded, save_sharded_with,
+};
+use crate::checkpoint::weights::{Weights, checkpoint_files};
 use crate::models::build::{RowsOf, build_rows, ignorable_tensor};
+use crate::models::text_tower::{TextTower, TowerLayout};
 use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError, build_with};
 
 /// Files copied next to saved weights so the output directory is a complete model.
@@ -60,8 +63,8 @@ pub fn load_model_with<B: Backend>(
     device: &B::Device,
     base: BaseWeights,
 ) -> Result<LoadedModel<B>, ModelError> {
-    let args = load_args(dir)?;
-    let mut weights = Weights::open(dir, files)?;
+    let mut args = load_args(dir)?;
+    let mut weights = open_weights(dir, files, &mut args)?;
     let storage_dtype = weights.storage_dtype;
     let model = build_with::<B>(&args, &mut weights, device, base)?;
     weights.finish(|name| ignorable_tensor(&args, name))?;
@@ -82,8 +85,8 @@ pub fn load_model_rows<B: Backend>(
     rows: RowsOf,
     base: BaseWeights,
 ) -> Result<LoadedModel<B>, ModelError> {
-    let args = load_args(dir)?;
-    let mut weights = Weights::open(dir, files)?;
+    let mut args = load_args(dir)?;
+    let mut weights = open_weights(dir, files, &mut args)?;
     let storage_dtype = weights.storage_dtype;
     let model = match build_rows::<B>(&args, &mut weights, device, rows, base)? {
         Some(model) => model,
@@ -94,6 +97,27 @@ pub fn load_model_rows<B: Backend>(
         model,
         storage_dtype,
     })
+}
+
+/// Opens a checkpoint's weights as the model reads them: a multimodal checkpoint's language
+/// model under its text names (its key layout recorded in `args.tower`), the rest set aside for
+/// saves to copy through.
+fn open_weights(
+    dir: &Path,
+    files: Option<&[String]>,
+    args: &mut ModelArgs,
+) -> Result<Weights, ModelError> {
+    let mut weights = Weights::open(dir, files)?;
+    if let Some(tower) = args.tower.as_mut() {
+        tower.layout = TowerLayout::detect(weights.names());
+        let tower = tower.clone();
+        weights.rename(|name| tower.text_name(name));
+        // A stored output projection is the model's own, whatever the config says of tying.
+        if weights.contains("lm_head.weight") {
+            args.tie_word_embeddings = false;
+        }
+    }
+    Ok(weights)
 }
 
 /// Saves the base model (adapters excluded: see `merged_hf_state_dict` to export a merged one).
@@ -107,7 +131,7 @@ pub fn save_model<B: Backend>(
     save_hf_dir(
         dir,
         &model.hf_state_dict(),
-        &model.args.raw,
+        &model.args,
         dtype,
         max_shard_bytes,
         source_dir,
@@ -116,19 +140,61 @@ pub fn save_model<B: Backend>(
 
 /// Writes a complete Hugging Face model directory from host tensors: weights (sharded as
 /// transformers shards them), `config.json` with the storage dtype, and the tokenizer and
-/// generation files copied from `source_dir`. Needs no model, so it runs in the background.
+/// generation files copied from `source_dir`. For a multimodal checkpoint's language model
+/// (`args.tower`) the source's other tensors (vision tower, projector) are copied through as
+/// stored. Needs no model, so it runs in the background.
 pub fn save_hf_dir(
     dir: &Path,
     state: &[(String, crate::checkpoint::HostTensor)],
-    config_json: &serde_json::Value,
+    args: &ModelArgs,
     dtype: StorageDtype,
     max_shard_bytes: usize,
     source_dir: Option<&Path>,
 ) -> Result<Vec<String>, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(CheckpointError::io(dir))?;
-    let mut files = save_sharded(dir, state, dtype, max_shard_bytes)?;
-    files.extend(save_hf_companions(dir, config_json, dtype, source_dir)?);
+    let mut files = match &args.tower {
+        Some(tower) => {
+            let source = source_dir.ok_or_else(|| CheckpointError::Invalid {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "a \"{}\" checkpoint's language model is saved with the rest of the checkpoint it came from, and no source directory was given",
+                    tower.wrapper
+                ),
+            })?;
+            let sources = open_sources(source)?;
+            let copied = not_the_language_model(&sources, tower)?;
+            save_sharded_with(dir, state, dtype, &copied, max_shard_bytes)?
+        }
+        None => save_sharded(dir, state, dtype, max_shard_bytes)?,
+    };
+    files.extend(save_hf_companions(dir, &args.raw, dtype, source_dir)?);
     Ok(files)
+}
+
+/// The safetensors files of checkpoint directory `dir`, memory-mapped.
+fn open_sources(dir: &Path) -> Result<Vec<SafetensorsFile>, CheckpointError> {
+    checkpoint_files(dir, None)?
+        .iter()
+        .map(|path| SafetensorsFile::open(path))
+        .collect()
+}
+
+/// Every tensor of `sources` that is not the language model's, as stored, in name order.
+fn not_the_language_model<'a>(
+    sources: &'a [SafetensorsFile],
+    tower: &TextTower,
+) -> Result<Vec<StoredTensor<'a>>, CheckpointError> {
+    let mut copied = Vec::new();
+    for file in sources {
+        for name in file.names() {
+            if tower.text_name(&name).is_none() {
+                let (dtype, shape, bytes) = file.raw(&name)?;
+                copied.push((name, dtype, shape, bytes));
+            }
+        }
+    }
+    copied.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(copied)
 }
 
 /// What a Hugging Face model directory holds besides its weights: `config.json` with the

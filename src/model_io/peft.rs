@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::host::HostTensor;
 use crate::checkpoint::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
-use crate::models::CausalLm;
+use crate::models::{CausalLm, ModelArgs};
 use crate::modules::{Lora, LoraSettings, lora};
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -83,6 +83,28 @@ impl AdapterConfig {
         }
     }
 
+    /// [`Self::new`] for `args`' model: a multimodal checkpoint's language model names its
+    /// targets by a pattern peft matches against module paths (`target_modules` as a string is
+    /// `re.fullmatch`ed), so that peft leaves the vision tower's `q_proj`s and MLPs alone.
+    pub fn for_model(
+        base_model: Option<String>,
+        settings: &LoraSettings,
+        targets: Vec<String>,
+        args: &ModelArgs,
+    ) -> Self {
+        let mut config = Self::new(base_model, settings, targets.clone());
+        if args.tower.is_some() {
+            let (head, inner): (Vec<String>, Vec<String>) =
+                targets.into_iter().partition(|t| t == "lm_head");
+            let mut pattern = format!(r"model\.language_model\..*\.({})", inner.join("|"));
+            if !head.is_empty() {
+                pattern = format!("{pattern}|lm_head");
+            }
+            config.target_modules = TargetModules::Pattern(pattern);
+        }
+        config
+    }
+
     pub fn settings(&self) -> LoraSettings {
         LoraSettings {
             rank: self.r,
@@ -136,6 +158,15 @@ impl AdapterConfig {
                 .filter(|s| !s.is_empty())
                 .any(|t| t == leaf),
         }
+    }
+}
+
+/// The module path peft gives the model's module `module`: the same, except in a multimodal
+/// checkpoint's language model, which transformers nests under `model.language_model`.
+fn peft_module(args: &ModelArgs, module: &str) -> String {
+    match &args.tower {
+        Some(tower) => tower.module_path(module),
+        None => module.to_string(),
     }
 }
 
@@ -207,8 +238,9 @@ pub fn load_adapter<B: Backend>(
             continue;
         }
         let (out, inp) = (linear.out_features(), linear.in_features());
+        let peft_path = peft_module(&args, &module);
         let take = |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
-            let key = peft_key(&module, which);
+            let key = peft_key(&peft_path, which);
             let found = file
                 .shape(&key)
                 .ok_or_else(|| CheckpointError::MissingTensor {
@@ -232,7 +264,7 @@ pub fn load_adapter<B: Backend>(
         let mut lora = Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings);
         used += 2;
         if settings.dora {
-            let key = magnitude_key(&module);
+            let key = magnitude_key(&peft_path);
             let found = file
                 .shape(&key)
                 .ok_or_else(|| CheckpointError::MissingTensor {
@@ -269,16 +301,20 @@ pub fn load_adapter<B: Backend>(
 }
 
 fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {
+    let args = model.args.clone();
     model.linears_mut().iter().any(|(m, l)| {
+        let m = peft_module(&args, m);
         l.lora.is_some()
-            && (peft_key(m, 'A') == key || peft_key(m, 'B') == key || magnitude_key(m) == key)
+            && (peft_key(&m, 'A') == key || peft_key(&m, 'B') == key || magnitude_key(&m) == key)
     })
 }
 
 /// The adapter tensors of `model` under their PEFT keys.
 pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, HostTensor)> {
     let mut out = Vec::new();
+    let args = model.args.clone();
     for (module, linear) in model.linears_mut() {
+        let module = peft_module(&args, &module);
         if let Some(lora) = &linear.lora {
             out.push((
                 peft_key(&module, 'A'),

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::ModelError;
 pub use super::moe_args::{ExpertNaming, MoeArgs};
+use super::text_tower::{self, TextTower};
 
 /// The model families `tune` understands, from `model_type` in `config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,7 +168,11 @@ pub struct ModelArgs {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// The `config.json` object as read, written back unchanged when saving.
+    /// The language model of a multimodal checkpoint (Gemma 3 4B+, Mistral 3), built from its
+    /// `text_config` and trained text-only; `None` for a text checkpoint.
+    pub tower: Option<TextTower>,
+    /// The `config.json` object as read (a multimodal checkpoint's whole one), written back
+    /// unchanged when saving.
     pub raw: Value,
 }
 
@@ -190,6 +195,21 @@ impl ModelArgs {
     /// Parses both the classic layout (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
     /// transformers 5 layout (`rope_parameters`, `dtype`).
     pub fn from_json(raw: Value) -> Result<Self, String> {
+        match text_tower::text_config(&raw) {
+            Some(tower) => {
+                let (tower, text) = tower?;
+                let mut args =
+                    Self::from_text_json(text).map_err(|e| format!("text_config: {e}"))?;
+                args.tower = Some(tower);
+                args.raw = raw;
+                Ok(args)
+            }
+            None => Self::from_text_json(raw),
+        }
+    }
+
+    /// [`Self::from_json`] for a text checkpoint's config (or a multimodal one's `text_config`).
+    fn from_text_json(raw: Value) -> Result<Self, String> {
         let model_type = raw
             .get("model_type")
             .and_then(Value::as_str)
@@ -347,6 +367,7 @@ impl ModelArgs {
             bos_token_id: ids("bos_token_id").first().copied(),
             eos_token_ids: ids("eos_token_id"),
             pad_token_id: ids("pad_token_id").first().copied(),
+            tower: None,
             raw,
         })
     }
@@ -421,6 +442,16 @@ impl ModelArgs {
 
     /// Parameter count of the base model (no adapters), counting tied weights once.
     pub fn num_params(&self) -> usize {
+        self.count_params(false)
+    }
+
+    /// The parameters one token computes with: [`Self::num_params`] with each sparse layer's
+    /// experts counted `top_k` times, not `num_experts` (the same for a dense model).
+    pub fn active_params(&self) -> usize {
+        self.count_params(true)
+    }
+
+    fn count_params(&self, active: bool) -> usize {
         let h = self.hidden_size;
         let attn = h * self.q_dim() * 2
             + h * self.kv_dim() * 2
@@ -433,7 +464,7 @@ impl ModelArgs {
         let dense = 3 * h * self.intermediate_size;
         let mlps: usize = (0..self.num_layers)
             .map(|l| match &self.moe {
-                Some(moe) if moe.is_sparse(l) => moe.params(h),
+                Some(moe) if moe.is_sparse(l) => moe.params(h, active),
                 _ => dense,
             })
             .sum();

@@ -12,6 +12,7 @@ mod moe_args;
 pub mod params;
 pub mod rope;
 pub mod shards;
+pub mod text_tower;
 
 use std::path::PathBuf;
 

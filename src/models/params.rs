@@ -179,7 +179,9 @@ impl<B: Backend> CausalLm<B> {
         self.to_hf_layout(params)
     }
 
-    /// Names and tensors (weights or their gradients) in the on-disk layout of the model's family.
+    /// Names and tensors (weights or their gradients) in the on-disk layout of the model's family
+    /// (and of the multimodal checkpoint it came from: the vision tower is not the model's, so
+    /// not here; `model_io::hf::save_hf_dir` copies it through).
     pub fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
         // A classifier's head is the module `lm_head` here and `score` on disk.
         let params = match self.args.head_name() {
@@ -197,10 +199,18 @@ impl<B: Backend> CausalLm<B> {
             .into_iter()
             .map(|(name, value)| (self.args.hf_name(&name), value))
             .collect();
-        if self.args.fused_projections {
+        let params = if self.args.fused_projections {
             fuse_projections(params)
         } else {
             params
+        };
+        // A multimodal checkpoint's language model, named as that checkpoint nests it.
+        match &self.args.tower {
+            Some(tower) => params
+                .into_iter()
+                .map(|(name, value)| (tower.checkpoint_name(&name), value))
+                .collect(),
+            None => params,
         }
     }
 }

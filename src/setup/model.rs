@@ -33,6 +33,12 @@ pub enum ModelConfigError {
         "model.use_dora: DoRA on a mixture-of-experts model's experts (apply_lora_to_mlp: True) is not supported: peft cannot load DoRA magnitudes onto transformers' fused experts; set apply_lora_to_mlp: False or use_dora: False"
     )]
     DoraOnExperts,
+    /// QAT's int4 export of a multimodal checkpoint's language model: the export holds one text
+    /// decoder, and the vision tower has no int4 form.
+    #[error(
+        "quantizer: the int4 export of a \"{wrapper}\" checkpoint (its language model, with the vision tower beside it) is not supported; fine-tune it with QAT and no export by using the qat_* recipes on a text-only checkpoint, or train the multimodal checkpoint with full or LoRA fine-tuning"
+    )]
+    QuantizedExportOfTower { wrapper: &'static str },
     /// A generic builder's architecture argument that is not the checkpoint's.
     #[error(
         "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"
@@ -194,10 +200,11 @@ pub fn attach_adapters<B: Backend>(
     if attached.is_empty() {
         return Err(ModelConfigError::NoTargets { targets }.into());
     }
-    Ok(peft::AdapterConfig::new(
+    Ok(peft::AdapterConfig::for_model(
         Some(base_model),
         &plan.settings,
         targets,
+        &model.args,
     ))
 }
 

@@ -126,8 +126,12 @@ pub fn session<B: AutodiffBackend>(
     // needs whole base weights), nor for families whose checkpoints fuse projections that
     // shard apart (Phi-3's `qkv_proj`: a rank's rows of q, k and v are not one block of it):
     // their ranks gather for rank 0.
-    let sharded_saves =
-        fsdp && matches!(content, SaveContent::FullModel) && !trainer.model.args.fused_projections;
+    // Nor for a multimodal checkpoint's language model: rank 0 copies the vision tower through
+    // beside the gathered weights (`model_io::hf::save_hf_dir`).
+    let sharded_saves = fsdp
+        && matches!(content, SaveContent::FullModel)
+        && !trainer.model.args.fused_projections
+        && trainer.model.args.tower.is_none();
     let sharded = shared_run.filter(|_| sharded_saves).map(|id| ShardedRun {
         id,
         world: world.size,
@@ -288,7 +292,15 @@ impl<B: AutodiffBackend> Session<B> {
 
     /// QAT: the final checkpoint also holds the int4 export. Quantizing needs every weight
     /// whole, so an FSDP run's ranks gather the model for rank 0 instead of writing shares.
-    pub fn with_quantized_export(mut self, scheme: QuantScheme) -> Self {
+    pub fn with_quantized_export(mut self, scheme: QuantScheme) -> Result<Self, SetupError> {
+        if let Some(tower) = &self.trainer.model.args.tower {
+            return Err(
+                crate::setup::model::ModelConfigError::QuantizedExportOfTower {
+                    wrapper: tower.wrapper,
+                }
+                .into(),
+            );
+        }
         if let Some(saver) = &mut self.saver {
             saver.quantized_export = Some(scheme);
             saver.sharded = None;
@@ -297,7 +309,7 @@ impl<B: AutodiffBackend> Session<B> {
         if matches!(self.rank_writer, Some(RankWriter::Share(_))) {
             self.rank_writer = None;
         }
-        self
+        Ok(self)
     }
 
     /// Prints on rank 0 only.

@@ -300,6 +300,7 @@ impl RunCheckpointer {
             });
         }
         let optimizer_state = optimizer.state.clone();
+        let model_args = model.args.clone();
         let config_json = model.args.raw.clone();
         let (source_dir, dtype, shard) = (
             self.source_dir.clone(),
@@ -317,7 +318,7 @@ impl RunCheckpointer {
                 write_adapter(dir, &tensors, &config).map_err(fail)?;
             }
             if let Some(state) = full {
-                save_hf_dir(dir, &state, &config_json, dtype, shard, Some(&source_dir))
+                save_hf_dir(dir, &state, &model_args, dtype, shard, Some(&source_dir))
                     .map_err(fail)?;
             }
             if let Some((tensors, scheme, group_size)) = quantized {

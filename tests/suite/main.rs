@@ -43,6 +43,7 @@ mod resume;
 mod support;
 mod tokenizer;
 mod torchtune_tokens;
+mod towers;
 mod trainer;
 mod unpad;
 mod validation;

@@ -52,7 +52,7 @@ fn a_reward_model_scores_every_position_as_transformers_and_saves_as_it_loaded()
     save_hf_dir(
         out.path(),
         &state,
-        &model.args.raw,
+        &model.args,
         tune::checkpoint::StorageDtype::F32,
         tune::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
         Some(&dir),

@@ -67,7 +67,7 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     (ModelFamily::Phi4, "phi4", &["14b"]),
     (ModelFamily::Gemma, "gemma", &["2b", "7b"]),
     (ModelFamily::Gemma2, "gemma2", &["2b", "9b", "27b"]),
-    (ModelFamily::Gemma3, "gemma3", &["1b"]),
+    (ModelFamily::Gemma3, "gemma3", &["1b", "4b", "12b", "27b"]),
     (ModelFamily::Llama3_3, "llama3_3", &["70b"]),
     (ModelFamily::SmolLM2, "smollm2", &["135m", "360m", "1_7b"]),
     (ModelFamily::SmolLM3, "smollm3", &["3b"]),
