@@ -423,15 +423,20 @@ impl<B: Backend> Builder<'_, B> {
             };
             let pre_feedforward_layernorm = sandwich("pre_feedforward_layernorm")?;
             let post_feedforward_layernorm = sandwich("post_feedforward_layernorm")?;
+            // Read in this order (attention, then the MLP): random initialisation draws values
+            // in it, and a refused NF4 weight is the first one read.
+            let input_layernorm = self.norm(&format!("{p}.input_layernorm"), a.hidden_size)?;
+            let self_attn = self.attention(&format!("{p}.self_attn"), l)?;
+            let post_attention_layernorm =
+                self.norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?;
             let (mlp, moe) = match &a.moe {
                 Some(moe) if moe.is_sparse(l) => (None, Some(self.moe(&format!("{p}.moe"), moe)?)),
                 _ => (Some(self.mlp(&format!("{p}.mlp"))?), None),
             };
             layers.push(DecoderLayer {
-                input_layernorm: self.norm(&format!("{p}.input_layernorm"), a.hidden_size)?,
-                self_attn: self.attention(&format!("{p}.self_attn"), l)?,
-                post_attention_layernorm: self
-                    .norm(&format!("{p}.post_attention_layernorm"), a.hidden_size)?,
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
                 pre_feedforward_layernorm,
                 post_feedforward_layernorm,
                 mlp,
