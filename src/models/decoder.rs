@@ -9,7 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use super::args::{Activation, ModelArgs};
 use super::cache::{KvCache, LayerCache};
 use super::mask;
-use super::moe::SparseMoe;
+use super::moe::{RouterLoad, SparseMoe};
 use super::rope::{self, RopeTables};
 use super::shards::LayerShards;
 use crate::kernels::{attention_by_position, permute, softcap, swiglu};
@@ -47,6 +47,8 @@ pub struct PassContext<B: Backend> {
     /// Gemma 3's sliding layers' RoPE tables (their own base).
     pub rope_local: Option<(RopeTables<B>, RopeTables<B>)>,
     pub mode: ForwardMode,
+    /// Where sparse layers add up their routing, when the load-balancing loss asks for it.
+    pub router_load: Option<std::cell::RefCell<RouterLoad<B>>>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -229,9 +231,10 @@ impl<B: Backend> DecoderLayer<B> {
     }
 
     /// The MLP or the experts.
-    fn feed_forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+    fn feed_forward(&self, x: Tensor<B, 3>, ctx: &PassContext<B>) -> Tensor<B, 3> {
+        let mode = ctx.mode;
         match (&self.mlp, &self.moe) {
-            (_, Some(moe)) => moe.forward(x, mode),
+            (_, Some(moe)) => moe.forward_recording(x, mode, ctx.router_load.as_ref()),
             (Some(mlp), None) => mlp.forward(x, mode),
             (None, None) => x.zeros_like(),
         }
@@ -308,11 +311,11 @@ impl<B: Backend> DecoderLayer<B> {
         ) {
             // Gemma 2/3: every sublayer's output is normalised before the residual add.
             let h = x + self.post_attention_layernorm.forward(attn);
-            let mlp = self.feed_forward(pre.forward(h.clone()), ctx.mode);
+            let mlp = self.feed_forward(pre.forward(h.clone()), ctx);
             return h + post.forward(mlp);
         }
         let h = x + attn;
-        h.clone() + self.feed_forward(self.post_attention_layernorm.forward(h), ctx.mode)
+        h.clone() + self.feed_forward(self.post_attention_layernorm.forward(h), ctx)
     }
 }
 
@@ -418,18 +421,48 @@ impl<B: Backend> CausalLm<B> {
         mode: ForwardMode,
         cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
+        let ctx = self.pass_context::<B>(
+            input,
+            cache.as_ref().map_or(0, |c| c.len()),
+            mode,
+            &self.device(),
+        );
+        self.hidden_in(input, &ctx, cache)
+    }
+
+    /// [`Self::hidden`] without a cache, with every sparse layer's routing added up for the
+    /// load-balancing loss ([`RouterLoad::aux_loss`]).
+    pub fn hidden_with_router_load(
+        &self,
+        input: TokenBatch<'_>,
+        mode: ForwardMode,
+    ) -> (Tensor<B, 3>, RouterLoad<B>) {
+        let mut ctx = self.pass_context::<B>(input, 0, mode, &self.device());
+        ctx.router_load = Some(std::cell::RefCell::new(RouterLoad::default()));
+        let hidden = self.hidden_in(input, &ctx, None);
+        let load = ctx
+            .router_load
+            .map(|cell| cell.into_inner())
+            .unwrap_or_default();
+        (hidden, load)
+    }
+
+    fn hidden_in(
+        &self,
+        input: TokenBatch<'_>,
+        ctx: &PassContext<B>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
         let mut x = self.embed(input);
-        let offset = cache.as_ref().map_or(0, |c| c.len());
-        let ctx = self.pass_context::<B>(input, offset, mode, &self.device());
         match cache {
             Some(cache) => {
                 for (i, layer_cache) in cache.layers.iter_mut().enumerate() {
-                    x = self.layer(i).forward(x, &ctx, Some(layer_cache));
+                    x = self.layer(i).forward(x, ctx, Some(layer_cache));
                 }
             }
             None => {
                 for i in 0..self.model.layers.len() {
-                    x = self.layer(i).forward(x, &ctx, None);
+                    x = self.layer(i).forward(x, ctx, None);
                 }
             }
         }
@@ -575,6 +608,7 @@ impl<B: Backend> CausalLm<B> {
                 )
             }),
             mode,
+            router_load: None,
         }
     }
 

@@ -64,8 +64,72 @@ impl Routes {
     }
 }
 
+/// The routing of a forward pass's sparse layers, added up for the load-balancing loss
+/// (Switch Transformer's, as transformers' `load_balancing_loss_func` computes it over every
+/// layer's router logits at once).
+#[derive(Debug)]
+pub struct RouterLoad<B: Backend> {
+    /// Per expert: how many (token, layer) choices picked it, over all layers. A count, so no
+    /// gradient flows through it, as none flows through transformers' histogram.
+    pub counts: Vec<f32>,
+    /// Per expert: its float32 routing probability summed over tokens and layers.
+    pub probs: Option<Tensor<B, 1>>,
+    /// Tokens times sparse layers.
+    pub rows: usize,
+}
+
+impl<B: Backend> Default for RouterLoad<B> {
+    fn default() -> Self {
+        Self {
+            counts: Vec::new(),
+            probs: None,
+            rows: 0,
+        }
+    }
+}
+
+impl<B: Backend> RouterLoad<B> {
+    fn add(&mut self, probs: Tensor<B, 2>, routes: &Routes) {
+        let [rows, experts] = probs.dims();
+        self.counts.resize(experts, 0.0);
+        for &e in &routes.chosen {
+            self.counts[e as usize] += 1.0;
+        }
+        let summed = probs.sum_dim(0).reshape([experts]);
+        self.probs = Some(match self.probs.take() {
+            Some(p) => p + summed,
+            None => summed,
+        });
+        self.rows += rows;
+    }
+
+    /// `experts * sum_e (counts_e / rows) * (probs_e / rows)`, a `[1]` float32 tensor: the
+    /// auxiliary loss transformers adds as `router_aux_loss_coef * aux_loss`; `None` when no
+    /// sparse layer ran.
+    pub fn aux_loss(&self) -> Option<Tensor<B, 1>> {
+        let probs = self.probs.clone()?;
+        let experts = self.counts.len();
+        let rows = self.rows.max(1) as f64;
+        let counts = Tensor::<B, 1>::from_data(
+            TensorData::new(self.counts.clone(), [experts]),
+            &probs.device(),
+        );
+        Some((probs * counts).sum() * (experts as f64 / (rows * rows)))
+    }
+}
+
 impl<B: Backend> SparseMoe<B> {
     pub fn forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
+        self.forward_recording(x, mode, None)
+    }
+
+    /// [`Self::forward`], adding this layer's routing to `load` when given.
+    pub fn forward_recording(
+        &self,
+        x: Tensor<B, 3>,
+        mode: ForwardMode,
+        load: Option<&std::cell::RefCell<RouterLoad<B>>>,
+    ) -> Tensor<B, 3> {
         let [batch, seq, hidden] = x.dims();
         let rows = x.reshape([batch * seq, hidden]);
         let dtype = rows.dtype();
@@ -80,6 +144,9 @@ impl<B: Backend> SparseMoe<B> {
             .to_vec()
             .unwrap_or_default();
         let routes = Routes::top_k(&host, experts, self.top_k);
+        if let Some(load) = load {
+            load.borrow_mut().add(probs.clone(), &routes);
+        }
         let ints = |v: &[i64]| {
             Tensor::<B, 1, Int>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device)
         };

@@ -37,11 +37,15 @@ pub struct MoeArgs {
     /// not a dense layer's MLP; for Qwen2-MoE it has no such mapping and adapts the linear
     /// modules of those names, the shared experts and dense MLPs, not the routed experts.
     pub lora_on_experts: bool,
+    /// `output_router_logits: true`: training adds `router_aux_loss_coef` (transformers'
+    /// default 0.001) times the load-balancing loss to the loss, as transformers' `*ForCausalLM`
+    /// does; `None` when the config leaves it off (the released checkpoints do).
+    pub aux_loss_coef: Option<f64>,
 }
 
 impl MoeArgs {
-    /// `None` for a dense family. Refuses, by key, what tune would otherwise ignore: the
-    /// load-balancing loss (`output_router_logits`) and Mixtral's router noise.
+    /// `None` for a dense family. Refuses, by key, what tune would otherwise ignore: Mixtral's
+    /// router noise.
     pub fn from_config(
         raw: &Value,
         family: Family,
@@ -65,11 +69,12 @@ impl MoeArgs {
                 "\"num_experts_per_tok\" is {top_k}; it must be between 1 and the {num_experts} experts"
             ));
         }
-        if raw.get("output_router_logits").and_then(Value::as_bool) == Some(true) {
-            return Err(
-                "\"output_router_logits\": true asks for the load-balancing auxiliary loss, which tune does not add yet; set it to false (the released checkpoints do)".into(),
-            );
-        }
+        let aux_loss_coef =
+            (raw.get("output_router_logits").and_then(Value::as_bool) == Some(true)).then(|| {
+                raw.get("router_aux_loss_coef")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(0.001)
+            });
         if let Some(noise) = raw.get("router_jitter_noise").and_then(Value::as_f64)
             && noise > 0.0
         {
@@ -113,6 +118,7 @@ impl MoeArgs {
             sparse_layers,
             naming,
             lora_on_experts: family != Family::Qwen2Moe,
+            aux_loss_coef,
         }))
     }
 
@@ -261,12 +267,14 @@ mod tests {
 
     #[test]
     fn what_tune_would_ignore_is_refused_by_key() {
-        let aux = args(
-            "qwen3_moe",
-            serde_json::json!({"num_experts": 4, "output_router_logits": true}),
-        )
-        .unwrap_err();
-        assert!(aux.contains("output_router_logits"), "{aux}");
+        let aux = |extra| args("qwen3_moe", extra).unwrap().moe.unwrap().aux_loss_coef;
+        let on = serde_json::json!({"num_experts": 4, "output_router_logits": true});
+        assert_eq!(aux(on), Some(0.001));
+        let coef = serde_json::json!({"num_experts": 4, "output_router_logits": true,
+            "router_aux_loss_coef": 0.02});
+        assert_eq!(aux(coef), Some(0.02));
+        let off = serde_json::json!({"num_experts": 4, "router_aux_loss_coef": 0.02});
+        assert_eq!(aux(off), None);
         let noise = args(
             "mixtral",
             serde_json::json!({"num_local_experts": 4, "router_jitter_noise": 0.1}),

@@ -39,6 +39,21 @@ pub enum ModelConfigError {
         "quantizer: the int4 export of a \"{wrapper}\" checkpoint (its language model, with the vision tower beside it) is not supported; fine-tune it with QAT and no export by using the qat_* recipes on a text-only checkpoint, or train the multimodal checkpoint with full or LoRA fine-tuning"
     )]
     QuantizedExportOfTower { wrapper: &'static str },
+    /// The load-balancing loss (config.json's `output_router_logits: true`) in a recipe whose
+    /// loss tune does not add it to.
+    #[error(
+        "checkpointer: the checkpoint's config.json has \"output_router_logits\": true (add the load-balancing loss), which the SFT recipes (full, LoRA, QLoRA, QAT) add and `{recipe}` does not; set it to false in config.json"
+    )]
+    AuxLossOutsideSft { recipe: String },
+    /// The load-balancing loss with per-layer backward passes (activation checkpointing, FSDP).
+    #[error(
+        "{key}: with config.json's \"output_router_logits\": true (the load-balancing loss) the step back-propagates the whole model at once, which {what} replaces with per-layer passes; set {fix}, or set output_router_logits to false in config.json"
+    )]
+    AuxLossWithLayerwiseBackward {
+        key: &'static str,
+        what: &'static str,
+        fix: &'static str,
+    },
     /// A generic builder's architecture argument that is not the checkpoint's.
     #[error(
         "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"

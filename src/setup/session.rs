@@ -93,6 +93,48 @@ pub struct Session<B: AutodiffBackend> {
     pub log_dir: String,
 }
 
+/// The load-balancing loss (`output_router_logits: true`) is added by the SFT loss step
+/// alone, on one backward pass over the whole model: refused, by key, anywhere else.
+fn refuse_aux_loss_where_not_added<B: AutodiffBackend>(
+    cfg: &TrainConfig,
+    run: &RunStart,
+    model: &CausalLm<B>,
+    recipe: &str,
+) -> Result<(), SetupError> {
+    use crate::config::recipes::{self, Recipe};
+    use crate::setup::model::ModelConfigError;
+    if crate::training::sft::aux_loss_coef(model).is_none() {
+        return Ok(());
+    }
+    let sft = matches!(
+        recipes::find(recipe),
+        Ok(Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::Qat | Recipe::QatLora)
+    );
+    if !sft {
+        return Err(ModelConfigError::AuxLossOutsideSft {
+            recipe: recipe.to_string(),
+        }
+        .into());
+    }
+    if cfg.enable_activation_checkpointing {
+        return Err(ModelConfigError::AuxLossWithLayerwiseBackward {
+            key: "enable_activation_checkpointing",
+            what: "activation checkpointing",
+            fix: "enable_activation_checkpointing: False",
+        }
+        .into());
+    }
+    if run.fsdp.is_some() {
+        return Err(ModelConfigError::AuxLossWithLayerwiseBackward {
+            key: "data_parallel_shard_dim",
+            what: "FSDP",
+            fix: "data_parallel_shard_dim: 1 (replicate the model on each device)",
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Builds the trainer for `model` (restoring the optimizer and position of a resumed run) and,
 /// on rank 0, the checkpoint client that saves `content`.
 pub fn session<B: AutodiffBackend>(
@@ -104,6 +146,7 @@ pub fn session<B: AutodiffBackend>(
     recipe: &str,
     device: &B::Device,
 ) -> Result<Session<B>, SetupError> {
+    refuse_aux_loss_where_not_added(cfg, &run, &model, recipe)?;
     let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
     let world = run.world.clone();
     let fsdp = run.fsdp.is_some();

@@ -62,6 +62,20 @@ pub fn cross_entropy_backward<B: AutodiffBackend>(
     weight: f64,
     chunks: &[Range<usize>],
 ) -> (Tensor<B, 1>, Vec<B::Gradients>) {
+    cross_entropy_backward_with(head, hidden, labels, mode, weight, chunks, None)
+}
+
+/// [`cross_entropy_backward`], with `extra` (a `[1]` term of the same graph as `hidden`,
+/// already weighted: the load-balancing loss) back-propagated with the body's pass.
+pub fn cross_entropy_backward_with<B: AutodiffBackend>(
+    head: &OutputHead<B>,
+    hidden: Tensor<B, 3>,
+    labels: &[i64],
+    mode: ForwardMode,
+    weight: f64,
+    chunks: &[Range<usize>],
+    extra: Option<Tensor<B, 1>>,
+) -> (Tensor<B, 1>, Vec<B::Gradients>) {
     let [batch, seq, width] = hidden.dims();
     let rows = batch * seq;
     let device = hidden.device();
@@ -86,9 +100,16 @@ pub fn cross_entropy_backward<B: AutodiffBackend>(
         }
         grads.push(chunk_grads);
     }
-    if !hidden_grad.is_empty() {
+    let body = (!hidden_grad.is_empty()).then(|| {
         let upstream = Tensor::cat(hidden_grad, 0).reshape([batch, seq, width]);
-        grads.push((hidden * Tensor::from_inner(upstream)).sum().backward());
+        (hidden * Tensor::from_inner(upstream)).sum()
+    });
+    let body = match (body, extra) {
+        (Some(body), Some(extra)) => Some(body + extra),
+        (body, extra) => body.or(extra),
+    };
+    if let Some(body) = body {
+        grads.push(body.backward());
     }
     (Tensor::from_inner(loss_sum), grads)
 }

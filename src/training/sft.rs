@@ -88,6 +88,83 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     (loss, Some(grads))
 }
 
+/// `router_aux_loss_coef` when the model's config.json asks for the load-balancing loss
+/// (`output_router_logits: true` on a mixture-of-experts model).
+pub fn aux_loss_coef<B: Backend>(model: &CausalLm<B>) -> Option<f64> {
+    model.args.moe.as_ref().and_then(|moe| moe.aux_loss_coef)
+}
+
+/// The loss transformers' `*ForCausalLM` returns with `output_router_logits`: the
+/// cross-entropy plus `coef` times the load-balancing loss of every sparse layer's routing
+/// ([`RouterLoad::aux_loss`](crate::models::moe::RouterLoad::aux_loss)). Returns that loss, the
+/// load-balancing loss alone (for the log) and, when the output projection runs in chunks,
+/// the gradients of `loss * weight` (otherwise the trainer back-propagates it). Gradient
+/// contract: as [`loss_and_grads`]'s, for the sum; the router's gradient comes through the
+/// probabilities only (the expert counts are constants, as transformers' histogram is).
+/// Per-layer recomputation is not offered with it (setup refuses the combination).
+#[allow(clippy::type_complexity)]
+pub fn loss_with_aux<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    labels: &[i64],
+    mode: ForwardMode,
+    output_chunks: usize,
+    weight: f64,
+    coef: f64,
+) -> (
+    Tensor<B, 1>,
+    Tensor<B::InnerBackend, 1>,
+    Option<Vec<B::Gradients>>,
+) {
+    let chunks = chunked_loss::chunk_ranges(input.tokens.len(), output_chunks);
+    loss_with_aux_in_chunks(model, input, labels, mode, &chunks, weight, coef)
+}
+
+/// [`loss_with_aux`] with the output projection in `chunks` of rows (one chunk, or a trained
+/// projection: no chunking).
+#[allow(clippy::type_complexity)]
+pub fn loss_with_aux_in_chunks<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    labels: &[i64],
+    mode: ForwardMode,
+    chunks: &[std::ops::Range<usize>],
+    weight: f64,
+    coef: f64,
+) -> (
+    Tensor<B, 1>,
+    Tensor<B::InnerBackend, 1>,
+    Option<Vec<B::Gradients>>,
+) {
+    let device = model.device();
+    let (hidden, load) = model.hidden_with_router_load(input, mode);
+    let aux = load
+        .aux_loss()
+        .unwrap_or_else(|| Tensor::<B, 1>::zeros([1], &device));
+    if chunks.len() <= 1 || chunked_loss::output_projection_trains(model) {
+        let ce = loss::cross_entropy(model.logits(hidden, mode), labels);
+        let logged = aux.clone().inner();
+        return (ce + aux * coef, logged, None);
+    }
+    let logged = aux.clone().inner();
+    let (ce, grads) = chunked_loss::cross_entropy_backward_with(
+        &model.head(),
+        hidden,
+        labels,
+        mode,
+        weight,
+        chunks,
+        Some(aux * (coef * weight)),
+    );
+    let loss = Tensor::from_inner(ce.inner() + logged.clone() * coef);
+    (loss, logged, Some(grads))
+}
+
+fn scalar<B: Backend>(t: Tensor<B, 1>) -> f64 {
+    use burn::tensor::ElementConversion;
+    t.into_scalar().elem::<f64>()
+}
+
 /// The tokens a step reports for throughput: labels that are not ignored, before the shift
 /// (torchtune's `num_tokens` behind `tokens_per_second_per_gpu`), so the figure does not
 /// depend on how much padding a batch had or whether it was computed.
@@ -136,6 +213,24 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             .then(|| padding_free::<B>(batch))
             .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
+        if let Some(coef) = aux_loss_coef(model) {
+            let (loss, aux, grads) = loss_with_aux(
+                model,
+                token_batch(batch),
+                &batch.labels,
+                mode,
+                self.output_chunks,
+                weight as f64,
+                coef,
+            );
+            return Ok(StepOutput {
+                loss,
+                weight,
+                tokens,
+                metrics: vec![("aux_loss", aux)],
+                grads,
+            });
+        }
         let (loss, grads) = loss_and_grads(
             model,
             token_batch(batch),
@@ -170,6 +265,16 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
             .then(|| padding_free::<B::InnerBackend>(batch))
             .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
+        if let Some(coef) = aux_loss_coef(model) {
+            let (hidden, load) = model.hidden_with_router_load(token_batch(batch), mode);
+            let aux = load.aux_loss().map_or(0.0, scalar);
+            let ce = loss::chunked_cross_entropy(model, hidden, &batch.labels, mode);
+            return Ok(EvalOutput {
+                loss: ce + coef * aux,
+                weight: batch.num_trained_tokens,
+                metrics: vec![("aux_loss", aux)],
+            });
+        }
         let hidden = model.hidden(token_batch(batch), mode, None);
         Ok(EvalOutput {
             loss: loss::chunked_cross_entropy(model, hidden, &batch.labels, mode),

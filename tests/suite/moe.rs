@@ -62,7 +62,12 @@ fn moe_checkpoints_save_as_the_hub_stores_them() {
 /// A Qwen3-MoE checkpoint the tiny tokenizer fits: 3 layers, the middle one dense
 /// (`mlp_only_layers`), 4 experts of which each token takes 2.
 fn tiny_qwen3_moe() -> TempDir {
-    let config = json!({
+    tiny_qwen3_moe_with(json!({}))
+}
+
+/// [`tiny_qwen3_moe`] with `extra` keys in its config.json.
+fn tiny_qwen3_moe_with(extra: serde_json::Value) -> TempDir {
+    let mut config = json!({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -72,6 +77,9 @@ fn tiny_qwen3_moe() -> TempDir {
         "output_router_logits": false, "tie_word_embeddings": false, "bos_token_id": 2000,
         "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32"
     });
+    for (key, value) in extra.as_object().into_iter().flatten() {
+        config[key] = value.clone();
+    }
     let args = ModelArgs::from_json(config).unwrap();
     let mut init = RandomInit::new(3, &args);
     let lm = build::<Cpu>(&args, &mut init, &Default::default()).unwrap();
@@ -251,4 +259,214 @@ fn fsdp_on_a_moe_matches_one_device_and_saves_the_hub_layout() {
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     assert!(a.contains_key("model.layers.2.mlp.experts.3.down_proj.weight"));
+}
+
+const TRAIN: tune::modules::ForwardMode = tune::modules::ForwardMode {
+    adapters: true,
+    fake_quant: false,
+    train: true,
+};
+
+/// `output_router_logits: true`: the loss is transformers' cross-entropy plus
+/// `router_aux_loss_coef` times its load-balancing loss over both sparse layers' routers, and
+/// every gradient (routers included) is that sum's.
+#[test]
+fn the_load_balancing_loss_matches_transformers() {
+    use tune::training::grads::named_grads;
+    let r = Reference::open("family-qwen3_moe_aux.safetensors");
+    let (tokens, labels, batch) = r.tokens();
+    let pos = positions(batch, tokens.len() / batch);
+    let input = tune::models::TokenBatch {
+        tokens: &tokens,
+        positions: &pos,
+        document_ids: None,
+        batch,
+    };
+    let model = load_model::<CpuAutodiff>(
+        &fixture("families/qwen3_moe_aux"),
+        None,
+        &Default::default(),
+    )
+    .unwrap()
+    .model;
+    let coef = tune::training::sft::aux_loss_coef(&model).expect("the config asks for it");
+    assert_eq!(coef, 0.05);
+    let (loss, aux, grads) = tune::training::sft::loss_with_aux_in_chunks(
+        &model,
+        input,
+        &labels,
+        TRAIN,
+        std::slice::from_ref(&(0..tokens.len())),
+        1.0,
+        coef,
+    );
+    assert!(grads.is_none(), "one chunk: the trainer back-propagates");
+    let host = |t: &burn::tensor::Tensor<Cpu, 1>| tune::checkpoint::HostTensor::from_tensor(t);
+    assert_close("aux_loss", &host(&aux), &r.f32("aux_loss"), 1e-5);
+    let total = tune::checkpoint::HostTensor::from_tensor(&loss);
+    assert_close("loss", &total, &r.f32("loss"), 1e-4);
+    let grads = loss.backward();
+    let named = model.to_hf_layout(named_grads(&model, &grads));
+    assert_eq!(named.len(), r.grad_count(), "one gradient per parameter");
+    for (name, grad) in named {
+        assert_grad_close(&name, &grad, &r.f32(&format!("grad.{name}")));
+    }
+}
+
+/// With the output projection frozen (LoRA) and computed in chunks, the load-balancing term
+/// goes back with the body's pass: the same loss and gradients as in one piece, and not those
+/// of the cross-entropy alone.
+#[test]
+fn the_load_balancing_loss_is_the_same_in_chunks() {
+    let r = Reference::open("family-qwen3_moe_aux.safetensors");
+    let (tokens, labels, batch) = r.tokens();
+    let pos = positions(batch, tokens.len() / batch);
+    let input = tune::models::TokenBatch {
+        tokens: &tokens,
+        positions: &pos,
+        document_ids: None,
+        batch,
+    };
+    let mut model = load_model::<CpuAutodiff>(
+        &fixture("families/qwen3_moe_aux"),
+        None,
+        &Default::default(),
+    )
+    .unwrap()
+    .model;
+    let settings = tune::modules::LoraSettings {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        dora: false,
+    };
+    let targets = ["q_proj", "v_proj", "gate_proj"].map(String::from);
+    assert!(!tune::model_io::peft::attach_lora(&mut model, &targets, &settings, 5).is_empty());
+    let model = model.set_trainable(tune::models::Trainable::AdaptersOnly);
+    let sum = |parts: Vec<_>| {
+        let mut acc = tune::training::step::GradAccumulator::default();
+        for g in parts {
+            acc.add(&model, g);
+        }
+        grad_values(&model, acc.take())
+    };
+    let weight = 3.0;
+    let run = |chunks: &[std::ops::Range<usize>], coef: f64| {
+        let (loss, _, grads) = tune::training::sft::loss_with_aux_in_chunks(
+            &model, input, &labels, TRAIN, chunks, weight, coef,
+        );
+        let value: f32 = loss.clone().into_scalar();
+        let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
+        (value, sum(parts))
+    };
+    let rows = tokens.len();
+    let (plain_loss, plain) = run(std::slice::from_ref(&(0..rows)), 0.05);
+    let (chunked_loss, chunked) = run(&[0..5, 5..13, 13..rows], 0.05);
+    assert!(
+        (plain_loss - chunked_loss).abs() < 1e-5,
+        "{plain_loss} vs {chunked_loss}"
+    );
+    assert_same_grads(&plain, &chunked);
+    let (_, without) = run(&[0..5, 5..13, 13..rows], 0.0);
+    let differs = plain
+        .iter()
+        .zip(&without)
+        .any(|(a, b)| a.iter().zip(b).any(|(x, y)| (x - y).abs() > 1e-7));
+    assert!(differs, "the load-balancing term reaches the adapters");
+}
+
+fn with_aux_loss() -> TempDir {
+    tiny_qwen3_moe_with(json!({"output_router_logits": true, "router_aux_loss_coef": 0.02}))
+}
+
+/// A full fine-tune of a checkpoint that asks for the load-balancing loss logs it beside the
+/// loss (which includes it), and trains.
+#[test]
+fn a_run_with_the_load_balancing_loss_logs_it_and_trains() {
+    let ckpt = with_aux_loss();
+    let out = temp_dir("moe-aux");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let metrics = run_recipe(
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &out,
+        &[
+            "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+            &checkpoint_dir,
+            "max_steps_per_epoch=20",
+        ],
+    );
+    let aux = column(&metrics, "aux_loss");
+    assert_eq!(aux.len(), 20, "aux_loss logged every step");
+    // perfectly balanced routing gives experts x sum_e (k / E)(1 / E) = k = 2
+    assert!(aux.iter().all(|a| *a >= 1.0 && *a < 4.0), "{aux:?}");
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+}
+
+/// Where the load-balancing loss would not be added (a DPO step) or not back-propagated as one
+/// pass (activation checkpointing), the run is refused by key before it trains.
+#[test]
+fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
+    let ckpt = with_aux_loss();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let cases: [(&str, &str, &[&str], &str); 2] = [
+        (
+            "full_finetune_single_device",
+            "tiny/full_single_device",
+            &["enable_activation_checkpointing=True"],
+            "enable_activation_checkpointing",
+        ),
+        (
+            "lora_dpo_single_device",
+            "tiny/lora_dpo_single_device",
+            &[],
+            "lora_dpo_single_device",
+        ),
+    ];
+    for (recipe, config, extra, named) in cases {
+        let out = temp_dir("moe-aux-refused");
+        let output_dir = format!("output_dir={}", out.path().display());
+        let mut args = vec![
+            "run",
+            recipe,
+            "--config",
+            config,
+            &output_dir,
+            &checkpoint_dir,
+        ];
+        args.push("model=tune.models.qwen3_moe.lora_qwen3_moe_tiny");
+        if recipe.starts_with("full") {
+            args.pop();
+            args.push("model=tune.models.qwen3_moe.qwen3_moe_tiny");
+        }
+        args.extend_from_slice(extra);
+        let run = tune(&args);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{recipe}: {stderr}");
+        assert!(
+            stderr.contains("output_router_logits") && stderr.contains(named),
+            "{recipe}: {stderr}"
+        );
+    }
+    // FSDP's per-layer backward passes, on two workers
+    let out = temp_dir("moe-aux-fsdp");
+    let output_dir = format!("output_dir={}", out.path().display());
+    let run = tune(&[
+        "run",
+        "--nproc_per_node",
+        "2",
+        "full_finetune_distributed",
+        "--config",
+        "tiny/full",
+        &output_dir,
+        &checkpoint_dir,
+        "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("output_router_logits") && stderr.contains("data_parallel_shard_dim: 1"),
+        "{stderr}"
+    );
 }
