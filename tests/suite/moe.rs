@@ -3,7 +3,6 @@
 
 use crate::support::*;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::json;
@@ -11,23 +10,6 @@ use tune::checkpoint::StorageDtype;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::models::{ModelArgs, RandomInit, build};
-
-/// Every tensor of the model's safetensors files in `dir`: name -> (dtype, shape, bytes).
-fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let mut out = BTreeMap::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        if name.starts_with("model") && name.ends_with(".safetensors") {
-            let f = SafetensorsFile::open(&path).unwrap();
-            for name in f.names() {
-                let (dtype, shape, bytes) = f.raw(&name).unwrap();
-                out.insert(name, (format!("{dtype:?}"), shape, bytes.to_vec()));
-            }
-        }
-    }
-    out
-}
 
 /// The three families' checkpoints save back byte for byte under the Hub's names (per-expert
 /// tensors; Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`).
@@ -47,7 +29,7 @@ fn moe_checkpoints_save_as_the_hub_stores_them() {
             DEFAULT_MAX_SHARD_BYTES,
         )
         .unwrap();
-        let (want, got) = (tensors(&src), tensors(out.path()));
+        let (want, got) = (stored_tensors(&src), stored_tensors(out.path()));
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
             got.keys().collect::<Vec<_>>(),
@@ -96,11 +78,6 @@ fn tiny_qwen3_moe_with(extra: serde_json::Value) -> TempDir {
     dir
 }
 
-fn first_and_last_mean(losses: &[f64]) -> (f64, f64) {
-    let n = losses.len().min(5);
-    (mean(&losses[..n]), mean(&losses[losses.len() - n..]))
-}
-
 /// LoRA on a sparse model adapts what peft adapts when it loads the adapter on transformers 5:
 /// attention and every routed expert's projections (peft maps `gate_proj`/`up_proj`/`down_proj`
 /// onto the fused experts, so a dense layer's MLP takes none); routers stay as loaded, and the
@@ -147,7 +124,7 @@ fn lora_on_a_moe_adapts_attention_and_experts_as_peft_does() {
     assert_eq!(names.len(), 2 * (3 * 2 + 2 * 4 * 3), "{names:?}");
 
     // The merged export: adapted weights changed, routers and the dense MLP exactly as loaded.
-    let (before, after) = (tensors(ckpt.path()), tensors(&epoch));
+    let (before, after) = (stored_tensors(ckpt.path()), stored_tensors(&epoch));
     assert_eq!(
         before.keys().collect::<Vec<_>>(),
         after.keys().collect::<Vec<_>>()
@@ -206,7 +183,10 @@ fn full_finetuning_a_moe_trains_its_routers_and_experts() {
     );
     let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
     assert!(last < first, "loss {first} -> {last}");
-    let (before, after) = (tensors(ckpt.path()), tensors(&out.path().join("epoch_0")));
+    let (before, after) = (
+        stored_tensors(ckpt.path()),
+        stored_tensors(&out.path().join("epoch_0")),
+    );
     assert_eq!(
         before.keys().collect::<Vec<_>>(),
         after.keys().collect::<Vec<_>>()
@@ -254,8 +234,8 @@ fn fsdp_on_a_moe_matches_one_device_and_saves_the_hub_layout() {
         assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
     }
     let (a, b) = (
-        tensors(&one.path().join("epoch_0")),
-        tensors(&two.path().join("epoch_0")),
+        stored_tensors(&one.path().join("epoch_0")),
+        stored_tensors(&two.path().join("epoch_0")),
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     assert!(a.contains_key("model.layers.2.mlp.experts.3.down_proj.weight"));

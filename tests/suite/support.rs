@@ -357,3 +357,29 @@ pub fn masked_row(n: usize, prompt: usize, seed: u32) -> tune::data::SftSample {
         .collect();
     tune::data::SftSample { tokens, labels }
 }
+
+/// Every tensor of the model's safetensors files in `dir`, as stored: name -> (dtype, shape,
+/// bytes).
+pub fn stored_tensors(
+    dir: &Path,
+) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut out = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if name.starts_with("model") && name.ends_with(".safetensors") {
+            let f = SafetensorsFile::open(&path).unwrap();
+            for name in f.names() {
+                let (dtype, shape, bytes) = f.raw(&name).unwrap();
+                out.insert(name, (format!("{dtype:?}"), shape, bytes.to_vec()));
+            }
+        }
+    }
+    out
+}
+
+/// The mean of the first and of the last five losses (fewer when the run is shorter).
+pub fn first_and_last_mean(losses: &[f64]) -> (f64, f64) {
+    let n = losses.len().min(5);
+    (mean(&losses[..n]), mean(&losses[losses.len() - n..]))
+}

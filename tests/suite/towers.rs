@@ -4,7 +4,6 @@
 
 use crate::support::*;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use tune::checkpoint::StorageDtype;
@@ -15,23 +14,6 @@ use tune::modules::ForwardMode;
 
 /// The fixtures (tests/fixtures/make_text_tower_fixtures.py) and their key layouts.
 const TOWERS: [&str; 4] = ["gemma3_hub", "gemma3", "mistral3", "mistral3_prefixed"];
-
-/// Every tensor of the model's safetensors files in `dir`: name -> (dtype, shape, bytes).
-fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let mut out = BTreeMap::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        if name.starts_with("model") && name.ends_with(".safetensors") {
-            let f = SafetensorsFile::open(&path).unwrap();
-            for name in f.names() {
-                let (dtype, shape, bytes) = f.raw(&name).unwrap();
-                out.insert(name, (format!("{dtype:?}"), shape, bytes.to_vec()));
-            }
-        }
-    }
-    out
-}
 
 fn is_language_model(name: &str) -> bool {
     name.contains("language_model.") || name == "lm_head.weight"
@@ -73,7 +55,7 @@ fn a_save_copies_the_vision_tower_through_in_the_sources_layout() {
             DEFAULT_MAX_SHARD_BYTES,
         )
         .unwrap();
-        let (want, got) = (tensors(&src), tensors(out.path()));
+        let (want, got) = (stored_tensors(&src), stored_tensors(out.path()));
         assert_eq!(
             want.keys().collect::<Vec<_>>(),
             got.keys().collect::<Vec<_>>(),
@@ -126,11 +108,6 @@ fn tiny_gemma3_tower() -> TempDir {
     dir
 }
 
-fn first_and_last_mean(losses: &[f64]) -> (f64, f64) {
-    let n = losses.len().min(5);
-    (mean(&losses[..n]), mean(&losses[losses.len() - n..]))
-}
-
 /// LoRA adapts only the language model, under the module paths peft gives it in transformers'
 /// multimodal class, with `target_modules` a pattern that leaves the vision tower's `q_proj`s
 /// alone; the merged export changes q and v and copies everything else, vision tower included.
@@ -170,7 +147,7 @@ fn lora_on_a_multimodal_checkpoint_adapts_only_its_language_model() {
         r"model\.language_model\..*\.(q_proj|v_proj)"
     );
 
-    let (before, after) = (tensors(ckpt.path()), tensors(&epoch));
+    let (before, after) = (stored_tensors(ckpt.path()), stored_tensors(&epoch));
     assert_eq!(
         before.keys().collect::<Vec<_>>(),
         after.keys().collect::<Vec<_>>()
@@ -214,10 +191,10 @@ fn fsdp_on_a_multimodal_checkpoint_matches_one_device_and_keeps_the_vision_tower
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
     }
-    let source = tensors(ckpt.path());
+    let source = stored_tensors(ckpt.path());
     let (a, b) = (
-        tensors(&one.path().join("epoch_0")),
-        tensors(&two.path().join("epoch_0")),
+        stored_tensors(&one.path().join("epoch_0")),
+        stored_tensors(&two.path().join("epoch_0")),
     );
     assert_eq!(
         a.keys().collect::<Vec<_>>(),
