@@ -45,15 +45,6 @@ pub enum ModelConfigError {
         "checkpointer: the checkpoint's config.json has \"output_router_logits\": true (add the load-balancing loss), which the SFT recipes (full, LoRA, QLoRA, QAT) add and `{recipe}` does not; set it to false in config.json"
     )]
     AuxLossOutsideSft { recipe: String },
-    /// The load-balancing loss with per-layer backward passes (activation checkpointing, FSDP).
-    #[error(
-        "{key}: with config.json's \"output_router_logits\": true (the load-balancing loss) the step back-propagates the whole model at once, which {what} replaces with per-layer passes; set {fix}, or set output_router_logits to false in config.json"
-    )]
-    AuxLossWithLayerwiseBackward {
-        key: &'static str,
-        what: &'static str,
-        fix: &'static str,
-    },
     /// A generic builder's architecture argument that is not the checkpoint's.
     #[error(
         "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"

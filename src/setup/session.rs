@@ -94,10 +94,8 @@ pub struct Session<B: AutodiffBackend> {
 }
 
 /// The load-balancing loss (`output_router_logits: true`) is added by the SFT loss step
-/// alone, on one backward pass over the whole model: refused, by key, anywhere else.
+/// alone: refused, by key, in the other recipes.
 fn refuse_aux_loss_where_not_added<B: AutodiffBackend>(
-    cfg: &TrainConfig,
-    run: &RunStart,
     model: &CausalLm<B>,
     recipe: &str,
 ) -> Result<(), SetupError> {
@@ -116,22 +114,6 @@ fn refuse_aux_loss_where_not_added<B: AutodiffBackend>(
         }
         .into());
     }
-    if cfg.enable_activation_checkpointing {
-        return Err(ModelConfigError::AuxLossWithLayerwiseBackward {
-            key: "enable_activation_checkpointing",
-            what: "activation checkpointing",
-            fix: "enable_activation_checkpointing: False",
-        }
-        .into());
-    }
-    if run.fsdp.is_some() {
-        return Err(ModelConfigError::AuxLossWithLayerwiseBackward {
-            key: "data_parallel_shard_dim",
-            what: "FSDP",
-            fix: "data_parallel_shard_dim: 1 (replicate the model on each device)",
-        }
-        .into());
-    }
     Ok(())
 }
 
@@ -146,7 +128,7 @@ pub fn session<B: AutodiffBackend>(
     recipe: &str,
     device: &B::Device,
 ) -> Result<Session<B>, SetupError> {
-    refuse_aux_loss_where_not_added(cfg, &run, &model, recipe)?;
+    refuse_aux_loss_where_not_added(&model, recipe)?;
     let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
     let world = run.world.clone();
     let fsdp = run.fsdp.is_some();

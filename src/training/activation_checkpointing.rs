@@ -13,7 +13,10 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
+use std::cell::RefCell;
+
 use crate::models::decoder::{DecoderLayer, OutputHead};
+use crate::models::moe::RouterLoad;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::{ForwardMode, dropout};
 
@@ -107,6 +110,45 @@ pub fn forward_backward<B: AutodiffBackend>(
     step_seed: u64,
     head: impl FnOnce(&OutputHead<B>, Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
 ) -> (Tensor<B, 1>, Vec<B::Gradients>) {
+    let (loss, grads, _) = passes(model, input, mode, offload, step_seed, head, None);
+    (loss, grads)
+}
+
+/// [`forward_backward`] with the load-balancing loss of the sparse layers' routing
+/// ([`RouterLoad::aux_loss`]) back-propagated times `scale` (its coefficient times the step's
+/// weight): the forward pass adds up every layer's expert counts, and each layer's backward
+/// pass adds its own probabilities' share, `scale * experts / rows^2 * sum_e counts_e *
+/// probs_e`, whose gradient is exactly that layer's part of the whole loss's. Returns the loss
+/// of `head` (without the term), the gradients, and the load-balancing loss.
+#[allow(clippy::type_complexity)]
+pub fn forward_backward_with_aux<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    mode: ForwardMode,
+    offload: bool,
+    step_seed: u64,
+    head: impl FnOnce(&OutputHead<B>, Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
+    scale: f64,
+) -> (Tensor<B, 1>, Vec<B::Gradients>, Tensor<B::InnerBackend, 1>) {
+    let (loss, grads, aux) = passes(model, input, mode, offload, step_seed, head, Some(scale));
+    let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &model.device()));
+    (loss, grads, aux)
+}
+
+#[allow(clippy::type_complexity)]
+fn passes<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    mode: ForwardMode,
+    offload: bool,
+    step_seed: u64,
+    head: impl FnOnce(&OutputHead<B>, Tensor<B, 3>) -> (Tensor<B, 1>, Vec<B::Gradients>),
+    aux_scale: Option<f64>,
+) -> (
+    Tensor<B, 1>,
+    Vec<B::Gradients>,
+    Option<Tensor<B::InnerBackend, 1>>,
+) {
     let device = model.device();
     let layers = &model.model.layers;
 
@@ -118,7 +160,10 @@ pub fn forward_backward<B: AutodiffBackend>(
     let embedding = embeddings_train.then_some(embedding);
 
     // Forward without autodiff, keeping each layer's input.
-    let inner_ctx = model.pass_context::<B::InnerBackend>(input, 0, mode, &device);
+    let mut inner_ctx = model.pass_context::<B::InnerBackend>(input, 0, mode, &device);
+    if aux_scale.is_some() {
+        inner_ctx.router_load = Some(RefCell::new(RouterLoad::default()));
+    }
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
     let sharded = model.shards.is_some();
@@ -159,6 +204,33 @@ pub fn forward_backward<B: AutodiffBackend>(
     let held: usize = layer_inputs.iter().map(Kept::host_bytes).sum();
     OFFLOADED_BYTES.with(|bytes| bytes.set(bytes.get().max(held)));
 
+    // The load-balancing loss: its value, and per expert the weight each layer's summed
+    // probability takes in it (the counts are constants of the whole pass).
+    let routing = inner_ctx
+        .router_load
+        .take()
+        .map(RefCell::into_inner)
+        .filter(|load| load.rows > 0);
+    let aux = routing.as_ref().and_then(RouterLoad::aux_loss);
+    let per_prob = match (&routing, aux_scale) {
+        (Some(load), Some(scale)) => {
+            let rows = load.rows as f64;
+            let factor = scale * load.counts.len() as f64 / (rows * rows);
+            let weights: Vec<f32> = load
+                .counts
+                .iter()
+                .map(|c| (*c as f64 * factor) as f32)
+                .collect();
+            let n = weights.len();
+            Some(Tensor::<B, 1>::from_data(
+                TensorData::new(weights, [n]),
+                &device,
+            ))
+        }
+        _ => None,
+    };
+    drop(inner_ctx);
+
     // The head (final norm, projection, loss) with autodiff from the top layer's output;
     // FSDP gathers the output end for it and reduce-scatters its gradients.
     let top = Tensor::<B, 3>::from_inner(h).require_grad();
@@ -176,7 +248,10 @@ pub fn forward_backward<B: AutodiffBackend>(
     drop(output);
 
     // Back through the layers, recomputing each.
-    let ctx = model.pass_context::<B>(input, 0, mode, &device);
+    let mut ctx = model.pass_context::<B>(input, 0, mode, &device);
+    if per_prob.is_some() {
+        ctx.router_load = Some(RefCell::new(RouterLoad::default()));
+    }
     // FSDP: each layer is gathered again (the one below it meanwhile), and its weight
     // gradients are reduce-scattered to each rank's rows as soon as its backward ends, so no
     // rank holds the whole model's gradients. The reduce-scatter waits for the prefetch:
@@ -202,7 +277,16 @@ pub fn forward_backward<B: AutodiffBackend>(
         let prefetch = (prefetch_beside && !keep && i > 0).then_some(|| gather(i - 1));
         let (mut layer_grads, prefetched) = overlap(prefetch, || {
             let y = layer.forward(x.clone(), &ctx, None);
-            (y * Tensor::from_inner(grad)).sum().backward()
+            let mut out = (y * Tensor::from_inner(grad)).sum();
+            // A sparse layer's share of the load-balancing loss, from its own probabilities.
+            let probs = ctx
+                .router_load
+                .as_ref()
+                .and_then(|cell| cell.replace(RouterLoad::default()).probs);
+            if let (Some(probs), Some(weights)) = (probs, &per_prob) {
+                out = out + (probs * weights.clone()).sum();
+            }
+            out.backward()
         });
         crate::device::sample_device_memory(&device);
         // Taken out of the layer's set: the sets are kept until the step's update, and the
@@ -226,7 +310,7 @@ pub fn forward_backward<B: AutodiffBackend>(
         }
         grads.push(set);
     }
-    (loss, grads)
+    (loss, grads, aux)
 }
 
 /// Whether FSDP's gather of the next layer may run on a thread beside the current layer's

@@ -101,47 +101,75 @@ pub fn aux_loss_coef<B: Backend>(model: &CausalLm<B>) -> Option<f64> {
 /// the gradients of `loss * weight` (otherwise the trainer back-propagates it). Gradient
 /// contract: as [`loss_and_grads`]'s, for the sum; the router's gradient comes through the
 /// probabilities only (the expert counts are constants, as transformers' histogram is).
-/// Per-layer recomputation is not offered with it (setup refuses the combination).
-#[allow(clippy::type_complexity)]
+/// With per-layer passes (activation checkpointing, FSDP) each layer's backward takes its own
+/// share of the term ([`activation_checkpointing::forward_backward_with_aux`]).
 pub fn loss_with_aux<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     labels: &[i64],
     mode: ForwardMode,
-    output_chunks: usize,
-    weight: f64,
+    (checkpointing, output_chunks): (Checkpointing, usize),
+    (step_seed, weight): (u64, f64),
     coef: f64,
-) -> (
-    Tensor<B, 1>,
-    Tensor<B::InnerBackend, 1>,
-    Option<Vec<B::Gradients>>,
-) {
+) -> AuxStep<B> {
     let chunks = chunked_loss::chunk_ranges(input.tokens.len(), output_chunks);
-    loss_with_aux_in_chunks(model, input, labels, mode, &chunks, weight, coef)
+    let passes = (checkpointing, step_seed);
+    loss_with_aux_in_chunks(model, input, labels, mode, &chunks, passes, weight, coef)
 }
+
+/// What [`loss_with_aux`] returns: the loss (the term included), the load-balancing loss
+/// alone, and the gradients when it computed them.
+pub type AuxStep<B> = (
+    Tensor<B, 1>,
+    Tensor<<B as AutodiffBackend>::InnerBackend, 1>,
+    Option<Vec<<B as AutodiffBackend>::Gradients>>,
+);
 
 /// [`loss_with_aux`] with the output projection in `chunks` of rows (one chunk, or a trained
 /// projection: no chunking).
-#[allow(clippy::type_complexity)]
+#[allow(clippy::too_many_arguments)]
 pub fn loss_with_aux_in_chunks<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     labels: &[i64],
     mode: ForwardMode,
     chunks: &[std::ops::Range<usize>],
+    (checkpointing, step_seed): (Checkpointing, u64),
     weight: f64,
     coef: f64,
-) -> (
-    Tensor<B, 1>,
-    Tensor<B::InnerBackend, 1>,
-    Option<Vec<B::Gradients>>,
-) {
+) -> AuxStep<B> {
+    let in_chunks = chunks.len() > 1 && !chunked_loss::output_projection_trains(model);
+    if checkpointing.recomputes() || model.shards.is_some() {
+        let head = |output: &OutputHead<B>, top: Tensor<B, 3>| {
+            let hidden = output.norm(top);
+            if in_chunks {
+                return chunked_loss::cross_entropy_backward(
+                    output, hidden, labels, mode, weight, chunks,
+                );
+            }
+            let loss = loss::cross_entropy(output.logits(hidden, mode), labels);
+            let grads = (loss.clone() * weight).backward();
+            (loss, vec![grads])
+        };
+        let offload = checkpointing == Checkpointing::LayersOffloaded;
+        let (ce, grads, aux) = activation_checkpointing::forward_backward_with_aux(
+            model,
+            input,
+            mode,
+            offload,
+            step_seed,
+            head,
+            coef * weight,
+        );
+        let loss = Tensor::from_inner(ce.inner() + aux.clone() * coef);
+        return (loss, aux, Some(grads));
+    }
     let device = model.device();
     let (hidden, load) = model.hidden_with_router_load(input, mode);
     let aux = load
         .aux_loss()
         .unwrap_or_else(|| Tensor::<B, 1>::zeros([1], &device));
-    if chunks.len() <= 1 || chunked_loss::output_projection_trains(model) {
+    if !in_chunks {
         let ce = loss::cross_entropy(model.logits(hidden, mode), labels);
         let logged = aux.clone().inner();
         return (ce + aux * coef, logged, None);
@@ -219,8 +247,8 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
                 token_batch(batch),
                 &batch.labels,
                 mode,
-                self.output_chunks,
-                weight as f64,
+                (self.activation_checkpointing, self.output_chunks),
+                (info.seed, weight as f64),
                 coef,
             );
             return Ok(StepOutput {

@@ -241,6 +241,8 @@ fn fsdp_on_a_moe_matches_one_device_and_saves_the_hub_layout() {
     assert!(a.contains_key("model.layers.2.mlp.experts.3.down_proj.weight"));
 }
 
+use tune::training::activation_checkpointing::Checkpointing;
+
 const TRAIN: tune::modules::ForwardMode = tune::modules::ForwardMode {
     adapters: true,
     fake_quant: false,
@@ -277,6 +279,7 @@ fn the_load_balancing_loss_matches_transformers() {
         &labels,
         TRAIN,
         std::slice::from_ref(&(0..tokens.len())),
+        (Checkpointing::Off, 7),
         1.0,
         coef,
     );
@@ -332,8 +335,9 @@ fn the_load_balancing_loss_is_the_same_in_chunks() {
     };
     let weight = 3.0;
     let run = |chunks: &[std::ops::Range<usize>], coef: f64| {
+        let passes = (Checkpointing::Off, 7);
         let (loss, _, grads) = tune::training::sft::loss_with_aux_in_chunks(
-            &model, input, &labels, TRAIN, chunks, weight, coef,
+            &model, input, &labels, TRAIN, chunks, passes, weight, coef,
         );
         let value: f32 = loss.clone().into_scalar();
         let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
@@ -384,69 +388,104 @@ fn a_run_with_the_load_balancing_loss_logs_it_and_trains() {
     assert!(last < first, "loss {first} -> {last}");
 }
 
-/// Where the load-balancing loss would not be added (a DPO step) or not back-propagated as one
-/// pass (activation checkpointing), the run is refused by key before it trains.
+/// A DPO step would not add the load-balancing loss: refused by key before it trains.
 #[test]
 fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
     let ckpt = with_aux_loss();
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let cases: [(&str, &str, &[&str], &str); 2] = [
-        (
-            "full_finetune_single_device",
-            "tiny/full_single_device",
-            &["enable_activation_checkpointing=True"],
-            "enable_activation_checkpointing",
-        ),
-        (
-            "lora_dpo_single_device",
-            "tiny/lora_dpo_single_device",
-            &[],
-            "lora_dpo_single_device",
-        ),
-    ];
-    for (recipe, config, extra, named) in cases {
-        let out = temp_dir("moe-aux-refused");
-        let output_dir = format!("output_dir={}", out.path().display());
-        let mut args = vec![
-            "run",
-            recipe,
-            "--config",
-            config,
-            &output_dir,
-            &checkpoint_dir,
-        ];
-        args.push("model=tune.models.qwen3_moe.lora_qwen3_moe_tiny");
-        if recipe.starts_with("full") {
-            args.pop();
-            args.push("model=tune.models.qwen3_moe.qwen3_moe_tiny");
-        }
-        args.extend_from_slice(extra);
-        let run = tune(&args);
-        let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(!run.status.success(), "{recipe}: {stderr}");
-        assert!(
-            stderr.contains("output_router_logits") && stderr.contains(named),
-            "{recipe}: {stderr}"
-        );
-    }
-    // FSDP's per-layer backward passes, on two workers
-    let out = temp_dir("moe-aux-fsdp");
+    let out = temp_dir("moe-aux-refused");
     let output_dir = format!("output_dir={}", out.path().display());
     let run = tune(&[
         "run",
-        "--nproc_per_node",
-        "2",
-        "full_finetune_distributed",
+        "lora_dpo_single_device",
         "--config",
-        "tiny/full",
+        "tiny/lora_dpo_single_device",
         &output_dir,
         &checkpoint_dir,
-        "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+        "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
     ]);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success(), "{stderr}");
     assert!(
-        stderr.contains("output_router_logits") && stderr.contains("data_parallel_shard_dim: 1"),
+        stderr.contains("output_router_logits") && stderr.contains("lora_dpo_single_device"),
         "{stderr}"
     );
+}
+
+/// Per-layer backward passes (activation checkpointing) take the load-balancing loss's
+/// gradient layer by layer: the same loss, `aux_loss` and gradients as one pass.
+#[test]
+fn the_load_balancing_loss_takes_the_same_gradients_layer_by_layer() {
+    let r = Reference::open("family-qwen3_moe_aux.safetensors");
+    let (tokens, labels, batch) = r.tokens();
+    let pos = positions(batch, tokens.len() / batch);
+    let input = tune::models::TokenBatch {
+        tokens: &tokens,
+        positions: &pos,
+        document_ids: None,
+        batch,
+    };
+    let model = load_model::<CpuAutodiff>(
+        &fixture("families/qwen3_moe_aux"),
+        None,
+        &Default::default(),
+    )
+    .unwrap()
+    .model;
+    let weight = 2.0;
+    let run = |checkpointing| {
+        let (loss, aux, grads) = tune::training::sft::loss_with_aux(
+            &model,
+            input,
+            &labels,
+            TRAIN,
+            (checkpointing, 1),
+            (7, weight),
+            0.05,
+        );
+        let value: f32 = loss.clone().into_scalar();
+        let aux: f32 = aux.into_scalar();
+        let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
+        let mut acc = tune::training::step::GradAccumulator::default();
+        for g in parts {
+            acc.add(&model, g);
+        }
+        (value, aux, grad_values(&model, acc.take()))
+    };
+    let (loss, aux, plain) = run(Checkpointing::Off);
+    let (loss_layers, aux_layers, layered) = run(Checkpointing::Layers);
+    assert!((loss - loss_layers).abs() < 1e-5, "{loss} vs {loss_layers}");
+    assert!((aux - aux_layers).abs() < 1e-6, "{aux} vs {aux_layers}");
+    assert_same_grads(&plain, &layered);
+}
+
+/// FSDP over two workers with the load-balancing loss takes one device's steps, and both log
+/// `aux_loss`.
+#[test]
+fn fsdp_with_the_load_balancing_loss_matches_one_device() {
+    let ckpt = with_aux_loss();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let extra = [
+        "model=tune.models.qwen3_moe.qwen3_moe_tiny",
+        checkpoint_dir.as_str(),
+        "max_steps_per_epoch=3",
+    ];
+    let (one, two) = (temp_dir("moe-aux-fsdp-1"), temp_dir("moe-aux-fsdp-2"));
+    crate::distributed::train(
+        1,
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &one,
+        4,
+        &extra,
+    );
+    crate::distributed::train(2, "full_finetune_distributed", "tiny/full", &two, 2, &extra);
+    let metrics = |dir: &TempDir| read_metrics(&dir.path().join("logs/metrics.jsonl"));
+    let (a, b) = (metrics(&one), metrics(&two));
+    let (la, lb) = (column(&a, "loss"), column(&b, "loss"));
+    assert_eq!(la.len(), 3);
+    for (x, y) in la.iter().zip(&lb) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{la:?} vs {lb:?}");
+    }
+    assert_eq!(column(&b, "aux_loss").len(), 3);
 }
