@@ -6,13 +6,14 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::args::{Activation, ModelArgs};
+use super::args::ModelArgs;
 use super::cache::{KvCache, LayerCache};
 use super::mask;
+pub use super::mlp::Mlp;
 use super::moe::{RouterLoad, SparseMoe};
 use super::rope::{self, RopeTables};
 use super::shards::LayerShards;
-use crate::kernels::{attention_by_position, permute, softcap, swiglu};
+use crate::kernels::{attention_by_position, permute, softcap};
 use crate::modules::frozen_nf4::Nf4Rows;
 use crate::modules::{ForwardMode, Linear, RmsNorm};
 
@@ -115,40 +116,6 @@ impl<B: Backend> Attention<B> {
         let out = attention_by_position(q, k, v, mask, self.softcap).reshape([batch * seq, h * d]);
         self.o_proj.forward(out, mode).reshape([batch, seq, hidden])
     }
-}
-
-#[derive(Module, Debug)]
-pub struct Mlp<B: Backend> {
-    pub gate_proj: Linear<B>,
-    pub up_proj: Linear<B>,
-    pub down_proj: Linear<B>,
-    pub activation: Activation,
-}
-
-impl<B: Backend> Mlp<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, mode: ForwardMode) -> Tensor<B, 3> {
-        let [batch, seq, hidden] = x.dims();
-        self.forward_rows(x.reshape([batch * seq, hidden]), mode)
-            .reshape([batch, seq, hidden])
-    }
-
-    /// `[rows, hidden]` -> `[rows, hidden]`.
-    pub fn forward_rows(&self, rows: Tensor<B, 2>, mode: ForwardMode) -> Tensor<B, 2> {
-        let gate = self.gate_proj.forward(rows.clone(), mode);
-        let up = self.up_proj.forward(rows, mode);
-        let hidden_activation = match self.activation {
-            Activation::Silu => swiglu(gate, up),
-            Activation::GeluTanh => gelu_tanh(gate) * up,
-        };
-        self.down_proj.forward(hidden_activation, mode)
-    }
-}
-
-/// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let inner =
-        (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
-    x * (inner.tanh() + 1.0) * 0.5
 }
 
 #[derive(Module, Debug)]

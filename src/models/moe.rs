@@ -15,7 +15,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::decoder::Mlp;
+use super::mlp::Mlp;
 use crate::kernels::{cast, softmax};
 use crate::modules::{ForwardMode, Linear};
 

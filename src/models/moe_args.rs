@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::args::Family;
+use super::family::Family;
 
 /// How a family's checkpoints name a sparse layer's block and its experts' projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
