@@ -1090,3 +1090,39 @@ fn a_diverging_run_on_two_workers_stops_every_rank_at_the_same_step() {
     assert!(err.contains("Lower optimizer.lr"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A full fine-tune of the model `extra` names for `steps` steps, on one device (batch 4) and
+/// with FSDP on two workers (batch 2 each): asserts they log the same losses, within 1e-5
+/// relative, and returns both runs' output directories (one device's first).
+pub(crate) fn one_device_and_fsdp_agree(
+    tag: &str,
+    extra: &[&str],
+    steps: usize,
+) -> (TempDir, TempDir) {
+    let max_steps = format!("max_steps_per_epoch={steps}");
+    let mut extra = extra.to_vec();
+    extra.push(&max_steps);
+    let (one, two) = (temp_dir(&format!("{tag}-1")), temp_dir(&format!("{tag}-2")));
+    train(
+        1,
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &one,
+        4,
+        &extra,
+    );
+    train(2, "full_finetune_distributed", "tiny/full", &two, 2, &extra);
+    let losses = |dir: &TempDir| {
+        column(
+            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), steps, "{a:?}");
+    assert_eq!(b.len(), steps, "{b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
+    }
+    (one, two)
+}
