@@ -162,6 +162,12 @@ fn mixtral_greedy_decoding_matches_transformers() {
     family_greedy_decoding_matches_transformers("mixtral");
 }
 
+/// Qwen2-MoE: the gated shared expert on every decoded token beside its routed two.
+#[test]
+fn qwen2_moe_greedy_decoding_matches_transformers() {
+    family_greedy_decoding_matches_transformers("qwen2_moe");
+}
+
 #[test]
 fn stops_at_a_stop_token_unless_told_not_to() {
     let r = reference();
