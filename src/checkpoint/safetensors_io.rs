@@ -333,20 +333,12 @@ pub fn write_encoded(
     tensors: &[(String, Vec<usize>, Vec<u8>)],
     dtype: Dtype,
 ) -> Result<(), CheckpointError> {
-    let mut views = Vec::with_capacity(tensors.len());
-    for (name, shape, bytes) in tensors {
-        let view =
-            TensorView::new(dtype, shape.clone(), bytes).map_err(|e| CheckpointError::Invalid {
-                path: path.to_path_buf(),
-                message: format!("{name}: {e}"),
-            })?;
-        views.push((name.clone(), view));
-    }
-    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| CheckpointError::Invalid {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })
+    write_stored(
+        path,
+        tensors
+            .iter()
+            .map(|(name, shape, bytes)| (name, dtype, shape, bytes.as_slice())),
+    )
 }
 
 /// Writes tensors that each carry their own dtype (a quantized export mixes U8 and floats).
@@ -354,14 +346,27 @@ pub fn write_mixed(
     path: &Path,
     tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
 ) -> Result<(), CheckpointError> {
-    let mut views = Vec::with_capacity(tensors.len());
+    write_stored(
+        path,
+        tensors
+            .iter()
+            .map(|(name, dtype, shape, bytes)| (name, *dtype, shape, bytes.as_slice())),
+    )
+}
+
+/// The one writer of a safetensors file: each tensor's stored bytes with its dtype and shape,
+/// and the `{"format": "pt"}` metadata transformers requires.
+fn write_stored<'a>(
+    path: &Path,
+    tensors: impl Iterator<Item = (&'a String, Dtype, &'a Vec<usize>, &'a [u8])>,
+) -> Result<(), CheckpointError> {
+    let mut views = Vec::new();
     for (name, dtype, shape, bytes) in tensors {
-        let view = TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
-            CheckpointError::Invalid {
+        let view =
+            TensorView::new(dtype, shape.clone(), bytes).map_err(|e| CheckpointError::Invalid {
                 path: path.to_path_buf(),
                 message: format!("{name}: {e}"),
-            }
-        })?;
+            })?;
         views.push((name.clone(), view));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
@@ -447,36 +452,20 @@ pub fn save_sharded_with(
                 )
             })
             .collect();
-        let raw: Vec<(String, Dtype, Vec<usize>, &[u8])> = copied
+        let raw = copied
             .iter()
             .enumerate()
             .filter(|(k, _)| in_file(tensors.len() + k))
-            .map(|(_, t)| t.clone())
-            .collect();
-        let mut views = Vec::with_capacity(encoded.len() + raw.len());
+            .map(|(_, (n, d, s, b))| (n, *d, s, *b));
         let entries = encoded
             .iter()
             .map(|(n, d, s, b)| (n, *d, s, b.as_slice()))
-            .chain(raw.iter().map(|(n, d, s, b)| (n, *d, s, *b)));
-        for (name, dtype, shape, bytes) in entries {
+            .chain(raw);
+        for (name, _, _, bytes) in entries.clone() {
             weight_map.insert(name.clone(), file.clone());
             total += bytes.len();
-            let view = TensorView::new(dtype, shape.clone(), bytes).map_err(|e| {
-                CheckpointError::Invalid {
-                    path: dir.join(&file),
-                    message: format!("{name}: {e}"),
-                }
-            })?;
-            views.push((name.clone(), view));
         }
-        let path = dir.join(&file);
-        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| {
-            CheckpointError::Invalid {
-                path: path.clone(),
-                message: e.to_string(),
-            }
-        })?;
+        write_stored(&dir.join(&file), entries)?;
         names.push(file);
     }
     if n == 1 {

@@ -181,24 +181,18 @@ impl Weights {
 
     /// Reads each tensor under the name `rename` gives it, and sets aside the tensors it gives
     /// none (a multimodal checkpoint's vision tower, when its language model is read as a text
-    /// model): those are no longer looked up, nor reported by [`Self::finish`]. Returns them, sorted.
-    pub fn rename(&mut self, rename: impl Fn(&str) -> Option<String>) -> Vec<String> {
-        let mut set_aside = Vec::new();
+    /// model): those are no longer looked up, nor reported by [`Self::finish`].
+    pub fn rename(&mut self, rename: impl Fn(&str) -> Option<String>) {
         let mut tensors = HashMap::with_capacity(self.tensors.len());
         for (name, index) in std::mem::take(&mut self.tensors) {
-            match rename(&name) {
-                Some(new) => {
-                    if new != name {
-                        self.stored.insert(new.clone(), name);
-                    }
-                    tensors.insert(new, index);
+            if let Some(new) = rename(&name) {
+                if new != name {
+                    self.stored.insert(new.clone(), name);
                 }
-                None => set_aside.push(name),
+                tensors.insert(new, index);
             }
         }
         self.tensors = tensors;
-        set_aside.sort();
-        set_aside
     }
 
     /// The checkpoint's own name for tensor `name`.

@@ -9,7 +9,7 @@ use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::safetensors_io::{
     SafetensorsFile, StorageDtype, StoredTensor, save_sharded, save_sharded_with,
 };
-use crate::checkpoint::weights::{Weights, checkpoint_files};
+use crate::checkpoint::weights::{Weights, checkpoint_files, dcp_source};
 use crate::models::build::{RowsOf, build_rows, ignorable_tensor};
 use crate::models::text_tower::{TextTower, TowerLayout};
 use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError, build_with};
@@ -107,6 +107,20 @@ fn open_weights(
     files: Option<&[String]>,
     args: &mut ModelArgs,
 ) -> Result<Weights, ModelError> {
+    // Saves copy the vision tower from the source's safetensors files: refused here, before
+    // training, rather than at the first save.
+    if let Some(tower) = &args.tower
+        && files.is_none_or(<[String]>::is_empty)
+        && dcp_source(dir).is_some()
+    {
+        return Err(ModelError::BadConfig {
+            path: dir.to_path_buf(),
+            message: format!(
+                "this \"{}\" checkpoint holds DCP shard files; tune reads a multimodal checkpoint's language model from safetensors files (model.safetensors or an index) so that its saves can copy the vision tower through: consolidate the shards into model.safetensors first",
+                tower.wrapper
+            ),
+        });
+    }
     let mut weights = Weights::open(dir, files)?;
     if let Some(tower) = args.tower.as_mut() {
         tower.layout = TowerLayout::detect(weights.names());

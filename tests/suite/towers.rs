@@ -219,3 +219,27 @@ fn the_int4_export_of_a_multimodal_checkpoint_is_refused_by_key() {
         "trained before refusing: {steps}"
     );
 }
+
+/// A multimodal checkpoint stored as DCP shard files is refused at load, naming the directory
+/// and the fix, before any training whose saves could not copy its vision tower through.
+#[test]
+fn a_multimodal_checkpoint_in_dcp_shards_is_refused_at_load() {
+    let dir = temp_dir("tower-dcp");
+    std::fs::copy(
+        fixture("towers/gemma3/config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let shard = tune::checkpoint::dcp::shard_file_name(0, 1, 1);
+    std::fs::write(dir.path().join(shard), b"").unwrap();
+    let err = match load_model::<Cpu>(dir.path(), None, &Default::default()) {
+        Ok(_) => panic!("loaded a DCP multimodal checkpoint"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(&dir.path().display().to_string())
+            && err.contains("\"gemma3\"")
+            && err.contains("consolidate"),
+        "{err}"
+    );
+}
