@@ -48,6 +48,15 @@ impl HostTensor {
         }
     }
 
+    /// The same values as `shape` (of as many elements).
+    pub fn reshaped(self, shape: Vec<usize>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), self.data.len());
+        Self {
+            shape,
+            data: self.data,
+        }
+    }
+
     /// Stacks tensors along the first dimension (fusing projections back).
     pub fn concat_rows(parts: &[HostTensor]) -> Self {
         let mut shape = parts[0].shape.clone();

@@ -5,6 +5,7 @@
 pub mod dcp;
 pub mod error;
 pub mod host;
+pub mod mxfp4;
 pub mod safetensors_io;
 pub mod weights;
 

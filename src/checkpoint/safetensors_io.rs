@@ -90,6 +90,22 @@ impl SafetensorsFile {
         self.decoded(name, info, from..to, shape)
     }
 
+    /// The stored bytes of a `U8` tensor (MXFP4's codes and scales), as they are; any other
+    /// dtype is an error naming the tensor.
+    pub fn read_u8(&self, name: &str) -> Result<Vec<u8>, CheckpointError> {
+        let info = self.info(name)?;
+        if info.dtype != Dtype::U8 {
+            return Err(CheckpointError::UnsupportedDtype {
+                name: name.to_string(),
+                file: self.path.clone(),
+                dtype: format!("{:?} (MXFP4 blocks and scales are U8)", info.dtype),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        let offset = 8 + self.header_len;
+        Ok(self.mmap[offset + start..offset + end].to_vec())
+    }
+
     fn info(&self, name: &str) -> Result<&TensorInfo, CheckpointError> {
         self.meta
             .info(name)

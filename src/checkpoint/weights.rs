@@ -137,8 +137,10 @@ impl Weights {
         for path in &paths {
             let file = SafetensorsFile::open(path)?;
             for name in file.names() {
-                let dtype = stored_dtype(&file, &name);
-                *dtype_counts.entry(dtype).or_default() += 1;
+                // MXFP4's bytes say nothing of the float weights' dtype.
+                if file.dtype(&name) != Some(safetensors::Dtype::U8) {
+                    *dtype_counts.entry(stored_dtype(&file, &name)).or_default() += 1;
+                }
                 tensors.insert(name, files.len());
             }
             files.push(file);
@@ -303,6 +305,43 @@ impl Weights {
             self.done(name);
         }
         Ok(tensor)
+    }
+
+    /// Takes the `U8` tensor `name` (MXFP4's codes or scales) as its bytes, checking it has
+    /// `expected` shape.
+    pub fn take_u8(&mut self, name: &str, expected: &[usize]) -> Result<Vec<u8>, CheckpointError> {
+        let index =
+            self.tensors
+                .get(name)
+                .copied()
+                .ok_or_else(|| CheckpointError::MissingTensor {
+                    name: name.to_string(),
+                    dir: self.dir.clone(),
+                    expected: expected.to_vec(),
+                })?;
+        let stored = self.stored_name(name).to_string();
+        let file = match &self.dcp {
+            Some(dcp) => {
+                return Err(CheckpointError::UnsupportedDtype {
+                    name: stored,
+                    file: dcp.dir.clone(),
+                    dtype: "U8 in DCP shards (tune reads MXFP4 from safetensors files)".into(),
+                });
+            }
+            None => &self.files[index],
+        };
+        let found = file.shape(&stored).unwrap_or_default();
+        if found != expected {
+            return Err(CheckpointError::ShapeMismatch {
+                name: stored,
+                file: file.path.clone(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        let bytes = file.read_u8(&stored)?;
+        self.done(name);
+        Ok(bytes)
     }
 
     /// Errors if tensors remain that nothing took (ignoring names in `ignorable`).

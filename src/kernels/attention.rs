@@ -91,6 +91,12 @@ impl Dims {
         self.batch * self.kv_heads
     }
 
+    /// The query head of row `r` of group `g` (`kv_head * n_rep + r / q_len`).
+    fn query_head(&self, g: usize, r: usize) -> usize {
+        let q_len = self.q_len.max(1);
+        (g % self.kv_heads) * (self.rows / q_len) + r / q_len
+    }
+
     /// A group's query blocks `(first row, rows)`: `BLOCK_Q` rows at a time within each query
     /// head's `q_len` rows. A block never holds the end of one head and the start of the next:
     /// those rows see opposite ends of the keys, and a block visits every key tile any of its
@@ -365,6 +371,10 @@ pub struct Inputs<'a> {
     pub k: HeadRows<'a>,
     pub v: HeadRows<'a>,
     pub masking: Masking<'a>,
+    /// gpt-oss: one sink logit per query head (`kv_heads * n_rep`), one more term in each
+    /// row's softmax denominator with no value: the row's running max starts at the sink and
+    /// its sum at 1, so the output is the sinkless one times `1 - p_sink`.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl Inputs<'_> {
@@ -430,8 +440,14 @@ fn forward_block(x: &Inputs, g: usize, r0: usize, o: &mut [f32], stats: &mut [Ro
     let d = &x.dims;
     let nq = stats.len();
     let mut scratch = Scratch::new(false);
-    let mut m = vec![f32::NEG_INFINITY; nq];
-    let mut l = vec![0.0f32; nq];
+    let (mut m, mut l) = match x.sinks {
+        // exp(sink - sink) = 1: the sink's term of the sum.
+        Some(sinks) => (
+            (r0..r0 + nq).map(|r| sinks[d.query_head(g, r)]).collect(),
+            vec![1.0f32; nq],
+        ),
+        None => (vec![f32::NEG_INFINITY; nq], vec![0.0f32; nq]),
+    };
     for k0 in (0..d.k_len).step_by(BLOCK_K) {
         let nk = BLOCK_K.min(d.k_len - k0);
         let Some(tile) = x.masking.tile(d, g, (r0, nq), (k0, nk)) else {
@@ -476,11 +492,25 @@ pub struct Saved<'a> {
 }
 
 /// The gradients of the queries, keys and values: `dq` like `q`, `dk` and `dv`
-/// `[batch, kv_heads, k_len, dim]` contiguous.
+/// `[batch, kv_heads, k_len, dim]` contiguous; and of the sinks when there are some.
 pub struct Grads {
     pub dq: Vec<f32>,
     pub dk: Vec<f32>,
     pub dv: Vec<f32>,
+    pub dsinks: Option<Vec<f32>>,
+}
+
+/// The sinks' gradient: a sink's probability `p = exp(sink - max) / sum` enters the output
+/// only through the denominator, so `d sink = -sum over its rows of p * delta`, with
+/// `delta = rowsum(dO * O)` as in the scores' gradient.
+fn sink_grads(d: &Dims, sinks: &[f32], stats: &[RowStats], delta: &[f32]) -> Vec<f32> {
+    let mut grads = vec![0.0f32; sinks.len()];
+    for (i, (st, &delta)) in stats.iter().zip(delta).enumerate() {
+        let head = d.query_head(i / d.rows.max(1), i % d.rows.max(1));
+        let p = (sinks[head] - st.max).exp() * st.inv_sum;
+        grads[head] -= p * delta;
+    }
+    grads
 }
 
 pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
@@ -488,8 +518,14 @@ pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
     let mut dq = vec![0.0f32; d.groups() * d.rows * d.dim];
     let mut dk = vec![0.0f32; d.groups() * d.k_len * d.dim];
     let mut dv = vec![0.0f32; d.groups() * d.k_len * d.dim];
+    let no_sinks = x.sinks.map(|s| vec![0.0f32; s.len()]);
     if d.rows == 0 || d.dim == 0 || d.k_len == 0 {
-        return Grads { dq, dk, dv };
+        return Grads {
+            dq,
+            dk,
+            dv,
+            dsinks: no_sinks,
+        };
     }
     // delta = rowsum(dO * O): the softmax backward's per-row term.
     let delta: Vec<f32> = saved
@@ -498,6 +534,9 @@ pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
         .zip(saved.grad_out.par_chunks(d.dim))
         .map(|(o, g)| simd::dot(o, g))
         .collect();
+    let dsinks = x
+        .sinks
+        .map(|sinks| sink_grads(&d, sinks, saved.stats, &delta));
     let sweep = BackwardSweep {
         x,
         saved,
@@ -526,7 +565,7 @@ pub fn backward(x: &Inputs, saved: &Saved) -> Grads {
             }
         }
     }
-    Grads { dq, dk, dv }
+    Grads { dq, dk, dv, dsinks }
 }
 
 /// One backward task's share: whole `dQ` blocks, and partial `dK`/`dV` sums for its group.

@@ -409,11 +409,13 @@ fn head_rows(t: &FlexTensor) -> attention::HeadRows<'_> {
     }
 }
 
-/// The call's inputs; `q` contiguous, `k` and `v` from [`with_rows_adjacent`].
+/// The call's inputs; `q` contiguous, `k` and `v` from [`with_rows_adjacent`], the sinks (one
+/// per query head) as values.
 fn attention_inputs<'a>(
     q: &'a FlexTensor,
     k: &'a FlexTensor,
     v: &'a FlexTensor,
+    sinks: Option<&'a [f32]>,
     masking: &'a AttentionMasking,
 ) -> attention::Inputs<'a> {
     let [batch, kv_heads, rows, dim] = q.shape().dims();
@@ -436,19 +438,46 @@ fn attention_inputs<'a>(
             mask_batch: masking.mask_batch,
             softcap: masking.softcap,
         },
+        sinks,
     }
 }
 
-/// Output and row statistics, with the inputs as the kernel reads them.
+/// A sinks tensor's values (any shape; one per query head).
+fn sink_values(sinks: &FlexTensor) -> Vec<f32> {
+    contiguous(sinks).storage().to_vec()
+}
+
+/// Output and row statistics, with the inputs as the kernel reads them: `x` is `[q, k, v]`
+/// or `[q, k, v, sinks]`.
 fn attention_run(
-    q: &FlexTensor,
-    k: &FlexTensor,
-    v: &FlexTensor,
+    x: &[&FlexTensor],
     masking: &AttentionMasking,
-) -> (FlexTensor, Vec<attention::RowStats>, [FlexTensor; 3]) {
-    let (q, k, v) = (contiguous(q), with_rows_adjacent(k), with_rows_adjacent(v));
-    let (out, stats) = attention::forward(&attention_inputs(&q, &k, &v, masking));
-    (new_tensor(out, q.shape()), stats, [q, k, v])
+) -> (FlexTensor, Vec<attention::RowStats>, AttentionInputs) {
+    let (q, k, v) = (
+        contiguous(x[0]),
+        with_rows_adjacent(x[1]),
+        with_rows_adjacent(x[2]),
+    );
+    let sinks = x.get(3).map(|s| (sink_values(s), s.shape()));
+    let values = sinks.as_ref().map(|(v, _)| v.as_slice());
+    let (out, stats) = attention::forward(&attention_inputs(&q, &k, &v, values, masking));
+    let out = new_tensor(out, q.shape());
+    (
+        out,
+        stats,
+        AttentionInputs {
+            qkv: [q, k, v],
+            sinks,
+        },
+    )
+}
+
+/// The inputs as the kernel read them, kept for the backward.
+#[derive(Debug, Clone)]
+struct AttentionInputs {
+    qkv: [FlexTensor; 3],
+    /// The sinks' values and the shape their gradient takes.
+    sinks: Option<(Vec<f32>, Shape)>,
 }
 
 /// Where the attention output's rows go.
@@ -496,19 +525,18 @@ fn laid_out(out: FlexTensor, q_len: usize, layout: OutputLayout) -> FlexTensor {
     }
 }
 
+/// `x`: `[q, k, v]`, or `[q, k, v, sinks]`.
 pub fn attention_inference(
-    q: &FlexTensor,
-    k: &FlexTensor,
-    v: &FlexTensor,
+    x: &[&FlexTensor],
     masking: &AttentionMasking,
     layout: OutputLayout,
 ) -> FlexTensor {
-    laid_out(attention_run(q, k, v, masking).0, masking.q_len, layout)
+    laid_out(attention_run(x, masking).0, masking.q_len, layout)
 }
 
 #[derive(Debug, Clone)]
 struct AttentionState {
-    inputs: [FlexTensor; 3],
+    inputs: AttentionInputs,
     /// The output as returned (in `layout`).
     out: FlexTensor,
     layout: OutputLayout,
@@ -516,16 +544,18 @@ struct AttentionState {
     masking: AttentionMasking,
 }
 
+/// `N` is 3 (queries, keys, values) or 4 (and the sinks).
 #[derive(Debug)]
-struct AttentionBackward;
+struct AttentionBackward<const N: usize>;
 
-impl Backward<Flex, 3> for AttentionBackward {
+impl<const N: usize> Backward<Flex, N> for AttentionBackward<N> {
     type State = AttentionState;
 
-    fn backward(self, ops: Ops<AttentionState, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<AttentionState, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let state = ops.state;
         let grad = contiguous(&grads.consume::<Flex>(&ops.node));
-        let [q, k, v] = &state.inputs;
+        let [q, k, v] = &state.inputs.qkv;
+        let sinks = state.inputs.sinks.as_ref();
         // The kernel reads the output and its gradient grouped, as the queries.
         let (out, grad) = match state.layout {
             OutputLayout::Grouped => (state.out, grad),
@@ -537,7 +567,8 @@ impl Backward<Flex, 3> for AttentionBackward {
                 )
             }
         };
-        let x = attention_inputs(q, k, v, &state.masking);
+        let values = sinks.map(|(v, _)| v.as_slice());
+        let x = attention_inputs(q, k, v, values, &state.masking);
         let g = attention::backward(
             &x,
             &attention::Saved {
@@ -546,8 +577,14 @@ impl Backward<Flex, 3> for AttentionBackward {
                 grad_out: grad.storage(),
             },
         );
-        let [dq, dk, dv] = [(g.dq, q), (g.dk, k), (g.dv, v)].map(|(g, t)| new_tensor(g, t.shape()));
-        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+        let mut input_grads: Vec<FlexTensor> = [(g.dq, q), (g.dk, k), (g.dv, v)]
+            .into_iter()
+            .map(|(g, t)| new_tensor(g, t.shape()))
+            .collect();
+        if let (Some(ds), Some((_, shape))) = (g.dsinks, sinks) {
+            input_grads.push(new_tensor(ds, shape.clone()));
+        }
+        for (parent, grad) in ops.parents.into_iter().zip(input_grads) {
             if let Some(node) = parent {
                 grads.register::<Flex>(node.id, grad);
             }
@@ -555,15 +592,17 @@ impl Backward<Flex, 3> for AttentionBackward {
     }
 }
 
-pub fn attention_autodiff<C: CheckpointStrategy>(
-    [q, k, v]: [FloatTensor<Autodiff<Flex, C>>; 3],
+/// `x`: `[q, k, v]`, or `[q, k, v, sinks]` (`N` = 4).
+pub fn attention_autodiff<C: CheckpointStrategy, const N: usize>(
+    x: [FloatTensor<Autodiff<Flex, C>>; N],
     masking: &AttentionMasking,
     layout: OutputLayout,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let (out, stats, inputs) = attention_run(&q.primitive, &k.primitive, &v.primitive, masking);
+    let primitives: Vec<&FlexTensor> = x.iter().map(|t| &t.primitive).collect();
+    let (out, stats, inputs) = attention_run(&primitives, masking);
     let out = laid_out(out, masking.q_len, layout);
-    match AttentionBackward
-        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+    match AttentionBackward::<N>
+        .prepare::<C>(x.each_ref().map(|t| t.node.clone()))
         .compute_bound()
         .stateful()
     {

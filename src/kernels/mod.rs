@@ -125,14 +125,19 @@ pub fn attention_skips_hidden_tiles<B: Backend>() -> bool {
 /// the cubecl kernels of [`cube_attention`](mod@cube_attention) (the same algorithm, one source
 /// for both). For a decoding step (one query position without autodiff) it is the composed
 /// [`composed_attention`].
+///
+/// `sinks` (gpt-oss): one logit per query head (`[kv_heads * n_rep]`), an extra softmax term
+/// with no value. The fused CPU kernel takes them (its backward gives their gradient); the
+/// cubecl kernels do not yet, so attention with sinks on CUDA and wgpu is the composed one.
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
+    sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
-    attention_in(q, k, v, mask, softcap, OutputLayout::Grouped)
+    attention_in(q, k, v, mask, softcap, sinks, OutputLayout::Grouped)
 }
 
 /// [`attention`] with its output `[batch, q_len, kv_heads * n_rep, dim]`: each position's
@@ -145,28 +150,32 @@ pub fn attention_by_position<B: Backend>(
     v: Tensor<B, 4>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
+    sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
-    attention_in(q, k, v, mask, softcap, OutputLayout::ByPosition)
+    attention_in(q, k, v, mask, softcap, sinks, OutputLayout::ByPosition)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention_in<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
+    sinks: Option<Tensor<B, 1>>,
     layout: OutputLayout,
 ) -> Tensor<B, 4> {
+    /// The fused kernel over `N` inputs: `[q, k, v]`, or with the sinks (`[1, 1, 1, heads]`).
     struct Fused(flex::AttentionMasking, OutputLayout);
-    impl FlexOpN<3> for Fused {
-        fn forward(&self, [q, k, v]: [&FlexTensor; 3]) -> FlexTensor {
-            flex::attention_inference(q, k, v, &self.0, self.1)
+    impl<const N: usize> FlexOpN<N> for Fused {
+        fn forward(&self, x: [&FlexTensor; N]) -> FlexTensor {
+            flex::attention_inference(&x, &self.0, self.1)
         }
         fn autodiff<C: CheckpointStrategy>(
             &self,
-            x: [AutodiffFlexTensor<C>; 3],
+            x: [AutodiffFlexTensor<C>; N],
         ) -> AutodiffFlexTensor<C> {
-            flex::attention_autodiff::<C>(x, &self.0, self.1)
+            flex::attention_autodiff::<C, N>(x, &self.0, self.1)
         }
     }
     let [mask_batch, q_len, _] = mask.dims;
@@ -174,23 +183,27 @@ fn attention_in<B: Backend>(
         OutputLayout::Grouped => grouped,
         OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
     };
-    let composed = |q, k, v| laid_out(composed_attention(q, k, v, mask, softcap));
+    let composed = |q, k, v, sinks| laid_out(composed_attention(q, k, v, mask, softcap, sinks));
     // A decoding step (one query position, no autodiff) keeps nothing for a backward and its
     // scores are one row per query head: two batched products beat the fused kernel's
     // per-block overhead there (measured: decode rate 13% lower through it on SmolLM2-135M).
     let decoding = q_len == 1 && !B::ad_enabled(&q.device());
     if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
-        return composed(q, k, v);
+        return composed(q, k, v, sinks);
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    let [q, k, v] = match cube_attention::attention(q, k, v, mask, softcap) {
-        Ok(grouped) => return laid_out(grouped),
-        Err(x) => x,
+    let [q, k, v] = match sinks {
+        Some(_) => [q, k, v],
+        None => match cube_attention::attention(q, k, v, mask, softcap) {
+            Ok(grouped) => return laid_out(grouped),
+            Err(x) => x,
+        },
     };
     let dtype = q.dtype();
     if dtype == DType::BF16 && is_flex::<B>() {
         let [q, k, v] = [q, k, v].map(|t| cast(t, DType::F32));
-        return cast(attention_in(q, k, v, mask, softcap, layout), dtype);
+        let sinks = sinks.map(|s| cast(s, DType::F32));
+        return cast(attention_in(q, k, v, mask, softcap, sinks, layout), dtype);
     }
     let op = Fused(
         flex::AttentionMasking {
@@ -202,9 +215,18 @@ fn attention_in<B: Backend>(
         },
         layout,
     );
-    match on_flex_n([q, k, v], op) {
-        Ok(out) => out,
-        Err([q, k, v]) => composed(q, k, v),
+    match sinks {
+        None => match on_flex_n([q, k, v], op) {
+            Ok(out) => out,
+            Err([q, k, v]) => composed(q, k, v, None),
+        },
+        Some(sinks) => {
+            let heads = sinks.dims()[0];
+            match on_flex_n([q, k, v, sinks.reshape([1, 1, 1, heads])], op) {
+                Ok(out) => out,
+                Err([q, k, v, sinks]) => composed(q, k, v, Some(sinks.reshape([heads]))),
+            }
+        }
     }
 }
 
@@ -277,12 +299,38 @@ pub fn composed_attention<B: Backend>(
     v: Tensor<B, 4>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
+    sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
     let mut scores = matmul(q, k.swap_dims(2, 3));
     if let Some(cap) = softcap {
         scores = self::softcap(scores, cap);
     }
-    matmul(masked_softmax(scores, mask), v)
+    let probs = match sinks {
+        None => masked_softmax(scores, mask),
+        Some(sinks) => softmax_with_sinks(scores, mask, sinks),
+    };
+    matmul(probs, v)
+}
+
+/// Attention probabilities with one sink logit per query head, as transformers' gpt-oss
+/// computes them: the sink joins each row's scores as one more column, the softmax runs over
+/// all of them in fp32, and the sink's column is dropped.
+fn softmax_with_sinks<B: Backend>(
+    scores: Tensor<B, 4>,
+    mask: &AttentionMask<B>,
+    sinks: Tensor<B, 1>,
+) -> Tensor<B, 4> {
+    let dtype = scores.dtype();
+    let [batch, kv_heads, rows, k_len] = scores.dims();
+    let [mask_batch, q_len, _] = mask.dims;
+    let heads = kv_heads * rows / q_len.max(1);
+    let scores = cast(scores, DType::F32).reshape([batch, heads, q_len, k_len])
+        + mask.tensor.clone().reshape([mask_batch, 1, q_len, k_len]);
+    let sinks = cast(sinks, DType::F32)
+        .reshape([1, heads, 1, 1])
+        .expand([batch, heads, q_len, 1]);
+    let probs = softmax(Tensor::cat(vec![scores, sinks], 3)).narrow(3, 0, k_len);
+    cast(probs.reshape([batch, kv_heads, rows, k_len]), dtype)
 }
 
 /// Softmax over the last dimension.

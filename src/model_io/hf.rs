@@ -230,6 +230,16 @@ pub fn save_hf_companions(
             "torch_dtype"
         };
         obj.insert(key.into(), dtype.torch_name().into());
+        // gpt-oss's release stores its experts in MXFP4; tune dequantizes them on load and saves
+        // them in `dtype`, so the saved config must not tell transformers to read MXFP4 blocks.
+        if obj
+            .get("quantization_config")
+            .and_then(|q| q.get("quant_method"))
+            .and_then(serde_json::Value::as_str)
+            == Some("mxfp4")
+        {
+            obj.remove("quantization_config");
+        }
         // The Hub repo the weights came from, as transformers records it; never a local path.
         if let Some(id) = source_dir.and_then(crate::hub::provenance::hub_id) {
             obj.insert("_name_or_path".into(), id.into());

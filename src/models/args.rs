@@ -16,6 +16,12 @@ pub enum Activation {
     Silu,
     /// `gelu_pytorch_tanh` / `gelu` as Gemma uses it (tanh approximation).
     GeluTanh,
+    /// gpt-oss's experts: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+    /// `g = min(gate, limit)` (`swiglu_alpha`, `swiglu_limit`).
+    ClampedSwiglu {
+        alpha: f64,
+        limit: f64,
+    },
 }
 
 /// RoPE frequency scaling, as transformers' `rope_type`.
@@ -30,6 +36,18 @@ pub enum RopeScaling {
     },
     Linear {
         factor: f64,
+    },
+    /// YaRN (gpt-oss, long-context Qwen 3): frequencies blended between interpolated and
+    /// extrapolated by a linear ramp over the dimensions, and cos/sin scaled by
+    /// `attention_factor`, as transformers' `_compute_yarn_parameters`.
+    Yarn {
+        factor: f64,
+        attention_factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        original_max_position_embeddings: f64,
+        /// Round the ramp's ends to whole dimensions (transformers' default, true).
+        truncate: bool,
     },
 }
 
@@ -54,6 +72,12 @@ pub struct ModelArgs {
     pub num_labels: Option<usize>,
     /// Qwen2: q/k/v projections carry a bias.
     pub attention_bias: bool,
+    /// The output projection carries a bias too (`attention_bias` in the families whose
+    /// `o_proj` follows it in transformers: Llama, Qwen 3, Gemma, SmolLM3, gpt-oss).
+    pub o_proj_bias: bool,
+    /// gpt-oss: each head's learned sink logit (`self_attn.sinks`), one more entry in the
+    /// softmax's denominator that attends to nothing.
+    pub attention_sinks: bool,
     pub mlp_bias: bool,
     /// Qwen3: RMSNorm over each head of q and k before RoPE.
     pub qk_norm: bool,
@@ -182,14 +206,31 @@ impl ModelArgs {
                     .and_then(|p| p.get("rope_theta"))
                     .and_then(Value::as_f64)
             })
-            .unwrap_or(10_000.0);
+            .unwrap_or(if family == Family::GptOss {
+                150_000.0
+            } else {
+                10_000.0
+            });
+        // gpt-oss's config class fills in its YaRN when the file has none.
+        let gpt_oss_yarn = serde_json::json!({"rope_type": "yarn", "factor": 32.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+            "original_max_position_embeddings": 4096});
         let scaling = raw
             .get("rope_scaling")
             .filter(|v| v.is_object())
-            .or(rope_params);
+            .or(rope_params)
+            .or((family == Family::GptOss).then_some(&gpt_oss_yarn));
+        let max_position_embeddings = raw
+            .get("max_position_embeddings")
+            .and_then(Value::as_u64)
+            .unwrap_or(if family == Family::GptOss {
+                131_072
+            } else {
+                4096
+            }) as usize;
         let rope_scaling = match scaling {
             None => RopeScaling::None,
-            Some(s) => parse_rope_scaling(s)?,
+            Some(s) => parse_rope_scaling(s, max_position_embeddings)?,
         };
         let activation = match raw
             .get("hidden_activation")
@@ -197,6 +238,11 @@ impl ModelArgs {
             .and_then(Value::as_str)
             .unwrap_or("silu")
         {
+            // gpt-oss's experts apply their own gate whatever `hidden_act` says.
+            _ if family == Family::GptOss => Activation::ClampedSwiglu {
+                alpha: f("swiglu_alpha").unwrap_or(1.702),
+                limit: f("swiglu_limit").unwrap_or(7.0),
+            },
             "silu" | "swish" => Activation::Silu,
             "gelu_pytorch_tanh" | "gelu" | "gelu_new" => Activation::GeluTanh,
             other => {
@@ -246,8 +292,13 @@ impl ModelArgs {
             Family::Qwen2Moe => b("qkv_bias")
                 .or_else(|| b("attention_bias"))
                 .unwrap_or(true),
-            _ => b("attention_bias").unwrap_or(family == Family::Qwen2),
+            _ => b("attention_bias").unwrap_or(matches!(family, Family::Qwen2 | Family::GptOss)),
         };
+        let o_proj_bias = attention_bias
+            && !matches!(
+                family,
+                Family::Qwen2 | Family::Qwen2Moe | Family::Mistral | Family::Phi3 | Family::Mixtral
+            );
         Ok(Self {
             family,
             vocab_size: req("vocab_size")?,
@@ -260,16 +311,15 @@ impl ModelArgs {
             rms_norm_eps: f("rms_norm_eps").unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: raw
-                .get("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .unwrap_or(4096) as usize,
+            max_position_embeddings,
             // transformers defaults tie_word_embeddings to true for Gemma and SmolLM3, false for
             // Llama.
             tie_word_embeddings: num_labels.is_none()
                 && b("tie_word_embeddings").unwrap_or(gemma || family == Family::SmolLm3),
             num_labels,
             attention_bias,
+            o_proj_bias,
+            attention_sinks: family == Family::GptOss,
             mlp_bias: b("mlp_bias").unwrap_or(false),
             qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
             norm_weight_offset: gemma,
@@ -354,6 +404,17 @@ impl ModelArgs {
         !mlp_leaf || name.contains(".experts.") == moe.lora_on_experts
     }
 
+    /// Whether the checkpoint stores several of the model's weights in one tensor that a
+    /// rank's rows cannot be read from (Phi-3's `qkv_proj`/`gate_up_proj`, gpt-oss's experts):
+    /// such a model loads whole and saves gathered.
+    pub fn fused_on_disk(&self) -> bool {
+        self.fused_projections
+            || self
+                .moe
+                .as_ref()
+                .is_some_and(|m| m.naming == ExpertNaming::GptOss)
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
@@ -382,7 +443,13 @@ impl ModelArgs {
             } else {
                 0
             }
-            + if self.qk_norm { 2 * self.head_dim } else { 0 };
+            + if self.qk_norm { 2 * self.head_dim } else { 0 }
+            + if self.o_proj_bias { h } else { 0 }
+            + if self.attention_sinks {
+                self.num_heads
+            } else {
+                0
+            };
         let dense = 3 * h * self.intermediate_size;
         let mlps: usize = (0..self.num_layers)
             .map(|l| match &self.moe {
@@ -431,7 +498,7 @@ fn sliding_layers(
             .collect();
     }
     Ok(match family {
-        Family::Gemma2 => (0..num_layers).map(|i| (i + 1) % 2 != 0).collect(),
+        Family::Gemma2 | Family::GptOss => (0..num_layers).map(|i| (i + 1) % 2 != 0).collect(),
         Family::Gemma3 => {
             let pattern = raw
                 .get("sliding_window_pattern")
@@ -510,7 +577,7 @@ fn classifier_labels(raw: &Value) -> Option<usize> {
     Some(labels.unwrap_or(2))
 }
 
-fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
+fn parse_rope_scaling(s: &Value, max_position_embeddings: usize) -> Result<RopeScaling, String> {
     let kind = s
         .get("rope_type")
         .or_else(|| s.get("type"))
@@ -532,9 +599,41 @@ fn parse_rope_scaling(s: &Value) -> Result<RopeScaling, String> {
         "linear" => RopeScaling::Linear {
             factor: num("factor")?,
         },
+        "yarn" => {
+            let opt = |key: &str| s.get(key).and_then(Value::as_f64);
+            let original = num("original_max_position_embeddings")?;
+            let factor = opt("factor").unwrap_or(max_position_embeddings as f64 / original);
+            // transformers' `get_mscale`.
+            let mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                opt("attention_factor"),
+                opt("mscale"),
+                opt("mscale_all_dim"),
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                    mscale(factor, m) / mscale(factor, all)
+                }
+                _ => mscale(factor, 1.0),
+            };
+            RopeScaling::Yarn {
+                factor,
+                attention_factor,
+                beta_fast: opt("beta_fast").filter(|b| *b != 0.0).unwrap_or(32.0),
+                beta_slow: opt("beta_slow").filter(|b| *b != 0.0).unwrap_or(1.0),
+                original_max_position_embeddings: original,
+                truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+            }
+        }
         other => {
             return Err(format!(
-                "unsupported rope scaling type \"{other}\"; supported: default, llama3, linear"
+                "unsupported rope scaling type \"{other}\"; supported: default, llama3, linear, yarn"
             ));
         }
     })

@@ -7,12 +7,12 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
-use super::args::MoeArgs;
+use super::args::{ExpertNaming, MoeArgs};
 use super::args::{Family, ModelArgs};
 use super::decoder::{Attention, CausalLm, DecoderBody, DecoderLayer, Embedding, Mlp};
 use super::moe::SparseMoe;
 use super::rope::Rope;
-use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights};
+use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, Weights, mxfp4};
 use crate::modules::frozen_nf4::{FrozenNf4, Nf4Rows, RowOrder};
 use crate::modules::nf4::{BLOCK_SIZE, Nf4Dtype};
 use crate::modules::{Linear, RmsNorm};
@@ -76,6 +76,21 @@ pub trait ParamSource {
     fn own_rows(&self, _rows: usize) -> Option<Range<usize>> {
         None
     }
+
+    /// Whether the source holds tensor `name` (a source that makes its tensors up holds none
+    /// of the optional ones).
+    fn has(&self, _name: &str) -> bool {
+        false
+    }
+
+    /// The bytes of the `U8` tensor `name` (MXFP4's codes and scales).
+    fn take_u8(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, CheckpointError> {
+        Err(CheckpointError::MissingTensor {
+            name: name.to_string(),
+            dir: Default::default(),
+            expected: shape.to_vec(),
+        })
+    }
 }
 
 impl ParamSource for Weights {
@@ -107,6 +122,14 @@ impl ParamSource for Weights {
 
     fn done(&mut self, name: &str) {
         Weights::done(self, name)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+
+    fn take_u8(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, CheckpointError> {
+        Weights::take_u8(self, name, shape)
     }
 }
 
@@ -302,7 +325,14 @@ impl<B: Backend> Builder<'_, B> {
                 self.linear(&format!("{p}.v_proj"), kv, h, bias)?,
             )
         };
-        let o_proj = self.linear(&format!("{p}.o_proj"), h, q, false)?;
+        let o_proj = self.linear(&format!("{p}.o_proj"), h, q, a.o_proj_bias)?;
+        let sinks = if a.attention_sinks {
+            Some(Param::from_tensor(
+                self.tensor(&format!("{p}.sinks"), &[a.num_heads])?,
+            ))
+        } else {
+            None
+        };
         let (q_norm, k_norm) = if a.qk_norm {
             (
                 Some(self.norm(&format!("{p}.q_norm"), a.head_dim)?),
@@ -325,6 +355,7 @@ impl<B: Backend> Builder<'_, B> {
             softcap: a.attn_logit_softcap,
             sliding: a.sliding_layers.get(layer).copied().unwrap_or(false),
             rope: a.rope_layers.get(layer).copied().unwrap_or(true),
+            sinks,
         })
     }
 
@@ -333,16 +364,22 @@ impl<B: Backend> Builder<'_, B> {
     fn moe(&mut self, p: &str, moe: &MoeArgs) -> Result<SparseMoe<B>, CheckpointError> {
         let a = self.args;
         let name = |path: String| a.hf_name(&path);
-        let gate = self.router(&name(format!("{p}.gate")), moe.num_experts)?;
-        let mut experts = Vec::with_capacity(moe.num_experts);
-        for e in 0..moe.num_experts {
-            let expert = format!("{p}.experts.{e}");
-            experts.push(self.swiglu(&expert, moe.expert_intermediate_size, &name)?);
-        }
+        let fused = moe.naming == ExpertNaming::GptOss;
+        let gate = self.router(&name(format!("{p}.gate")), moe.num_experts, fused)?;
+        let experts = if fused {
+            self.fused_experts(&name(format!("{p}.experts")), moe)?
+        } else {
+            let mut experts = Vec::with_capacity(moe.num_experts);
+            for e in 0..moe.num_experts {
+                let expert = format!("{p}.experts.{e}");
+                experts.push(self.swiglu(&expert, moe.expert_intermediate_size, &name)?);
+            }
+            experts
+        };
         let (shared_expert, shared_expert_gate) = match moe.shared_expert_intermediate_size {
             Some(i) => (
                 Some(self.swiglu(&format!("{p}.shared_expert"), i, &name)?),
-                Some(self.router(&name(format!("{p}.shared_expert_gate")), 1)?),
+                Some(self.router(&name(format!("{p}.shared_expert_gate")), 1, false)?),
             ),
             None => (None, None),
         };
@@ -356,14 +393,118 @@ impl<B: Backend> Builder<'_, B> {
         })
     }
 
-    /// A router (`[out, hidden]`, no bias): kept in float whatever the base weights' storage,
-    /// as QLoRA keeps everything but the decoder's projections (bitsandbytes' and torchtune's
-    /// QLoRA quantize linear projections; a router is a few thousand values LoRA never adapts).
-    fn router(&mut self, prefix: &str, out: usize) -> Result<Linear<B>, CheckpointError> {
+    /// A router (`[out, hidden]`, with a bias for gpt-oss): kept in float whatever the base
+    /// weights' storage, as QLoRA keeps everything but the decoder's projections (bitsandbytes'
+    /// and torchtune's QLoRA quantize linear projections; a router is a few thousand values
+    /// LoRA never adapts).
+    fn router(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        bias: bool,
+    ) -> Result<Linear<B>, CheckpointError> {
         let w = self
             .src
             .take(&format!("{prefix}.weight"), &[out, self.args.hidden_size])?;
-        Ok(Linear::new(w.to_tensor(self.device), None))
+        let b = if bias {
+            Some(self.tensor(&format!("{prefix}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok(Linear::new(w.to_tensor(self.device), b))
+    }
+
+    /// gpt-oss's experts, stored fused ([`ExpertNaming::GptOss`], under `p`, e.g.
+    /// `model.layers.0.mlp.experts`), split into one biased SwiGLU per expert: the gate and up
+    /// projections are the even and odd output columns of `gate_up_proj`. Each expert's
+    /// projections are named as if stored apart (`{p}.{e}.gate_proj`), the names LoRA and NF4
+    /// see and `params.rs` fuses back on save.
+    fn fused_experts(&mut self, p: &str, moe: &MoeArgs) -> Result<Vec<Mlp<B>>, CheckpointError> {
+        let (experts, h, i) = (
+            moe.num_experts,
+            self.args.hidden_size,
+            moe.expert_intermediate_size,
+        );
+        // Each expert's weights as `[out, in]` rows.
+        let gate_up = self.expert_weights(&format!("{p}.gate_up_proj"), experts, h, 2 * i)?;
+        let gate_up_bias = self
+            .src
+            .take(&format!("{p}.gate_up_proj_bias"), &[experts, 2 * i])?;
+        let down = self.expert_weights(&format!("{p}.down_proj"), experts, i, h)?;
+        let down_bias = self
+            .src
+            .take(&format!("{p}.down_proj_bias"), &[experts, h])?;
+        let mut out = Vec::with_capacity(experts);
+        for e in 0..experts {
+            let gate_up = gate_up.rows(e * 2 * i, 2 * i);
+            let gate_up_bias = gate_up_bias.rows(e, 1).reshaped(vec![2 * i, 1]);
+            let name = |proj: &str| format!("{p}.{e}.{proj}");
+            let half = |proj: &str, first: usize| {
+                let bias = every_other_row(&gate_up_bias, first).reshaped(vec![i]);
+                self.linear_from(
+                    &name(proj),
+                    every_other_row(&gate_up, first),
+                    None,
+                    Some(bias),
+                )
+            };
+            let (gate_proj, up_proj) = (half("gate_proj", 0)?, half("up_proj", 1)?);
+            let down_proj = self.linear_from(
+                &name("down_proj"),
+                down.rows(e * h, h),
+                None,
+                Some(down_bias.rows(e, 1).reshaped(vec![h])),
+            )?;
+            out.push(Mlp {
+                gate_proj,
+                up_proj,
+                down_proj,
+                activation: self.args.activation,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The fused expert weight `name`, stored `[experts, in, out]` (or in MXFP4 as
+    /// `{name}_blocks` / `{name}_scales`, `[experts, out, ..]`), as `[experts * out, in]`: each
+    /// expert's `[out, in]` linear weight, one after the other.
+    fn expert_weights(
+        &mut self,
+        name: &str,
+        experts: usize,
+        inp: usize,
+        out: usize,
+    ) -> Result<HostTensor, CheckpointError> {
+        let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
+        if self.src.has(&blocks) {
+            let per_row = inp / 32;
+            if inp % 32 != 0 {
+                return Err(CheckpointError::Invalid {
+                    path: blocks.into(),
+                    message: format!("MXFP4 rows of {inp} values are not whole blocks of 32"),
+                });
+            }
+            let codes = self
+                .src
+                .take_u8(&blocks, &[experts, out, per_row, mxfp4::BLOCK_BYTES])?;
+            let scales = self.src.take_u8(&scales, &[experts, out, per_row])?;
+            let values = mxfp4::dequantize(&codes, &scales);
+            return Ok(HostTensor::new(vec![experts * out, inp], values));
+        }
+        let stored = self.src.take(name, &[experts, inp, out])?;
+        let mut values = vec![0.0f32; experts * out * inp];
+        for (src, dst) in stored
+            .data
+            .chunks_exact(inp * out)
+            .zip(values.chunks_exact_mut(inp * out))
+        {
+            for r in 0..inp {
+                for c in 0..out {
+                    dst[c * inp + r] = src[r * out + c];
+                }
+            }
+        }
+        Ok(HostTensor::new(vec![experts * out, inp], values))
     }
 
     /// An expert's SwiGLU MLP of width `i` (no biases), its projections named by `name`.
@@ -543,8 +684,8 @@ impl ParamSource for RowsSource<'_> {
 /// the whole model never exists on this rank, and only those rows are read from `src`. Its
 /// `shards` record every weight's whole shape and have no collectives yet (the trainer's
 /// setup wires them in: `training::fsdp`); until then nothing may run it. `None` for models
-/// whose checkpoint fuses projections a rank's rows cannot be read from (Phi-3's
-/// `qkv_proj`): load those whole and shard them after. An NF4 base (`base`) keeps each
+/// whose checkpoint fuses weights a rank's rows cannot be read from (Phi-3's
+/// `qkv_proj`, gpt-oss's experts): load those whole and shard them after. An NF4 base (`base`) keeps each
 /// decoder linear's quantized rows, quantized as the whole weight would be.
 pub fn build_rows<B: Backend>(
     args: &ModelArgs,
@@ -553,7 +694,7 @@ pub fn build_rows<B: Backend>(
     rows: RowsOf,
     base: BaseWeights,
 ) -> Result<Option<CausalLm<B>>, CheckpointError> {
-    if args.fused_projections {
+    if args.fused_on_disk() {
         return Ok(None);
     }
     let mut source = RowsSource {
@@ -633,6 +774,21 @@ impl<B: Backend> CausalLm<B> {
         }
         Ok(())
     }
+}
+
+/// Rows `first, first + 2, ...` of a `[rows, cols]` tensor: gpt-oss interleaves its gate
+/// (even) and up (odd) projections' output rows.
+fn every_other_row(t: &HostTensor, first: usize) -> HostTensor {
+    let cols = t.shape[1];
+    let data: Vec<f32> = t
+        .data
+        .chunks_exact(cols)
+        .skip(first)
+        .step_by(2)
+        .flatten()
+        .copied()
+        .collect();
+    HostTensor::new(vec![data.len() / cols.max(1), cols], data)
 }
 
 /// Tensors a Hugging Face checkpoint may hold that the model legitimately does not use.

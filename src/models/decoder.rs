@@ -36,6 +36,9 @@ pub struct Attention<B: Backend> {
     pub sliding: bool,
     /// Rotates q and k by position (SmolLM3's NoPE layers do not).
     pub rope: bool,
+    /// gpt-oss: each query head's sink logit (`self_attn.sinks`, `[heads]`), an extra term of
+    /// the softmax's denominator that attends to nothing.
+    pub sinks: Option<Param<Tensor<B, 1>>>,
 }
 
 /// What every layer of one forward pass shares: RoPE tables, the attention masks, switches.
@@ -113,7 +116,9 @@ impl<B: Backend> Attention<B> {
             (Some(m), true) => m,
             _ => &ctx.mask,
         };
-        let out = attention_by_position(q, k, v, mask, self.softcap).reshape([batch * seq, h * d]);
+        let sinks = self.sinks.as_ref().map(Param::val);
+        let out =
+            attention_by_position(q, k, v, mask, self.softcap, sinks).reshape([batch * seq, h * d]);
         self.o_proj.forward(out, mode).reshape([batch, seq, hidden])
     }
 }

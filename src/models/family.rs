@@ -20,6 +20,9 @@ pub enum Family {
     Qwen3Moe,
     /// Mixtral: Mistral attention, every layer sparse (`block_sparse_moe`, experts `w1/w3/w2`).
     Mixtral,
+    /// gpt-oss: every layer sparse (a biased router, biased experts with a clamped SwiGLU,
+    /// stored fused), attention sinks, alternating sliding-window layers, YaRN RoPE.
+    GptOss,
 }
 
 impl Family {
@@ -36,6 +39,7 @@ impl Family {
         "qwen2_moe",
         "qwen3_moe",
         "mixtral",
+        "gpt_oss",
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Self> {
@@ -52,6 +56,7 @@ impl Family {
             "qwen2_moe" => Self::Qwen2Moe,
             "qwen3_moe" => Self::Qwen3Moe,
             "mixtral" => Self::Mixtral,
+            "gpt_oss" => Self::GptOss,
             _ => return None,
         })
     }
@@ -70,6 +75,7 @@ impl Family {
             Self::Qwen2Moe => "qwen2_moe",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Mixtral => "mixtral",
+            Self::GptOss => "gpt_oss",
         }
     }
 

@@ -1,4 +1,4 @@
-//! A gated MLP (SwiGLU, or GeGLU for Gemma): the dense feed-forward block of a decoder layer,
+//! A gated MLP (SwiGLU, GeGLU for Gemma, gpt-oss's clamped SwiGLU): the dense feed-forward block of a decoder layer,
 //! and each expert of a mixture-of-experts block.
 
 use burn::module::Module;
@@ -31,9 +31,24 @@ impl<B: Backend> Mlp<B> {
         let hidden_activation = match self.activation {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => gelu_tanh(gate) * up,
+            Activation::ClampedSwiglu { alpha, limit } => clamped_swiglu(gate, up, alpha, limit),
         };
         self.down_proj.forward(hidden_activation, mode)
     }
+}
+
+/// gpt-oss's gate: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with
+/// `g = min(gate, limit)`, as transformers' `GptOssExperts._apply_gate`.
+fn clamped_swiglu<B: Backend, const D: usize>(
+    gate: Tensor<B, D>,
+    up: Tensor<B, D>,
+    alpha: f64,
+    limit: f64,
+) -> Tensor<B, D> {
+    let gate = gate.clamp_max(limit);
+    let up = up.clamp(-limit, limit);
+    let glu = gate.clone() * burn::tensor::activation::sigmoid(gate * alpha);
+    (up + 1.0) * glu
 }
 
 /// `gelu_pytorch_tanh`: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).

@@ -13,6 +13,13 @@ pub enum ExpertNaming {
     Qwen,
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2` (Mixtral).
     Mixtral,
+    /// `mlp.router` (weight and bias) and every expert fused in four tensors (gpt-oss):
+    /// `mlp.experts.gate_up_proj` `[experts, hidden, 2 * intermediate]` (gate and up columns
+    /// interleaved), `gate_up_proj_bias`, `down_proj` `[experts, intermediate, hidden]` and
+    /// `down_proj_bias`; the Hub's release stores the two weights in MXFP4
+    /// (`*_blocks`/`*_scales`). Here each expert is its own biased `gate_proj`/`up_proj`/
+    /// `down_proj`, split on load and fused again on save (`build.rs`, `params.rs`).
+    GptOss,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -54,6 +61,7 @@ impl MoeArgs {
         let naming = match family {
             Family::Qwen2Moe | Family::Qwen3Moe => ExpertNaming::Qwen,
             Family::Mixtral => ExpertNaming::Mixtral,
+            Family::GptOss => ExpertNaming::GptOss,
             _ => return Ok(None),
         };
         let int = |key: &str| raw.get(key).and_then(Value::as_u64).map(|v| v as usize);
@@ -83,7 +91,7 @@ impl MoeArgs {
             ));
         }
         let sparse_layers = match naming {
-            ExpertNaming::Mixtral => vec![true; num_layers],
+            ExpertNaming::Mixtral | ExpertNaming::GptOss => vec![true; num_layers],
             ExpertNaming::Qwen => {
                 let step = int("decoder_sparse_step").unwrap_or(1).max(1);
                 let dense: Vec<u64> = raw
@@ -97,7 +105,9 @@ impl MoeArgs {
             }
         };
         let (expert_intermediate_size, norm_topk_prob) = match naming {
-            ExpertNaming::Mixtral => (need("intermediate_size")?, true),
+            // gpt-oss's router takes the softmax of the top-k logits: the renormalised top-k
+            // probabilities, with the same gradient (none to the logits not chosen).
+            ExpertNaming::Mixtral | ExpertNaming::GptOss => (need("intermediate_size")?, true),
             ExpertNaming::Qwen => (
                 need("moe_intermediate_size")?,
                 raw.get("norm_topk_prob")
@@ -117,7 +127,9 @@ impl MoeArgs {
             shared_expert_intermediate_size,
             sparse_layers,
             naming,
-            lora_on_experts: family != Family::Qwen2Moe,
+            // gpt-oss's experts are 3-D parameters peft adapts only through
+            // `target_parameters` (its `ParamWrapper`), a layout tune does not write yet.
+            lora_on_experts: !matches!(family, Family::Qwen2Moe | Family::GptOss),
             aux_loss_coef,
         }))
     }
@@ -133,7 +145,13 @@ impl MoeArgs {
             .shared_expert_intermediate_size
             .map_or(0, |i| 3 * hidden * i + hidden);
         let experts = if active { self.top_k } else { self.num_experts };
-        self.num_experts * hidden + experts * 3 * hidden * self.expert_intermediate_size + shared
+        let i = self.expert_intermediate_size;
+        // gpt-oss: a router bias, and each expert's three projections' biases.
+        let biases = match self.naming {
+            ExpertNaming::GptOss => self.num_experts + experts * (2 * i + hidden),
+            _ => 0,
+        };
+        self.num_experts * hidden + experts * 3 * hidden * i + shared + biases
     }
 
     /// The checkpoint name of a module path (`model.layers.0.moe.experts.1.gate_proj.weight`
@@ -145,9 +163,12 @@ impl MoeArgs {
         };
         let mut out: Vec<&str> = parts.clone();
         out[block] = match self.naming {
-            ExpertNaming::Qwen => "mlp",
+            ExpertNaming::Qwen | ExpertNaming::GptOss => "mlp",
             ExpertNaming::Mixtral => "block_sparse_moe",
         };
+        if self.naming == ExpertNaming::GptOss && parts.get(block + 1) == Some(&"gate") {
+            out[block + 1] = "router";
+        }
         // `moe.experts.{e}.<projection>`
         if self.naming == ExpertNaming::Mixtral
             && parts.get(block + 1) == Some(&"experts")

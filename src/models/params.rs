@@ -204,6 +204,12 @@ impl<B: Backend> CausalLm<B> {
         } else {
             params
         };
+        let params = match &self.args.moe {
+            Some(moe) if moe.naming == super::args::ExpertNaming::GptOss => {
+                fuse_experts(params, moe.num_experts)
+            }
+            _ => params,
+        };
         // A multimodal checkpoint's language model, named as that checkpoint nests it.
         match &self.args.tower {
             Some(tower) => params
@@ -306,6 +312,112 @@ fn fuse_projections(params: Vec<(String, HostTensor)>) -> Vec<(String, HostTenso
             continue;
         }
         out.push((name.clone(), value));
+    }
+    out
+}
+
+/// gpt-oss's experts fused back as its checkpoints store them (`build.rs` splits them):
+/// per layer `mlp.experts.gate_up_proj` `[experts, hidden, 2 * inter]` with the gate's and up's
+/// output columns interleaved, `gate_up_proj_bias` `[experts, 2 * inter]`, `down_proj`
+/// `[experts, inter, hidden]` and `down_proj_bias`, written where the layer's first expert
+/// tensor was. A layer missing any piece (none does) keeps its pieces as they are.
+fn fuse_experts(params: Vec<(String, HostTensor)>, experts: usize) -> Vec<(String, HostTensor)> {
+    use std::collections::HashMap;
+    const PIECES: [&str; 6] = [
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+        "gate_proj.bias",
+        "up_proj.bias",
+        "down_proj.bias",
+    ];
+    // `<layer>.mlp.experts.<e>.<piece>` -> (`<layer>.mlp.experts`, e, piece)
+    let split = |name: &str| -> Option<(String, usize, &'static str)> {
+        let (block, rest) = name.split_once(".mlp.experts.")?;
+        let (e, piece) = rest.split_once('.')?;
+        let piece = PIECES.iter().find(|p| **p == piece)?;
+        Some((format!("{block}.mlp.experts"), e.parse().ok()?, piece))
+    };
+    let mut pieces: HashMap<(String, usize, &str), HostTensor> = HashMap::new();
+    let mut order: Vec<Result<String, (String, HostTensor)>> = Vec::new();
+    for (name, value) in params {
+        match split(&name) {
+            Some((block, e, piece)) => {
+                if !order.iter().any(|o| o.as_ref().is_ok_and(|b| *b == block)) {
+                    order.push(Ok(block.clone()));
+                }
+                pieces.insert((block, e, piece), value);
+            }
+            None => order.push(Err((name, value))),
+        }
+    }
+    let mut out = Vec::new();
+    for entry in order {
+        let block = match entry {
+            Err(param) => {
+                out.push(param);
+                continue;
+            }
+            Ok(block) => block,
+        };
+        let mut take = |e: usize, piece: &'static str| pieces.remove(&(block.clone(), e, piece));
+        let layer: Vec<[Option<HostTensor>; 6]> = (0..experts)
+            .map(|e| PIECES.map(|piece| take(e, piece)))
+            .collect();
+        if layer.iter().flatten().any(Option::is_none) {
+            for (e, parts) in layer.into_iter().enumerate() {
+                for (piece, value) in PIECES.iter().zip(parts) {
+                    if let Some(value) = value {
+                        out.push((format!("{block}.{e}.{piece}"), value));
+                    }
+                }
+            }
+            continue;
+        }
+        let layer: Vec<[HostTensor; 6]> = layer
+            .into_iter()
+            .map(|parts| parts.map(|p| p.expect("checked above")))
+            .collect();
+        let [inter, hidden] = [layer[0][0].shape[0], layer[0][0].shape[1]];
+        let mut gate_up = vec![0.0f32; experts * hidden * 2 * inter];
+        let mut gate_up_bias = vec![0.0f32; experts * 2 * inter];
+        let mut down = vec![0.0f32; experts * inter * hidden];
+        let mut down_bias = Vec::with_capacity(experts * hidden);
+        for (e, [gate, up, down_w, gate_b, up_b, down_b]) in layer.iter().enumerate() {
+            let fused = &mut gate_up[e * hidden * 2 * inter..][..hidden * 2 * inter];
+            for j in 0..inter {
+                for r in 0..hidden {
+                    fused[r * 2 * inter + 2 * j] = gate.data[j * hidden + r];
+                    fused[r * 2 * inter + 2 * j + 1] = up.data[j * hidden + r];
+                }
+                gate_up_bias[e * 2 * inter + 2 * j] = gate_b.data[j];
+                gate_up_bias[e * 2 * inter + 2 * j + 1] = up_b.data[j];
+            }
+            // down_proj `[hidden, inter]` as `[inter, hidden]`.
+            let fused = &mut down[e * inter * hidden..][..inter * hidden];
+            for r in 0..hidden {
+                for c in 0..inter {
+                    fused[c * hidden + r] = down_w.data[r * inter + c];
+                }
+            }
+            down_bias.extend_from_slice(&down_b.data);
+        }
+        out.push((
+            format!("{block}.gate_up_proj"),
+            HostTensor::new(vec![experts, hidden, 2 * inter], gate_up),
+        ));
+        out.push((
+            format!("{block}.gate_up_proj_bias"),
+            HostTensor::new(vec![experts, 2 * inter], gate_up_bias),
+        ));
+        out.push((
+            format!("{block}.down_proj"),
+            HostTensor::new(vec![experts, inter, hidden], down),
+        ));
+        out.push((
+            format!("{block}.down_proj_bias"),
+            HostTensor::new(vec![experts, hidden], down_bias),
+        ));
     }
     out
 }

@@ -9,6 +9,8 @@ use super::args::{ModelArgs, RopeScaling};
 #[derive(Debug, Clone)]
 pub struct Rope {
     inv_freq: Vec<f32>,
+    /// YaRN's `attention_factor`: cos and sin are multiplied by it (1 otherwise).
+    attention_scaling: f32,
 }
 
 impl Rope {
@@ -23,6 +25,7 @@ impl Rope {
     }
 
     fn with_base(dim: usize, base: f64, scaling: &RopeScaling) -> Self {
+        let mut attention_scaling = 1.0;
         let mut inv_freq: Vec<f64> = (0..dim / 2)
             .map(|i| {
                 let exponent = (2 * i) as f32 / dim as f32;
@@ -58,9 +61,33 @@ impl Rope {
                     };
                 }
             }
+            RopeScaling::Yarn {
+                factor,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                truncate,
+            } => {
+                attention_scaling = *attention_factor as f32;
+                let (low, high) = yarn_correction_range(
+                    (*beta_fast, *beta_slow),
+                    dim,
+                    base,
+                    *original_max_position_embeddings,
+                    *truncate,
+                );
+                let high = if low == high { high + 0.001 } else { high };
+                for (i, f) in inv_freq.iter_mut().enumerate() {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    *f = *f / factor * (1.0 - extrapolation) + *f * extrapolation;
+                }
+            }
         }
         Self {
             inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
+            attention_scaling,
         }
     }
 
@@ -82,7 +109,11 @@ impl Rope {
         let mut sin = Vec::with_capacity(cos.capacity());
         for &p in positions {
             let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
-            let (c, s): (Vec<f32>, Vec<f32>) = angles.iter().map(|a| (a.cos(), a.sin())).unzip();
+            let scale = self.attention_scaling;
+            let (c, s): (Vec<f32>, Vec<f32>) = angles
+                .iter()
+                .map(|a| (a.cos() * scale, a.sin() * scale))
+                .unzip();
             for _ in 0..heads {
                 for _ in 0..2 {
                     cos.extend_from_slice(&c);
@@ -97,6 +128,28 @@ impl Rope {
             rotate_half: rotate_half_matrix(dim, device),
         }
     }
+}
+
+/// YaRN's ramp: the dimensions (of `dim / 2` frequencies) between which rotations blend
+/// from extrapolated (fast, `beta_fast` rotations over the original context) to interpolated
+/// (slow, `beta_slow`), as transformers' `find_correction_range`.
+fn yarn_correction_range(
+    (beta_fast, beta_slow): (f64, f64),
+    dim: usize,
+    base: f64,
+    original_max_position_embeddings: f64,
+    truncate: bool,
+) -> (f64, f64) {
+    let correction_dim = |rotations: f64| {
+        dim as f64
+            * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * base.ln())
+    };
+    let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    (low.max(0.0), high.min(dim as f64 - 1.0))
 }
 
 /// The tables one forward pass applies to queries or keys.

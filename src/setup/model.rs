@@ -11,6 +11,7 @@ use crate::model_io::hf::{LoadedModel, load_model, load_model_rows, load_model_w
 use crate::model_io::{peft, quantized};
 use crate::models::BaseWeights;
 use crate::models::CausalLm;
+use crate::models::args::ExpertNaming;
 use crate::models::build::RowsOf;
 use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
@@ -33,6 +34,12 @@ pub enum ModelConfigError {
         "model.use_dora: DoRA on a mixture-of-experts model's experts (apply_lora_to_mlp: True) is not supported: peft cannot load DoRA magnitudes onto transformers' fused experts; set apply_lora_to_mlp: False or use_dora: False"
     )]
     DoraOnExperts,
+    /// gpt-oss's experts are fused 3-D parameters, which peft adapts through
+    /// `target_parameters` (its `ParamWrapper`), not by module name.
+    #[error(
+        "model.apply_lora_to_mlp: a \"{model_type}\" model has no MLP linear layers LoRA can adapt (its experts are fused parameters, which peft adapts only through target_parameters, a layout tune does not write); set apply_lora_to_mlp: False (LoRA on the attention projections), or fine-tune fully"
+    )]
+    MlpTargetsOnFusedExperts { model_type: &'static str },
     /// QAT's int4 export of a multimodal checkpoint's language model: the export holds one text
     /// decoder, and the vision tower has no int4 form.
     #[error(
@@ -201,6 +208,17 @@ pub fn attach_adapters<B: Backend>(
         model.args.moe.is_some() && targets.iter().any(|t| mlp.contains(&t.as_str()));
     if plan.settings.dora && adapts_experts {
         return Err(ModelConfigError::DoraOnExperts.into());
+    }
+    let fused_experts = model
+        .args
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.naming == ExpertNaming::GptOss);
+    if fused_experts && adapts_experts {
+        return Err(ModelConfigError::MlpTargetsOnFusedExperts {
+            model_type: model.args.family.model_type(),
+        }
+        .into());
     }
     let attached = peft::attach_lora(model, &targets, &plan.settings, seed);
     if attached.is_empty() {

@@ -149,13 +149,14 @@ pub fn session<B: AutodiffBackend>(
     // FSDP: every rank writes its rows of the model and its optimizer state
     // (`sharded_checkpoint`). Not for LoRA (an adapter is saved whole, and its merged model
     // needs whole base weights), nor for families whose checkpoints fuse projections that
-    // shard apart (Phi-3's `qkv_proj`: a rank's rows of q, k and v are not one block of it):
+    // shard apart (Phi-3's `qkv_proj`: a rank's rows of q, k and v are not one block of it;
+    // gpt-oss's fused experts):
     // their ranks gather for rank 0.
     // Nor for a multimodal checkpoint's language model: rank 0 copies the vision tower through
     // beside the gathered weights (`model_io::hf::save_hf_dir`).
     let sharded_saves = fsdp
         && matches!(content, SaveContent::FullModel)
-        && !trainer.model.args.fused_projections
+        && !trainer.model.args.fused_on_disk()
         && trainer.model.args.tower.is_none();
     let sharded = shared_run.filter(|_| sharded_saves).map(|id| ShardedRun {
         id,

@@ -162,6 +162,12 @@ fn mixtral_greedy_decoding_matches_transformers() {
     family_greedy_decoding_matches_transformers("mixtral");
 }
 
+/// gpt-oss: a decoding step's attention is the composed one, with the sinks.
+#[test]
+fn gpt_oss_greedy_decoding_matches_transformers() {
+    family_greedy_decoding_matches_transformers("gpt_oss");
+}
+
 /// Qwen2-MoE: the gated shared expert on every decoded token beside its routed two.
 #[test]
 fn qwen2_moe_greedy_decoding_matches_transformers() {

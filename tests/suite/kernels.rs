@@ -349,12 +349,14 @@ fn fused_adam_reads_a_transposed_gradient_as_the_contiguous_one() {
 }
 
 /// One fused-attention case: `[batch, kv_heads, n_rep * q_len, dim]` queries against `k_len`
-/// keys through `mask`, fused against composed, values and the gradients of q, k and v.
+/// keys through `mask`, fused against composed, values and the gradients of q, k and v (and of
+/// one sink logit per query head, with `sinks`).
 fn check_attention<B: Backend>(
     what: &str,
     [batch, kv_heads, n_rep, dim]: [usize; 4],
     mask: &kernels::AttentionMask<B>,
     softcap: Option<f64>,
+    sinks: bool,
 ) {
     let [_, q_len, k_len] = mask.dims;
     let rows = n_rep * q_len;
@@ -362,11 +364,26 @@ fn check_attention<B: Backend>(
     let k = random::<B, 4>([batch, kv_heads, k_len, dim], 1.0);
     let v = random::<B, 4>([batch, kv_heads, k_len, dim], 1.0);
     let w = random::<B, 4>([batch, kv_heads, rows, dim], 1.0);
+    let sinks = sinks.then(|| random::<B, 1>([kv_heads * n_rep], 1.0));
     let tol = 1e-5;
     close(
         &format!("{what}: output (no autodiff)"),
-        kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
-        kernels::composed_attention(q.clone(), k.clone(), v.clone(), mask, softcap),
+        kernels::attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask,
+            softcap,
+            sinks.clone(),
+        ),
+        kernels::composed_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask,
+            softcap,
+            sinks.clone(),
+        ),
         tol,
     );
     type Ad<B> = Autodiff<B>;
@@ -376,25 +393,33 @@ fn check_attention<B: Backend>(
         dims: mask.dims,
         tensor: Tensor::from_inner(mask.tensor.clone()),
     };
-    // The output of `attend` and the q, k, v gradients of `sum(output * weights)`.
-    type Attend<'a, B> =
-        &'a dyn Fn(Tensor<Ad<B>, 4>, Tensor<Ad<B>, 4>, Tensor<Ad<B>, 4>) -> Tensor<Ad<B>, 4>;
+    // The output of `attend` and the q, k, v (and sinks) gradients of `sum(output * weights)`.
+    type Attend<'a, B> = &'a dyn Fn(
+        Tensor<Ad<B>, 4>,
+        Tensor<Ad<B>, 4>,
+        Tensor<Ad<B>, 4>,
+        Option<Tensor<Ad<B>, 1>>,
+    ) -> Tensor<Ad<B>, 4>;
     let with_grads = |weights: &Tensor<B, 4>, attend: Attend<B>| {
         let [q, k, v] =
             [&q, &k, &v].map(|t| Tensor::<Ad<B>, 4>::from_inner(t.clone()).require_grad());
-        let out = attend(q.clone(), k.clone(), v.clone());
+        let s = sinks
+            .as_ref()
+            .map(|s| Tensor::<Ad<B>, 1>::from_inner(s.clone()).require_grad());
+        let out = attend(q.clone(), k.clone(), v.clone(), s.clone());
         let grads = (out.clone() * Tensor::from_inner(weights.clone()))
             .sum()
             .backward();
         let [dq, dk, dv] = [&q, &k, &v].map(|t| t.grad(&grads).unwrap());
-        (out.inner(), dq, dk, dv)
+        let ds = s.map(|s| s.grad(&grads).unwrap());
+        (out.inner(), dq, dk, dv, ds)
     };
     let run = |fused: bool| {
-        with_grads(&w, &|q, k, v| {
+        with_grads(&w, &|q, k, v, s| {
             if fused {
-                kernels::attention(q, k, v, &ad_mask, softcap)
+                kernels::attention(q, k, v, &ad_mask, softcap, s)
             } else {
-                kernels::composed_attention(q, k, v, &ad_mask, softcap)
+                kernels::composed_attention(q, k, v, &ad_mask, softcap, s)
             }
         })
     };
@@ -403,6 +428,9 @@ fn check_attention<B: Backend>(
     close(&format!("{what}: dq"), fused.1, composed.1, tol);
     close(&format!("{what}: dk"), fused.2, composed.2, tol);
     close(&format!("{what}: dv"), fused.3, composed.3, tol);
+    if let (Some(fused), Some(composed)) = (fused.4, composed.4) {
+        close(&format!("{what}: dsinks"), fused, composed, tol);
+    }
 
     // The output laid out by position (the decoder's): the grouped output's rows moved, bit
     // for bit, with the same gradients.
@@ -417,20 +445,34 @@ fn check_attention<B: Backend>(
     let sizes = [n_rep, q_len];
     close(
         &format!("{what}: by-position output (no autodiff)"),
-        kernels::attention_by_position(q.clone(), k.clone(), v.clone(), mask, softcap),
+        kernels::attention_by_position(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask,
+            softcap,
+            sinks.clone(),
+        ),
         by_position(
-            kernels::attention(q.clone(), k.clone(), v.clone(), mask, softcap),
+            kernels::attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask,
+                softcap,
+                sinks.clone(),
+            ),
             sizes,
         ),
         0.0,
     );
     let w_by_position = by_position(w.clone(), sizes);
     let run_by_position = |direct: bool| {
-        with_grads(&w_by_position, &|q, k, v| {
+        with_grads(&w_by_position, &|q, k, v, s| {
             if direct {
-                kernels::attention_by_position(q, k, v, &ad_mask, softcap)
+                kernels::attention_by_position(q, k, v, &ad_mask, softcap, s)
             } else {
-                by_position(kernels::attention(q, k, v, &ad_mask, softcap), sizes)
+                by_position(kernels::attention(q, k, v, &ad_mask, softcap, s), sizes)
             }
         })
     };
@@ -458,33 +500,46 @@ pub(crate) fn fused_attention_cases<B: Backend>(device: &B::Device) {
     use tune::models::mask;
     // Causal, several query and key blocks with partial last ones, grouped queries.
     let causal = mask::causal::<B>(2, 130, 0, None, device);
-    check_attention("causal", [2, 2, 3, 16], &causal, None);
+    check_attention("causal", [2, 2, 3, 16], &causal, None, false);
     // A real model's head size (SmolLM2, Llama 3.2 1B): 64.
     let long_heads = mask::causal::<B>(1, 70, 0, None, device);
-    check_attention("head dim 64", [1, 2, 2, 64], &long_heads, None);
+    check_attention("head dim 64", [1, 2, 2, 64], &long_heads, None, false);
     // Packed documents: a mask per batch row, blocks on document edges.
     let docs: Vec<u32> = (0..2 * 90)
         .map(|i| ((i % 90) / 37 + i / 90) as u32)
         .collect();
     let packed = mask::causal::<B>(2, 90, 0, Some(&docs), device);
     assert_eq!(packed.dims[0], 2);
-    check_attention("packed", [2, 1, 2, 8], &packed, None);
+    check_attention("packed", [2, 1, 2, 8], &packed, None, false);
     // Gemma 2: a sliding window and soft-capped scores.
     let window = mask::causal_window::<B>(1, 150, 0, None, Some(40), device);
-    check_attention("sliding + softcap", [1, 2, 2, 16], &window, Some(5.0));
+    check_attention(
+        "sliding + softcap",
+        [1, 2, 2, 16],
+        &window,
+        Some(5.0),
+        false,
+    );
     // Cached keys: a chunk of queries after 100 positions, and one decoding step.
     let chunk = mask::causal::<B>(1, 5, 100, None, device);
-    check_attention("offset", [1, 3, 3, 16], &chunk, None);
+    check_attention("offset", [1, 3, 3, 16], &chunk, None, false);
     // One query position: through autodiff it is the fused kernel (a decoding step without
     // autodiff takes the composed path).
     let step = mask::causal::<B>(2, 1, 77, None, device);
-    check_attention("one position", [2, 2, 4, 8], &step, None);
+    check_attention("one position", [2, 2, 4, 8], &step, None, false);
     // A row that hides every key: uniform weights, as the composed softmax gives.
     let mut host = vec![0.0f32; 3 * 70];
     host[70..140].fill(-1.0e30);
     host[140 + 65..].fill(-1.0e30);
     let odd = kernels::AttentionMask::<B>::new(host, [1, 3, 70], device);
-    check_attention("fully masked row", [1, 1, 1, 8], &odd, None);
+    check_attention("fully masked row", [1, 1, 1, 8], &odd, None, false);
+    // gpt-oss's sinks: with grouped queries, a sliding window, packs, one position, and a row
+    // that hides every key (its sink takes all the weight: the output is zero).
+    check_attention("sinks", [2, 2, 3, 16], &causal, None, true);
+    check_attention("sinks + sliding", [1, 2, 2, 16], &window, None, true);
+    check_attention("sinks + packed", [2, 1, 2, 8], &packed, None, true);
+    check_attention("sinks + one position", [2, 2, 4, 8], &step, None, true);
+    check_attention("sinks + fully masked row", [1, 1, 1, 8], &odd, None, true);
 }
 
 #[test]
@@ -504,8 +559,8 @@ fn fused_attention_reads_cached_keys_in_place() {
     let contiguous = |t: Tensor<Flex, 4>| Tensor::<Flex, 4>::from_data(t.into_data(), &device);
     close(
         "cache view",
-        kernels::attention(q.clone(), k.clone(), v.clone(), &m, None),
-        kernels::attention(q, contiguous(k), contiguous(v), &m, None),
+        kernels::attention(q.clone(), k.clone(), v.clone(), &m, None, None),
+        kernels::attention(q, contiguous(k), contiguous(v), &m, None, None),
         0.0,
     );
 }

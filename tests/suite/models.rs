@@ -163,3 +163,11 @@ fn qwen2_moe_matches_transformers() {
 fn mixtral_matches_transformers() {
     check_model("families/mixtral", "family-mixtral.safetensors");
 }
+
+/// gpt-oss: attention sinks (their gradient too), biased q/k/v/o, alternating sliding
+/// windows, YaRN, a biased router and fused biased experts with the clamped SwiGLU (the clamps
+/// bind in the fixture); gradients in the fused layout its checkpoints store.
+#[test]
+fn gpt_oss_matches_transformers() {
+    check_model("families/gpt_oss", "family-gpt_oss.safetensors");
+}

@@ -6,16 +6,17 @@ use crate::support::*;
 use std::path::Path;
 
 use serde_json::json;
-use tune::checkpoint::StorageDtype;
 use tune::checkpoint::safetensors_io::SafetensorsFile;
+use tune::checkpoint::{HostTensor, StorageDtype};
 use tune::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model, save_model};
 use tune::models::{ModelArgs, RandomInit, build};
 
-/// The three families' checkpoints save back byte for byte under the Hub's names (per-expert
-/// tensors; Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`).
+/// The four families' checkpoints save back byte for byte under the Hub's names (per-expert
+/// tensors; Mixtral's `block_sparse_moe` and `w1`/`w3`/`w2`; gpt-oss's fused experts, split on
+/// load and fused again).
 #[test]
 fn moe_checkpoints_save_as_the_hub_stores_them() {
-    for family in ["qwen3_moe", "qwen2_moe", "mixtral"] {
+    for family in ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"] {
         let src = fixture(&format!("families/{family}"));
         let lm = load_model::<Cpu>(&src, None, &Default::default())
             .unwrap()
@@ -453,4 +454,62 @@ fn fsdp_with_the_load_balancing_loss_matches_one_device() {
     let (a, b) = (metrics(&one), metrics(&two));
     assert_eq!(column(&a, "aux_loss").len(), 3);
     assert_eq!(column(&b, "aux_loss").len(), 3);
+}
+
+/// gpt-oss as the Hub's release stores it, its experts' weights in MXFP4 (`*_blocks` and
+/// `*_scales`): they dequantize to what transformers' `convert_moe_packed_tensors` gives, the
+/// logits are those of the dequantized model, and a save writes plain weights under a
+/// config.json without the MXFP4 `quantization_config` (transformers would look for blocks).
+#[test]
+fn gpt_oss_mxfp4_experts_dequantize_as_transformers_does() {
+    let src = fixture("families/gpt_oss_mxfp4");
+    let r = Reference::open("family-gpt_oss_mxfp4.safetensors");
+    let lm = load_model::<Cpu>(&src, None, &Default::default())
+        .unwrap()
+        .model;
+    let saved: std::collections::BTreeMap<String, HostTensor> =
+        lm.hf_state_dict().into_iter().collect();
+    for layer in 0..2 {
+        for name in ["gate_up_proj", "down_proj"] {
+            let name = format!("model.layers.{layer}.mlp.experts.{name}");
+            let want = r.f32(&format!("weight.{name}"));
+            assert_eq!(saved[&name].shape, want.shape, "{name}");
+            assert_eq!(saved[&name].data, want.data, "{name}");
+        }
+    }
+    let tokens: Vec<u32> = r.i64("input_ids").iter().map(|&t| t as u32).collect();
+    let batch = r.0.shape("input_ids").unwrap()[0];
+    let logits = |lm: &tune::models::CausalLm<Cpu>| {
+        HostTensor::from_tensor(&forward_rows(lm, &tokens, batch, Default::default()))
+    };
+    assert_close("logits", &logits(&lm), &r.f32("logits"), 1e-4);
+    let out = temp_dir("gpt-oss-mxfp4-save");
+    save_model(
+        &lm,
+        out.path(),
+        Some(&src),
+        StorageDtype::F32,
+        DEFAULT_MAX_SHARD_BYTES,
+    )
+    .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+            .unwrap();
+    assert!(config.get("quantization_config").is_none(), "{config}");
+    let written = stored_tensors(out.path());
+    assert!(written.contains_key("model.layers.0.mlp.experts.gate_up_proj"));
+    assert!(
+        !written
+            .keys()
+            .any(|k| k.ends_with("_blocks") || k.ends_with("_scales"))
+    );
+    let reloaded = load_model::<Cpu>(out.path(), None, &Default::default())
+        .unwrap()
+        .model;
+    assert_close(
+        "reloaded logits",
+        &logits(&reloaded),
+        &r.f32("logits"),
+        1e-4,
+    );
 }

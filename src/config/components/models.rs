@@ -29,6 +29,8 @@ pub enum ModelFamily {
     Qwen3Moe,
     Qwen2Moe,
     Mixtral,
+    /// Not a torchtune module: `tune.models.gpt_oss.*`.
+    GptOss,
 }
 
 /// (family, module name, sizes torchtune ships — used only for suggestions).
@@ -78,6 +80,7 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     ),
     (ModelFamily::Qwen2Moe, "qwen2_moe", &["a2_7b", "57b_a14b"]),
     (ModelFamily::Mixtral, "mixtral", &["8x7b", "8x22b"]),
+    (ModelFamily::GptOss, "gpt_oss", &["20b", "120b"]),
 ];
 
 impl ModelFamily {
