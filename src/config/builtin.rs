@@ -37,6 +37,7 @@ static BUILTINS: &[BuiltinConfig] = &[
     builtin!("gemma/2B_qlora_single_device", LoraFinetune),
     builtin!("gemma3/4B_lora_single_device", LoraFinetune),
     builtin!("generation", Generate),
+    builtin!("gpt_oss/20B_lora_single_device", LoraFinetune),
     builtin!("llama3/8B_qat_full", Qat, distributed),
     builtin!("llama3/8B_qat_lora", QatLora, distributed),
     builtin!("llama3_1/8B_full", FullFinetune, distributed),

@@ -641,6 +641,72 @@ fn parse_rope_scaling(s: &Value, max_position_embeddings: usize) -> Result<RopeS
 
 #[cfg(test)]
 mod tests {
+    /// openai/gpt-oss-20b's config.json as the Hub holds it (transformers 4.55's layout:
+    /// `rope_scaling` and a top-level `rope_theta`, MXFP4 experts, no `swiglu_alpha`).
+    #[test]
+    fn gpt_oss_20b_reads_as_the_hub_stores_it() {
+        use super::*;
+        let raw = serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+            "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "initial_context_length": 4096, "initializer_range": 0.02,
+            "intermediate_size": 2880, "max_position_embeddings": 131072,
+            "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+            "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+            "output_router_logits": false, "pad_token_id": 199999,
+            "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router",
+                "model.embed_tokens", "lm_head"]},
+            "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0,
+                "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                "truncate": false},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+            "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
+            "vocab_size": 201088
+        });
+        let a = ModelArgs::from_json(raw).unwrap();
+        assert_eq!(a.family, Family::GptOss);
+        assert!(a.attention_bias && a.o_proj_bias && a.attention_sinks);
+        assert!(!a.tie_word_embeddings && a.fused_on_disk());
+        assert_eq!(a.sliding_window, Some(128));
+        assert_eq!(a.sliding_layers[..4], [true, false, true, false]);
+        assert_eq!(a.rope_theta, 150_000.0);
+        assert!(matches!(
+            a.rope_scaling,
+            RopeScaling::Yarn {
+                factor: 32.0,
+                truncate: false,
+                ..
+            }
+        ));
+        assert_eq!(
+            a.activation,
+            Activation::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        let moe = a.moe.clone().unwrap();
+        assert_eq!((moe.num_experts, moe.top_k), (32, 4));
+        assert!(moe.norm_topk_prob && !moe.lora_on_experts);
+        assert_eq!(moe.aux_loss_coef, None);
+        assert_eq!(
+            a.hf_name("model.layers.3.moe.gate.bias"),
+            "model.layers.3.mlp.router.bias"
+        );
+        // OpenAI's model card: 20.91B parameters, 3.61B active per token (the input
+        // embeddings not counted among the active ones).
+        let billions = |n: usize| n as f64 / 1e9;
+        assert!(
+            (billions(a.num_params()) - 20.91).abs() < 0.01,
+            "{}",
+            a.num_params()
+        );
+        let active = a.active_params() - a.vocab_size * a.hidden_size;
+        assert!((billions(active) - 3.61).abs() < 0.01, "{active}");
+    }
+
     fn smollm3(extra: serde_json::Value) -> Result<ModelArgs, String> {
         let mut raw = serde_json::json!({"model_type": "smollm3", "hidden_size": 64,
             "num_attention_heads": 4, "num_hidden_layers": 8, "intermediate_size": 128,

@@ -199,4 +199,40 @@ mod tests {
         let want = vec![-3.0, -4.0, 1.0, 2.0, -7.0, -8.0, 5.0, 6.0];
         assert_eq!(got.into_data().to_vec::<f32>().unwrap(), want);
     }
+
+    /// Qwen3's long-context YaRN (factor 4 over 32768, `truncate` left at its default, true),
+    /// against transformers 5.24's `_compute_yarn_parameters`:
+    /// `ROPE_INIT_FUNCTIONS["yarn"](Qwen3Config(head_dim=128, hidden_size=1024,
+    /// num_attention_heads=8, rope_theta=1e6, max_position_embeddings=131072,
+    /// rope_scaling={"rope_type": "yarn", "factor": 4.0,
+    /// "original_max_position_embeddings": 32768}))`.
+    #[test]
+    fn yarn_frequencies_and_scaling_match_transformers() {
+        let scaling = RopeScaling::Yarn {
+            factor: 4.0,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 32768.0,
+            truncate: true,
+        };
+        let rope = Rope::with_base(128, 1e6, &scaling);
+        let want = [
+            (0, 1.0),
+            (10, 0.115_478_202_700_614_93),
+            (20, 0.013_335_214_927_792_55),
+            (30, 0.001_064_360_956_661_403_2),
+            (40, 4.445_698_505_151_085_6e-5),
+            (50, 5.133_812_464_919_174e-6),
+            (63, 3.102_344_408_034_696e-7),
+        ];
+        for (i, want) in want {
+            let got = rope.inv_freq[i] as f64;
+            assert!(
+                (got - want).abs() <= 2e-6 * want,
+                "inv_freq[{i}]: {got} vs {want}"
+            );
+        }
+        assert!((rope.attention_scaling as f64 - 1.138_629_436_111_989).abs() < 1e-6);
+    }
 }

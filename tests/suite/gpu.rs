@@ -47,6 +47,17 @@ fn gemma2_logits_loss_and_every_gradient() {
     crate::models::check_model_on::<Gpu>("families/gemma2", "family-gemma2.safetensors", &device());
 }
 
+/// gpt-oss: attention sinks (the composed path on cubecl), biased projections, a sparse layer's
+/// routing and fused experts, YaRN.
+#[test]
+fn gpt_oss_logits_loss_and_every_gradient() {
+    crate::models::check_model_on::<Gpu>(
+        "families/gpt_oss",
+        "family-gpt_oss.safetensors",
+        &device(),
+    );
+}
+
 /// The cubecl fused attention (src/kernels/cube_attention.rs) against burn's composed path on
 /// wgpu, values and q, k, v gradients within 1e-5: the CPU kernel's cases.
 #[test]

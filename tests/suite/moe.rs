@@ -513,3 +513,130 @@ fn gpt_oss_mxfp4_experts_dequantize_as_transformers_does() {
         1e-4,
     );
 }
+
+/// A gpt-oss checkpoint the tiny tokenizer fits, saved as transformers saves one (experts
+/// fused): 2 layers (sliding, then full), 4 experts of which each token takes 2, attention
+/// sinks, YaRN.
+fn tiny_gpt_oss() -> TempDir {
+    let config = json!({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
+        "attention_bias": true, "tie_word_embeddings": false, "bos_token_id": 2000,
+        "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32",
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 128},
+        "rope_theta": 150000.0
+    });
+    let args = ModelArgs::from_json(config).unwrap();
+    let mut init = RandomInit::new(5, &args);
+    let lm = build::<Cpu>(&args, &mut init, &Default::default()).unwrap();
+    let dir = temp_dir("tiny-gpt-oss");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
+    save_model(
+        &lm,
+        dir.path(),
+        Some(&assets),
+        StorageDtype::F32,
+        DEFAULT_MAX_SHARD_BYTES,
+    )
+    .unwrap();
+    dir
+}
+
+/// LoRA on gpt-oss adapts its attention projections and the loss falls; the merged export
+/// changes q and v only (experts, routers and sinks exactly as loaded). Its experts are fused
+/// parameters peft adapts only through `target_parameters`, so `apply_lora_to_mlp: True` is
+/// refused by key rather than adapting nothing.
+#[test]
+fn lora_on_gpt_oss_adapts_attention_and_refuses_its_fused_experts() {
+    let ckpt = tiny_gpt_oss();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let lora = |mlp: &str, steps: &str| {
+        vec![
+            "model=tune.models.gpt_oss.lora_gpt_oss_tiny".to_string(),
+            "model.lora_attn_modules=[q_proj,v_proj]".into(),
+            format!("model.apply_lora_to_mlp={mlp}"),
+            "model.lora_rank=8".into(),
+            "model.lora_alpha=16".into(),
+            checkpoint_dir.clone(),
+            format!("max_steps_per_epoch={steps}"),
+        ]
+    };
+    let refused_out = temp_dir("gpt-oss-lora-mlp");
+    let args = lora("True", "2");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = tiny_lora(&refused_out, &args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("model.apply_lora_to_mlp") && stderr.contains("target_parameters"),
+        "{stderr}"
+    );
+
+    let out = temp_dir("gpt-oss-lora");
+    let args = lora("False", "25");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let metrics = run_recipe(
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &out,
+        &args,
+    );
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+    let epoch = out.path().join("epoch_0");
+    let adapter = SafetensorsFile::open(&epoch.join("adapter_model.safetensors")).unwrap();
+    // q and v in 2 layers, A and B each
+    assert_eq!(adapter.names().len(), 2 * 2 * 2, "{:?}", adapter.names());
+    let (before, after) = (stored_tensors(ckpt.path()), stored_tensors(&epoch));
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>()
+    );
+    for (name, tensor) in &before {
+        let adapted = name.ends_with("q_proj.weight") || name.ends_with("v_proj.weight");
+        assert_eq!(after[name] == *tensor, !adapted, "{name}");
+    }
+}
+
+/// Full fine-tuning trains every gpt-oss weight (sinks, routers with their biases, the fused
+/// experts) and saves it in the layout it was loaded from.
+#[test]
+fn full_finetuning_gpt_oss_trains_sinks_routers_and_fused_experts() {
+    let ckpt = tiny_gpt_oss();
+    let out = temp_dir("gpt-oss-full");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let metrics = run_recipe(
+        "full_finetune_single_device",
+        "tiny/full_single_device",
+        &out,
+        &[
+            "model=tune.models.gpt_oss.gpt_oss_tiny",
+            &checkpoint_dir,
+            "max_steps_per_epoch=25",
+        ],
+    );
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+    let (before, after) = (
+        stored_tensors(ckpt.path()),
+        stored_tensors(&out.path().join("epoch_0")),
+    );
+    assert_eq!(
+        before.keys().collect::<Vec<_>>(),
+        after.keys().collect::<Vec<_>>()
+    );
+    for name in [
+        "model.layers.0.self_attn.sinks",
+        "model.layers.1.mlp.router.weight",
+        "model.layers.1.mlp.router.bias",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj_bias",
+    ] {
+        assert_eq!(before[name].1, after[name].1, "{name}: shape");
+        assert!(before[name].2 != after[name].2, "{name} did not train");
+    }
+}
