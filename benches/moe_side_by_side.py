@@ -2,11 +2,14 @@
 """A mixture-of-experts model in tune and in transformers + peft, on this machine, one after the other:
 a LoRA training step and greedy decoding, on the shapes `qwen3-30b-a3b-2l` (Qwen3-30B-A3B's layer:
 128 experts, 8 per token, in 2 layers, vocabulary cut to 2048) and `qwen3-30b-a3b-2l-32e` (the same
-with 32 experts: as many active parameters, a quarter of the experts) from benches/shapes.json.
+with 32 experts: as many active parameters, a quarter of the experts) from benches/shapes.json, and
+with `--shapes gpt-oss-20b-2l` gpt-oss-20b's layer (32 experts of 2880, 4 per token, sinks, sliding
+and full attention) twice.
 
 Training: `tune bench --mode lora` against `Qwen3MoeForCausalLM` with peft's LoRA (rank 8, alpha 16,
-target_modules q/v/o/gate/up/down, which peft maps onto every routed expert on transformers 5; AdamW
-over the adapters), random tokens, 2 warm-up steps then --steps timed ones, in fp32. Decoding: the same
+target_modules q/v/o/gate/up/down, which peft maps onto every routed expert on transformers 5; for
+gpt-oss q/v/o only, as tune's bench adapts there: its fused experts take LoRA only through peft's
+`target_parameters`; AdamW over the adapters), random tokens, 2 warm-up steps then --steps timed ones, in fp32. Decoding: the same
 random weights saved by transformers, decoded greedily with the KV cache for --new-tokens tokens by
 `tune run generate` and by `model.generate`, both after the same chat prompt; the rate counts the
 tokens after the first.
@@ -31,24 +34,38 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
-from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "Give three tips for staying healthy."
 
 
-def config(shape):
+# model_type -> (config class, model class, peft target_modules, tune builder)
+FAMILIES = {
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  "tune.models.qwen3_moe.qwen3_moe_30b_a3b"),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, ["q_proj", "v_proj", "o_proj"], "tune.models.gpt_oss.gpt_oss_20b"),
+}
+
+
+def family(shape):
+    return FAMILIES[json.load(open(HERE / "shapes.json"))[shape]["model_type"]]
+
+
+def build(shape):
     cfg = dict(json.load(open(HERE / "shapes.json"))[shape])
     for k in ("model_type", "architectures", "torch_dtype"):
         cfg.pop(k)
-    return Qwen3MoeConfig(**cfg, bos_token_id=2000, eos_token_id=2004, pad_token_id=2005)
+    config_cls, model_cls, _, _ = family(shape)
+    config = config_cls(**cfg, bos_token_id=2000, eos_token_id=2004, pad_token_id=2005)
+    return model_cls(config).float()
 
 
 def transformers_lora_step(shape, batch, seq, steps):
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config(shape)).float()
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                      target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = build(shape)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=family(shape)[2])
     model = get_peft_model(model, lora)
     adapted = sorted({n.split(".lora_")[0] for n, _ in model.named_parameters() if "lora_" in n})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
@@ -82,7 +99,7 @@ def tune_lora_step(tune, shape, batch, seq, steps):
 
 def decode(tune, shape, new_tokens):
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config(shape)).float().eval()
+    model = build(shape).eval()
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]:
@@ -90,7 +107,7 @@ def decode(tune, shape, new_tokens):
         log = subprocess.run(
             [tune, "run", "generate", "--config", "tiny/generation", f"checkpointer.checkpoint_dir={d}",
              "checkpointer.checkpoint_files=[model.safetensors]",
-             "model={_component_: tune.models.qwen3_moe.qwen3_moe_30b_a3b}", f"max_new_tokens={new_tokens}",
+             f"model={{_component_: {family(shape)[3]}}}", f"max_new_tokens={new_tokens}",
              "temperature=0", f"prompt.user={PROMPT}", "stop_at_eos=False"],
             check=True, capture_output=True, text=True).stderr
         m = re.search(r"Prefill: (\d+) tokens.*?([0-9.]+) tokens/s after the first", log)
