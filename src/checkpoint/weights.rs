@@ -262,13 +262,9 @@ impl Weights {
         }
     }
 
-    fn take_part(
-        &mut self,
-        name: &str,
-        expected: &[usize],
-        rows: Option<std::ops::Range<usize>>,
-        consume: bool,
-    ) -> Result<HostTensor, CheckpointError> {
+    /// Where tensor `name` is (its index in `files`, 0 for DCP), after checking it is there
+    /// with `expected` shape.
+    fn locate(&self, name: &str, expected: &[usize]) -> Result<usize, CheckpointError> {
         let index =
             self.tensors
                 .get(name)
@@ -278,7 +274,7 @@ impl Weights {
                     dir: self.dir.clone(),
                     expected: expected.to_vec(),
                 })?;
-        // Where the tensor is: a sharded (DCP) checkpoint's pieces, or one safetensors file.
+        // A sharded (DCP) checkpoint's pieces, or one safetensors file.
         let stored = self.stored_name(name);
         let (path, found) = match &self.dcp {
             Some(dcp) => (&dcp.dir, dcp.shape(stored).unwrap_or_default().to_vec()),
@@ -295,6 +291,18 @@ impl Weights {
                 found,
             });
         }
+        Ok(index)
+    }
+
+    fn take_part(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        rows: Option<std::ops::Range<usize>>,
+        consume: bool,
+    ) -> Result<HostTensor, CheckpointError> {
+        let index = self.locate(name, expected)?;
+        let stored = self.stored_name(name);
         let tensor = match (&self.dcp, rows) {
             (Some(dcp), Some(rows)) => dcp.read_rows(stored, rows)?,
             (Some(dcp), None) => dcp.read(stored)?,
@@ -310,36 +318,18 @@ impl Weights {
     /// Takes the `U8` tensor `name` (MXFP4's codes or scales) as its bytes, checking it has
     /// `expected` shape.
     pub fn take_u8(&mut self, name: &str, expected: &[usize]) -> Result<Vec<u8>, CheckpointError> {
-        let index =
-            self.tensors
-                .get(name)
-                .copied()
-                .ok_or_else(|| CheckpointError::MissingTensor {
-                    name: name.to_string(),
-                    dir: self.dir.clone(),
-                    expected: expected.to_vec(),
-                })?;
-        let stored = self.stored_name(name).to_string();
-        let file = match &self.dcp {
+        let index = self.locate(name, expected)?;
+        let stored = self.stored_name(name);
+        let bytes = match &self.dcp {
             Some(dcp) => {
                 return Err(CheckpointError::UnsupportedDtype {
-                    name: stored,
+                    name: stored.to_string(),
                     file: dcp.dir.clone(),
                     dtype: "U8 in DCP shards (tune reads MXFP4 from safetensors files)".into(),
                 });
             }
-            None => &self.files[index],
+            None => self.files[index].read_u8(stored)?,
         };
-        let found = file.shape(&stored).unwrap_or_default();
-        if found != expected {
-            return Err(CheckpointError::ShapeMismatch {
-                name: stored,
-                file: file.path.clone(),
-                expected: expected.to_vec(),
-                found,
-            });
-        }
-        let bytes = file.read_u8(&stored)?;
         self.done(name);
         Ok(bytes)
     }

@@ -366,16 +366,13 @@ fn check_attention<B: Backend>(
     let w = random::<B, 4>([batch, kv_heads, rows, dim], 1.0);
     let sinks = sinks.then(|| random::<B, 1>([kv_heads * n_rep], 1.0));
     let tol = 1e-5;
+    let grouped = || {
+        let (q, k, v) = (q.clone(), k.clone(), v.clone());
+        kernels::attention(q, k, v, mask, softcap, sinks.clone())
+    };
     close(
         &format!("{what}: output (no autodiff)"),
-        kernels::attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            mask,
-            softcap,
-            sinks.clone(),
-        ),
+        grouped(),
         kernels::composed_attention(
             q.clone(),
             k.clone(),
@@ -453,17 +450,7 @@ fn check_attention<B: Backend>(
             softcap,
             sinks.clone(),
         ),
-        by_position(
-            kernels::attention(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                mask,
-                softcap,
-                sinks.clone(),
-            ),
-            sizes,
-        ),
+        by_position(grouped(), sizes),
         0.0,
     );
     let w_by_position = by_position(w.clone(), sizes);

@@ -169,18 +169,28 @@ fn dora_on_experts_is_refused_by_key() {
 /// it was loaded (the same names, shapes and dtypes).
 #[test]
 fn full_finetuning_a_moe_trains_its_routers_and_experts() {
-    let ckpt = tiny_qwen3_moe();
+    full_finetuning_trains(
+        &tiny_qwen3_moe(),
+        "tune.models.qwen3_moe.qwen3_moe_tiny",
+        &[
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.2.mlp.experts.3.up_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+        ],
+    );
+}
+
+/// A full fine-tuning run of `model` on `ckpt`: the loss falls, the save has the checkpoint's
+/// names, and each of `trained` keeps its shape and changes.
+fn full_finetuning_trains(ckpt: &TempDir, model: &str, trained: &[&str]) {
     let out = temp_dir("moe-full");
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let model = format!("model={model}");
     let metrics = run_recipe(
         "full_finetune_single_device",
         "tiny/full_single_device",
         &out,
-        &[
-            "model=tune.models.qwen3_moe.qwen3_moe_tiny",
-            &checkpoint_dir,
-            "max_steps_per_epoch=25",
-        ],
+        &[&model, &checkpoint_dir, "max_steps_per_epoch=25"],
     );
     let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
     assert!(last < first, "loss {first} -> {last}");
@@ -192,13 +202,9 @@ fn full_finetuning_a_moe_trains_its_routers_and_experts() {
         before.keys().collect::<Vec<_>>(),
         after.keys().collect::<Vec<_>>()
     );
-    for name in [
-        "model.layers.0.mlp.gate.weight",
-        "model.layers.2.mlp.experts.3.up_proj.weight",
-        "model.layers.1.mlp.up_proj.weight",
-    ] {
-        assert_eq!(before[name].1, after[name].1, "{name}: shape");
-        assert!(before[name] != after[name], "{name} did not train");
+    for name in trained {
+        assert_eq!(before[*name].1, after[*name].1, "{name}: shape");
+        assert!(before[*name] != after[*name], "{name} did not train");
     }
 }
 
@@ -606,37 +612,15 @@ fn lora_on_gpt_oss_adapts_attention_and_refuses_its_fused_experts() {
 /// experts) and saves it in the layout it was loaded from.
 #[test]
 fn full_finetuning_gpt_oss_trains_sinks_routers_and_fused_experts() {
-    let ckpt = tiny_gpt_oss();
-    let out = temp_dir("gpt-oss-full");
-    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let metrics = run_recipe(
-        "full_finetune_single_device",
-        "tiny/full_single_device",
-        &out,
+    full_finetuning_trains(
+        &tiny_gpt_oss(),
+        "tune.models.gpt_oss.gpt_oss_tiny",
         &[
-            "model=tune.models.gpt_oss.gpt_oss_tiny",
-            &checkpoint_dir,
-            "max_steps_per_epoch=25",
+            "model.layers.0.self_attn.sinks",
+            "model.layers.1.mlp.router.weight",
+            "model.layers.1.mlp.router.bias",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj_bias",
         ],
     );
-    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
-    assert!(last < first, "loss {first} -> {last}");
-    let (before, after) = (
-        stored_tensors(ckpt.path()),
-        stored_tensors(&out.path().join("epoch_0")),
-    );
-    assert_eq!(
-        before.keys().collect::<Vec<_>>(),
-        after.keys().collect::<Vec<_>>()
-    );
-    for name in [
-        "model.layers.0.self_attn.sinks",
-        "model.layers.1.mlp.router.weight",
-        "model.layers.1.mlp.router.bias",
-        "model.layers.0.mlp.experts.gate_up_proj",
-        "model.layers.0.mlp.experts.down_proj_bias",
-    ] {
-        assert_eq!(before[name].1, after[name].1, "{name}: shape");
-        assert!(before[name].2 != after[name].2, "{name} did not train");
-    }
 }
