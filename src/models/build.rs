@@ -478,7 +478,7 @@ impl<B: Backend> Builder<'_, B> {
         let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
         if self.src.has(&blocks) {
             let per_row = inp / 32;
-            if inp % 32 != 0 {
+            if !inp.is_multiple_of(32) {
                 return Err(CheckpointError::Invalid {
                     path: blocks.into(),
                     message: format!("MXFP4 rows of {inp} values are not whole blocks of 32"),
