@@ -10,6 +10,7 @@ use crate::checkpoint::safetensors_io::{
     SafetensorsFile, StorageDtype, StoredTensor, save_sharded, save_sharded_with,
 };
 use crate::checkpoint::weights::{Weights, checkpoint_files, dcp_source};
+use crate::models::args::Family;
 use crate::models::build::{RowsOf, build_rows, ignorable_tensor};
 use crate::models::text_tower::{TextTower, TowerLayout};
 use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError, build_with};
@@ -121,6 +122,7 @@ fn open_weights(
             ),
         });
     }
+    refuse_foreign_quantization(dir, args)?;
     let mut weights = Weights::open(dir, files)?;
     if let Some(tower) = args.tower.as_mut() {
         tower.layout = TowerLayout::detect(weights.names());
@@ -132,6 +134,31 @@ fn open_weights(
         }
     }
     Ok(weights)
+}
+
+/// A checkpoint another library quantized (`quantization_config`: bitsandbytes, GPTQ, AWQ, FP8,
+/// ...) holds codes and scales where the model reads float weights: refused by that key, naming
+/// the method, before any tensor is read (the error would otherwise be a missing or misshapen
+/// tensor). gpt-oss's MXFP4 experts are the exception: `models::build` dequantizes them. tune's
+/// own int4 exports never come here (`setup::model` routes them to their loader).
+fn refuse_foreign_quantization(dir: &Path, args: &ModelArgs) -> Result<(), ModelError> {
+    let Some(method) = args
+        .raw
+        .get("quantization_config")
+        .map(|q| q.get("quant_method").and_then(serde_json::Value::as_str))
+    else {
+        return Ok(());
+    };
+    if method == Some("mxfp4") && args.family == Family::GptOss {
+        return Ok(());
+    }
+    Err(ModelError::BadConfig {
+        path: dir.join("config.json"),
+        message: format!(
+            "quantization_config.quant_method {}: tune reads float checkpoints (bf16, f16, f32; and gpt-oss's MXFP4 experts, which it dequantizes); use the unquantized checkpoint (for a 4-bit base, tune's QLoRA quantizes it to NF4 as it loads)",
+            method.map_or_else(|| "is missing".to_string(), |m| format!("\"{m}\"")),
+        ),
+    })
 }
 
 /// Saves the base model (adapters excluded: see `merged_hf_state_dict` to export a merged one).

@@ -132,6 +132,35 @@ fn unknown_model_type() {
     );
 }
 
+/// A checkpoint another library quantized is refused by `quantization_config`, naming its
+/// method, before a tensor is read; MXFP4 is read only as gpt-oss's experts.
+#[test]
+fn a_checkpoint_quantized_elsewhere_is_refused_naming_its_method() {
+    for (method, named) in [
+        (
+            json!({"quant_method": "bitsandbytes", "load_in_4bit": true}),
+            "\"bitsandbytes\"",
+        ),
+        (json!({"quant_method": "mxfp4"}), "\"mxfp4\""),
+        (json!({"bits": 4}), "is missing"),
+    ] {
+        let t = saved("quantized", DEFAULT_MAX_SHARD_BYTES);
+        let mut cfg = config();
+        cfg["quantization_config"] = method;
+        std::fs::write(t.path().join("config.json"), cfg.to_string()).unwrap();
+        let err = load_err(t.path());
+        assert_has(
+            &err,
+            &[
+                "config.json",
+                "quantization_config.quant_method",
+                named,
+                "unquantized",
+            ],
+        );
+    }
+}
+
 #[test]
 fn corrupt_index() {
     let t = saved("index", 10_000);

@@ -63,10 +63,15 @@ fn tiny_qwen3_moe_with(extra: serde_json::Value) -> TempDir {
     for (key, value) in extra.as_object().into_iter().flatten() {
         config[key] = value.clone();
     }
+    saved_random(config, 3, "tiny-qwen3-moe")
+}
+
+/// A model of `config` with seeded random weights, saved with the tiny tokenizer beside it.
+fn saved_random(config: serde_json::Value, seed: u64, tag: &str) -> TempDir {
     let args = ModelArgs::from_json(config).unwrap();
-    let mut init = RandomInit::new(3, &args);
+    let mut init = RandomInit::new(seed, &args);
     let lm = build::<Cpu>(&args, &mut init, &Default::default()).unwrap();
-    let dir = temp_dir("tiny-qwen3-moe");
+    let dir = temp_dir(tag);
     let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
     save_model(
         &lm,
@@ -536,20 +541,7 @@ fn tiny_gpt_oss() -> TempDir {
             "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 128},
         "rope_theta": 150000.0
     });
-    let args = ModelArgs::from_json(config).unwrap();
-    let mut init = RandomInit::new(5, &args);
-    let lm = build::<Cpu>(&args, &mut init, &Default::default()).unwrap();
-    let dir = temp_dir("tiny-gpt-oss");
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-llama");
-    save_model(
-        &lm,
-        dir.path(),
-        Some(&assets),
-        StorageDtype::F32,
-        DEFAULT_MAX_SHARD_BYTES,
-    )
-    .unwrap();
-    dir
+    saved_random(config, 5, "tiny-gpt-oss")
 }
 
 /// LoRA on gpt-oss adapts its attention projections and the loss falls; the merged export
