@@ -42,12 +42,7 @@ pub fn quantize(
     let loaded =
         model::load::<B>(&cfg.checkpointer, "checkpointer", &device).map_err(CliError::bad)?;
     let mut m = loaded.model;
-    if let Some(tower) = &m.args.tower {
-        let refused = model::ModelConfigError::QuantizedExportOfTower {
-            wrapper: tower.wrapper,
-        };
-        return Err(CliError::bad(anyhow!(refused)));
-    }
+    model::refuse_quantized_export(&m.args).map_err(|refused| CliError::bad(anyhow!(refused)))?;
     quant::prepare(&mut m, scheme).map_err(CliError::bad)?;
     let dir = cfg.output_dir.join(QUANTIZED_DIR);
     save_quantized(

@@ -46,6 +46,12 @@ pub enum ModelConfigError {
         "quantizer: the int4 export of a \"{wrapper}\" checkpoint (its language model, with the vision tower beside it) is not supported; fine-tune it with QAT and no export by using the qat_* recipes on a text-only checkpoint, or train the multimodal checkpoint with full or LoRA fine-tuning"
     )]
     QuantizedExportOfTower { wrapper: &'static str },
+    /// QAT's int4 export quantizes linear weights by name; gpt-oss's experts are saved fused
+    /// 3-D tensors, which it would write in float, unlike the fake-quantized experts that trained.
+    #[error(
+        "quantizer: the int4 export of a \"{model_type}\" model is not supported: its experts are saved as fused 3-D tensors, which the export would leave in float while QAT trained them fake-quantized; fine-tune it with the full or LoRA recipes, or use QAT without an export on a model whose experts are stored per expert"
+    )]
+    QuantizedExportOfFusedExperts { model_type: &'static str },
     /// The load-balancing loss (config.json's `output_router_logits: true`) in a recipe whose
     /// loss tune does not add it to.
     #[error(
@@ -155,6 +161,26 @@ pub fn load_with<B: Backend>(
 pub struct LoraPlan {
     pub settings: LoraSettings,
     pub targets: Vec<String>,
+}
+
+/// Refuses QAT's int4 export of a model it cannot write faithfully: a multimodal checkpoint's
+/// language model (the vision tower has no int4 form) or gpt-oss's fused experts.
+pub fn refuse_quantized_export(args: &crate::models::ModelArgs) -> Result<(), ModelConfigError> {
+    if let Some(tower) = &args.tower {
+        return Err(ModelConfigError::QuantizedExportOfTower {
+            wrapper: tower.wrapper,
+        });
+    }
+    if args
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.naming == ExpertNaming::GptOss)
+    {
+        return Err(ModelConfigError::QuantizedExportOfFusedExperts {
+            model_type: args.family.model_type(),
+        });
+    }
+    Ok(())
 }
 
 /// The adapters a LoRA builder's section asks for (validation requires `lora_rank` and

@@ -319,14 +319,7 @@ impl<B: AutodiffBackend> Session<B> {
     /// QAT: the final checkpoint also holds the int4 export. Quantizing needs every weight
     /// whole, so an FSDP run's ranks gather the model for rank 0 instead of writing shares.
     pub fn with_quantized_export(mut self, scheme: QuantScheme) -> Result<Self, SetupError> {
-        if let Some(tower) = &self.trainer.model.args.tower {
-            return Err(
-                crate::setup::model::ModelConfigError::QuantizedExportOfTower {
-                    wrapper: tower.wrapper,
-                }
-                .into(),
-            );
-        }
+        crate::setup::model::refuse_quantized_export(&self.trainer.model.args)?;
         if let Some(saver) = &mut self.saver {
             saver.quantized_export = Some(scheme);
             saver.sharded = None;

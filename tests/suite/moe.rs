@@ -616,3 +616,33 @@ fn full_finetuning_gpt_oss_trains_sinks_routers_and_fused_experts() {
         ],
     );
 }
+
+/// QAT's int4 export would write gpt-oss's fused experts in float, unlike the fake-quantized
+/// experts that trained: refused by key before training, as is `tune quantize`.
+#[test]
+fn the_int4_export_of_gpt_oss_is_refused_by_key() {
+    let ckpt = tiny_gpt_oss();
+    let out = temp_dir("gpt-oss-qat");
+    let output_dir = format!("output_dir={}", out.path().display());
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let run = tune(&[
+        "run",
+        "qat_single_device",
+        "--config",
+        "tiny/qat_single_device",
+        &output_dir,
+        &checkpoint_dir,
+        "model=tune.models.gpt_oss.gpt_oss_tiny",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("quantizer") && stderr.contains("\"gpt_oss\""),
+        "{stderr}"
+    );
+    let steps = std::fs::read_to_string(out.path().join("logs/metrics.jsonl")).unwrap_or_default();
+    assert!(
+        !steps.contains("\"loss\""),
+        "trained before refusing: {steps}"
+    );
+}
