@@ -126,6 +126,12 @@ pub fn run<B: AutodiffBackend>(
         )
     });
 
-    session.run_with(&mut steps, None, Some(&mut value_checkpoints))?;
+    // `push_to_hub` uploads the policy's final checkpoint, the model PPO trains for; the value
+    // model stays in its own directory.
+    session.run_with(
+        &mut steps,
+        cfg.push_to_hub.as_ref(),
+        Some(&mut value_checkpoints),
+    )?;
     Ok(())
 }

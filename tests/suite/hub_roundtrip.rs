@@ -212,3 +212,40 @@ fn dpo_recipes_push_their_final_checkpoint() {
         assert!(!state.committed.contains_key("optimizer.safetensors"));
     }
 }
+
+/// PPO pushes its policy's final checkpoint (the model it trains for), as the other recipes
+/// push theirs; the value model stays in its own directory.
+#[test]
+fn ppo_pushes_its_policys_final_checkpoint() {
+    let (server, state) = fake_hub::start(vec![]);
+    let tmp = temp_dir("ppo-push");
+    let out = tmp.path().join("run");
+    let repo = "me/tiny-ppo";
+    let err = ok(
+        tune_with_hub(
+            &[
+                "run",
+                "ppo_full_finetune_single_device",
+                "--config",
+                "tiny/ppo_full_single_device",
+                &format!("output_dir={}", out.display()),
+                "num_steps=8",
+                &format!("push_to_hub={{repo_id: {repo}, private: True}}"),
+            ],
+            &server.url(),
+            &tmp.path().join("hf-home"),
+        ),
+        "ppo",
+    );
+    assert!(
+        err.contains(&format!("to {}/{repo}", server.url())),
+        "{err}"
+    );
+    let state = state.lock().unwrap();
+    let policy = out.join("policy/epoch_0");
+    assert_eq!(
+        state.committed["model.safetensors"],
+        std::fs::read(policy.join("model.safetensors")).unwrap()
+    );
+    assert!(!state.committed.contains_key("optimizer.safetensors"));
+}

@@ -268,11 +268,6 @@ pub fn ppo_rules(c: &TrainConfig, k: &PpoKeys, cx: &mut Checker) {
             c.run_val_every_n_steps.is_some(),
             "PPO has no validation loss; remove `run_val_every_n_steps`",
         ),
-        (
-            "push_to_hub",
-            c.push_to_hub.is_some(),
-            "PPO saves two models (policy and value); push the policy's checkpoint with `tune push` after the run",
-        ),
     ];
     for (key, set, fix) in unused {
         if set {
