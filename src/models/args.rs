@@ -641,6 +641,29 @@ fn parse_rope_scaling(s: &Value, max_position_embeddings: usize) -> Result<RopeS
 
 #[cfg(test)]
 mod tests {
+    /// `o_proj` takes `attention_bias` where transformers' attention gives it one (Llama, Qwen 3,
+    /// Gemma, SmolLM3, gpt-oss), never in Qwen 2, Qwen2-MoE, Mistral, Phi-3 or Mixtral.
+    #[test]
+    fn the_output_projection_is_biased_as_transformers_builds_it() {
+        use super::*;
+        let biased = |model_type: &str| {
+            let raw = serde_json::json!({"model_type": model_type, "hidden_size": 32,
+                "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
+                "vocab_size": 100, "attention_bias": true, "num_local_experts": 4,
+                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "shared_expert_intermediate_size": 16});
+            let a = ModelArgs::from_json(raw).unwrap();
+            assert!(a.attention_bias, "{model_type}");
+            a.o_proj_bias
+        };
+        for model_type in ["llama", "qwen3", "gemma", "smollm3", "gpt_oss", "qwen3_moe"] {
+            assert!(biased(model_type), "{model_type}");
+        }
+        for model_type in ["qwen2", "qwen2_moe", "mistral", "phi3", "mixtral"] {
+            assert!(!biased(model_type), "{model_type}");
+        }
+    }
+
     /// openai/gpt-oss-20b's config.json as the Hub holds it (transformers 4.55's layout:
     /// `rope_scaling` and a top-level `rope_theta`, MXFP4 experts, no `swiglu_alpha`).
     #[test]

@@ -52,24 +52,15 @@ impl TextTower {
     /// The text model's name for checkpoint tensor `name`, or `None` when it is not the language
     /// model's (a vision tower's, a projector's).
     pub fn text_name(&self, name: &str) -> Option<String> {
-        match self.layout {
-            TowerLayout::Nested => {
-                if name == NESTED_HEAD {
-                    Some(HEAD.to_string())
-                } else {
-                    name.strip_prefix(NESTED)
-                        .map(|rest| format!("model.{rest}"))
-                }
-            }
-            TowerLayout::Prefixed => {
-                if name == HEAD {
-                    Some(HEAD.to_string())
-                } else {
-                    name.strip_prefix(PREFIXED)
-                        .map(|rest| format!("model.{rest}"))
-                }
-            }
+        let (prefix, head) = match self.layout {
+            TowerLayout::Nested => (NESTED, NESTED_HEAD),
+            TowerLayout::Prefixed => (PREFIXED, HEAD),
+        };
+        if name == head {
+            return Some(HEAD.to_string());
         }
+        name.strip_prefix(prefix)
+            .map(|rest| format!("model.{rest}"))
     }
 
     /// The checkpoint's name for the text model's tensor `name` (the inverse of [`Self::text_name`]).

@@ -240,34 +240,75 @@ const TRAIN: tune::modules::ForwardMode = tune::modules::ForwardMode {
     train: true,
 };
 
+/// The `qwen3_moe_aux` fixture: its reference, batch and model.
+struct AuxFixture {
+    r: Reference,
+    tokens: Vec<u32>,
+    labels: Vec<i64>,
+    batch: usize,
+    positions: Vec<u32>,
+    model: tune::models::CausalLm<CpuAutodiff>,
+}
+
+impl AuxFixture {
+    fn open() -> Self {
+        let r = Reference::open("family-qwen3_moe_aux.safetensors");
+        let (tokens, labels, batch) = r.tokens();
+        let positions = positions(batch, tokens.len() / batch);
+        let model = load_model::<CpuAutodiff>(
+            &fixture("families/qwen3_moe_aux"),
+            None,
+            &Default::default(),
+        )
+        .unwrap()
+        .model;
+        Self {
+            r,
+            tokens,
+            labels,
+            batch,
+            positions,
+            model,
+        }
+    }
+
+    fn input(&self) -> tune::models::TokenBatch<'_> {
+        tune::models::TokenBatch {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            document_ids: None,
+            batch: self.batch,
+        }
+    }
+}
+
+/// The gradient of every parameter summed over the backward passes `parts`.
+fn summed_grads(
+    model: &tune::models::CausalLm<CpuAutodiff>,
+    parts: Vec<<CpuAutodiff as burn::tensor::backend::AutodiffBackend>::Gradients>,
+) -> Vec<Vec<f32>> {
+    let mut acc = tune::training::step::GradAccumulator::default();
+    for g in parts {
+        acc.add(model, g);
+    }
+    grad_values(model, acc.take())
+}
+
 /// `output_router_logits: true`: the loss is transformers' cross-entropy plus
 /// `router_aux_loss_coef` times its load-balancing loss over both sparse layers' routers, and
 /// every gradient (routers included) is that sum's.
 #[test]
 fn the_load_balancing_loss_matches_transformers() {
     use tune::training::grads::named_grads;
-    let r = Reference::open("family-qwen3_moe_aux.safetensors");
-    let (tokens, labels, batch) = r.tokens();
-    let pos = positions(batch, tokens.len() / batch);
-    let input = tune::models::TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let model = load_model::<CpuAutodiff>(
-        &fixture("families/qwen3_moe_aux"),
-        None,
-        &Default::default(),
-    )
-    .unwrap()
-    .model;
+    let f = AuxFixture::open();
+    let (r, labels, input, model) = (&f.r, f.labels.as_slice(), f.input(), f.model.clone());
+    let tokens = &f.tokens;
     let coef = tune::training::sft::aux_loss_coef(&model).expect("the config asks for it");
     assert_eq!(coef, 0.05);
     let (loss, aux, grads) = tune::training::sft::loss_with_aux_in_chunks(
         &model,
         input,
-        &labels,
+        labels,
         TRAIN,
         std::slice::from_ref(&(0..tokens.len())),
         (Checkpointing::Off, 7),
@@ -292,22 +333,9 @@ fn the_load_balancing_loss_matches_transformers() {
 /// of the cross-entropy alone.
 #[test]
 fn the_load_balancing_loss_is_the_same_in_chunks() {
-    let r = Reference::open("family-qwen3_moe_aux.safetensors");
-    let (tokens, labels, batch) = r.tokens();
-    let pos = positions(batch, tokens.len() / batch);
-    let input = tune::models::TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let mut model = load_model::<CpuAutodiff>(
-        &fixture("families/qwen3_moe_aux"),
-        None,
-        &Default::default(),
-    )
-    .unwrap()
-    .model;
+    let f = AuxFixture::open();
+    let (labels, input, mut model) = (f.labels.as_slice(), f.input(), f.model.clone());
+    let tokens = &f.tokens;
     let settings = tune::modules::LoraSettings {
         rank: 4,
         alpha: 8.0,
@@ -317,18 +345,12 @@ fn the_load_balancing_loss_is_the_same_in_chunks() {
     let targets = ["q_proj", "v_proj", "gate_proj"].map(String::from);
     assert!(!tune::model_io::peft::attach_lora(&mut model, &targets, &settings, 5).is_empty());
     let model = model.set_trainable(tune::models::Trainable::AdaptersOnly);
-    let sum = |parts: Vec<_>| {
-        let mut acc = tune::training::step::GradAccumulator::default();
-        for g in parts {
-            acc.add(&model, g);
-        }
-        grad_values(&model, acc.take())
-    };
+    let sum = |parts| summed_grads(&model, parts);
     let weight = 3.0;
     let run = |chunks: &[std::ops::Range<usize>], coef: f64| {
         let passes = (Checkpointing::Off, 7);
         let (loss, _, grads) = tune::training::sft::loss_with_aux_in_chunks(
-            &model, input, &labels, TRAIN, chunks, passes, weight, coef,
+            &model, input, labels, TRAIN, chunks, passes, weight, coef,
         );
         let value: f32 = loss.clone().into_scalar();
         let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
@@ -386,7 +408,7 @@ fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
     let out = temp_dir("moe-aux-refused");
     let output_dir = format!("output_dir={}", out.path().display());
-    let run = tune(&[
+    let stderr = tune_refuses(&[
         "run",
         "lora_dpo_single_device",
         "--config",
@@ -395,8 +417,6 @@ fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
         &checkpoint_dir,
         "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
     ]);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success(), "{stderr}");
     assert!(
         stderr.contains("output_router_logits") && stderr.contains("lora_dpo_single_device"),
         "{stderr}"
@@ -407,28 +427,14 @@ fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
 /// gradient layer by layer: the same loss, `aux_loss` and gradients as one pass.
 #[test]
 fn the_load_balancing_loss_takes_the_same_gradients_layer_by_layer() {
-    let r = Reference::open("family-qwen3_moe_aux.safetensors");
-    let (tokens, labels, batch) = r.tokens();
-    let pos = positions(batch, tokens.len() / batch);
-    let input = tune::models::TokenBatch {
-        tokens: &tokens,
-        positions: &pos,
-        document_ids: None,
-        batch,
-    };
-    let model = load_model::<CpuAutodiff>(
-        &fixture("families/qwen3_moe_aux"),
-        None,
-        &Default::default(),
-    )
-    .unwrap()
-    .model;
+    let f = AuxFixture::open();
+    let (labels, input, model) = (f.labels.as_slice(), f.input(), f.model.clone());
     let weight = 2.0;
     let run = |checkpointing| {
         let (loss, aux, grads) = tune::training::sft::loss_with_aux(
             &model,
             input,
-            &labels,
+            labels,
             TRAIN,
             (checkpointing, 1),
             (7, weight),
@@ -437,11 +443,7 @@ fn the_load_balancing_loss_takes_the_same_gradients_layer_by_layer() {
         let value: f32 = loss.clone().into_scalar();
         let aux: f32 = aux.into_scalar();
         let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
-        let mut acc = tune::training::step::GradAccumulator::default();
-        for g in parts {
-            acc.add(&model, g);
-        }
-        (value, aux, grad_values(&model, acc.take()))
+        (value, aux, summed_grads(&model, parts))
     };
     let (loss, aux, plain) = run(Checkpointing::Off);
     let (loss_layers, aux_layers, layered) = run(Checkpointing::Layers);
@@ -625,7 +627,7 @@ fn the_int4_export_of_gpt_oss_is_refused_by_key() {
     let out = temp_dir("gpt-oss-qat");
     let output_dir = format!("output_dir={}", out.path().display());
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let run = tune(&[
+    let stderr = tune_refuses(&[
         "run",
         "qat_single_device",
         "--config",
@@ -634,8 +636,6 @@ fn the_int4_export_of_gpt_oss_is_refused_by_key() {
         &checkpoint_dir,
         "model=tune.models.gpt_oss.gpt_oss_tiny",
     ]);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success(), "{stderr}");
     assert!(
         stderr.contains("quantizer") && stderr.contains("\"gpt_oss\""),
         "{stderr}"
@@ -645,4 +645,53 @@ fn the_int4_export_of_gpt_oss_is_refused_by_key() {
         !steps.contains("\"loss\""),
         "trained before refusing: {steps}"
     );
+}
+
+/// FSDP over two processes on gpt-oss: the fused experts load whole on each rank and are
+/// sharded after (sinks and router biases among the sharded weights); the steps are one
+/// device's, and the gathered save is the fused layout the checkpoint came in.
+#[test]
+fn fsdp_on_gpt_oss_matches_one_device_and_saves_the_fused_layout() {
+    let ckpt = tiny_gpt_oss();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let extra = [
+        "model=tune.models.gpt_oss.gpt_oss_tiny",
+        checkpoint_dir.as_str(),
+    ];
+    let (_, two) = crate::distributed::one_device_and_fsdp_agree("gpt-oss-fsdp", &extra, 3);
+    let saved = stored_tensors(&two.path().join("epoch_0"));
+    let source = stored_tensors(ckpt.path());
+    assert_eq!(
+        saved.keys().collect::<Vec<_>>(),
+        source.keys().collect::<Vec<_>>()
+    );
+}
+
+/// An MXFP4 checkpoint missing one expert weight's scales is refused at load, naming the
+/// tensor, rather than read with made-up scales.
+#[test]
+fn an_mxfp4_checkpoint_missing_its_scales_is_refused_naming_them() {
+    let src = fixture("families/gpt_oss_mxfp4");
+    let dir = temp_dir("gpt-oss-mxfp4-broken");
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let missing = "model.layers.1.mlp.experts.down_proj_scales";
+    let mut kept = stored_tensors(&src);
+    kept.remove(missing).expect("the fixture has it");
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = kept
+        .iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            let dtype = match dtype.as_str() {
+                "U8" => safetensors::Dtype::U8,
+                _ => safetensors::Dtype::F32,
+            };
+            let view = safetensors::tensor::TensorView::new(dtype, shape.clone(), bytes).unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    let err = match load_model::<Cpu>(dir.path(), None, &Default::default()) {
+        Ok(_) => panic!("loaded without {missing}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains(missing), "{err}");
 }

@@ -176,6 +176,14 @@ pub fn tune_command(args: &[&str]) -> std::process::Command {
     cmd
 }
 
+/// Runs tune, which must fail (a refusal), and returns its stderr.
+pub fn tune_refuses(args: &[&str]) -> String {
+    let out = tune(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "tune {args:?} succeeded: {stderr}");
+    stderr
+}
+
 /// Runs tune and panics with its stderr unless it succeeded.
 pub fn tune_ok(args: &[&str]) -> std::process::Output {
     let out = tune(args);

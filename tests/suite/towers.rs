@@ -197,7 +197,7 @@ fn the_int4_export_of_a_multimodal_checkpoint_is_refused_by_key() {
     let out = temp_dir("tower-qat");
     let output_dir = format!("output_dir={}", out.path().display());
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let run = tune(&[
+    let stderr = tune_refuses(&[
         "run",
         "qat_lora_finetune_single_device",
         "--config",
@@ -206,8 +206,6 @@ fn the_int4_export_of_a_multimodal_checkpoint_is_refused_by_key() {
         &checkpoint_dir,
         "model=tune.models.gemma3.lora_gemma3_tiny",
     ]);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success(), "{stderr}");
     assert!(
         stderr.contains("quantizer") && stderr.contains("\"gemma3\""),
         "{stderr}"
