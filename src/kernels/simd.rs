@@ -162,6 +162,52 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// `[[a0 . b_j], [a1 . b_j]]` for four weight lines `b_j` at once: each loaded line vector
+/// serves both rows and each row vector four lines, where [`dot`] per pair reloads both for
+/// every multiply-add (two loads per multiply-add bound it by the load ports). Each sum is
+/// [`dot`]'s, in its order, so the results are bit for bit [`dot`]'s.
+#[inline(always)]
+pub fn dot_2x4(a0: &[f32], a1: &[f32], b: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    let k = a0.len();
+    let [b0, b1, b2, b3] = b;
+    // Eight named accumulators (row, line), so LLVM keeps each in a register.
+    let (mut s00, mut s01, mut s02, mut s03) =
+        ([0.0f32; LANES], [0.0; LANES], [0.0; LANES], [0.0; LANES]);
+    let (mut s10, mut s11, mut s12, mut s13) =
+        ([0.0f32; LANES], [0.0; LANES], [0.0; LANES], [0.0; LANES]);
+    let whole = k / LANES * LANES;
+    for start in (0..whole).step_by(LANES) {
+        let x0: &[f32; LANES] = a0[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let x1: &[f32; LANES] = a1[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let y0: &[f32; LANES] = b0[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let y1: &[f32; LANES] = b1[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let y2: &[f32; LANES] = b2[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let y3: &[f32; LANES] = b3[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        for l in 0..LANES {
+            s00[l] += x0[l] * y0[l];
+            s01[l] += x0[l] * y1[l];
+            s02[l] += x0[l] * y2[l];
+            s03[l] += x0[l] * y3[l];
+            s10[l] += x1[l] * y0[l];
+            s11[l] += x1[l] * y1[l];
+            s12[l] += x1[l] * y2[l];
+            s13[l] += x1[l] * y3[l];
+        }
+    }
+    let acc = [[s00, s01, s02, s03], [s10, s11, s12, s13]];
+    let mut out = [[0.0f32; 4]; 2];
+    for (r, a) in [a0, a1].iter().enumerate() {
+        for (j, line) in b.iter().enumerate() {
+            let mut sum: f32 = acc[r][j].iter().sum();
+            for i in whole..k {
+                sum += a[i] * line[i];
+            }
+            out[r][j] = sum;
+        }
+    }
+    out
+}
+
 /// Defines `fn name(args) -> ret` that runs `body` compiled for AVX2+FMA when the CPU has
 /// them, and the baseline build of the same body otherwise. `body` should call the
 /// `#[inline(always)]` helpers above so they are vectorised in both builds.
