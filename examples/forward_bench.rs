@@ -64,6 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokens: &tokens,
             positions: &positions,
             document_ids: None,
+            left_padding: None,
             batch: 1,
         };
         let logits = model.forward(input, ForwardMode::default());

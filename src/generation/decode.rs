@@ -65,6 +65,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     tokens: new,
                     positions: &positions,
                     document_ids: None,
+                    left_padding: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, Some(cache))
@@ -75,6 +76,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     tokens: &self.tokens,
                     positions: &positions,
                     document_ids: None,
+                    left_padding: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, None)

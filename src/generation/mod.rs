@@ -6,7 +6,7 @@ pub mod group;
 pub mod sampling;
 
 pub use decode::{Decoder, GenerateOptions, Generation, StopReason, generate};
-pub use group::{GroupSampling, SampledGroup, sample_group};
+pub use group::{GroupPrompt, GroupSampling, SampledGroup, sample_group, sample_groups};
 pub use sampling::{Sampler, SamplingParams};
 
 #[derive(Debug, thiserror::Error)]

@@ -355,12 +355,24 @@ pub struct TokenBatch<'a> {
     pub positions: &'a [u32],
     /// Packed samples: which document each position belongs to.
     pub document_ids: Option<&'a [u32]>,
+    /// Rows of different lengths decoded together (left-padded prompts): per row, how many
+    /// leading key positions (of the cache and this input together) are padding. No real
+    /// query attends to them; a padding query attends only to padding (its output is unused).
+    pub left_padding: Option<&'a [usize]>,
     pub batch: usize,
 }
 
-impl TokenBatch<'_> {
+impl<'a> TokenBatch<'a> {
     pub fn seq_len(&self) -> usize {
         self.tokens.len() / self.batch.max(1)
+    }
+
+    /// What keeps this batch's rows' positions from seeing each other, for the mask.
+    pub fn separations(&self) -> mask::Separations<'a> {
+        mask::Separations {
+            document_ids: self.document_ids,
+            left_padding: self.left_padding,
+        }
     }
 }
 
@@ -569,9 +581,9 @@ impl<B: Backend> CausalLm<B> {
             rope_k: self
                 .rope
                 .tables::<B2>(input.positions, batch, kv_heads, device),
-            mask: mask::causal::<B2>(batch, seq, offset, input.document_ids, device),
+            mask: mask::causal_window::<B2>(batch, seq, offset, input.separations(), None, device),
             mask_sliding: self.args.sliding_window.map(|w| {
-                mask::causal_window::<B2>(batch, seq, offset, input.document_ids, Some(w), device)
+                mask::causal_window::<B2>(batch, seq, offset, input.separations(), Some(w), device)
             }),
             rope_local: self.rope_local.as_ref().map(|r| {
                 (

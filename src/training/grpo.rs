@@ -1,6 +1,7 @@
 //! GRPO's step (torchtune's `dev/grpo_full_finetune_distributed`, TRL's `GRPOTrainer`): for each
-//! batch of prompts, sample `grpo_samples` completions per prompt with the policy
-//! ([`crate::generation::sample_group`]), score them with the reward functions, normalise the
+//! batch of prompts, sample `grpo_samples` completions per prompt with the policy, every
+//! prompt's completions decoding together as torchtune's and TRL's `generate` do
+//! ([`crate::generation::sample_groups`]), score them with the reward functions, normalise the
 //! rewards within each prompt's group into advantages, score the completions' tokens with the
 //! frozen reference (for the KL penalty) and, with several optimisation passes, with the policy
 //! as it was (the old policy); then `ppo_epochs` optimizer updates of the trainer core on those
@@ -41,7 +42,7 @@ use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
 use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
 use crate::distributed::{World, sync};
-use crate::generation::{GroupSampling, sample_group};
+use crate::generation::{GenerateError, GroupPrompt, GroupSampling, sample_groups};
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
 use crate::rewards::{Completion, Weighted, score_batch};
@@ -476,38 +477,44 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         // 1. Sample every prompt's group. With FSDP, every forward pass is collective: every
         // rank decodes until all of them have stopped.
         let started = Instant::now();
-        let mut groups = Vec::with_capacity(samples.len());
+        let seeds: Vec<Vec<u64>> = prompts
+            .iter()
+            .map(|&row| (0..g).map(|k| completion_seed(step_seed, row, k)).collect())
+            .collect();
+        let batch: Vec<GroupPrompt<'_>> = samples
+            .iter()
+            .zip(&seeds)
+            .map(|(sample, seeds)| GroupPrompt {
+                tokens: &sample.tokens,
+                seeds,
+            })
+            .collect();
         let mut agree_error = None;
-        for (sample, &row) in samples.iter().zip(prompts) {
-            let seeds: Vec<u64> = (0..g).map(|k| completion_seed(step_seed, row, k)).collect();
-            let mut agree = |done: bool| {
-                if policy.shards.is_none() || !world.is_distributed() {
-                    return done;
+        let mut agree = |done: bool| {
+            if policy.shards.is_none() || !world.is_distributed() {
+                return done;
+            }
+            let votes = sync::all_reduce_scalars::<B::InnerBackend>(
+                world,
+                &[f64::from(u8::from(!done))],
+                &device,
+                "the end of a rollout",
+            );
+            match votes {
+                Ok(v) => v[0] < 0.5,
+                Err(e) => {
+                    agree_error.get_or_insert(e);
+                    true
                 }
-                let votes = sync::all_reduce_scalars::<B::InnerBackend>(
-                    world,
-                    &[f64::from(u8::from(!done))],
-                    &device,
-                    "the end of a rollout",
-                );
-                match votes {
-                    Ok(v) => v[0] < 0.5,
-                    Err(e) => {
-                        agree_error.get_or_insert(e);
-                        true
-                    }
-                }
-            };
-            let group = sample_group(
-                &policy,
-                &sample.tokens,
-                &self.settings.sampling,
-                &seeds,
-                &mut agree,
-            )
-            .map_err(|source| rollout_error(RolloutError::Generate { row, source }))?;
-            groups.push(group);
-        }
+            }
+        };
+        let groups = sample_groups(&policy, &batch, &self.settings.sampling, &mut agree).map_err(
+            |source| {
+                // Which prompt: the first the error names, else the batch's first.
+                let row = prompt_at_fault(&samples, prompts, &source, policy.args.vocab_size);
+                rollout_error(RolloutError::Generate { row, source })
+            },
+        )?;
         if let Some(e) = agree_error {
             return Err(e.into());
         }
@@ -639,6 +646,22 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         );
         Ok((rollouts, stats))
     }
+}
+
+/// The dataset row of the prompt a generation error is about: the first empty prompt or the
+/// first with a token outside the vocabulary, else the batch's first.
+pub(crate) fn prompt_at_fault(
+    samples: &[&PromptSample],
+    rows: &[usize],
+    error: &GenerateError,
+    vocab: usize,
+) -> usize {
+    let faulty = samples.iter().position(|s| match error {
+        GenerateError::EmptyPrompt => s.tokens.is_empty(),
+        GenerateError::TokenOutOfRange { .. } => s.tokens.iter().any(|&t| t as usize >= vocab),
+        GenerateError::BadSampling(_) => false,
+    });
+    rows[faulty.unwrap_or(0)]
 }
 
 fn rollout_error(e: RolloutError) -> TrainError {

@@ -38,7 +38,9 @@ use rand::seq::SliceRandom;
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
-use super::grpo::{RolloutRow, Rollouts, collate_rollouts, completion_log_probs, completion_seed};
+use super::grpo::{
+    RolloutRow, Rollouts, collate_rollouts, completion_log_probs, completion_seed, prompt_at_fault,
+};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
     Grid, Scored, Trajectory, TrajectorySettings, trajectory, trajectory_metrics,
@@ -47,7 +49,7 @@ use super::sft::token_batch;
 use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
 use crate::data::{DataLoader, PromptDataset, PromptSample};
-use crate::generation::{GroupSampling, sample_group};
+use crate::generation::{GroupPrompt, GroupSampling, sample_groups};
 use crate::models::CausalLm;
 
 /// The policy's and the value model's forward pass while training (GRPO's policy's); scoring
@@ -420,14 +422,35 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
             .filter_map(|&i| self.prompts.get(i))
             .collect();
         let started = Instant::now();
+        // torchtune's `generate_trajectory_batched`: `forward_batch_size` prompts decode together.
+        let seeds: Vec<[u64; 1]> = prompts
+            .iter()
+            .map(|&row| [completion_seed(step_seed, row, 0)])
+            .collect();
         let mut responses = Vec::with_capacity(samples.len());
-        for (sample, &row) in samples.iter().zip(prompts) {
-            let seeds = [completion_seed(step_seed, row, 0)];
-            let group = sample_group(policy, &sample.tokens, &s.sampling, &seeds, &mut |d| d)
-                .map_err(|source| {
+        let chunk = s.forward_batch_size.max(1);
+        for (i, (chunk_samples, chunk_seeds)) in
+            samples.chunks(chunk).zip(seeds.chunks(chunk)).enumerate()
+        {
+            let batch: Vec<GroupPrompt<'_>> = chunk_samples
+                .iter()
+                .zip(chunk_seeds)
+                .map(|(sample, seeds)| GroupPrompt {
+                    tokens: &sample.tokens,
+                    seeds,
+                })
+                .collect();
+            let groups =
+                sample_groups(policy, &batch, &s.sampling, &mut |d| d).map_err(|source| {
+                    let rows = &prompts[i * chunk..];
+                    let row = prompt_at_fault(chunk_samples, rows, &source, policy.args.vocab_size);
                     TrainError::Rollout(Box::new(RolloutError::Generate { row, source }))
                 })?;
-            responses.push(group.completions.into_iter().next().unwrap_or_default());
+            responses.extend(
+                groups
+                    .into_iter()
+                    .map(|g| g.completions.into_iter().next().unwrap_or_default()),
+            );
         }
         let prompt_tokens: Vec<&[u32]> = samples.iter().map(|p| p.tokens.as_slice()).collect();
         let models = PpoModels {

@@ -217,6 +217,7 @@ pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
         tokens: &batch.tokens,
         positions: &batch.position_ids,
         document_ids: batch.document_ids.as_deref(),
+        left_padding: None,
         batch: batch.batch_size,
     }
 }

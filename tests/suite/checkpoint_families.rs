@@ -109,6 +109,7 @@ fn logits(lm: &CausalLm<Cpu>) -> HostTensor {
             tokens: &tokens,
             positions: &pos,
             document_ids: None,
+            left_padding: None,
             batch: 2,
         },
         ForwardMode::default(),

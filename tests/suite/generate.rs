@@ -250,6 +250,65 @@ fn bad_inputs_are_errors() {
     assert!(e.to_string().contains("temperature"), "{e}");
 }
 
+/// A batch of prompts of different lengths, left-padded and decoded together (GRPO's and
+/// PPO's rollouts), samples for each prompt what its group alone samples: padding is never
+/// attended to and each row's positions count from its own first token. Greedy rows are
+/// transformers' tokens whatever the padding.
+#[test]
+fn prompts_of_different_lengths_decoded_together_sample_each_groups_own_completions() {
+    use tune::generation::{GroupPrompt, GroupSampling, sample_group, sample_groups};
+    let m = model("tiny-llama");
+    let full = reference().prompt;
+    assert!(full.len() > 4, "the fixture's prompt is long enough to cut");
+    let short = full[..full.len() - 3].to_vec();
+    let other: Vec<u32> = full.iter().rev().copied().collect();
+    let opts = GroupSampling {
+        max_new_tokens: 10,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: Some(50),
+            top_p: Some(0.95),
+        },
+        stop_ids: vec![2004, 2001],
+    };
+    let seeds = [[5u64, 6, 7], [8, 9, 10], [11, 12, 13]];
+    let prompts = [short.as_slice(), full.as_slice(), other.as_slice()];
+    let batch: Vec<GroupPrompt<'_>> = prompts
+        .iter()
+        .zip(&seeds)
+        .map(|(tokens, seeds)| GroupPrompt { tokens, seeds })
+        .collect();
+    let together = sample_groups(&m, &batch, &opts, &mut |done| done).unwrap();
+    assert_eq!(together.len(), prompts.len());
+    for (p, (prompt, seeds)) in prompts.iter().zip(&seeds).enumerate() {
+        let alone = sample_group(&m, prompt, &opts, seeds, &mut |done| done).unwrap();
+        assert_eq!(together[p], alone, "prompt {p}");
+    }
+    // Greedy: the fixture's prompt, left-padded beside a longer one, decodes transformers'
+    // tokens.
+    let longer: Vec<u32> = other.iter().chain(&full[..3]).copied().collect();
+    let greedy = GroupSampling {
+        max_new_tokens: reference().max_new_tokens,
+        sampling: SamplingParams::GREEDY,
+        stop_ids: vec![],
+    };
+    let batch = [
+        GroupPrompt {
+            tokens: &longer,
+            seeds: &[0],
+        },
+        GroupPrompt {
+            tokens: &full,
+            seeds: &[0],
+        },
+    ];
+    let groups = sample_groups(&m, &batch, &greedy, &mut |done| done).unwrap();
+    assert_eq!(
+        groups[1].completions[0],
+        &reference().expected[full.len()..]
+    );
+}
+
 /// GRPO's group sampling: each completion of a group (the prompt prefilled once, its cache
 /// repeated, every row decoding in one batched pass) is the completion `generate` samples alone
 /// from the same seed, stop token included; rows that stopped stay stopped while the others go

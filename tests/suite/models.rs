@@ -80,6 +80,7 @@ fn packed_samples_do_not_attend_to_each_other() {
             tokens: t,
             positions: &pos,
             document_ids: None,
+            left_padding: None,
             batch: 1,
         };
         HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))
@@ -93,6 +94,7 @@ fn packed_samples_do_not_attend_to_each_other() {
         tokens: &packed,
         positions: &pos,
         document_ids: Some(&docs),
+        left_padding: None,
         batch: 1,
     };
     let both = HostTensor::from_tensor(&model.forward(input, ForwardMode::default()));

@@ -277,6 +277,7 @@ impl AuxFixture {
             tokens: &self.tokens,
             positions: &self.positions,
             document_ids: None,
+            left_padding: None,
             batch: self.batch,
         }
     }

@@ -297,6 +297,7 @@ pub fn forward_rows<B: burn::tensor::backend::Backend>(
         tokens,
         positions: &pos,
         document_ids: None,
+        left_padding: None,
         batch,
     };
     model.forward(input, mode)
