@@ -1,5 +1,5 @@
 //! bf16 products with a few rows, the weight read in place: decoding (one token's activations
-//! times each weight), on any CPU.
+//! times each weight, or a batch of completions' tokens), on any CPU.
 //!
 //! Why: a decoding step multiplies one row by every weight matrix, so it is bound by reading
 //! the weights. The GEMM ([`super::bf16_gemm`]) packs its B operand first, which for one row
@@ -19,7 +19,13 @@ use super::bf16_gemm::Operand;
 use super::simd::{self, multiversion};
 
 /// The most rows (activation rows) this path takes; more go to the GEMM.
-pub const MAX_ROWS: usize = 4;
+///
+/// Why 32: rows go through the native kernel four at a time, so the weight is read once per
+/// four rows; against the packed bf16 GEMM (forward, `tune bench --mode forward --dtype bf16`,
+/// batch 1) that wins up to 32 rows and then loses on small weights: SmolLM2-135M at 8 tokens
+/// 0.060 -> 0.037 s, 16 0.071 -> 0.050 s, 32 0.097 -> 0.093 s, but 48 0.116 -> 0.137 s;
+/// Llama-3.2-1B at 32 tokens 0.886 -> 0.491 s (at 48, 1.035 -> 0.754 s). It took 4 before.
+pub const MAX_ROWS: usize = 32;
 /// K values of a weight column widened at a time (4 KiB of f32, in L1).
 const CHUNK: usize = 1024;
 /// Output columns per parallel task, at least.
@@ -184,30 +190,42 @@ mod native {
         } = columns;
         let count = out.len() / m;
         let base = data.as_ptr();
+        // Rows in blocks of up to four (the accumulators of four rows by four columns fill
+        // the registers), each block's sums scattered into `out`'s column-major layout.
+        let mut sums = [0.0f32; GROUP * 4];
         let mut c = 0;
         while c < count {
             let group = GROUP.min(count - c);
-            let out = &mut out[c * m..(c + group) * m];
             // SAFETY: the caller bounds columns `c .. c + group`.
             let column = |j: usize| unsafe { base.add(first + (c + j) * stride) };
-            unsafe {
-                if group == GROUP {
-                    let cols = [column(0), column(1), column(2), column(3)];
-                    match m {
-                        1 => dots::<1, GROUP>(rows, k, cols, out),
-                        2 => dots::<2, GROUP>(rows, k, cols, out),
-                        3 => dots::<3, GROUP>(rows, k, cols, out),
-                        _ => dots::<4, GROUP>(rows, k, cols, out),
-                    }
-                } else {
-                    for j in 0..group {
-                        let out = &mut out[j * m..(j + 1) * m];
-                        match m {
-                            1 => dots::<1, 1>(rows, k, [column(j)], out),
-                            2 => dots::<2, 1>(rows, k, [column(j)], out),
-                            3 => dots::<3, 1>(rows, k, [column(j)], out),
-                            _ => dots::<4, 1>(rows, k, [column(j)], out),
+            for first_row in (0..m).step_by(4) {
+                let block = 4.min(m - first_row);
+                let rows = &rows[first_row * k..(first_row + block) * k];
+                let sums = &mut sums[..group * block];
+                unsafe {
+                    if group == GROUP {
+                        let cols = [column(0), column(1), column(2), column(3)];
+                        match block {
+                            1 => dots::<1, GROUP>(rows, k, cols, sums),
+                            2 => dots::<2, GROUP>(rows, k, cols, sums),
+                            3 => dots::<3, GROUP>(rows, k, cols, sums),
+                            _ => dots::<4, GROUP>(rows, k, cols, sums),
                         }
+                    } else {
+                        for j in 0..group {
+                            let sums = &mut sums[j * block..(j + 1) * block];
+                            match block {
+                                1 => dots::<1, 1>(rows, k, [column(j)], sums),
+                                2 => dots::<2, 1>(rows, k, [column(j)], sums),
+                                3 => dots::<3, 1>(rows, k, [column(j)], sums),
+                                _ => dots::<4, 1>(rows, k, [column(j)], sums),
+                            }
+                        }
+                    }
+                }
+                for j in 0..group {
+                    for r in 0..block {
+                        out[(c + j) * m + first_row + r] = sums[j * block + r];
                     }
                 }
             }
@@ -274,10 +292,11 @@ mod tests {
             .collect()
     }
 
-    /// Rows 1 to 4 against an f64 reference on both kernels (the native one where the CPU has
-    /// it), K longer than a chunk and not a multiple of 32, a column count that leaves a partial
-    /// group, a transposed weight with an offset, and strided activations; wider rows and a
-    /// weight that is not K-contiguous are refused.
+    /// Rows 1 to `MAX_ROWS` (blocks of four and a partial block) against an f64 reference on
+    /// both kernels (the native one where the CPU has it), K longer than a chunk and not a
+    /// multiple of 32, a column count that leaves a partial group, a transposed weight with an
+    /// offset, and strided activations; wider rows and a weight that is not K-contiguous are
+    /// refused.
     #[test]
     fn few_rows_times_a_transposed_weight_match_an_f64_reference() {
         for native in [false, crate::kernels::bf16_gemm::available()] {
