@@ -68,8 +68,8 @@ pub(crate) const SCORING_MODE: ForwardMode = ForwardMode {
 pub struct GrpoSettings {
     /// Completions per prompt (`grpo_samples`).
     pub samples: usize,
-    /// Prompts scored by the old and reference policies in one forward pass
-    /// (`forward_batch_size`).
+    /// Prompts decoded together, and scored by the old and reference policies in one forward
+    /// pass (`forward_batch_size`, as torchtune's).
     pub prompts_per_pass: usize,
     /// Lengths, sampling and stop tokens of the completions.
     pub sampling: GroupSampling,
@@ -508,13 +508,21 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
                 }
             }
         };
-        let groups = sample_groups(&policy, &batch, &self.settings.sampling, &mut agree).map_err(
-            |source| {
-                // Which prompt: the first the error names, else the batch's first.
-                let row = prompt_at_fault(&samples, prompts, &source, policy.args.vocab_size);
-                rollout_error(RolloutError::Generate { row, source })
-            },
-        )?;
+        // torchtune's `generate_trajectory_batched`: `forward_batch_size` prompts (each with its
+        // group) decode together, which bounds the KV cache.
+        let chunk = self.settings.prompts_per_pass.max(1);
+        let mut groups = Vec::with_capacity(batch.len());
+        for (i, part) in batch.chunks(chunk).enumerate() {
+            let sampled = sample_groups(&policy, part, &self.settings.sampling, &mut agree)
+                .map_err(|source| {
+                    // Which prompt: the first the error names, else the chunk's first.
+                    let rows = &prompts[i * chunk..];
+                    let part_samples = &samples[i * chunk..(i * chunk + part.len())];
+                    let row = prompt_at_fault(part_samples, rows, &source, policy.args.vocab_size);
+                    rollout_error(RolloutError::Generate { row, source })
+                })?;
+            groups.extend(sampled);
+        }
         if let Some(e) = agree_error {
             return Err(e.into());
         }

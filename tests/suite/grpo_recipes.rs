@@ -261,6 +261,22 @@ fn two_grpo_workers_sample_and_train_like_one_device() {
                 "{distributed}: loss at step {s}: {a} vs {b}"
             );
         }
+        if single == LORA && extra.is_empty() {
+            // One device decoding one prompt at a time (`forward_batch_size`, torchtune's
+            // micro-batches) samples and trains as when both decode together, left-padded.
+            let apart = temp_dir("grpo-apart");
+            let o3 = output(apart.path());
+            let one_by_one = [&steps[..], &["forward_batch_size=1"]].concat();
+            tune_ok(&run_args(single, config, &o3, &one_by_one));
+            for key in ["rewards", "response_lengths", "grad_norm"] {
+                assert_same_curve(
+                    &format!("forward_batch_size=1: {key}"),
+                    &column_by_step(apart.path(), key),
+                    &column_by_step(one.path(), key),
+                    1e-4,
+                );
+            }
+        }
         let epoch = |d: &Path| model_of(&d.join("epoch_0"));
         // With the KL term the reference's log-probabilities are scored in passes of other
         // sizes on each rank: AdamW's normalised steps carry their rounding further.
