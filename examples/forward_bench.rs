@@ -65,6 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             positions: &positions,
             document_ids: None,
             left_padding: None,
+            padding: None,
             batch: 1,
         };
         let logits = model.forward(input, ForwardMode::default());

@@ -19,6 +19,9 @@ pub struct Batch {
     pub position_ids: Vec<u32>,
     /// Packed batches only: which document each token belongs to (block-causal mask).
     pub document_ids: Option<Vec<u32>>,
+    /// Per token, whether it is padding (a row's right padding, a pack's filler), the positions
+    /// transformers' `attention_mask` hides; `None` when no token is.
+    pub padding: Option<Vec<bool>>,
     pub batch_size: usize,
     pub seq_len: usize,
     /// Tokens the shifted loss counts: labels at positions 1.. of each row that are not -100
@@ -53,12 +56,15 @@ pub fn collate_sft(samples: &[&SftSample], pad_id: u32) -> Batch {
     let seq_len = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
     let mut tokens = Vec::with_capacity(samples.len() * seq_len);
     let mut labels = Vec::with_capacity(samples.len() * seq_len);
+    let mut padding = Vec::with_capacity(samples.len() * seq_len);
     for s in samples {
         let n_pad = seq_len - s.tokens.len();
         tokens.extend_from_slice(&s.tokens);
         tokens.extend(std::iter::repeat_n(pad_id, n_pad));
         labels.extend_from_slice(&s.labels);
         labels.extend(std::iter::repeat_n(IGNORE_INDEX, n_pad));
+        padding.extend(std::iter::repeat_n(false, s.tokens.len()));
+        padding.extend(std::iter::repeat_n(true, n_pad));
     }
     let position_ids = (0..samples.len()).flat_map(|_| 0..seq_len as u32).collect();
     Batch {
@@ -67,6 +73,7 @@ pub fn collate_sft(samples: &[&SftSample], pad_id: u32) -> Batch {
         labels,
         position_ids,
         document_ids: None,
+        padding: padding.contains(&true).then_some(padding),
         batch_size: samples.len(),
         seq_len,
     }
@@ -80,13 +87,17 @@ pub fn collate_packed(samples: &[&PackedSample], pad_id: u32) -> Batch {
         labels: Vec::with_capacity(samples.len() * seq_len),
         position_ids: Vec::with_capacity(samples.len() * seq_len),
         document_ids: None,
+        padding: None,
         batch_size: samples.len(),
         seq_len,
         num_trained_tokens: 0,
     };
     let mut docs = Vec::with_capacity(samples.len() * seq_len);
+    let mut padding = Vec::with_capacity(samples.len() * seq_len);
     for s in samples {
         let n_pad = seq_len - s.tokens.len();
+        padding.extend(std::iter::repeat_n(false, s.tokens.len()));
+        padding.extend(std::iter::repeat_n(true, n_pad));
         b.tokens.extend_from_slice(&s.tokens);
         b.tokens.extend(std::iter::repeat_n(pad_id, n_pad));
         b.labels.extend_from_slice(&s.labels);
@@ -101,6 +112,7 @@ pub fn collate_packed(samples: &[&PackedSample], pad_id: u32) -> Batch {
     }
     b.num_trained_tokens = count_trained(&b.labels, seq_len);
     b.document_ids = Some(docs);
+    b.padding = padding.contains(&true).then_some(padding);
     b
 }
 

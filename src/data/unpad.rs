@@ -76,11 +76,13 @@ pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
         labels: Vec::with_capacity(cells),
         position_ids: Vec::with_capacity(cells),
         document_ids: None,
+        padding: None,
         batch_size: packs.len(),
         seq_len: pack_len,
         num_trained_tokens: batch.num_trained_tokens,
     };
     let mut documents = Vec::with_capacity(cells);
+    let mut padding = Vec::with_capacity(cells);
     for (used, rows) in &packs {
         for (doc, &i) in rows.iter().enumerate() {
             let n = needed[i];
@@ -91,6 +93,7 @@ pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
             out.position_ids
                 .extend_from_slice(&batch.position_ids[at..at + n]);
             documents.extend(std::iter::repeat_n(doc as u32, n));
+            padding.extend(std::iter::repeat_n(false, n));
         }
         let tail = pack_len - used;
         let last_position = out.position_ids.last().copied().unwrap_or(0);
@@ -99,8 +102,10 @@ pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
         out.position_ids
             .extend((1..=tail as u32).map(|k| last_position + k));
         documents.extend(std::iter::repeat_n(rows.len() as u32, tail));
+        padding.extend(std::iter::repeat_n(true, tail));
     }
     out.document_ids = Some(documents);
+    out.padding = padding.contains(&true).then_some(padding);
     Some(out)
 }
 
@@ -180,11 +185,21 @@ mod tests {
         let docs = packed.document_ids.as_ref().unwrap();
         assert_eq!(docs[..8], [0; 8]);
         assert_eq!(docs[8..], [0, 0, 0, 1, 1, 1, 2, 2]);
+        // The padded batch flags each row's padding; the packs flag their tail only.
+        let flags = padded.padding.as_ref().expect("rows of different lengths");
+        assert_eq!(
+            flags[8..16],
+            [false, false, false, true, true, true, true, true]
+        );
+        let tail = packed.padding.as_ref().expect("a tail");
+        assert_eq!(tail.iter().filter(|&&p| p).count(), 2);
+        assert!(tail[14] && tail[15]);
 
         // Allowed longer packs (attention that skips hidden tiles): one row, no tail.
         let long = unpad(&padded, LONG_PACK).expect("padding to drop");
         assert_eq!((long.batch_size, long.seq_len), (1, 14));
         assert_eq!(targets(&long), targets(&padded));
+        assert_eq!(long.padding, None, "no tail");
     }
 
     #[test]

@@ -66,6 +66,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     positions: &positions,
                     document_ids: None,
                     left_padding: None,
+                    padding: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, Some(cache))
@@ -77,6 +78,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     positions: &positions,
                     document_ids: None,
                     left_padding: None,
+                    padding: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, None)

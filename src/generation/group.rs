@@ -138,6 +138,7 @@ pub fn sample_groups<B: Backend>(
         positions: &positions,
         document_ids: None,
         left_padding: padded.then_some(padding.as_slice()),
+        padding: None,
         batch: prompts.len(),
     };
     let hidden = model.hidden(input, mode, Some(&mut cache));
@@ -181,6 +182,7 @@ pub fn sample_groups<B: Backend>(
             positions: &positions,
             document_ids: None,
             left_padding: padded.then_some(row_padding.as_slice()),
+            padding: None,
             batch: rows,
         };
         let hidden = model.hidden(input, mode, Some(&mut cache));

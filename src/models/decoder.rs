@@ -359,6 +359,9 @@ pub struct TokenBatch<'a> {
     /// leading key positions (of the cache and this input together) are padding. No real
     /// query attends to them; a padding query attends only to padding (its output is unused).
     pub left_padding: Option<&'a [usize]>,
+    /// Per position, whether it is padding (a right-padded row's tail, a pack's filler): the
+    /// load-balancing loss leaves it out, as transformers' `attention_mask` does. `None`: none is.
+    pub padding: Option<&'a [bool]>,
     pub batch: usize,
 }
 
@@ -422,7 +425,7 @@ impl<B: Backend> CausalLm<B> {
         mode: ForwardMode,
     ) -> (Tensor<B, 3>, RouterLoad<B>) {
         let mut ctx = self.pass_context::<B>(input, 0, mode, &self.device());
-        ctx.router_load = Some(std::cell::RefCell::new(RouterLoad::default()));
+        ctx.router_load = Some(std::cell::RefCell::new(RouterLoad::new(input.padding)));
         let hidden = self.hidden_in(input, &ctx, None);
         let load = ctx
             .router_load

@@ -74,33 +74,64 @@ pub struct RouterLoad<B: Backend> {
     pub counts: Vec<f32>,
     /// Per expert: its float32 routing probability summed over tokens and layers.
     pub probs: Option<Tensor<B, 1>>,
-    /// Tokens times sparse layers.
+    /// Tokens times sparse layers (padding left out).
     pub rows: usize,
+    /// Per token of the pass, whether it is padding ([`crate::models::TokenBatch::padding`]).
+    padding: Option<Vec<bool>>,
 }
 
 impl<B: Backend> Default for RouterLoad<B> {
     fn default() -> Self {
-        Self {
-            counts: Vec::new(),
-            probs: None,
-            rows: 0,
-        }
+        Self::new(None)
     }
 }
 
 impl<B: Backend> RouterLoad<B> {
+    /// Nothing added yet, for a pass whose tokens `padding` flags (`None`: every token counts),
+    /// as transformers' `load_balancing_loss_func` leaves out what `attention_mask` masks.
+    pub fn new(padding: Option<&[bool]>) -> Self {
+        Self {
+            counts: Vec::new(),
+            probs: None,
+            rows: 0,
+            padding: padding
+                .filter(|p| p.iter().any(|&x| x))
+                .map(<[bool]>::to_vec),
+        }
+    }
+
+    /// The probabilities added so far, leaving none (a layer's share, taken after its
+    /// recomputation); the padding stays, for the next layer.
+    pub fn take_probs(&mut self) -> Option<Tensor<B, 1>> {
+        self.probs.take()
+    }
+
     fn add(&mut self, probs: Tensor<B, 2>, routes: &Routes) {
         let [rows, experts] = probs.dims();
         self.counts.resize(experts, 0.0);
-        for &e in &routes.chosen {
-            self.counts[e as usize] += 1.0;
+        let per_token = routes.chosen.len() / rows.max(1);
+        let counted = |t: usize| self.padding.as_ref().is_none_or(|p| !p[t]);
+        for (i, &e) in routes.chosen.iter().enumerate() {
+            if counted(i / per_token.max(1)) {
+                self.counts[e as usize] += 1.0;
+            }
         }
+        let (probs, real) = match &self.padding {
+            Some(padding) => {
+                let keep: Vec<f32> = padding.iter().map(|&p| if p { 0.0 } else { 1.0 }).collect();
+                let real = keep.iter().filter(|&&k| k > 0.0).count();
+                let keep =
+                    Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, 1]), &probs.device());
+                (probs * keep, real)
+            }
+            None => (probs, rows),
+        };
         let summed = probs.sum_dim(0).reshape([experts]);
         self.probs = Some(match self.probs.take() {
             Some(p) => p + summed,
             None => summed,
         });
-        self.rows += rows;
+        self.rows += real;
     }
 
     /// `experts * sum_e (counts_e / rows) * (probs_e / rows)`, a `[1]` float32 tensor: the

@@ -162,7 +162,7 @@ fn passes<B: AutodiffBackend>(
     // Forward without autodiff, keeping each layer's input.
     let mut inner_ctx = model.pass_context::<B::InnerBackend>(input, 0, mode, &device);
     if aux_scale.is_some() {
-        inner_ctx.router_load = Some(RefCell::new(RouterLoad::default()));
+        inner_ctx.router_load = Some(RefCell::new(RouterLoad::new(input.padding)));
     }
     let mut layer_inputs = Vec::with_capacity(layers.len());
     let mut h = embedded.clone().inner();
@@ -250,7 +250,7 @@ fn passes<B: AutodiffBackend>(
     // Back through the layers, recomputing each.
     let mut ctx = model.pass_context::<B>(input, 0, mode, &device);
     if per_prob.is_some() {
-        ctx.router_load = Some(RefCell::new(RouterLoad::default()));
+        ctx.router_load = Some(RefCell::new(RouterLoad::new(input.padding)));
     }
     // FSDP: each layer is gathered again (the one below it meanwhile), and its weight
     // gradients are reduce-scattered to each rank's rows as soon as its backward ends, so no
@@ -282,7 +282,7 @@ fn passes<B: AutodiffBackend>(
             let probs = ctx
                 .router_load
                 .as_ref()
-                .and_then(|cell| cell.replace(RouterLoad::default()).probs);
+                .and_then(|cell| cell.borrow_mut().take_probs());
             if let (Some(probs), Some(weights)) = (probs, &per_prob) {
                 out = out + (probs * weights.clone()).sum();
             }

@@ -737,6 +737,7 @@ pub(crate) fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts
             batch_size: rows.len(),
             seq_len: seq,
             num_trained_tokens: trained,
+            padding: None,
         },
         prompt_lens: rows.iter().map(|r| r.prompt.len()).collect(),
         width,
@@ -786,6 +787,7 @@ impl Rollouts {
             batch_size: end - start,
             seq_len: seq,
             num_trained_tokens: 0,
+            padding: None,
         };
         Rollouts {
             batch,

@@ -130,6 +130,7 @@ mod tests {
             batch_size: 1,
             seq_len: n,
             num_trained_tokens: n - 1,
+            padding: None,
         }
     }
 

@@ -588,6 +588,7 @@ pub fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMi
         batch_size: rows.len(),
         seq_len: seq,
         num_trained_tokens: 0,
+        padding: None,
     };
     let mask: Vec<bool> = rows
         .iter()

@@ -218,6 +218,7 @@ pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
         positions: &batch.position_ids,
         document_ids: batch.document_ids.as_deref(),
         left_padding: None,
+        padding: batch.padding.as_deref(),
         batch: batch.batch_size,
     }
 }

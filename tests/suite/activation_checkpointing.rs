@@ -19,6 +19,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
         positions: &pos,
         document_ids: None,
         left_padding: None,
+        padding: None,
         batch,
     };
     let mode = ForwardMode {

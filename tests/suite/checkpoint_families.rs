@@ -110,6 +110,7 @@ fn logits(lm: &CausalLm<Cpu>) -> HostTensor {
             positions: &pos,
             document_ids: None,
             left_padding: None,
+            padding: None,
             batch: 2,
         },
         ForwardMode::default(),

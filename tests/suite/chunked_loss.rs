@@ -42,6 +42,7 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
         positions: &pos,
         document_ids: None,
         left_padding: None,
+        padding: None,
         batch,
     };
     let model = lora_model();

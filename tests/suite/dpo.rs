@@ -36,6 +36,7 @@ fn fixture_batch(r: &Reference) -> Batch {
         tokens,
         labels,
         document_ids: None,
+        padding: None,
         batch_size: batch,
         seq_len,
         num_trained_tokens,

@@ -41,6 +41,7 @@ fn reference_batch(r: &Reference) -> Batch {
         tokens,
         labels,
         document_ids: None,
+        padding: None,
         batch_size: batch,
         seq_len: seq,
         num_trained_tokens,

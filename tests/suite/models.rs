@@ -81,6 +81,7 @@ fn packed_samples_do_not_attend_to_each_other() {
             positions: &pos,
             document_ids: None,
             left_padding: None,
+            padding: None,
             batch: 1,
         };
         HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))
@@ -95,6 +96,7 @@ fn packed_samples_do_not_attend_to_each_other() {
         positions: &pos,
         document_ids: Some(&docs),
         left_padding: None,
+        padding: None,
         batch: 1,
     };
     let both = HostTensor::from_tensor(&model.forward(input, ForwardMode::default()));

@@ -278,6 +278,7 @@ impl AuxFixture {
             positions: &self.positions,
             document_ids: None,
             left_padding: None,
+            padding: None,
             batch: self.batch,
         }
     }
@@ -319,6 +320,59 @@ fn the_load_balancing_loss_matches_transformers() {
     assert!(grads.is_none(), "one chunk: the trainer back-propagates");
     let host = |t: &burn::tensor::Tensor<Cpu, 1>| tune::checkpoint::HostTensor::from_tensor(t);
     assert_close("aux_loss", &host(&aux), &r.f32("aux_loss"), 1e-5);
+    let total = tune::checkpoint::HostTensor::from_tensor(&loss);
+    assert_close("loss", &total, &r.f32("loss"), 1e-4);
+    let grads = loss.backward();
+    let named = model.to_hf_layout(named_grads(&model, &grads));
+    assert_eq!(named.len(), r.grad_count(), "one gradient per parameter");
+    for (name, grad) in named {
+        assert_grad_close(&name, &grad, &r.f32(&format!("grad.{name}")));
+    }
+}
+
+/// Padding leaves the load-balancing loss as transformers' `attention_mask` leaves it: a
+/// right-padded row's tail (`TokenBatch::padding`) adds nothing to the router statistics, so
+/// the loss, `aux_loss` and every gradient match transformers' on a padded batch; counting the
+/// padding gives another `aux_loss`.
+#[test]
+fn the_load_balancing_loss_leaves_padding_out_as_transformers_does() {
+    use tune::training::grads::named_grads;
+    let f = AuxFixture::open();
+    let r = Reference::open("family-qwen3_moe_aux-padded.safetensors");
+    let (tokens, labels, batch) = r.tokens();
+    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
+    assert!(padding.contains(&true));
+    let positions = positions(batch, tokens.len() / batch);
+    let model = f.model.clone();
+    let input = |padding| tune::models::TokenBatch {
+        tokens: &tokens,
+        positions: &positions,
+        document_ids: None,
+        left_padding: None,
+        padding,
+        batch,
+    };
+    let run = |padding| {
+        tune::training::sft::loss_with_aux_in_chunks(
+            &model,
+            input(padding),
+            &labels,
+            TRAIN,
+            std::slice::from_ref(&(0..tokens.len())),
+            (Checkpointing::Off, 7),
+            1.0,
+            0.05,
+        )
+    };
+    let host = |t: &burn::tensor::Tensor<Cpu, 1>| tune::checkpoint::HostTensor::from_tensor(t);
+    let (_, counted, _) = run(None);
+    let counted = host(&counted).data[0];
+    let (loss, aux, _) = run(Some(&padding));
+    assert_close("aux_loss", &host(&aux), &r.f32("aux_loss"), 1e-5);
+    assert!(
+        (counted - r.f32("aux_loss").data[0]).abs() > 1e-4,
+        "counting the padding changes aux_loss ({counted})"
+    );
     let total = tune::checkpoint::HostTensor::from_tensor(&loss);
     assert_close("loss", &total, &r.f32("loss"), 1e-4);
     let grads = loss.backward();
@@ -429,11 +483,28 @@ fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
 #[test]
 fn the_load_balancing_loss_takes_the_same_gradients_layer_by_layer() {
     let f = AuxFixture::open();
-    let (labels, input, model) = (f.labels.as_slice(), f.input(), f.model.clone());
+    let (labels, model) = (f.labels.as_slice(), f.model.clone());
+    // Also with the second row's last 6 positions flagged as padding.
+    let seq = f.tokens.len() / f.batch;
+    let padded: Vec<bool> = (0..f.tokens.len()).map(|i| i >= 2 * seq - 6).collect();
+    for padding in [None, Some(padded.as_slice())] {
+        let input = tune::models::TokenBatch {
+            padding,
+            ..f.input()
+        };
+        layer_by_layer_agrees(&model, input, labels);
+    }
+}
+
+fn layer_by_layer_agrees(
+    model: &tune::models::CausalLm<CpuAutodiff>,
+    input: tune::models::TokenBatch<'_>,
+    labels: &[i64],
+) {
     let weight = 2.0;
     let run = |checkpointing| {
         let (loss, aux, grads) = tune::training::sft::loss_with_aux(
-            &model,
+            model,
             input,
             labels,
             TRAIN,
@@ -444,7 +515,7 @@ fn the_load_balancing_loss_takes_the_same_gradients_layer_by_layer() {
         let value: f32 = loss.clone().into_scalar();
         let aux: f32 = aux.into_scalar();
         let parts = grads.unwrap_or_else(|| vec![(loss * weight).backward()]);
-        (value, aux, summed_grads(&model, parts))
+        (value, aux, summed_grads(model, parts))
     };
     let (loss, aux, plain) = run(Checkpointing::Off);
     let (loss_layers, aux_layers, layered) = run(Checkpointing::Layers);

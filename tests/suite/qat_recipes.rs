@@ -47,6 +47,7 @@ fn logits(model: &CausalLm<Cpu>, tokens: &[u32]) -> HostTensor {
         positions: &pos,
         document_ids: None,
         left_padding: None,
+        padding: None,
         batch: 1,
     };
     HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))

@@ -298,6 +298,7 @@ pub fn forward_rows<B: burn::tensor::backend::Backend>(
         positions: &pos,
         document_ids: None,
         left_padding: None,
+        padding: None,
         batch,
     };
     model.forward(input, mode)
