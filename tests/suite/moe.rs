@@ -301,7 +301,6 @@ fn summed_grads(
 /// every gradient (routers included) is that sum's.
 #[test]
 fn the_load_balancing_loss_matches_transformers() {
-    use tune::training::grads::named_grads;
     let f = AuxFixture::open();
     let (r, labels, input, model) = (&f.r, f.labels.as_slice(), f.input(), f.model.clone());
     let tokens = &f.tokens;
@@ -320,10 +319,20 @@ fn the_load_balancing_loss_matches_transformers() {
     assert!(grads.is_none(), "one chunk: the trainer back-propagates");
     let host = |t: &burn::tensor::Tensor<Cpu, 1>| tune::checkpoint::HostTensor::from_tensor(t);
     assert_close("aux_loss", &host(&aux), &r.f32("aux_loss"), 1e-5);
+    assert_loss_and_grads_match(&model, loss, r);
+}
+
+/// `loss` is the reference's, and so is every gradient of it, one per parameter.
+fn assert_loss_and_grads_match(
+    model: &tune::models::CausalLm<CpuAutodiff>,
+    loss: burn::tensor::Tensor<CpuAutodiff, 1>,
+    r: &Reference,
+) {
+    use tune::training::grads::named_grads;
     let total = tune::checkpoint::HostTensor::from_tensor(&loss);
     assert_close("loss", &total, &r.f32("loss"), 1e-4);
     let grads = loss.backward();
-    let named = model.to_hf_layout(named_grads(&model, &grads));
+    let named = model.to_hf_layout(named_grads(model, &grads));
     assert_eq!(named.len(), r.grad_count(), "one gradient per parameter");
     for (name, grad) in named {
         assert_grad_close(&name, &grad, &r.f32(&format!("grad.{name}")));
@@ -336,7 +345,6 @@ fn the_load_balancing_loss_matches_transformers() {
 /// padding gives another `aux_loss`.
 #[test]
 fn the_load_balancing_loss_leaves_padding_out_as_transformers_does() {
-    use tune::training::grads::named_grads;
     let f = AuxFixture::open();
     let r = Reference::open("family-qwen3_moe_aux-padded.safetensors");
     let (tokens, labels, batch) = r.tokens();
@@ -373,14 +381,7 @@ fn the_load_balancing_loss_leaves_padding_out_as_transformers_does() {
         (counted - r.f32("aux_loss").data[0]).abs() > 1e-4,
         "counting the padding changes aux_loss ({counted})"
     );
-    let total = tune::checkpoint::HostTensor::from_tensor(&loss);
-    assert_close("loss", &total, &r.f32("loss"), 1e-4);
-    let grads = loss.backward();
-    let named = model.to_hf_layout(named_grads(&model, &grads));
-    assert_eq!(named.len(), r.grad_count(), "one gradient per parameter");
-    for (name, grad) in named {
-        assert_grad_close(&name, &grad, &r.f32(&format!("grad.{name}")));
-    }
+    assert_loss_and_grads_match(&model, loss, &r);
 }
 
 /// With the output projection frozen (LoRA) and computed in chunks, the load-balancing term
