@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 
-use super::GenerateError;
 use super::sampling::{Sampler, SamplingParams};
+use super::{GenerateError, check_prompt};
 use crate::checkpoint::HostTensor;
 use crate::models::{CausalLm, KvCache, TokenBatch};
 use crate::modules::ForwardMode;
@@ -48,13 +48,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
 
     /// Appends `new` and returns the vocabulary logits at the last position.
     pub fn feed(&mut self, new: &[u32]) -> Result<Vec<f32>, GenerateError> {
-        if new.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
-        }
-        let vocab = self.model.args.vocab_size;
-        if let Some(&id) = new.iter().find(|&&id| id as usize >= vocab) {
-            return Err(GenerateError::TokenOutOfRange { id, vocab });
-        }
+        check_prompt(new, self.model.args.vocab_size)?;
         self.tokens.extend_from_slice(new);
         let hidden = match &mut self.cache {
             Some(cache) => {

@@ -1,14 +1,14 @@
 //! Sampling groups of completions of a batch of prompts, as GRPO's and PPO's rollouts need
 //! them: each prompt is prefilled once, its KV cache repeated for every completion, then all of
-//! them decode in lockstep, one batched forward pass per token. A completion that stops (at a stop token) keeps
-//! being fed (its later tokens are discarded) until every one has stopped, as torchtune's
-//! `generate` runs its batch; `agree` lets several ranks decide together when to stop, since
+//! them decode in lockstep, one batched forward pass per token. A completion that stops (at a
+//! stop token) keeps being fed (its later tokens are discarded) until every one has stopped, as
+//! torchtune's `generate` runs its batch; `agree` lets several ranks decide together when to stop, since
 //! with FSDP every forward pass is a collective call that every rank must make.
 
 use burn::tensor::backend::Backend;
 
-use super::GenerateError;
 use super::sampling::{Sampler, SamplingParams};
+use super::{GenerateError, check_prompt};
 use crate::checkpoint::HostTensor;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::ForwardMode;
@@ -84,12 +84,7 @@ pub fn sample_groups<B: Backend>(
 ) -> Result<Vec<SampledGroup>, GenerateError> {
     let vocab = model.args.vocab_size;
     for prompt in prompts {
-        if prompt.tokens.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
-        }
-        if let Some(&id) = prompt.tokens.iter().find(|&&id| id as usize >= vocab) {
-            return Err(GenerateError::TokenOutOfRange { id, vocab });
-        }
+        check_prompt(prompt.tokens, vocab)?;
     }
     let mut groups: Vec<SampledGroup> = prompts
         .iter()

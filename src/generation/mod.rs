@@ -9,6 +9,17 @@ pub use decode::{Decoder, GenerateOptions, Generation, StopReason, generate};
 pub use group::{GroupPrompt, GroupSampling, SampledGroup, sample_group, sample_groups};
 pub use sampling::{Sampler, SamplingParams};
 
+/// A prompt the model can take: at least one token, every id inside its `vocab`.
+pub fn check_prompt(tokens: &[u32], vocab: usize) -> Result<(), GenerateError> {
+    if tokens.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    match tokens.iter().find(|&&id| id as usize >= vocab) {
+        Some(&id) => Err(GenerateError::TokenOutOfRange { id, vocab }),
+        None => Ok(()),
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
     #[error("the prompt is empty: give at least one token (e.g. a non-empty prompt.user)")]

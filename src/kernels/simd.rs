@@ -162,6 +162,13 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// `x[start..start + LANES]` as an array, so the lane loops index it without bounds checks
+/// (callers keep `start + LANES` inside `x`; the fallback is never taken).
+#[inline(always)]
+fn lanes(x: &[f32], start: usize) -> &[f32; LANES] {
+    x[start..start + LANES].try_into().unwrap_or(&[0.0; LANES])
+}
+
 /// `[[a0 . b_j], [a1 . b_j]]` for four weight lines `b_j` at once: each loaded line vector
 /// serves both rows and each row vector four lines, where [`dot`] per pair reloads both for
 /// every multiply-add (two loads per multiply-add bound it by the load ports). Each sum is
@@ -177,12 +184,12 @@ pub fn dot_2x4(a0: &[f32], a1: &[f32], b: [&[f32]; 4]) -> [[f32; 4]; 2] {
         ([0.0f32; LANES], [0.0; LANES], [0.0; LANES], [0.0; LANES]);
     let whole = k / LANES * LANES;
     for start in (0..whole).step_by(LANES) {
-        let x0: &[f32; LANES] = a0[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
-        let x1: &[f32; LANES] = a1[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
-        let y0: &[f32; LANES] = b0[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
-        let y1: &[f32; LANES] = b1[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
-        let y2: &[f32; LANES] = b2[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
-        let y3: &[f32; LANES] = b3[start..start + LANES].try_into().unwrap_or(&[0.0; LANES]);
+        let x0 = lanes(a0, start);
+        let x1 = lanes(a1, start);
+        let y0 = lanes(b0, start);
+        let y1 = lanes(b1, start);
+        let y2 = lanes(b2, start);
+        let y3 = lanes(b3, start);
         for l in 0..LANES {
             s00[l] += x0[l] * y0[l];
             s01[l] += x0[l] * y1[l];

@@ -109,17 +109,20 @@ impl<B: Backend> RouterLoad<B> {
     fn add(&mut self, probs: Tensor<B, 2>, routes: &Routes) {
         let [rows, experts] = probs.dims();
         self.counts.resize(experts, 0.0);
-        let per_token = routes.chosen.len() / rows.max(1);
-        let counted = |t: usize| self.padding.as_ref().is_none_or(|p| !p[t]);
-        for (i, &e) in routes.chosen.iter().enumerate() {
-            if counted(i / per_token.max(1)) {
+        // `chosen` holds each token's top-k experts, token by token.
+        let top_k = (routes.chosen.len() / rows.max(1)).max(1);
+        for (t, choices) in routes.chosen.chunks(top_k).enumerate() {
+            if self.padding.as_ref().is_some_and(|p| p[t]) {
+                continue;
+            }
+            for &e in choices {
                 self.counts[e as usize] += 1.0;
             }
         }
         let (probs, real) = match &self.padding {
             Some(padding) => {
                 let keep: Vec<f32> = padding.iter().map(|&p| if p { 0.0 } else { 1.0 }).collect();
-                let real = keep.iter().filter(|&&k| k > 0.0).count();
+                let real = padding.iter().filter(|&&p| !p).count();
                 let keep =
                     Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, 1]), &probs.device());
                 (probs * keep, real)

@@ -42,7 +42,7 @@ use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
 use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
 use crate::distributed::{World, sync};
-use crate::generation::{GenerateError, GroupPrompt, GroupSampling, sample_groups};
+use crate::generation::{GroupPrompt, GroupSampling, check_prompt, sample_groups};
 use crate::models::CausalLm;
 use crate::modules::ForwardMode;
 use crate::rewards::{Completion, Weighted, score_batch};
@@ -510,15 +510,13 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         };
         // torchtune's `generate_trajectory_batched`: `forward_batch_size` prompts (each with its
         // group) decode together, which bounds the KV cache.
+        check_prompts(&samples, prompts, policy.args.vocab_size)?;
         let chunk = self.settings.prompts_per_pass.max(1);
         let mut groups = Vec::with_capacity(batch.len());
         for (i, part) in batch.chunks(chunk).enumerate() {
             let sampled = sample_groups(&policy, part, &self.settings.sampling, &mut agree)
                 .map_err(|source| {
-                    // Which prompt: the first the error names, else the chunk's first.
-                    let rows = &prompts[i * chunk..];
-                    let part_samples = &samples[i * chunk..(i * chunk + part.len())];
-                    let row = prompt_at_fault(part_samples, rows, &source, policy.args.vocab_size);
+                    let row = prompts[i * chunk];
                     rollout_error(RolloutError::Generate { row, source })
                 })?;
             groups.extend(sampled);
@@ -656,20 +654,18 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
     }
 }
 
-/// The dataset row of the prompt a generation error is about: the first empty prompt or the
-/// first with a token outside the vocabulary, else the batch's first.
-pub(crate) fn prompt_at_fault(
+/// Every prompt of a batch is one the model can take; else the error names the first that is
+/// not by its dataset row (`rows`, in the order of `samples`).
+pub(crate) fn check_prompts(
     samples: &[&PromptSample],
     rows: &[usize],
-    error: &GenerateError,
     vocab: usize,
-) -> usize {
-    let faulty = samples.iter().position(|s| match error {
-        GenerateError::EmptyPrompt => s.tokens.is_empty(),
-        GenerateError::TokenOutOfRange { .. } => s.tokens.iter().any(|&t| t as usize >= vocab),
-        GenerateError::BadSampling(_) => false,
-    });
-    rows[faulty.unwrap_or(0)]
+) -> Result<(), TrainError> {
+    for (sample, &row) in samples.iter().zip(rows) {
+        check_prompt(&sample.tokens, vocab)
+            .map_err(|source| rollout_error(RolloutError::Generate { row, source }))?;
+    }
+    Ok(())
 }
 
 fn rollout_error(e: RolloutError) -> TrainError {
@@ -1031,6 +1027,26 @@ pub(crate) fn combine(updates: Vec<StepDone>) -> StepDone {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prompt the model cannot take stops the rollout naming its dataset row and why.
+    #[test]
+    fn a_prompt_outside_the_vocabulary_is_named_by_its_dataset_row() {
+        let sample = |tokens: Vec<u32>| PromptSample {
+            tokens,
+            prompt: String::new(),
+            columns: Default::default(),
+        };
+        let (good, bad, empty) = (sample(vec![1, 2]), sample(vec![3, 99]), sample(vec![]));
+        assert!(check_prompts(&[&good, &good], &[4, 7], 10).is_ok());
+        let e = check_prompts(&[&good, &bad, &empty], &[4, 7, 9], 10).unwrap_err();
+        let message = e.to_string();
+        assert!(
+            message.contains("dataset row 7") && message.contains("token id 99"),
+            "{message}"
+        );
+        let e = check_prompts(&[&good, &empty], &[4, 9], 10).unwrap_err();
+        assert!(e.to_string().contains("dataset row 9"), "{e}");
+    }
 
     #[test]
     fn rollout_rows_are_right_padded_with_the_completion_as_labels() {

@@ -39,7 +39,7 @@ use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
 use super::grpo::{
-    RolloutRow, Rollouts, collate_rollouts, completion_log_probs, completion_seed, prompt_at_fault,
+    RolloutRow, Rollouts, check_prompts, collate_rollouts, completion_log_probs, completion_seed,
 };
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
@@ -427,6 +427,7 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
             .iter()
             .map(|&row| [completion_seed(step_seed, row, 0)])
             .collect();
+        check_prompts(&samples, prompts, policy.args.vocab_size)?;
         let mut responses = Vec::with_capacity(samples.len());
         let chunk = s.forward_batch_size.max(1);
         for (i, (chunk_samples, chunk_seeds)) in
@@ -442,8 +443,7 @@ impl<'a, B: AutodiffBackend> PpoSteps<'a, B> {
                 .collect();
             let groups =
                 sample_groups(policy, &batch, &s.sampling, &mut |d| d).map_err(|source| {
-                    let rows = &prompts[i * chunk..];
-                    let row = prompt_at_fault(chunk_samples, rows, &source, policy.args.vocab_size);
+                    let row = prompts[i * chunk];
                     TrainError::Rollout(Box::new(RolloutError::Generate { row, source }))
                 })?;
             responses.extend(
