@@ -30,4 +30,4 @@ pub use tokenize::{
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,
 };
-pub use unpad::{LONG_PACK, unpad};
+pub use unpad::{Keep, LONG_PACK, unpad, unpad_keeping};

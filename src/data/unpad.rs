@@ -42,12 +42,31 @@ const MIN_SAVING: (usize, usize) = (15, 16);
 /// attention that computes every score of a row (burn's composed attention) does no more work
 /// than it would have; [`LONG_PACK`] is for attention that skips hidden tiles.
 pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
+    unpad_keeping(batch, max_pack_len, Keep::CountedLabels)
+}
+
+/// What of each row its pack must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// Through its last counted label: all the shifted loss reads ([`unpad`]).
+    CountedLabels,
+    /// Every real (not padding) token, labelled or not: the load-balancing loss of a
+    /// mixture-of-experts model counts each one's routing, as transformers'
+    /// `attention_mask` does.
+    RealTokens,
+}
+
+/// [`unpad`], each row keeping what `keep` says.
+pub fn unpad_keeping(batch: &Batch, max_pack_len: usize, keep: Keep) -> Option<Batch> {
     if batch.document_ids.is_some() || batch.seq_len == 0 {
         return None;
     }
     let capacity = max_pack_len.max(batch.seq_len);
     let needed: Vec<usize> = (0..batch.batch_size)
-        .map(|i| needed_len(batch.row_labels(i)))
+        .map(|i| match keep {
+            Keep::CountedLabels => needed_len(batch.row_labels(i)),
+            Keep::RealTokens => real_len(batch, i),
+        })
         .collect();
     let mut order: Vec<usize> = (0..batch.batch_size).filter(|&i| needed[i] > 0).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(needed[i]));
@@ -107,6 +126,17 @@ pub fn unpad(batch: &Batch, max_pack_len: usize) -> Option<Batch> {
     out.document_ids = Some(documents);
     out.padding = padding.contains(&true).then_some(padding);
     Some(out)
+}
+
+/// Row `i`'s tokens before its right padding.
+fn real_len(batch: &Batch, i: usize) -> usize {
+    let seq = batch.seq_len;
+    batch.padding.as_ref().map_or(seq, |padding| {
+        padding[i * seq..(i + 1) * seq]
+            .iter()
+            .take_while(|&&p| !p)
+            .count()
+    })
 }
 
 /// The positions a row needs: through its last counted label at `j >= 1` (`j + 1`), or 0 when
@@ -234,5 +264,34 @@ mod tests {
         );
         packed.document_ids = Some(vec![0; 6]);
         assert_eq!(unpad(&packed, LONG_PACK), None);
+    }
+
+    #[test]
+    fn packs_for_the_load_balancing_loss_keep_every_real_token() {
+        let rows = [
+            sample(&[1, 2, 3, 4, 5, 6, 7, 8], &[-100, -100, 3, 4, 5, 6, 7, 8]),
+            // Trailing ignored labels: real tokens all the same.
+            sample(&[12, 13, 14, 15, 16], &[12, 13, 14, -100, -100]),
+            // No counted label at all: every token is routed.
+            sample(&[17, 18], &[-100, -100]),
+        ];
+        let padded = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);
+        let packed = unpad_keeping(&padded, 0, Keep::RealTokens).expect("padding to drop");
+        // Needed 8, 5 and 2: packs [8] and [5 + 2], both 8 long (the second with a 1-token tail).
+        assert_eq!((packed.batch_size, packed.seq_len), (2, 8));
+        assert_eq!(targets(&packed), targets(&padded));
+        assert_eq!(packed.row_tokens(1), &[12, 13, 14, 15, 16, 17, 18, 0]);
+        let real = |b: &Batch| {
+            let flags = b.padding.clone().unwrap_or_default();
+            let mut kept: Vec<u32> = (0..b.tokens.len())
+                .filter(|&t| !flags.get(t).copied().unwrap_or(false))
+                .map(|t| b.tokens[t])
+                .collect();
+            kept.sort();
+            kept
+        };
+        assert_eq!(real(&packed), real(&padded), "every real token, once");
+        // Counted labels only: the trailing and unlabelled tokens go.
+        assert!(real(&unpad(&padded, 0).unwrap()).len() < real(&padded).len());
     }
 }

@@ -52,12 +52,6 @@ pub enum ModelConfigError {
         "quantizer: the int4 export of a \"{model_type}\" model is not supported: its experts are saved as fused 3-D tensors, which the export would leave in float while QAT trained them fake-quantized; fine-tune it with the full or LoRA recipes, or use QAT without an export on a model whose experts are stored per expert"
     )]
     QuantizedExportOfFusedExperts { model_type: &'static str },
-    /// The load-balancing loss (config.json's `output_router_logits: true`) in a recipe whose
-    /// loss tune does not add it to.
-    #[error(
-        "checkpointer: the checkpoint's config.json has \"output_router_logits\": true (add the load-balancing loss), which the SFT recipes (full, LoRA, QLoRA, QAT) add and `{recipe}` does not; set it to false in config.json"
-    )]
-    AuxLossOutsideSft { recipe: String },
     /// A generic builder's architecture argument that is not the checkpoint's.
     #[error(
         "{section}.{key}: is {ours}, but the checkpoint's config.json has {hf} = {theirs}; tune builds the model from config.json, so remove `{section}.{key}` or point the checkpointer at the model this config describes"

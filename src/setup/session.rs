@@ -93,30 +93,6 @@ pub struct Session<B: AutodiffBackend> {
     pub log_dir: String,
 }
 
-/// The load-balancing loss (`output_router_logits: true`) is added by the SFT loss step
-/// alone: refused, by key, in the other recipes.
-fn refuse_aux_loss_where_not_added<B: AutodiffBackend>(
-    model: &CausalLm<B>,
-    recipe: &str,
-) -> Result<(), SetupError> {
-    use crate::config::recipes::{self, Recipe};
-    use crate::setup::model::ModelConfigError;
-    if crate::training::sft::aux_loss_coef(model).is_none() {
-        return Ok(());
-    }
-    let sft = matches!(
-        recipes::find(recipe),
-        Ok(Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::Qat | Recipe::QatLora)
-    );
-    if !sft {
-        return Err(ModelConfigError::AuxLossOutsideSft {
-            recipe: recipe.to_string(),
-        }
-        .into());
-    }
-    Ok(())
-}
-
 /// Builds the trainer for `model` (restoring the optimizer and position of a resumed run) and,
 /// on rank 0, the checkpoint client that saves `content`.
 pub fn session<B: AutodiffBackend>(
@@ -128,7 +104,6 @@ pub fn session<B: AutodiffBackend>(
     recipe: &str,
     device: &B::Device,
 ) -> Result<Session<B>, SetupError> {
-    refuse_aux_loss_where_not_added(&model, recipe)?;
     let (mut trainer, log_dir) = settings::trainer(cfg, &mut run, model, device)?;
     let world = run.world.clone();
     let fsdp = run.fsdp.is_some();

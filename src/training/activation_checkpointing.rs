@@ -345,19 +345,44 @@ fn overlap<T, P: Send>(
     })
 }
 
-/// A loss step's forward (and, with checkpointing, backward) pass: `(loss, None)` for the
-/// trainer to back-propagate, or `(loss, Some(gradients))` already computed with per-layer
-/// recomputation when `checkpointing` recomputes.
-#[allow(clippy::type_complexity)]
+/// What a loss step's pass returns ([`loss_and_grads`]).
+pub struct LossPass<B: AutodiffBackend> {
+    /// The loss, the load-balancing term included when the pass adds it.
+    pub loss: Tensor<B, 1>,
+    /// The gradients of `loss * weight`, computed with per-layer recomputation; `None` when the
+    /// trainer back-propagates `loss` itself.
+    pub grads: Option<Vec<B::Gradients>>,
+    /// The load-balancing loss alone (for the log), when the pass adds it.
+    pub aux_loss: Option<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> LossPass<B> {
+    /// `("aux_loss", value)` when the pass added the load-balancing loss: every loss step logs
+    /// it under transformers' and TRL's name.
+    pub fn aux_metric(&self) -> Option<(&'static str, Tensor<B::InnerBackend, 1>)> {
+        self.aux_loss.clone().map(|aux| ("aux_loss", aux))
+    }
+}
+
+/// A loss step's forward (and, with checkpointing, backward) pass: the loss `loss_of_logits`
+/// makes of the model's logits, for the trainer to back-propagate, or with its gradients
+/// already computed (for `loss * weight`) when `checkpointing` recomputes each layer.
+///
+/// With `aux_coef` (the model's `router_aux_loss_coef` when its config.json asks for the
+/// load-balancing loss, [`crate::training::load_balancing::aux_loss_coef`]) the loss is `loss_of_logits`
+/// plus `aux_coef` times the load-balancing loss of this pass's routing, as TRL's DPO and GRPO
+/// trainers add it to each micro-batch's loss (`loss + router_aux_loss_coef * aux_loss`),
+/// over the tokens `input.padding` leaves in (their `attention_mask`). Gradient contract: that
+/// of the sum; the expert counts are constants, as transformers' histogram is.
 pub fn loss_and_grads<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
-    checkpointing: Checkpointing,
-    step_seed: u64,
+    (checkpointing, step_seed): (Checkpointing, u64),
     weight: f64,
+    aux_coef: Option<f64>,
     loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
-) -> (Tensor<B, 1>, Option<Vec<B::Gradients>>) {
+) -> LossPass<B> {
     // A sharded model trains only through per-layer passes: its layers are whole one at a
     // time, and their gradients reach its shards only from here.
     if checkpointing.recomputes() || model.shards.is_some() {
@@ -367,9 +392,37 @@ pub fn loss_and_grads<B: AutodiffBackend>(
             (loss, vec![grads])
         };
         let offload = checkpointing == Checkpointing::LayersOffloaded;
-        let (loss, grads) = forward_backward(model, input, mode, offload, step_seed, head);
-        (loss, Some(grads))
-    } else {
-        (loss_of_logits(model.forward(input, mode)), None)
+        let aux_scale = aux_coef.map(|coef| coef * weight);
+        let (loss, grads, aux) = passes(model, input, mode, offload, step_seed, head, aux_scale);
+        let Some(coef) = aux_coef else {
+            return LossPass {
+                loss,
+                grads: Some(grads),
+                aux_loss: None,
+            };
+        };
+        let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &model.device()));
+        return LossPass {
+            loss: Tensor::from_inner(loss.inner() + aux.clone() * coef),
+            grads: Some(grads),
+            aux_loss: Some(aux),
+        };
+    }
+    let Some(coef) = aux_coef else {
+        return LossPass {
+            loss: loss_of_logits(model.forward(input, mode)),
+            grads: None,
+            aux_loss: None,
+        };
+    };
+    let (hidden, load) = model.hidden_with_router_load(input, mode);
+    let aux = load
+        .aux_loss()
+        .unwrap_or_else(|| Tensor::zeros([1], &model.device()));
+    let loss = loss_of_logits(model.logits(hidden, mode)) + aux.clone() * coef;
+    LossPass {
+        loss,
+        grads: None,
+        aux_loss: Some(aux.inner()),
     }
 }

@@ -13,6 +13,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
+use super::load_balancing;
 use super::loss::sequence_log_probs;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::sft::token_batch;
@@ -279,13 +280,15 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
         let pairs = pairs_in(batch)?;
         let reference = self.reference_log_probs(model, batch)?;
         let mut scored = None;
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        // TRL's DPO adds the policy's load-balancing loss over the whole batch (its
+        // `attention_mask`: every real token of both halves); the reference's is never computed.
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             token_batch(batch),
             POLICY_MODE,
-            self.activation_checkpointing,
-            info.seed,
+            (self.activation_checkpointing, info.seed),
             pairs as f64,
+            load_balancing::aux_loss_coef(model),
             |logits| {
                 let out = self.score(logits, reference, pairs, &batch.labels);
                 let loss = out.terms.losses.clone().mean();
@@ -294,12 +297,14 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
             },
         );
         let out = scored.expect("loss_and_grads calls the loss closure once");
+        let mut metrics = metrics(&out);
+        metrics.extend(pass.aux_metric());
         Ok(StepOutput {
-            loss,
+            loss: pass.loss,
             weight: pairs,
             tokens: batch.tokens.len(),
-            metrics: metrics(&out),
-            grads,
+            metrics,
+            grads: pass.grads,
         })
     }
 
@@ -316,7 +321,9 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
             train: false,
             ..POLICY_MODE
         };
-        let (policy, logits) = concatenated_forward(model, batch, policy_mode)?;
+        let (logits, aux) =
+            load_balancing::forward_with_aux(model, token_batch(batch), policy_mode);
+        let policy = pair_log_probs(logits.clone(), &batch.labels, pairs);
         let reference_mode = ForwardMode {
             adapters: false,
             fake_quant: true,
@@ -338,14 +345,16 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
         let mut values = vec![crate::precision::to_f32(terms.losses.mean())];
         values.extend(metrics.iter().map(|(_, v)| v.clone()));
         let values: Vec<f64> = Tensor::cat(values, 0).into_data().iter::<f64>().collect();
+        let metrics = metrics
+            .iter()
+            .map(|(k, _)| *k)
+            .zip(values[1..].iter().copied())
+            .collect();
+        let (loss, metrics) = load_balancing::with_aux(values[0], metrics, aux);
         Ok(EvalOutput {
-            loss: values[0],
+            loss,
             weight: pairs,
-            metrics: metrics
-                .iter()
-                .map(|(k, _)| *k)
-                .zip(values[1..].iter().copied())
-                .collect(),
+            metrics,
         })
     }
 }

@@ -35,6 +35,7 @@ use super::grpo_loss::{
     TrlAccumulation, TrlGrpoInputs, TrlGrpoSettings, group_advantages, torchtune_grpo_loss,
     trl_grpo_loss,
 };
+use super::load_balancing;
 use super::loss::{IGNORE_INDEX, next_token_targets, target_log_probs};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::sft::token_batch;
@@ -215,13 +216,15 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let objective = self.loss;
         let temperature = self.temperature;
         let mut scored = None;
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        // TRL's GRPO adds the policy's load-balancing loss of each micro-batch's forward
+        // (`loss + router_aux_loss_coef * aux_loss`), over its real tokens.
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             token_batch(batch),
             POLICY_MODE,
-            self.activation_checkpointing,
-            info.seed,
+            (self.activation_checkpointing, info.seed),
             rows as f64,
+            load_balancing::aux_loss_coef(model),
             |logits| {
                 let pi = completion_log_probs(logits, r, temperature);
                 let detached = pi.clone().detach();
@@ -262,12 +265,13 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let (_, mut metrics) =
             out.map_err(|e| TrainError::Rollout(Box::new(RolloutError::Loss(e))))?;
         metrics.push(("approx_policy_kl", approx_kl.inner()));
+        metrics.extend(pass.aux_metric());
         Ok(StepOutput {
-            loss,
+            loss: pass.loss,
             weight: rows,
             tokens: r.mask.iter().filter(|&&m| m).count(),
             metrics,
-            grads,
+            grads: pass.grads,
         })
     }
 
@@ -710,9 +714,16 @@ pub(crate) fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts
     let mut labels = Vec::with_capacity(rows.len() * seq);
     let mut position_ids = Vec::with_capacity(rows.len() * seq);
     let mut mask = Vec::with_capacity(rows.len() * width);
+    let mut padding = Vec::with_capacity(rows.len() * seq);
     let mut trained = 0;
     for r in rows {
         let len = r.prompt.len() + r.completion.len();
+        // TRL's `attention_mask`: the prompt, and the completion unless it does not count
+        // (`mask_truncated_completions` zeroes a truncated one's); the load-balancing loss
+        // leaves the rest out.
+        padding.extend(std::iter::repeat_n(false, r.prompt.len()));
+        padding.extend(std::iter::repeat_n(!r.counts, r.completion.len()));
+        padding.extend(std::iter::repeat_n(true, seq - len));
         tokens.extend_from_slice(r.prompt);
         tokens.extend_from_slice(r.completion);
         tokens.extend(std::iter::repeat_n(pad_id, seq - len));
@@ -733,7 +744,7 @@ pub(crate) fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts
             batch_size: rows.len(),
             seq_len: seq,
             num_trained_tokens: trained,
-            padding: None,
+            padding: padding.contains(&true).then_some(padding),
         },
         prompt_lens: rows.iter().map(|r| r.prompt.len()).collect(),
         width,
@@ -783,7 +794,11 @@ impl Rollouts {
             batch_size: end - start,
             seq_len: seq,
             num_trained_tokens: 0,
-            padding: None,
+            padding: self
+                .batch
+                .padding
+                .as_ref()
+                .map(|p| p[start * seq..end * seq].to_vec()),
         };
         Rollouts {
             batch,
@@ -1077,6 +1092,16 @@ mod tests {
         // Position c of a row is predicted at prompt_len - 1 + c.
         assert_eq!(r.window_indices(), vec![2, 3, 4, 0, 1, 2]);
         assert_eq!(r.rows_range(1, 2).batch.tokens, vec![5, 3, 4, 2, 0]);
+        // TRL's attention_mask, which the load-balancing loss keeps to: the right padding, and
+        // the truncated completion of a row that does not count, are out.
+        let padding = [
+            false, false, false, false, false, false, true, true, true, true,
+        ];
+        assert_eq!(r.batch.padding.as_deref(), Some(&padding[..]));
+        assert_eq!(
+            r.rows_range(1, 2).batch.padding.as_deref(),
+            Some(&padding[5..])
+        );
     }
 
     #[test]

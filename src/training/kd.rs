@@ -12,6 +12,7 @@ use burn::tensor::{ElementConversion, Tensor};
 
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
+use super::load_balancing;
 use super::loss::{self, flat_logits, next_token_targets};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::sft::{labelled_tokens, padding_free, token_batch};
@@ -181,7 +182,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         };
         let tokens = labelled_tokens(batch);
         // Padding-free, as the SFT step: both models see the rows' real tokens in packs.
-        let unpadded = padding_free::<B>(batch);
+        let unpadded = padding_free(model, batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher_logits = self.teacher_logits(batch);
         super::fsdp::check(&self.teacher)?;
@@ -195,21 +196,24 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             metrics.push(("kd_loss", kd_loss.clone().inner()));
             total_loss(class_loss, kd_loss, self.kd_ratio)
         };
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        // The student's load-balancing loss, as its SFT step adds it; the teacher's is not
+        // computed.
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             token_batch(batch),
             mode,
-            self.activation_checkpointing,
-            info.seed,
+            (self.activation_checkpointing, info.seed),
             weight as f64,
+            load_balancing::aux_loss_coef(model),
             loss_of_logits,
         );
+        metrics.extend(pass.aux_metric());
         Ok(StepOutput {
-            loss,
+            loss: pass.loss,
             weight,
             tokens,
             metrics,
-            grads,
+            grads: pass.grads,
         })
     }
 
@@ -225,18 +229,21 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
             fake_quant: false,
             train: false,
         };
-        let unpadded = padding_free::<B::InnerBackend>(batch);
+        let unpadded = padding_free(model, batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher = self.teacher.forward(token_batch(batch), mode);
         super::fsdp::check(&self.teacher)?;
-        let student = model.forward(token_batch(batch), mode);
+        let (student, aux) = load_balancing::forward_with_aux(model, token_batch(batch), mode);
         let class_loss = loss::cross_entropy(student.clone(), &batch.labels);
         let kd_loss = self.objective.loss(student, teacher, &batch.labels);
         let (class, kd) = (scalar(&class_loss), scalar(&kd_loss));
+        let total = scalar(&total_loss(class_loss, kd_loss, self.kd_ratio));
+        let metrics = vec![("class_loss", class), ("kd_loss", kd)];
+        let (loss, metrics) = load_balancing::with_aux(total, metrics, aux);
         Ok(EvalOutput {
-            loss: scalar(&total_loss(class_loss, kd_loss, self.kd_ratio)),
+            loss,
             weight: batch.num_trained_tokens,
-            metrics: vec![("class_loss", class), ("kd_loss", kd)],
+            metrics,
         })
     }
 }

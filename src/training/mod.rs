@@ -10,6 +10,7 @@ pub mod grads;
 pub mod grpo;
 pub mod grpo_loss;
 pub mod kd;
+pub mod load_balancing;
 pub mod loss;
 pub mod loss_step;
 pub mod memory;

@@ -41,6 +41,7 @@ use super::grpo::combine;
 use super::grpo::{
     RolloutRow, Rollouts, check_prompts, collate_rollouts, completion_log_probs, completion_seed,
 };
+use super::load_balancing;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
     Grid, Scored, Trajectory, TrajectorySettings, trajectory, trajectory_metrics,
@@ -191,13 +192,14 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
         let mask = mb.mask::<B>(&mb.rollouts.mask, &device);
         let (epsilon, temperature) = (self.epsilon, self.temperature);
         let mut stats = None;
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        // The policy's load-balancing loss, added as TRL's GRPO adds it.
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             token_batch(batch),
             TRAIN_MODE,
-            self.activation_checkpointing,
-            info.seed,
+            (self.activation_checkpointing, info.seed),
             1.0,
+            load_balancing::aux_loss_coef(model),
             |logits| {
                 let pi = completion_log_probs(logits, &mb.rollouts, temperature);
                 let approx_kl = (pi.clone().detach() - old.clone()).powi_scalar(2).mean() * 0.5;
@@ -219,17 +221,19 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
         );
         let (policy, ratios, clipfrac, approx_kl) =
             stats.expect("loss_and_grads calls the loss closure once");
+        let mut metrics = vec![
+            ("policy_loss", policy.inner()),
+            ("ratios", ratios.inner()),
+            ("clipfrac", clipfrac.inner()),
+            ("approx_policy_kl", approx_kl.inner()),
+        ];
+        metrics.extend(pass.aux_metric());
         Ok(StepOutput {
-            loss,
+            loss: pass.loss,
             weight: 1,
             tokens: mb.rollouts.mask.iter().filter(|&&m| m).count(),
-            metrics: vec![
-                ("policy_loss", policy.inner()),
-                ("ratios", ratios.inner()),
-                ("clipfrac", clipfrac.inner()),
-                ("approx_policy_kl", approx_kl.inner()),
-            ],
-            grads,
+            metrics,
+            grads: pass.grads,
         })
     }
 
@@ -284,13 +288,15 @@ impl<B: AutodiffBackend> LossStep<B> for ValueLoss {
         let mask = mb.mask::<B>(&mb.value_mask, &device);
         let (clip, coeff) = (self.value_clip_range, self.value_coeff);
         let mut value = None;
-        let (loss, grads) = activation_checkpointing::loss_and_grads(
+        // No load-balancing term: transformers' `*ForSequenceClassification`, the value model's
+        // class, returns no auxiliary loss.
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             token_batch(batch),
             TRAIN_MODE,
-            self.activation_checkpointing,
-            info.seed,
+            (self.activation_checkpointing, info.seed),
             1.0,
+            None,
             |outputs| {
                 let values = response_values(outputs, &mb.rollouts, mask.clone());
                 let loss = value_loss(
@@ -306,11 +312,11 @@ impl<B: AutodiffBackend> LossStep<B> for ValueLoss {
         );
         let value = value.expect("loss_and_grads calls the loss closure once");
         Ok(StepOutput {
-            loss,
+            loss: pass.loss,
             weight: 1,
             tokens: 0,
             metrics: vec![("value_loss", value.inner())],
-            grads,
+            grads: pass.grads,
         })
     }
 
@@ -588,7 +594,11 @@ pub fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMi
         batch_size: rows.len(),
         seq_len: seq,
         num_trained_tokens: 0,
-        padding: None,
+        padding: rollouts.batch.padding.as_ref().map(|p| {
+            rows.iter()
+                .flat_map(|&r| p[r * seq..(r + 1) * seq].iter().copied())
+                .collect()
+        }),
     };
     let mask: Vec<bool> = rows
         .iter()

@@ -7,8 +7,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::TrainError;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
-use super::{chunked_loss, loss};
-use crate::data::{Batch, IGNORE_INDEX, LONG_PACK, unpad};
+use super::{chunked_loss, load_balancing, loss};
+use crate::data::{Batch, IGNORE_INDEX, Keep, LONG_PACK, unpad_keeping};
 use crate::kernels;
 use crate::models::decoder::OutputHead;
 use crate::models::{CausalLm, TokenBatch};
@@ -56,15 +56,16 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     let chunks = chunked_loss::chunk_ranges(rows, output_chunks);
     if chunks.len() <= 1 || chunked_loss::output_projection_trains(model) {
         let loss_of_logits = |logits| loss::cross_entropy(logits, labels);
-        return activation_checkpointing::loss_and_grads(
+        let pass = activation_checkpointing::loss_and_grads(
             model,
             input,
             mode,
-            checkpointing,
-            step_seed,
+            (checkpointing, step_seed),
             weight,
+            None,
             loss_of_logits,
         );
+        return (pass.loss, pass.grads);
     }
     let head = |output: &OutputHead<B>, hidden| {
         chunked_loss::cross_entropy_backward(output, hidden, labels, mode, weight, &chunks)
@@ -86,12 +87,6 @@ pub fn loss_and_grads<B: AutodiffBackend>(
         head(&model.head(), hidden)
     };
     (loss, Some(grads))
-}
-
-/// `router_aux_loss_coef` when the model's config.json asks for the load-balancing loss
-/// (`output_router_logits: true` on a mixture-of-experts model).
-pub fn aux_loss_coef<B: Backend>(model: &CausalLm<B>) -> Option<f64> {
-    model.args.moe.as_ref().and_then(|moe| moe.aux_loss_coef)
 }
 
 /// The loss transformers' `*ForCausalLM` returns with `output_router_logits`: the
@@ -139,17 +134,31 @@ pub fn loss_with_aux_in_chunks<B: AutodiffBackend>(
     coef: f64,
 ) -> AuxStep<B> {
     let in_chunks = chunks.len() > 1 && !chunked_loss::output_projection_trains(model);
+    if !in_chunks {
+        let pass = activation_checkpointing::loss_and_grads(
+            model,
+            input,
+            mode,
+            (checkpointing, step_seed),
+            weight,
+            Some(coef),
+            |logits| loss::cross_entropy(logits, labels),
+        );
+        let aux = pass
+            .aux_loss
+            .unwrap_or_else(|| Tensor::zeros([1], &model.device()));
+        return (pass.loss, aux, pass.grads);
+    }
     if checkpointing.recomputes() || model.shards.is_some() {
         let head = |output: &OutputHead<B>, top: Tensor<B, 3>| {
-            let hidden = output.norm(top);
-            if in_chunks {
-                return chunked_loss::cross_entropy_backward(
-                    output, hidden, labels, mode, weight, chunks,
-                );
-            }
-            let loss = loss::cross_entropy(output.logits(hidden, mode), labels);
-            let grads = (loss.clone() * weight).backward();
-            (loss, vec![grads])
+            chunked_loss::cross_entropy_backward(
+                output,
+                output.norm(top),
+                labels,
+                mode,
+                weight,
+                chunks,
+            )
         };
         let offload = checkpointing == Checkpointing::LayersOffloaded;
         let (ce, grads, aux) = activation_checkpointing::forward_backward_with_aux(
@@ -169,11 +178,6 @@ pub fn loss_with_aux_in_chunks<B: AutodiffBackend>(
     let aux = load
         .aux_loss()
         .unwrap_or_else(|| Tensor::<B, 1>::zeros([1], &device));
-    if !in_chunks {
-        let ce = loss::cross_entropy(model.logits(hidden, mode), labels);
-        let logged = aux.clone().inner();
-        return (ce + aux * coef, logged, None);
-    }
     let logged = aux.clone().inner();
     let (ce, grads) = chunked_loss::cross_entropy_backward_with(
         &model.head(),
@@ -188,11 +192,6 @@ pub fn loss_with_aux_in_chunks<B: AutodiffBackend>(
     (loss, logged, Some(grads))
 }
 
-fn scalar<B: Backend>(t: Tensor<B, 1>) -> f64 {
-    use burn::tensor::ElementConversion;
-    t.into_scalar().elem::<f64>()
-}
-
 /// The tokens a step reports for throughput: labels that are not ignored, before the shift
 /// (torchtune's `num_tokens` behind `tokens_per_second_per_gpu`), so the figure does not
 /// depend on how much padding a batch had or whether it was computed.
@@ -200,16 +199,22 @@ pub fn labelled_tokens(batch: &Batch) -> usize {
     batch.labels.iter().filter(|&&l| l != IGNORE_INDEX).count()
 }
 
-/// The batch a step computes: `batch`'s rows padding-free ([`unpad`]), in packs up to
-/// [`LONG_PACK`] positions where attention skips the tiles a mask hides (the fused CPU
-/// kernel), else no longer than the batch's rows; `None` when there is nothing to drop.
-pub fn padding_free<B: Backend>(batch: &Batch) -> Option<Batch> {
+/// The batch `model`'s step computes: `batch`'s rows padding-free ([`unpad_keeping`]), in
+/// packs up to [`LONG_PACK`] positions where attention skips the tiles a mask hides (the fused
+/// CPU kernel), else no longer than the batch's rows; `None` when there is nothing to drop.
+/// Each row keeps what the loss reads: through its last counted label, or every real token
+/// when the model adds the load-balancing loss (whose router statistics count them all).
+pub fn padding_free<B: Backend>(model: &CausalLm<B>, batch: &Batch) -> Option<Batch> {
     let max_pack_len = if kernels::attention_skips_hidden_tiles::<B>() {
         LONG_PACK
     } else {
         0
     };
-    unpad(batch, max_pack_len)
+    let keep = match load_balancing::aux_loss_coef(model) {
+        Some(_) => Keep::RealTokens,
+        None => Keep::CountedLabels,
+    };
+    unpad_keeping(batch, max_pack_len, keep)
 }
 
 pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
@@ -240,10 +245,10 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         // Padding-free: the rows' real tokens in block-causal packs (same loss and gradients).
         let unpadded = self
             .padding_free
-            .then(|| padding_free::<B>(batch))
+            .then(|| padding_free(model, batch))
             .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
-        if let Some(coef) = aux_loss_coef(model) {
+        if let Some(coef) = load_balancing::aux_loss_coef(model) {
             let (loss, aux, grads) = loss_with_aux(
                 model,
                 token_batch(batch),
@@ -292,24 +297,16 @@ impl<B: AutodiffBackend> LossStep<B> for SftLoss {
         };
         let unpadded = self
             .padding_free
-            .then(|| padding_free::<B::InnerBackend>(batch))
+            .then(|| padding_free(model, batch))
             .flatten();
         let batch = unpadded.as_ref().unwrap_or(batch);
-        if let Some(coef) = aux_loss_coef(model) {
-            let (hidden, load) = model.hidden_with_router_load(token_batch(batch), mode);
-            let aux = load.aux_loss().map_or(0.0, scalar);
-            let ce = loss::chunked_cross_entropy(model, hidden, &batch.labels, mode);
-            return Ok(EvalOutput {
-                loss: ce + coef * aux,
-                weight: batch.num_trained_tokens,
-                metrics: vec![("aux_loss", aux)],
-            });
-        }
-        let hidden = model.hidden(token_batch(batch), mode, None);
+        let (hidden, aux) = load_balancing::hidden_with_aux(model, token_batch(batch), mode);
+        let ce = loss::chunked_cross_entropy(model, hidden, &batch.labels, mode);
+        let (loss, metrics) = load_balancing::with_aux(ce, vec![], aux);
         Ok(EvalOutput {
-            loss: loss::chunked_cross_entropy(model, hidden, &batch.labels, mode),
+            loss,
             weight: batch.num_trained_tokens,
-            metrics: vec![],
+            metrics,
         })
     }
 }

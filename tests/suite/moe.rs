@@ -304,7 +304,8 @@ fn the_load_balancing_loss_matches_transformers() {
     let f = AuxFixture::open();
     let (r, labels, input, model) = (&f.r, f.labels.as_slice(), f.input(), f.model.clone());
     let tokens = &f.tokens;
-    let coef = tune::training::sft::aux_loss_coef(&model).expect("the config asks for it");
+    let coef =
+        tune::training::load_balancing::aux_loss_coef(&model).expect("the config asks for it");
     assert_eq!(coef, 0.05);
     let (loss, aux, grads) = tune::training::sft::loss_with_aux_in_chunks(
         &model,
@@ -384,6 +385,61 @@ fn the_load_balancing_loss_leaves_padding_out_as_transformers_does() {
     assert_loss_and_grads_match(&model, loss, &r);
 }
 
+/// The SFT step's padding-free packs keep every real token of a model that adds the
+/// load-balancing loss, labelled or not: the same loss, `aux_loss` and gradients as the padded
+/// batch as transformers lays it out, where packs through the last counted label alone would
+/// leave a row's untrained tail out of the router statistics.
+#[test]
+fn padding_free_packs_keep_every_token_the_load_balancing_loss_counts() {
+    use tune::training::LossStep;
+    use tune::training::sft::SftLoss;
+    let f = AuxFixture::open();
+    let r = Reference::open("family-qwen3_moe_aux-padded.safetensors");
+    let (tokens, mut labels, rows) = r.tokens();
+    let seq = tokens.len() / rows;
+    // Row 0's last three tokens train nothing (a trailing untrained turn).
+    labels[seq - 3..seq].fill(-100);
+    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
+    let batch = tune::data::Batch {
+        position_ids: positions(rows, seq),
+        num_trained_tokens: labels.iter().filter(|&&l| l != -100).count(),
+        tokens,
+        labels,
+        document_ids: None,
+        batch_size: rows,
+        seq_len: seq,
+        padding: Some(padding),
+    };
+    assert!(tune::training::sft::padding_free(&f.model, &batch).is_some());
+    let model = f.model.clone();
+    let info = tune::training::StepInfo {
+        epoch: 0,
+        global_step: 0,
+        seed: 7,
+    };
+    let step = |padding_free| {
+        let mut sft = SftLoss {
+            padding_free,
+            ..SftLoss::default()
+        };
+        let out = LossStep::<CpuAutodiff>::step(&mut sft, &model, &batch, info).unwrap();
+        let aux = out
+            .metrics
+            .iter()
+            .find(|(k, _)| *k == "aux_loss")
+            .map(|(_, v)| v.clone().into_scalar())
+            .expect("aux_loss logged");
+        let loss: f32 = out.loss.clone().into_scalar();
+        let parts = out.grads.unwrap_or_else(|| vec![out.loss.backward()]);
+        (loss, aux, summed_grads(&model, parts))
+    };
+    let (loss, aux, grads) = step(false);
+    let (packed_loss, packed_aux, packed_grads) = step(true);
+    assert!((aux - packed_aux).abs() < 1e-6, "{aux} vs {packed_aux}");
+    assert!((loss - packed_loss).abs() < 1e-5, "{loss} vs {packed_loss}");
+    assert_same_grads(&grads, &packed_grads);
+}
+
 /// With the output projection frozen (LoRA) and computed in chunks, the load-balancing term
 /// goes back with the body's pass: the same loss and gradients as in one piece, and not those
 /// of the cross-entropy alone.
@@ -457,26 +513,124 @@ fn a_run_with_the_load_balancing_loss_logs_it_and_trains() {
     assert!(last < first, "loss {first} -> {last}");
 }
 
-/// A DPO step would not add the load-balancing loss: refused by key before it trains.
+/// TRL's DPO with the load-balancing loss: the sigmoid loss of the pairs plus
+/// `router_aux_loss_coef` times the policy forward's `aux_loss` over the batch's real tokens
+/// (both halves, padding out). The loss, `aux_loss` and every gradient match TRL's computation
+/// (family-qwen3_moe_aux-dpo.safetensors), and layer by layer (activation checkpointing) the
+/// step takes the same gradients.
 #[test]
-fn the_load_balancing_loss_is_refused_where_it_would_be_dropped() {
+fn dpo_adds_the_load_balancing_loss_as_trl_does() {
+    use tune::training::LossStep;
+    use tune::training::dpo::{DpoLoss, DpoReference, DpoSettings};
+    let f = AuxFixture::open();
+    let r = Reference::open("family-qwen3_moe_aux-dpo.safetensors");
+    let (tokens, labels, rows) = r.tokens();
+    let seq = tokens.len() / rows;
+    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
+    let batch = tune::data::Batch {
+        position_ids: positions(rows, seq),
+        num_trained_tokens: labels.iter().filter(|&&l| l != -100).count(),
+        tokens,
+        labels,
+        document_ids: None,
+        batch_size: rows,
+        seq_len: seq,
+        padding: Some(padding),
+    };
+    let model = f.model.clone();
+    let info = tune::training::StepInfo {
+        epoch: 0,
+        global_step: 0,
+        seed: 7,
+    };
+    let step = |checkpointing| {
+        let reference = DpoReference::Frozen(Box::new(burn::module::AutodiffModule::valid(&model)));
+        let mut dpo = DpoLoss::new(DpoSettings::default(), reference);
+        dpo.activation_checkpointing = checkpointing;
+        dpo.step(&model, &batch, info).unwrap()
+    };
+    let out = step(Checkpointing::Off);
+    assert_eq!(out.weight, 2, "two pairs");
+    let aux = out
+        .metrics
+        .iter()
+        .find(|(k, _)| *k == "aux_loss")
+        .map(|(_, v)| HostTensor::from_tensor(v))
+        .expect("aux_loss logged");
+    assert_close("aux_loss", &aux, &r.f32("aux_loss"), 1e-5);
+    assert!(out.grads.is_none(), "the trainer back-propagates");
+    assert_loss_and_grads_match(&model, out.loss, &r);
+
+    let again = step(Checkpointing::Off).loss;
+    let plain = summed_grads(&model, vec![(again * 2.0).backward()]);
+
+    let layered = step(Checkpointing::Layers);
+    let loss: f32 = layered.loss.into_scalar();
+    assert!((loss - r.f32("loss").data[0]).abs() < 1e-4, "{loss}");
+    let parts = layered
+        .grads
+        .expect("per-layer passes compute the gradients");
+    assert_same_grads(&plain, &summed_grads(&model, parts));
+}
+
+/// LoRA DPO, GRPO and KD runs of a checkpoint that asks for the load-balancing loss log it
+/// every step (and DPO's loss, which includes it, falls).
+#[test]
+fn dpo_grpo_and_kd_runs_log_the_load_balancing_loss() {
     let ckpt = with_aux_loss();
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let out = temp_dir("moe-aux-refused");
-    let output_dir = format!("output_dir={}", out.path().display());
-    let stderr = tune_refuses(&[
-        "run",
+    let out = temp_dir("moe-aux-dpo");
+    let metrics = run_recipe(
         "lora_dpo_single_device",
-        "--config",
         "tiny/lora_dpo_single_device",
-        &output_dir,
-        &checkpoint_dir,
-        "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
-    ]);
-    assert!(
-        stderr.contains("output_router_logits") && stderr.contains("lora_dpo_single_device"),
-        "{stderr}"
+        &out,
+        &[
+            &checkpoint_dir,
+            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+            "max_steps_per_epoch=4",
+        ],
     );
+    let aux = column(&metrics, "aux_loss");
+    assert_eq!(
+        aux.len(),
+        column(&metrics, "loss").len(),
+        "aux_loss logged every step"
+    );
+    assert!(aux.iter().all(|a| *a >= 1.0 && *a < 4.0), "{aux:?}");
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+
+    let out = temp_dir("moe-aux-grpo");
+    let metrics = run_recipe(
+        "grpo_lora_finetune_single_device",
+        "tiny/grpo_lora_single_device",
+        &out,
+        &[
+            &checkpoint_dir,
+            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+            "num_steps=3",
+        ],
+    );
+    let aux = column(&metrics, "aux_loss");
+    assert_eq!(aux.len(), 3, "aux_loss logged every step");
+    assert!(aux.iter().all(|a| *a >= 1.0 && *a < 4.0), "{aux:?}");
+
+    // KD: the student's term, as its SFT step adds it (the teacher is dense).
+    let out = temp_dir("moe-aux-kd");
+    let metrics = run_recipe(
+        "knowledge_distillation_single_device",
+        "tiny/kd_lora_single_device",
+        &out,
+        &[
+            &checkpoint_dir,
+            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+            "epochs=1",
+            "max_steps_per_epoch=3",
+        ],
+    );
+    let aux = column(&metrics, "aux_loss");
+    assert_eq!(aux.len(), 3, "aux_loss logged every step");
+    assert!(aux.iter().all(|a| *a >= 1.0 && *a < 4.0), "{aux:?}");
 }
 
 /// Per-layer backward passes (activation checkpointing) take the load-balancing loss's
