@@ -5,4 +5,5 @@
 
 pub mod hf;
 pub mod peft;
+pub mod peft_experts;
 pub mod quantized;

@@ -8,9 +8,12 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
+use super::peft_experts::{self, FusedParam};
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::host::HostTensor;
 use crate::checkpoint::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
+use crate::models::args::ExpertNaming;
+use crate::models::mlp::Mlp;
 use crate::models::{CausalLm, ModelArgs};
 use crate::modules::{Lora, LoraSettings, lora};
 
@@ -103,6 +106,26 @@ impl AdapterConfig {
             config.target_modules = TargetModules::Pattern(pattern);
         }
         config
+    }
+
+    /// peft's `target_parameters` (parameters adapted through its `ParamWrapper`: gpt-oss's
+    /// fused experts); empty when absent or null.
+    pub fn target_parameters(&self) -> Vec<String> {
+        self.other
+            .get("target_parameters")
+            .and_then(|v| v.as_array())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|t| t.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Sets `target_parameters` (peft >= 0.17 reads it).
+    pub fn set_target_parameters(&mut self, targets: Vec<String>) {
+        self.other
+            .insert("target_parameters".into(), serde_json::json!(targets));
     }
 
     pub fn settings(&self) -> LoraSettings {
@@ -209,6 +232,81 @@ pub fn attach_lora<B: Backend>(
     attached
 }
 
+/// Whether `args`' experts are fused parameters on disk (gpt-oss), which peft adapts through
+/// `target_parameters` ([`peft_experts`]) and never by module name.
+pub fn experts_are_fused(args: &ModelArgs) -> bool {
+    args.moe
+        .as_ref()
+        .is_some_and(|m| m.naming == ExpertNaming::GptOss)
+}
+
+/// Whether the linear `path` is one of a fused-experts model's experts (their adapters are
+/// read and written through [`peft_experts`]).
+fn fused_expert_linear(args: &ModelArgs, path: &str) -> bool {
+    experts_are_fused(args) && path.contains(".experts.")
+}
+
+/// Each layer index with its experts, when they are fused on disk.
+fn fused_experts_mut<B: Backend>(model: &mut CausalLm<B>) -> Vec<(usize, &mut Vec<Mlp<B>>)> {
+    if !experts_are_fused(&model.args) {
+        return Vec::new();
+    }
+    model
+        .model
+        .layers
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, layer)| layer.moe.as_mut().map(|moe| (i, &mut moe.experts)))
+        .collect()
+}
+
+/// Attaches fresh adapters to every layer's fused experts, both parameters (peft's
+/// `target_parameters` [`FusedParam::ALL`]): per expert, one over `gate_up_proj` and one over
+/// `down_proj`. Returns the `target_parameters` to save them with (empty for a model whose
+/// experts are not fused).
+pub fn attach_fused_expert_lora<B: Backend>(
+    model: &mut CausalLm<B>,
+    settings: &LoraSettings,
+    seed: u64,
+) -> Vec<String> {
+    let device = model.device();
+    // Another stream than the linears' adapters, so adding these changes none of theirs.
+    let mut rng = lora::init_rng(seed ^ 0x0065_7870_6572_7473);
+    let layers = fused_experts_mut(model);
+    if layers.is_empty() {
+        return Vec::new();
+    }
+    for (_, experts) in layers {
+        for mlp in experts.iter_mut() {
+            let (width, hidden) = (mlp.gate_proj.out_features(), mlp.gate_proj.in_features());
+            mlp.lora = Some(Lora::init(hidden, 2 * width, settings, &mut rng, &device));
+            let down = &mut mlp.down_proj;
+            let (out, inp) = (down.out_features(), down.in_features());
+            down.lora = Some(Lora::init(inp, out, settings, &mut rng, &device));
+        }
+    }
+    FusedParam::ALL.iter().map(|p| p.target()).collect()
+}
+
+/// The adapter of `param` on `mlp`, when it has one.
+fn fused_adapter<B: Backend>(mlp: &Mlp<B>, param: FusedParam) -> Option<&Lora<B>> {
+    match param {
+        FusedParam::GateUp => mlp.lora.as_ref(),
+        FusedParam::Down => mlp.down_proj.lora.as_ref(),
+    }
+}
+
+/// `(in, out)` of `param`'s adapter on `mlp`.
+fn fused_shape<B: Backend>(mlp: &Mlp<B>, param: FusedParam) -> (usize, usize) {
+    match param {
+        FusedParam::GateUp => (
+            mlp.gate_proj.in_features(),
+            2 * mlp.gate_proj.out_features(),
+        ),
+        FusedParam::Down => (mlp.down_proj.in_features(), mlp.down_proj.out_features()),
+    }
+}
+
 /// Loads a PEFT adapter directory into `model`, replacing any adapters it has.
 pub fn load_adapter<B: Backend>(
     model: &mut CausalLm<B>,
@@ -234,7 +332,10 @@ pub fn load_adapter<B: Backend>(
     let mut used = 0usize;
     let args = model.args.clone();
     for (module, linear) in model.linears_mut() {
-        if !config.targets(&module) || !args.lora_adapts(&module) {
+        if !config.targets(&module)
+            || !args.lora_adapts(&module)
+            || fused_expert_linear(&args, &module)
+        {
             continue;
         }
         let (out, inp) = (linear.out_features(), linear.in_features());
@@ -284,12 +385,14 @@ pub fn load_adapter<B: Backend>(
         }
         linear.lora = Some(lora);
     }
+    let consumed = load_fused_experts(model, &config, &file, dir)?;
+    used += consumed.len();
     let total = file.names().len();
     if used != total {
         let expected: std::collections::HashSet<String> = file.names().into_iter().collect();
         let mut extra: Vec<String> = expected
             .into_iter()
-            .filter(|k| !model_has_adapter_key(model, k))
+            .filter(|k| !consumed.contains(k) && !model_has_adapter_key(model, k))
             .collect();
         extra.sort();
         return Err(CheckpointError::UnexpectedTensors {
@@ -298,6 +401,85 @@ pub fn load_adapter<B: Backend>(
         });
     }
     Ok(config)
+}
+
+/// The adapters of `config.target_parameters` on a fused-experts model, unstacked onto each
+/// expert; returns the keys read. Refused: `target_parameters` on another model, and DoRA or
+/// dropout with them (peft's `ParamWrapper` refuses both).
+fn load_fused_experts<B: Backend>(
+    model: &mut CausalLm<B>,
+    config: &AdapterConfig,
+    file: &SafetensorsFile,
+    dir: &Path,
+) -> Result<Vec<String>, CheckpointError> {
+    let targets = config.target_parameters();
+    if targets.is_empty() {
+        return Ok(Vec::new());
+    }
+    let invalid = |message: String| CheckpointError::Invalid {
+        path: dir.join(ADAPTER_CONFIG),
+        message,
+    };
+    if !experts_are_fused(&model.args) {
+        return Err(invalid(format!(
+            "target_parameters {targets:?}: tune adapts parameters only on a model whose experts are fused (gpt-oss)"
+        )));
+    }
+    let settings = config.settings();
+    if settings.dora || settings.dropout != 0.0 {
+        return Err(invalid(
+            "target_parameters with use_dora or lora_dropout != 0: peft's ParamWrapper supports neither".into(),
+        ));
+    }
+    let device = model.device();
+    let path = dir.join(ADAPTER_WEIGHTS);
+    let mut consumed = Vec::new();
+    for (layer, experts) in fused_experts_mut(model) {
+        let module = peft_experts::experts_module(layer);
+        let params = peft_experts::targeted(&targets, &module);
+        let n = experts.len();
+        let Some(first) = experts.first() else {
+            continue;
+        };
+        let shapes: Vec<(usize, usize)> = params.iter().map(|&p| fused_shape(first, p)).collect();
+        for (&param, (inp, out)) in params.iter().zip(shapes) {
+            let r = settings.rank;
+            let mut take =
+                |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
+                    let key = peft_experts::key(&module, param, &params, which);
+                    let found = file
+                        .shape(&key)
+                        .ok_or_else(|| CheckpointError::MissingTensor {
+                            name: key.clone(),
+                            dir: path.clone(),
+                            expected: shape.to_vec(),
+                        })?;
+                    if found != shape {
+                        return Err(CheckpointError::AdapterShape {
+                            name: key,
+                            dir: dir.to_path_buf(),
+                            rank: r,
+                            expected: shape.to_vec(),
+                            found,
+                        });
+                    }
+                    let t = file.read(&key)?;
+                    consumed.push(key);
+                    Ok(t)
+                };
+            let a = take('A', [n * r, inp])?;
+            let b = take('B', [out, r * n])?;
+            for (mlp, (a, b)) in experts.iter_mut().zip(peft_experts::unstack(&a, &b, n, r)) {
+                let lora =
+                    Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings);
+                match param {
+                    FusedParam::GateUp => mlp.lora = Some(lora),
+                    FusedParam::Down => mlp.down_proj.lora = Some(lora),
+                }
+            }
+        }
+    }
+    Ok(consumed)
 }
 
 fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {
@@ -314,6 +496,9 @@ pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, H
     let mut out = Vec::new();
     let args = model.args.clone();
     for (module, linear) in model.linears_mut() {
+        if fused_expert_linear(&args, &module) {
+            continue;
+        }
         let module = peft_module(&args, &module);
         if let Some(lora) = &linear.lora {
             out.push((
@@ -327,6 +512,28 @@ pub fn adapter_state_dict<B: Backend>(model: &mut CausalLm<B>) -> Vec<(String, H
             if let Some(m) = &lora.magnitude {
                 out.push((magnitude_key(&module), HostTensor::from_tensor(&m.val())));
             }
+        }
+    }
+    for (layer, experts) in fused_experts_mut(model) {
+        let module = peft_experts::experts_module(layer);
+        let params: Vec<FusedParam> = FusedParam::ALL
+            .into_iter()
+            .filter(|&p| experts.iter().all(|mlp| fused_adapter(mlp, p).is_some()))
+            .collect();
+        for &param in &params {
+            let per_expert: Vec<(HostTensor, HostTensor)> = experts
+                .iter()
+                .filter_map(|mlp| fused_adapter(mlp, param))
+                .map(|l| {
+                    (
+                        HostTensor::from_tensor(&l.a.val()),
+                        HostTensor::from_tensor(&l.b.val()),
+                    )
+                })
+                .collect();
+            let (a, b) = peft_experts::stack(&per_expert);
+            out.push((peft_experts::key(&module, param, &params, 'A'), a));
+            out.push((peft_experts::key(&module, param, &params, 'B'), b));
         }
     }
     out
@@ -355,6 +562,11 @@ pub fn write_adapter(
 
 /// Folds every adapter into its base weight and drops it (for exporting a merged model).
 pub fn merge_adapters<B: Backend>(model: &mut CausalLm<B>) {
+    for (_, experts) in fused_experts_mut(model) {
+        for mlp in experts.iter_mut() {
+            mlp.merge_fused_lora();
+        }
+    }
     for (_, linear) in model.linears_mut() {
         if linear.lora.is_some() {
             let merged = linear.merged_weight();

@@ -455,12 +455,12 @@ impl<B: Backend> Builder<'_, B> {
                 None,
                 Some(down_bias.rows(e, 1).reshaped(vec![h])),
             )?;
-            out.push(Mlp {
+            out.push(Mlp::new(
                 gate_proj,
                 up_proj,
                 down_proj,
-                activation: self.args.activation,
-            });
+                self.args.activation,
+            ));
         }
         Ok(out)
     }
@@ -515,12 +515,12 @@ impl<B: Backend> Builder<'_, B> {
         name: &dyn Fn(String) -> String,
     ) -> Result<Mlp<B>, CheckpointError> {
         let h = self.args.hidden_size;
-        Ok(Mlp {
-            gate_proj: self.linear(&name(format!("{p}.gate_proj")), i, h, false)?,
-            up_proj: self.linear(&name(format!("{p}.up_proj")), i, h, false)?,
-            down_proj: self.linear(&name(format!("{p}.down_proj")), h, i, false)?,
-            activation: self.args.activation,
-        })
+        Ok(Mlp::new(
+            self.linear(&name(format!("{p}.gate_proj")), i, h, false)?,
+            self.linear(&name(format!("{p}.up_proj")), i, h, false)?,
+            self.linear(&name(format!("{p}.down_proj")), h, i, false)?,
+            self.args.activation,
+        ))
     }
 
     fn mlp(&mut self, p: &str) -> Result<Mlp<B>, CheckpointError> {
@@ -541,12 +541,7 @@ impl<B: Backend> Builder<'_, B> {
             )
         };
         let down_proj = self.linear(&format!("{p}.down_proj"), h, i, bias)?;
-        Ok(Mlp {
-            gate_proj,
-            up_proj,
-            down_proj,
-            activation: a.activation,
-        })
+        Ok(Mlp::new(gate_proj, up_proj, down_proj, a.activation))
     }
 
     fn build(mut self) -> Result<CausalLm<B>, CheckpointError> {

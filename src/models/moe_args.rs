@@ -128,7 +128,8 @@ impl MoeArgs {
             sparse_layers,
             naming,
             // gpt-oss's experts are 3-D parameters peft adapts only through
-            // `target_parameters` (its `ParamWrapper`), a layout tune does not write yet.
+            // `target_parameters` (its `ParamWrapper`): never by module name, but through
+            // `model_io::peft_experts`.
             lora_on_experts: !matches!(family, Family::Qwen2Moe | Family::GptOss),
             aux_loss_coef,
         }))

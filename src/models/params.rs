@@ -160,6 +160,20 @@ impl<B: Backend> CausalLm<B> {
                 )
             })
             .collect();
+        // gpt-oss's experts: the fused gate/up adapter, folded into both halves.
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let experts = layer.moe.iter().flat_map(|moe| moe.experts.iter());
+            for (e, mlp) in experts.enumerate() {
+                let Some((gate, up)) = mlp.merged_gate_up() else {
+                    continue;
+                };
+                for (proj, weight) in [("gate_proj", gate), ("up_proj", up)] {
+                    let path = format!("model.layers.{i}.moe.experts.{e}.{proj}");
+                    let name = format!("{}.weight", self.args.hf_name(&path));
+                    merged.insert(name, HostTensor::from_tensor(&weight));
+                }
+            }
+        }
         let mut params: Vec<(String, HostTensor)> = self
             .named_params()
             .into_iter()

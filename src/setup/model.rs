@@ -35,11 +35,12 @@ pub enum ModelConfigError {
     )]
     DoraOnExperts,
     /// gpt-oss's experts are fused 3-D parameters, which peft adapts through
-    /// `target_parameters` (its `ParamWrapper`), not by module name.
+    /// `target_parameters` (its `ParamWrapper`), and that refuses dropout: its input cannot be
+    /// factored out of the fused product.
     #[error(
-        "model.apply_lora_to_mlp: a \"{model_type}\" model has no MLP linear layers LoRA can adapt (its experts are fused parameters, which peft adapts only through target_parameters, a layout tune does not write); set apply_lora_to_mlp: False (LoRA on the attention projections), or fine-tune fully"
+        "model.lora_dropout: LoRA on a \"{model_type}\" model's fused experts (apply_lora_to_mlp: True) takes no dropout, as peft's target_parameters adapters do not; set lora_dropout: 0.0, or apply_lora_to_mlp: False"
     )]
-    MlpTargetsOnFusedExperts { model_type: &'static str },
+    DropoutOnFusedExperts { model_type: &'static str },
     /// QAT's int4 export of a multimodal checkpoint's language model: the export holds one text
     /// decoder, and the vision tower has no int4 form.
     #[error(
@@ -229,27 +230,43 @@ pub fn attach_adapters<B: Backend>(
     if plan.settings.dora && adapts_experts {
         return Err(ModelConfigError::DoraOnExperts.into());
     }
-    let fused_experts = model
-        .args
-        .moe
-        .as_ref()
-        .is_some_and(|m| m.naming == ExpertNaming::GptOss);
-    if fused_experts && adapts_experts {
-        return Err(ModelConfigError::MlpTargetsOnFusedExperts {
+    // gpt-oss: the MLP targets mean its fused experts, adapted as peft's `target_parameters`
+    // adapts them (one adapter per expert over gate_up_proj, one over down_proj).
+    let fused = peft::experts_are_fused(&model.args) && adapts_experts;
+    if fused && plan.settings.dropout != 0.0 {
+        return Err(ModelConfigError::DropoutOnFusedExperts {
             model_type: model.args.family.model_type(),
         }
         .into());
     }
-    let attached = peft::attach_lora(model, &targets, &plan.settings, seed);
+    let mut attached = peft::attach_lora(model, &targets, &plan.settings, seed);
+    let target_parameters = if fused {
+        peft::attach_fused_expert_lora(model, &plan.settings, seed)
+    } else {
+        Vec::new()
+    };
+    attached.extend(target_parameters.iter().cloned());
     if attached.is_empty() {
         return Err(ModelConfigError::NoTargets { targets }.into());
     }
-    Ok(peft::AdapterConfig::for_model(
+    let module_targets: Vec<String> = if fused {
+        targets
+            .into_iter()
+            .filter(|t| !mlp.contains(&t.as_str()))
+            .collect()
+    } else {
+        targets
+    };
+    let mut config = peft::AdapterConfig::for_model(
         Some(base_model),
         &plan.settings,
-        targets,
+        module_targets,
         &model.args,
-    ))
+    );
+    if !target_parameters.is_empty() {
+        config.set_target_parameters(target_parameters);
+    }
+    Ok(config)
 }
 
 /// Loads the PEFT adapter `checkpointer.adapter_checkpoint` names, if any, into `model`.

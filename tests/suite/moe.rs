@@ -773,38 +773,40 @@ fn tiny_gpt_oss() -> TempDir {
     saved_random(config, 5, "tiny-gpt-oss")
 }
 
-/// LoRA on gpt-oss adapts its attention projections and the loss falls; the merged export
-/// changes q and v only (experts, routers and sinks exactly as loaded). Its experts are fused
-/// parameters peft adapts only through `target_parameters`, so `apply_lora_to_mlp: True` is
-/// refused by key rather than adapting nothing.
+/// LoRA on gpt-oss adapts its attention projections and, with `apply_lora_to_mlp`, its fused
+/// experts as peft's `target_parameters` does (one stacked adapter per parameter and layer),
+/// and the loss falls; the merged export changes q, v and the experts' two fused weights only
+/// (routers, sinks and biases exactly as loaded). Dropout there is refused by key, as peft
+/// refuses it.
 #[test]
-fn lora_on_gpt_oss_adapts_attention_and_refuses_its_fused_experts() {
+fn lora_on_gpt_oss_adapts_attention_and_fused_experts() {
     let ckpt = tiny_gpt_oss();
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
-    let lora = |mlp: &str, steps: &str| {
+    let lora = |dropout: &str, steps: &str| {
         vec![
             "model=tune.models.gpt_oss.lora_gpt_oss_tiny".to_string(),
             "model.lora_attn_modules=[q_proj,v_proj]".into(),
-            format!("model.apply_lora_to_mlp={mlp}"),
+            "model.apply_lora_to_mlp=True".into(),
             "model.lora_rank=8".into(),
             "model.lora_alpha=16".into(),
+            format!("model.lora_dropout={dropout}"),
             checkpoint_dir.clone(),
             format!("max_steps_per_epoch={steps}"),
         ]
     };
-    let refused_out = temp_dir("gpt-oss-lora-mlp");
-    let args = lora("True", "2");
+    let refused_out = temp_dir("gpt-oss-lora-dropout");
+    let args = lora("0.1", "2");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let run = tiny_lora(&refused_out, &args);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
     assert!(
-        stderr.contains("model.apply_lora_to_mlp") && stderr.contains("target_parameters"),
+        stderr.contains("model.lora_dropout") && stderr.contains("fused experts"),
         "{stderr}"
     );
 
     let out = temp_dir("gpt-oss-lora");
-    let args = lora("False", "25");
+    let args = lora("0.0", "25");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let metrics = run_recipe(
         "lora_finetune_single_device",
@@ -816,17 +818,128 @@ fn lora_on_gpt_oss_adapts_attention_and_refuses_its_fused_experts() {
     assert!(last < first, "loss {first} -> {last}");
     let epoch = out.path().join("epoch_0");
     let adapter = SafetensorsFile::open(&epoch.join("adapter_model.safetensors")).unwrap();
-    // q and v in 2 layers, A and B each
-    assert_eq!(adapter.names().len(), 2 * 2 * 2, "{:?}", adapter.names());
+    // 2 layers x (q, v, gate_up, down) x (A, B); experts stacked as peft stacks them
+    assert_eq!(adapter.names().len(), 2 * 4 * 2, "{:?}", adapter.names());
+    let gate_up_b = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight";
+    assert_eq!(adapter.shape(gate_up_b), Some(vec![2 * 64, 8 * 4]));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(epoch.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config["target_parameters"],
+        json!(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    );
+    assert_eq!(config["target_modules"], json!(["q_proj", "v_proj"]));
     let (before, after) = (stored_tensors(ckpt.path()), stored_tensors(&epoch));
     assert_eq!(
         before.keys().collect::<Vec<_>>(),
         after.keys().collect::<Vec<_>>()
     );
     for (name, tensor) in &before {
-        let adapted = name.ends_with("q_proj.weight") || name.ends_with("v_proj.weight");
+        let adapted = [
+            "q_proj.weight",
+            "v_proj.weight",
+            "experts.gate_up_proj",
+            "experts.down_proj",
+        ]
+        .iter()
+        .any(|suffix| name.ends_with(suffix));
         assert_eq!(after[name] == *tensor, !adapted, "{name}");
     }
+}
+
+/// A peft adapter on gpt-oss's fused experts (`target_parameters`: one stacked pair of factors
+/// per parameter for all the experts) loads onto each expert: the adapted model's logits, loss
+/// and every adapter gradient are peft's (family-gpt_oss-lora.safetensors, random factors), and
+/// saved back it is peft's tensors under peft's keys.
+#[test]
+fn a_peft_adapter_on_gpt_oss_fused_experts_computes_as_peft_does() {
+    use tune::model_io::peft::{self, peft_key};
+    use tune::model_io::peft_experts::{self, FusedParam};
+    let r = Reference::open("family-gpt_oss-lora.safetensors");
+    let dir = fixture("families/gpt_oss-lora");
+    let mut model =
+        load_model::<CpuAutodiff>(&fixture("families/gpt_oss"), None, &Default::default())
+            .unwrap()
+            .model;
+    let config = peft::load_adapter(&mut model, &dir).unwrap();
+    assert_eq!(config.target_parameters().len(), 2);
+    let mut model = model.set_trainable(tune::models::Trainable::AdaptersOnly);
+
+    let saved = SafetensorsFile::open(&dir.join("adapter_model.safetensors")).unwrap();
+    let written = peft::adapter_state_dict(&mut model);
+    assert_eq!(written.len(), saved.names().len(), "every tensor, once");
+    for (name, tensor) in &written {
+        assert_eq!(*tensor, saved.read(name).unwrap(), "{name} round trip");
+    }
+
+    let (tokens, labels, batch) = r.tokens();
+    let positions = positions(batch, tokens.len() / batch);
+    let input = tune::models::TokenBatch {
+        tokens: &tokens,
+        positions: &positions,
+        document_ids: None,
+        left_padding: None,
+        padding: None,
+        batch,
+    };
+    let logits = model.forward(input, TRAIN);
+    assert_close(
+        "logits",
+        &HostTensor::from_tensor(&logits),
+        &r.f32("logits"),
+        1e-4,
+    );
+    let loss = tune::training::loss::cross_entropy(logits, &labels);
+    assert_close(
+        "loss",
+        &HostTensor::from_tensor(&loss),
+        &r.f32("loss"),
+        1e-5,
+    );
+    let grads = loss.backward();
+    let grad = |p: &burn::module::Param<burn::tensor::Tensor<CpuAutodiff, 2>>| {
+        HostTensor::from_tensor(&p.val().grad(&grads).expect("an adapter trains"))
+    };
+    let mut checked = 0;
+    let mut check = |key: String, got: HostTensor| {
+        assert_grad_close(&key, &got, &r.f32(&format!("grad.{key}")));
+        checked += 1;
+    };
+    for (i, layer) in model.model.layers.iter().enumerate() {
+        for (name, linear) in [
+            ("q_proj", &layer.self_attn.q_proj),
+            ("v_proj", &layer.self_attn.v_proj),
+        ] {
+            let lora = linear.lora.as_ref().expect("q and v adapted");
+            let module = format!("model.layers.{i}.self_attn.{name}");
+            check(peft_key(&module, 'A'), grad(&lora.a));
+            check(peft_key(&module, 'B'), grad(&lora.b));
+        }
+        let experts = &layer
+            .moe
+            .as_ref()
+            .expect("every gpt-oss layer is sparse")
+            .experts;
+        let module = peft_experts::experts_module(i);
+        for param in FusedParam::ALL {
+            let per_expert: Vec<_> = experts
+                .iter()
+                .map(|mlp| {
+                    let lora = match param {
+                        FusedParam::GateUp => mlp.lora.as_ref(),
+                        FusedParam::Down => mlp.down_proj.lora.as_ref(),
+                    };
+                    let lora = lora.expect("every expert adapted");
+                    (grad(&lora.a), grad(&lora.b))
+                })
+                .collect();
+            let (a, b) = peft_experts::stack(&per_expert);
+            check(peft_experts::key(&module, param, &FusedParam::ALL, 'A'), a);
+            check(peft_experts::key(&module, param, &FusedParam::ALL, 'B'), b);
+        }
+    }
+    assert_eq!(checked, r.grad_count(), "one gradient per adapter tensor");
 }
 
 /// Full fine-tuning trains every gpt-oss weight (sinks, routers with their biases, the fused
@@ -892,6 +1005,53 @@ fn fsdp_on_gpt_oss_matches_one_device_and_saves_the_fused_layout() {
         saved.keys().collect::<Vec<_>>(),
         source.keys().collect::<Vec<_>>()
     );
+}
+
+/// LoRA on gpt-oss's fused experts under FSDP (2 workers, the experts' adapters sharded with
+/// the layer) takes one device's steps, and rank 0 saves the same peft adapter.
+#[test]
+fn fsdp_lora_on_gpt_oss_experts_matches_one_device() {
+    use crate::distributed::train;
+    let ckpt = tiny_gpt_oss();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let extra = [
+        "model=tune.models.gpt_oss.lora_gpt_oss_tiny",
+        "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.apply_lora_to_mlp=True",
+        "model.lora_dropout=0.0",
+        checkpoint_dir.as_str(),
+        "max_steps_per_epoch=3",
+    ];
+    let (one, two) = (temp_dir("gpt-oss-lora-1"), temp_dir("gpt-oss-lora-2"));
+    train(
+        1,
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &one,
+        4,
+        &extra,
+    );
+    train(2, "lora_finetune_distributed", "tiny/lora", &two, 2, &extra);
+    let losses = |dir: &TempDir| {
+        column(
+            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!((a.len(), b.len()), (3, 3), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
+    }
+    let adapter = |dir: &TempDir| {
+        SafetensorsFile::open(&dir.path().join("epoch_0/adapter_model.safetensors")).unwrap()
+    };
+    let (a, b) = (adapter(&one), adapter(&two));
+    assert_eq!(a.names().len(), 16);
+    for name in a.names() {
+        let (x, y) = (a.read(&name).unwrap(), b.read(&name).unwrap());
+        assert_close(&name, &x, &y, 1e-5);
+    }
 }
 
 /// An MXFP4 checkpoint missing one expert weight's scales is refused at load, naming the
