@@ -77,6 +77,10 @@ pub trait ParamSource {
         None
     }
 
+    /// FSDP's per-rank load: tensor `name`'s whole shape, for a weight the builder cut to this
+    /// rank's rows itself (a part of a fused checkpoint tensor, read and split first).
+    fn record_full_shape(&mut self, _name: &str, _shape: &[usize]) {}
+
     /// Whether the source holds tensor `name` (a source that makes its tensors up holds none
     /// of the optional ones).
     fn has(&self, _name: &str) -> bool {
@@ -425,6 +429,9 @@ impl<B: Backend> Builder<'_, B> {
             self.args.hidden_size,
             moe.expert_intermediate_size,
         );
+        if let Some(rows) = self.src.own_rows(i) {
+            return self.fused_experts_rows(p, [experts, h, i], rows);
+        }
         // Each expert's weights as `[out, in]` rows.
         let gate_up = self.expert_weights(&format!("{p}.gate_up_proj"), experts, h, 2 * i)?;
         let gate_up_bias = self
@@ -475,19 +482,9 @@ impl<B: Backend> Builder<'_, B> {
         inp: usize,
         out: usize,
     ) -> Result<HostTensor, CheckpointError> {
-        let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
-        if self.src.has(&blocks) {
-            let per_row = inp / 32;
-            if !inp.is_multiple_of(32) {
-                return Err(CheckpointError::Invalid {
-                    path: blocks.into(),
-                    message: format!("MXFP4 rows of {inp} values are not whole blocks of 32"),
-                });
-            }
-            let codes = self
-                .src
-                .take_u8(&blocks, &[experts, out, per_row, mxfp4::BLOCK_BYTES])?;
-            let scales = self.src.take_u8(&scales, &[experts, out, per_row])?;
+        if let FusedExpertWeight::Mxfp4 { codes, scales, .. } =
+            FusedExpertWeight::open(self.src, name, [experts, inp, out])?
+        {
             let values = mxfp4::dequantize(&codes, &scales);
             return Ok(HostTensor::new(vec![experts * out, inp], values));
         }
@@ -505,6 +502,103 @@ impl<B: Backend> Builder<'_, B> {
             }
         }
         Ok(HostTensor::new(vec![experts * out, inp], values))
+    }
+
+    /// FSDP's per-rank load of gpt-oss's fused experts (`[experts, hidden, intermediate]`):
+    /// each expert's weights are read (MXFP4: dequantized) one expert at a time and only this
+    /// rank's `rows` of each projection kept, so the rank never holds a layer's experts whole
+    /// in float, let alone the model.
+    fn fused_experts_rows(
+        &mut self,
+        p: &str,
+        [experts, h, i]: [usize; 3],
+        rows: Range<usize>,
+    ) -> Result<Vec<Mlp<B>>, CheckpointError> {
+        let gate_up =
+            FusedExpertWeight::open(self.src, &format!("{p}.gate_up_proj"), [experts, h, 2 * i])?;
+        let down = FusedExpertWeight::open(self.src, &format!("{p}.down_proj"), [experts, i, h])?;
+        let whole = |src: &mut dyn ParamSource, name: String, shape: [usize; 2]| {
+            let t = src.read_rows(&name, &shape, 0..shape[0]);
+            src.done(&name);
+            t
+        };
+        let gate_up_bias = whole(self.src, format!("{p}.gate_up_proj_bias"), [experts, 2 * i])?;
+        let down_bias = whole(self.src, format!("{p}.down_proj_bias"), [experts, h])?;
+        let down_rows = self.src.own_rows(h).unwrap_or(0..h);
+        let mut out = Vec::with_capacity(experts);
+        for e in 0..experts {
+            let name = |proj: &str| format!("{p}.{e}.{proj}");
+            let fused = gate_up.expert(self.src, e)?;
+            let fused_bias = gate_up_bias.rows(e, 1).reshaped(vec![2 * i, 1]);
+            let mut half = |proj: &str, first: usize| {
+                let bias = every_other_row(&fused_bias, first).reshaped(vec![i]);
+                self.linear_rows(
+                    &name(proj),
+                    every_other_row(&fused, first),
+                    bias,
+                    rows.clone(),
+                )
+            };
+            let (gate_proj, up_proj) = (half("gate_proj", 0)?, half("up_proj", 1)?);
+            let bias = down_bias.rows(e, 1).reshaped(vec![h]);
+            let weight = down.expert(self.src, e)?;
+            let down_proj =
+                self.linear_rows(&name("down_proj"), weight, bias, down_rows.clone())?;
+            out.push(Mlp::new(
+                gate_proj,
+                up_proj,
+                down_proj,
+                self.args.activation,
+            ));
+        }
+        gate_up.done(self.src);
+        down.done(self.src);
+        Ok(out)
+    }
+
+    /// FSDP's per-rank load of a linear layer cut from a fused tensor: `rows` of `weight`
+    /// (`[out, in]`, whole on the host) and of `bias`, the whole shapes recorded for the
+    /// shards; an NF4 base holds its quantized rows as the whole weight's quantization gives
+    /// them ([`Nf4Rows::quantize`]), or, when a row does not hold whole blocks, the whole
+    /// weight on every rank (as `Linear::shard_nf4` leaves such a weight).
+    fn linear_rows(
+        &mut self,
+        prefix: &str,
+        weight: HostTensor,
+        bias: HostTensor,
+        rows: Range<usize>,
+    ) -> Result<Linear<B>, CheckpointError> {
+        let [out, inp] = [weight.shape[0], weight.shape[1]];
+        if let BaseWeights::Nf4(compute) = self.base {
+            if !inp.is_multiple_of(BLOCK_SIZE) {
+                return self.linear_from(prefix, weight, None, Some(bias));
+            }
+            let order = nf4_row_order(self.args, prefix);
+            let read =
+                |r: Range<usize>| Ok::<_, CheckpointError>(weight.rows(r.start, r.len()).data);
+            let q = Nf4Rows::quantize(read, [out, inp], rows.clone(), (compute, compute), order)?;
+            let q = q.map_err(|source| CheckpointError::Nf4 {
+                name: format!("{prefix}.weight"),
+                shape: vec![out, inp],
+                source,
+            })?;
+            self.record_rows(prefix, [out, inp]);
+            let bias = bias.rows(rows.start, rows.len()).to_tensor(self.device);
+            return Ok(Linear::new_nf4_rows(q, Some(bias)));
+        }
+        self.record_rows(prefix, [out, inp]);
+        Ok(Linear::new(
+            weight.rows(rows.start, rows.len()).to_tensor(self.device),
+            Some(bias.rows(rows.start, rows.len()).to_tensor(self.device)),
+        ))
+    }
+
+    /// The whole shapes of the linear `prefix`'s weight and bias, kept as rows.
+    fn record_rows(&mut self, prefix: &str, [out, inp]: [usize; 2]) {
+        self.src
+            .record_full_shape(&format!("{prefix}.weight"), &[out, inp]);
+        self.src
+            .record_full_shape(&format!("{prefix}.bias"), &[out]);
     }
 
     /// An expert's SwiGLU MLP of width `i` (no biases), its projections named by `name`.
@@ -673,6 +767,20 @@ impl ParamSource for RowsSource<'_> {
     fn stored_dtype(&self, name: &str) -> Option<StorageDtype> {
         self.inner.stored_dtype(name)
     }
+
+    fn record_full_shape(&mut self, name: &str, shape: &[usize]) {
+        self.full_shapes.insert(name.to_string(), shape.to_vec());
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.inner.has(name)
+    }
+
+    /// Whole: MXFP4's codes (a quarter of bf16's bytes) are dequantized an expert at a time
+    /// and only this rank's rows kept (`Builder::fused_experts_rows`).
+    fn take_u8(&mut self, name: &str, shape: &[usize]) -> Result<Vec<u8>, CheckpointError> {
+        self.inner.take_u8(name, shape)
+    }
 }
 
 /// The model as FSDP's rank `rows.rank` keeps it, built from its rows of every weight only:
@@ -680,7 +788,8 @@ impl ParamSource for RowsSource<'_> {
 /// `shards` record every weight's whole shape and have no collectives yet (the trainer's
 /// setup wires them in: `training::fsdp`); until then nothing may run it. `None` for models
 /// whose checkpoint fuses weights a rank's rows cannot be read from (Phi-3's
-/// `qkv_proj`, gpt-oss's experts): load those whole and shard them after. An NF4 base (`base`) keeps each
+/// `qkv_proj`): load those whole and shard them after. gpt-oss's fused experts are read an
+/// expert at a time, each cut to this rank's rows (`Builder::fused_experts_rows`). An NF4 base (`base`) keeps each
 /// decoder linear's quantized rows, quantized as the whole weight would be.
 pub fn build_rows<B: Backend>(
     args: &ModelArgs,
@@ -689,7 +798,7 @@ pub fn build_rows<B: Backend>(
     rows: RowsOf,
     base: BaseWeights,
 ) -> Result<Option<CausalLm<B>>, CheckpointError> {
-    if args.fused_on_disk() {
+    if args.fused_projections {
         return Ok(None);
     }
     let mut source = RowsSource {
@@ -768,6 +877,86 @@ impl<B: Backend> CausalLm<B> {
             linear.set_nf4(quantize_linear(&args, &prefix, &weight, dtype, dtype)?);
         }
         Ok(())
+    }
+}
+
+/// A fused expert weight (gpt-oss's `gate_up_proj`, `down_proj`) read one expert at a time.
+enum FusedExpertWeight {
+    /// MXFP4 codes and scales (`{name}_blocks`, `{name}_scales`, `[experts, out, ..]`), held
+    /// whole and dequantized an expert at a time.
+    Mxfp4 {
+        codes: Vec<u8>,
+        scales: Vec<u8>,
+        /// `[experts, in, out]`
+        shape: [usize; 3],
+    },
+    /// Float, stored `[experts, in, out]`: read an expert's slab at a time.
+    Float { name: String, shape: [usize; 3] },
+}
+
+impl FusedExpertWeight {
+    fn open(
+        src: &mut dyn ParamSource,
+        name: &str,
+        shape: [usize; 3],
+    ) -> Result<Self, CheckpointError> {
+        let [experts, inp, out] = shape;
+        let (blocks, scales) = (format!("{name}_blocks"), format!("{name}_scales"));
+        if !src.has(&blocks) {
+            return Ok(Self::Float {
+                name: name.to_string(),
+                shape,
+            });
+        }
+        if !inp.is_multiple_of(32) {
+            return Err(CheckpointError::Invalid {
+                path: blocks.into(),
+                message: format!("MXFP4 rows of {inp} values are not whole blocks of 32"),
+            });
+        }
+        let per_row = inp / 32;
+        let codes = src.take_u8(&blocks, &[experts, out, per_row, mxfp4::BLOCK_BYTES])?;
+        let scales = src.take_u8(&scales, &[experts, out, per_row])?;
+        Ok(Self::Mxfp4 {
+            codes,
+            scales,
+            shape,
+        })
+    }
+
+    /// Expert `e`'s weight as its linear layer's `[out, in]`.
+    fn expert(&self, src: &mut dyn ParamSource, e: usize) -> Result<HostTensor, CheckpointError> {
+        match self {
+            Self::Mxfp4 {
+                codes,
+                scales,
+                shape: [_, inp, out],
+            } => {
+                let per_row = inp / 32;
+                let (c, s) = (out * per_row * mxfp4::BLOCK_BYTES, out * per_row);
+                let values =
+                    mxfp4::dequantize(&codes[e * c..(e + 1) * c], &scales[e * s..(e + 1) * s]);
+                Ok(HostTensor::new(vec![*out, *inp], values))
+            }
+            Self::Float { name, shape } => {
+                let [_, inp, out] = *shape;
+                let slab = src.read_rows(name, shape, e..e + 1)?;
+                let mut values = vec![0.0f32; out * inp];
+                for r in 0..inp {
+                    for c in 0..out {
+                        values[c * inp + r] = slab.data[r * out + c];
+                    }
+                }
+                Ok(HostTensor::new(vec![out, inp], values))
+            }
+        }
+    }
+
+    /// Read for good (a float weight's pages released).
+    fn done(&self, src: &mut dyn ParamSource) {
+        if let Self::Float { name, .. } = self {
+            src.done(name);
+        }
     }
 }
 

@@ -1054,6 +1054,59 @@ fn fsdp_lora_on_gpt_oss_experts_matches_one_device() {
     }
 }
 
+/// FSDP's per-rank load of gpt-oss: each rank of 3 holds only its rows of every weight, the
+/// fused experts included (read an expert at a time; MXFP4 dequantized per expert), and those
+/// are exactly the rows of the whole load's; the shards record every weight's whole shape.
+#[test]
+fn each_rank_loads_only_its_rows_of_gpt_oss_fused_experts() {
+    use tune::checkpoint::dcp::row_range;
+    use tune::model_io::hf::load_model_rows;
+    use tune::models::build::RowsOf;
+    type B = crate::support::Cpu;
+    let device = Default::default();
+    for source in ["families/gpt_oss", "families/gpt_oss_mxfp4"] {
+        let whole = load_model::<B>(&fixture(source), None, &device)
+            .expect("whole")
+            .model
+            .named_params();
+        for rank in 0..3 {
+            let rows = RowsOf { rank, world: 3 };
+            let model = load_model_rows::<B>(
+                &fixture(source),
+                None,
+                &device,
+                rows,
+                tune::models::BaseWeights::Float,
+            )
+            .expect("rows")
+            .model;
+            let shards = model.shards.clone().expect("a per-rank load");
+            let params = model.named_params();
+            assert_eq!(params.len(), whole.len());
+            let mut experts = 0;
+            for (got, want) in params.iter().zip(&whole) {
+                assert_eq!(got.name, want.name);
+                assert_eq!(
+                    shards.full_shape(&got.id),
+                    Some(want.value.shape.as_slice()),
+                    "{}",
+                    got.name
+                );
+                let r = row_range(want.value.shape[0], rank, 3);
+                assert_eq!(
+                    got.value,
+                    want.value.rows(r.start, r.len()),
+                    "{source} {}",
+                    got.name
+                );
+                experts += usize::from(got.name.contains(".experts."));
+            }
+            // 2 layers x 4 experts x (gate, up, down) x (weight, bias)
+            assert_eq!(experts, 2 * 4 * 3 * 2);
+        }
+    }
+}
+
 /// An MXFP4 checkpoint missing one expert weight's scales is refused at load, naming the
 /// tensor, rather than read with made-up scales.
 #[test]
