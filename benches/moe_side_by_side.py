@@ -8,8 +8,8 @@ and full attention) twice.
 
 Training: `tune bench --mode lora` against `Qwen3MoeForCausalLM` with peft's LoRA (rank 8, alpha 16,
 target_modules q/v/o/gate/up/down, which peft maps onto every routed expert on transformers 5; for
-gpt-oss q/v/o only, as tune's bench adapts there: its fused experts take LoRA only through peft's
-`target_parameters`; AdamW over the adapters), random tokens, 2 warm-up steps then --steps timed ones, in fp32. Decoding: the same
+gpt-oss q/v/o and its fused experts through peft's `target_parameters` (gate_up_proj, down_proj), as
+tune's bench and LoRA recipes adapt them; AdamW over the adapters), random tokens, 2 warm-up steps then --steps timed ones, in fp32. Decoding: the same
 random weights saved by transformers, decoded greedily with the KV cache for --new-tokens tokens by
 `tune run generate` and by `model.generate`, both after the same chat prompt; the rate counts the
 tokens after the first.
@@ -40,12 +40,13 @@ HERE = Path(__file__).resolve().parent
 PROMPT = "Give three tips for staying healthy."
 
 
-# model_type -> (config class, model class, peft target_modules, tune builder)
+# model_type -> (config class, model class, peft target_modules, tune builder, peft target_parameters)
 FAMILIES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                   ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                  "tune.models.qwen3_moe.qwen3_moe_30b_a3b"),
-    "gpt_oss": (GptOssConfig, GptOssForCausalLM, ["q_proj", "v_proj", "o_proj"], "tune.models.gpt_oss.gpt_oss_20b"),
+                  "tune.models.qwen3_moe.qwen3_moe_30b_a3b", None),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, ["q_proj", "v_proj", "o_proj"], "tune.models.gpt_oss.gpt_oss_20b",
+                ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
 }
 
 
@@ -57,7 +58,7 @@ def build(shape):
     cfg = dict(json.load(open(HERE / "shapes.json"))[shape])
     for k in ("model_type", "architectures", "torch_dtype"):
         cfg.pop(k)
-    config_cls, model_cls, _, _ = family(shape)
+    config_cls, model_cls = family(shape)[:2]
     config = config_cls(**cfg, bos_token_id=2000, eos_token_id=2004, pad_token_id=2005)
     return model_cls(config).float()
 
@@ -65,7 +66,8 @@ def build(shape):
 def transformers_lora_step(shape, batch, seq, steps):
     torch.manual_seed(0)
     model = build(shape)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=family(shape)[2])
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=family(shape)[2],
+                      target_parameters=family(shape)[4])
     model = get_peft_model(model, lora)
     adapted = sorted({n.split(".lora_")[0] for n, _ in model.named_parameters() if "lora_" in n})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
@@ -84,7 +86,8 @@ def transformers_lora_step(shape, batch, seq, steps):
     step = sum(times) / len(times)
     return {"impl": "transformers+peft", "shape": shape, "what": "lora step", "batch": batch, "seq": seq,
             "step_s": round(step, 3), "tokens_per_s": round(batch * seq / step, 1),
-            "adapted_modules": len(adapted), "experts_adapted": any("experts" in n for n in adapted)}
+            "adapted_modules": len(adapted), "experts_adapted": any("experts" in n for n in adapted),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def tune_lora_step(tune, shape, batch, seq, steps):
@@ -140,11 +143,13 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--no-decode", action="store_true", help="the LoRA steps only")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count())
     for shape in a.shapes.split(","):
-        for row in decode(a.tune, shape, a.new_tokens):
-            print(json.dumps(row), flush=True)
+        if not a.no_decode:
+            for row in decode(a.tune, shape, a.new_tokens):
+                print(json.dumps(row), flush=True)
         print(json.dumps(tune_lora_step(a.tune, shape, a.batch_size, a.seq_len, a.steps)), flush=True)
         print(json.dumps(transformers_lora_step(shape, a.batch_size, a.seq_len, a.steps)), flush=True)
 

@@ -278,6 +278,11 @@ pub fn run<B: AutodiffBackend>(
                 dora: s.mode.is_dora(),
             };
             attach_lora(&mut model, &targets, &settings, 0);
+            // gpt-oss: its fused experts, as the LoRA recipes adapt them for these MLP targets
+            // (DoRA there is refused by the recipes, and left off here).
+            if !settings.dora {
+                crate::model_io::peft::attach_fused_expert_lora(&mut model, &settings, 0);
+            }
             Trainable::AdaptersOnly
         }
         BenchMode::Full => Trainable::All,
