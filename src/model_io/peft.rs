@@ -313,6 +313,7 @@ pub fn load_adapter<B: Backend>(
     dir: &Path,
 ) -> Result<AdapterConfig, CheckpointError> {
     let config = AdapterConfig::read(dir)?;
+    check_target_parameters(&config, &model.args, dir)?;
     let path = dir.join(ADAPTER_WEIGHTS);
     if !path.is_file() {
         let bin = dir.join("adapter_model.bin");
@@ -403,9 +404,36 @@ pub fn load_adapter<B: Backend>(
     Ok(config)
 }
 
+/// Refuses `target_parameters` tune cannot load as peft would: on a model whose experts are not
+/// fused parameters, or with DoRA or dropout (peft's `ParamWrapper` refuses both).
+fn check_target_parameters(
+    config: &AdapterConfig,
+    args: &ModelArgs,
+    dir: &Path,
+) -> Result<(), CheckpointError> {
+    let targets = config.target_parameters();
+    if targets.is_empty() {
+        return Ok(());
+    }
+    let invalid = |message: String| CheckpointError::Invalid {
+        path: dir.join(ADAPTER_CONFIG),
+        message,
+    };
+    if !experts_are_fused(args) {
+        return Err(invalid(format!(
+            "target_parameters {targets:?}: tune adapts parameters only on a model whose experts are fused (gpt-oss)"
+        )));
+    }
+    if config.use_dora || config.lora_dropout != 0.0 {
+        return Err(invalid(
+            "target_parameters with use_dora or lora_dropout != 0: peft's ParamWrapper supports neither".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The adapters of `config.target_parameters` on a fused-experts model, unstacked onto each
-/// expert; returns the keys read. Refused: `target_parameters` on another model, and DoRA or
-/// dropout with them (peft's `ParamWrapper` refuses both).
+/// expert ([`check_target_parameters`] first); returns the keys read.
 fn load_fused_experts<B: Backend>(
     model: &mut CausalLm<B>,
     config: &AdapterConfig,
@@ -416,21 +444,7 @@ fn load_fused_experts<B: Backend>(
     if targets.is_empty() {
         return Ok(Vec::new());
     }
-    let invalid = |message: String| CheckpointError::Invalid {
-        path: dir.join(ADAPTER_CONFIG),
-        message,
-    };
-    if !experts_are_fused(&model.args) {
-        return Err(invalid(format!(
-            "target_parameters {targets:?}: tune adapts parameters only on a model whose experts are fused (gpt-oss)"
-        )));
-    }
     let settings = config.settings();
-    if settings.dora || settings.dropout != 0.0 {
-        return Err(invalid(
-            "target_parameters with use_dora or lora_dropout != 0: peft's ParamWrapper supports neither".into(),
-        ));
-    }
     let device = model.device();
     let path = dir.join(ADAPTER_WEIGHTS);
     let mut consumed = Vec::new();

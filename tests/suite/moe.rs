@@ -942,6 +942,42 @@ fn a_peft_adapter_on_gpt_oss_fused_experts_computes_as_peft_does() {
     assert_eq!(checked, r.grad_count(), "one gradient per adapter tensor");
 }
 
+/// A `target_parameters` adapter tune cannot load as peft would is refused naming the key:
+/// with dropout (peft's `ParamWrapper` refuses it), or onto a model whose experts are not fused
+/// parameters.
+#[test]
+fn target_parameters_adapters_tune_cannot_load_are_refused_by_key() {
+    let src = fixture("families/gpt_oss-lora");
+    let dir = temp_dir("gpt-oss-lora-dropout-adapter");
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let path = dir.path().join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["lora_dropout"] = json!(0.1);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let load = |base: &str| {
+        let mut model =
+            load_model::<crate::support::Cpu>(&fixture(base), None, &Default::default())
+                .unwrap()
+                .model;
+        tune::model_io::peft::load_adapter(&mut model, dir.path())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let e = load("families/gpt_oss");
+    assert!(
+        e.contains("lora_dropout") && e.contains("adapter_config.json"),
+        "{e}"
+    );
+    config["lora_dropout"] = json!(0.0);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let e = load("tiny-llama");
+    assert!(e.contains("target_parameters"), "{e}");
+}
+
 /// Full fine-tuning trains every gpt-oss weight (sinks, routers with their biases, the fused
 /// experts) and saves it in the layout it was loaded from.
 #[test]
