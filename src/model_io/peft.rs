@@ -341,25 +341,14 @@ pub fn load_adapter<B: Backend>(
         }
         let (out, inp) = (linear.out_features(), linear.in_features());
         let peft_path = peft_module(&args, &module);
-        let take = |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
-            let key = peft_key(&peft_path, which);
-            let found = file
-                .shape(&key)
-                .ok_or_else(|| CheckpointError::MissingTensor {
-                    name: key.clone(),
-                    dir: path.clone(),
-                    expected: shape.to_vec(),
-                })?;
-            if found != shape {
-                return Err(CheckpointError::AdapterShape {
-                    name: key,
-                    dir: dir.to_path_buf(),
-                    rank: settings.rank,
-                    expected: shape.to_vec(),
-                    found,
-                });
-            }
-            file.read(&key)
+        let take = |which: char, shape: [usize; 2]| {
+            read_adapter_tensor(
+                &file,
+                &peft_key(&peft_path, which),
+                shape,
+                dir,
+                settings.rank,
+            )
         };
         let a = take('A', [settings.rank, inp])?;
         let b = take('B', [out, settings.rank])?;
@@ -446,7 +435,6 @@ fn load_fused_experts<B: Backend>(
     }
     let settings = config.settings();
     let device = model.device();
-    let path = dir.join(ADAPTER_WEIGHTS);
     let mut consumed = Vec::new();
     for (layer, experts) in fused_experts_mut(model) {
         let module = peft_experts::experts_module(layer);
@@ -458,29 +446,12 @@ fn load_fused_experts<B: Backend>(
         let shapes: Vec<(usize, usize)> = params.iter().map(|&p| fused_shape(first, p)).collect();
         for (&param, (inp, out)) in params.iter().zip(shapes) {
             let r = settings.rank;
-            let mut take =
-                |which: char, shape: [usize; 2]| -> Result<HostTensor, CheckpointError> {
-                    let key = peft_experts::key(&module, param, &params, which);
-                    let found = file
-                        .shape(&key)
-                        .ok_or_else(|| CheckpointError::MissingTensor {
-                            name: key.clone(),
-                            dir: path.clone(),
-                            expected: shape.to_vec(),
-                        })?;
-                    if found != shape {
-                        return Err(CheckpointError::AdapterShape {
-                            name: key,
-                            dir: dir.to_path_buf(),
-                            rank: r,
-                            expected: shape.to_vec(),
-                            found,
-                        });
-                    }
-                    let t = file.read(&key)?;
-                    consumed.push(key);
-                    Ok(t)
-                };
+            let mut take = |which: char, shape: [usize; 2]| {
+                let key = peft_experts::key(&module, param, &params, which);
+                let t = read_adapter_tensor(file, &key, shape, dir, r)?;
+                consumed.push(key);
+                Ok::<_, CheckpointError>(t)
+            };
             let a = take('A', [n * r, inp])?;
             let b = take('B', [out, r * n])?;
             for (mlp, (a, b)) in experts.iter_mut().zip(peft_experts::unstack(&a, &b, n, r)) {
@@ -494,6 +465,33 @@ fn load_fused_experts<B: Backend>(
         }
     }
     Ok(consumed)
+}
+
+/// Adapter tensor `key` of `file` (in `dir`), which must have `shape` (an adapter of `rank`).
+fn read_adapter_tensor(
+    file: &SafetensorsFile,
+    key: &str,
+    shape: [usize; 2],
+    dir: &Path,
+    rank: usize,
+) -> Result<HostTensor, CheckpointError> {
+    let found = file
+        .shape(key)
+        .ok_or_else(|| CheckpointError::MissingTensor {
+            name: key.to_string(),
+            dir: dir.join(ADAPTER_WEIGHTS),
+            expected: shape.to_vec(),
+        })?;
+    if found != shape {
+        return Err(CheckpointError::AdapterShape {
+            name: key.to_string(),
+            dir: dir.to_path_buf(),
+            rank,
+            expected: shape.to_vec(),
+            found,
+        });
+    }
+    file.read(key)
 }
 
 fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {

@@ -611,45 +611,55 @@ fn training_starts_from_a_model_torch_saved_sharded() {
 /// rows of the whole model; the shards record every weight's whole shape.
 #[test]
 fn each_rank_loads_only_its_rows_of_every_weight() {
+    for source in ["tiny-llama", "dcp-tiny-llama"] {
+        each_rank_holds_its_rows(source, "tiny-llama", 3);
+    }
+}
+
+/// Loads checkpoint `source` as each of `world` ranks does under FSDP and checks each holds
+/// exactly its rows of every weight of the whole load of `whole` (the same model), the shards
+/// recording the whole shapes. Returns the weights' names.
+pub(crate) fn each_rank_holds_its_rows(source: &str, whole: &str, world: usize) -> Vec<String> {
     use tune::model_io::hf::{load_model, load_model_rows};
     use tune::models::build::RowsOf;
     type B = crate::support::Cpu;
     let device = Default::default();
-    let whole = load_model::<B>(&fixture("tiny-llama"), None, &device)
+    let whole = load_model::<B>(&fixture(whole), None, &device)
         .expect("whole")
         .model
         .named_params();
-    for source in ["tiny-llama", "dcp-tiny-llama"] {
-        for rank in 0..3 {
-            let rows = RowsOf { rank, world: 3 };
-            let model = load_model_rows::<B>(
-                &fixture(source),
-                None,
-                &device,
-                rows,
-                tune::models::BaseWeights::Float,
-            )
-            .expect("rows")
-            .model;
-            let shards = model.shards.clone().expect("the load records its shards");
-            let params = model.named_params();
-            assert_eq!(params.len(), whole.len());
-            for (got, want) in params.iter().zip(&whole) {
-                assert_eq!(got.name, want.name);
-                assert_eq!(
-                    shards.full_shape(&got.id),
-                    Some(want.value.shape.as_slice())
-                );
-                let r = row_range(want.value.shape[0], rank, 3);
-                assert_eq!(
-                    got.value,
-                    want.value.rows(r.start, r.len()),
-                    "{source} {}",
-                    got.name
-                );
-            }
+    for rank in 0..world {
+        let rows = RowsOf { rank, world };
+        let model = load_model_rows::<B>(
+            &fixture(source),
+            None,
+            &device,
+            rows,
+            tune::models::BaseWeights::Float,
+        )
+        .expect("rows")
+        .model;
+        let shards = model.shards.clone().expect("the load records its shards");
+        let params = model.named_params();
+        assert_eq!(params.len(), whole.len());
+        for (got, want) in params.iter().zip(&whole) {
+            assert_eq!(got.name, want.name);
+            assert_eq!(
+                shards.full_shape(&got.id),
+                Some(want.value.shape.as_slice()),
+                "{source} {}",
+                got.name
+            );
+            let r = row_range(want.value.shape[0], rank, world);
+            assert_eq!(
+                got.value,
+                want.value.rows(r.start, r.len()),
+                "{source} {}",
+                got.name
+            );
         }
     }
+    whole.into_iter().map(|p| p.name).collect()
 }
 
 /// FSDP's per-rank load of an NF4 base (QLoRA): each rank of 1, 2, 3 and 5 quantizes its rows

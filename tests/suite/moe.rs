@@ -323,6 +323,25 @@ fn the_load_balancing_loss_matches_transformers() {
     assert_loss_and_grads_match(&model, loss, r);
 }
 
+/// The batch of reference `r` (`input_ids`, `labels`, `attention_mask`: 0 is padding), its
+/// labels first changed by `edit` (given the row length).
+fn padded_batch(r: &Reference, edit: impl FnOnce(&mut Vec<i64>, usize)) -> tune::data::Batch {
+    let (tokens, mut labels, rows) = r.tokens();
+    let seq = tokens.len() / rows;
+    edit(&mut labels, seq);
+    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
+    tune::data::Batch {
+        position_ids: positions(rows, seq),
+        num_trained_tokens: labels.iter().filter(|&&l| l != -100).count(),
+        tokens,
+        labels,
+        document_ids: None,
+        batch_size: rows,
+        seq_len: seq,
+        padding: Some(padding),
+    }
+}
+
 /// `loss` is the reference's, and so is every gradient of it, one per parameter.
 fn assert_loss_and_grads_match(
     model: &tune::models::CausalLm<CpuAutodiff>,
@@ -395,21 +414,8 @@ fn padding_free_packs_keep_every_token_the_load_balancing_loss_counts() {
     use tune::training::sft::SftLoss;
     let f = AuxFixture::open();
     let r = Reference::open("family-qwen3_moe_aux-padded.safetensors");
-    let (tokens, mut labels, rows) = r.tokens();
-    let seq = tokens.len() / rows;
     // Row 0's last three tokens train nothing (a trailing untrained turn).
-    labels[seq - 3..seq].fill(-100);
-    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
-    let batch = tune::data::Batch {
-        position_ids: positions(rows, seq),
-        num_trained_tokens: labels.iter().filter(|&&l| l != -100).count(),
-        tokens,
-        labels,
-        document_ids: None,
-        batch_size: rows,
-        seq_len: seq,
-        padding: Some(padding),
-    };
+    let batch = padded_batch(&r, |labels, seq| labels[seq - 3..seq].fill(-100));
     assert!(tune::training::sft::padding_free(&f.model, &batch).is_some());
     let model = f.model.clone();
     let info = tune::training::StepInfo {
@@ -524,19 +530,7 @@ fn dpo_adds_the_load_balancing_loss_as_trl_does() {
     use tune::training::dpo::{DpoLoss, DpoReference, DpoSettings};
     let f = AuxFixture::open();
     let r = Reference::open("family-qwen3_moe_aux-dpo.safetensors");
-    let (tokens, labels, rows) = r.tokens();
-    let seq = tokens.len() / rows;
-    let padding: Vec<bool> = r.i64("attention_mask").iter().map(|&m| m == 0).collect();
-    let batch = tune::data::Batch {
-        position_ids: positions(rows, seq),
-        num_trained_tokens: labels.iter().filter(|&&l| l != -100).count(),
-        tokens,
-        labels,
-        document_ids: None,
-        batch_size: rows,
-        seq_len: seq,
-        padding: Some(padding),
-    };
+    let batch = padded_batch(&r, |_, _| ());
     let model = f.model.clone();
     let info = tune::training::StepInfo {
         epoch: 0,
@@ -1095,51 +1089,11 @@ fn fsdp_lora_on_gpt_oss_experts_matches_one_device() {
 /// are exactly the rows of the whole load's; the shards record every weight's whole shape.
 #[test]
 fn each_rank_loads_only_its_rows_of_gpt_oss_fused_experts() {
-    use tune::checkpoint::dcp::row_range;
-    use tune::model_io::hf::load_model_rows;
-    use tune::models::build::RowsOf;
-    type B = crate::support::Cpu;
-    let device = Default::default();
     for source in ["families/gpt_oss", "families/gpt_oss_mxfp4"] {
-        let whole = load_model::<B>(&fixture(source), None, &device)
-            .expect("whole")
-            .model
-            .named_params();
-        for rank in 0..3 {
-            let rows = RowsOf { rank, world: 3 };
-            let model = load_model_rows::<B>(
-                &fixture(source),
-                None,
-                &device,
-                rows,
-                tune::models::BaseWeights::Float,
-            )
-            .expect("rows")
-            .model;
-            let shards = model.shards.clone().expect("a per-rank load");
-            let params = model.named_params();
-            assert_eq!(params.len(), whole.len());
-            let mut experts = 0;
-            for (got, want) in params.iter().zip(&whole) {
-                assert_eq!(got.name, want.name);
-                assert_eq!(
-                    shards.full_shape(&got.id),
-                    Some(want.value.shape.as_slice()),
-                    "{}",
-                    got.name
-                );
-                let r = row_range(want.value.shape[0], rank, 3);
-                assert_eq!(
-                    got.value,
-                    want.value.rows(r.start, r.len()),
-                    "{source} {}",
-                    got.name
-                );
-                experts += usize::from(got.name.contains(".experts."));
-            }
-            // 2 layers x 4 experts x (gate, up, down) x (weight, bias)
-            assert_eq!(experts, 2 * 4 * 3 * 2);
-        }
+        let names = crate::dcp::each_rank_holds_its_rows(source, source, 3);
+        let experts = names.iter().filter(|n| n.contains(".experts.")).count();
+        // 2 layers x 4 experts x (gate, up, down) x (weight, bias)
+        assert_eq!(experts, 2 * 4 * 3 * 2, "{source}");
     }
 }
 
