@@ -22,6 +22,13 @@
 //! `dim` is a compile-time constant of each kernel (one compilation per head size) and the
 //! loops over it are unrolled, so a unit's rows live in registers rather than local memory.
 //!
+//! gpt-oss's attention sinks (a logit `s_h` per query head in every row's softmax denominator,
+//! with no value) need no kernel of their own: with a sink, a row's output is the plain
+//! attention's times `w = sigmoid(lse - s_h)`, `lse` the plain row's log-sum-exp (from its saved
+//! max and sum), and the backward is the plain kernels' with the output's gradient scaled by `w`
+//! and the row's `delta` by `w^2`; the sink's gradient is `-D w (1 - w)` summed over its head's
+//! rows, `D = sum(dO * O_plain)` ([`SinkAttentionBackward`]).
+//!
 //! What it is not yet: a tiled kernel staging blocks of keys in shared memory with tensor-core
 //! products. Each unit reads its keys from global memory (the L1/L2 caches serve the units of
 //! a cube, which read the same keys), so its speed is below a tiled kernel's; its memory is
@@ -450,6 +457,79 @@ impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 3> for CubeAttention
     }
 }
 
+/// The plain attention's output as a 4-D tensor of the inner backend.
+fn float4<R: CubeRuntime, BT: BoolElement>(t: CubeTensor<R>) -> Tensor<Cube<R, BT>, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+impl<R: CubeRuntime> Call<R> {
+    /// Query heads per key-value head.
+    fn n_rep(&self) -> usize {
+        self.rows / self.q_len.max(1)
+    }
+
+    /// Each query row's sink weight `w = sigmoid(lse - s_h)`, `[batch, kv_heads, rows, 1]`,
+    /// from the plain kernel's statistics (max, 1 / sum) and the sinks `[heads]` (fp32). A row
+    /// whose mask hides every key has `lse` near -1e30: `w` is 0, the sink takes all the weight.
+    fn sink_weights<BT: BoolElement>(
+        &self,
+        stats: &CubeTensor<R>,
+        sinks: Tensor<Cube<R, BT>, 1>,
+    ) -> Tensor<Cube<R, BT>, 4> {
+        let (batch, kv_heads) = (self.groups / self.kv_heads, self.kv_heads);
+        let (n_rep, q_len, rows) = (self.n_rep(), self.q_len, self.rows);
+        let stats = Tensor::<Cube<R, BT>, 1>::from_primitive(TensorPrimitive::Float(stats.clone()))
+            .reshape([self.groups * rows, 2]);
+        let (max, inv) = (stats.clone().narrow(1, 0, 1), stats.narrow(1, 1, 1));
+        let lse = (max - inv.log()).reshape([batch, kv_heads, rows, 1]);
+        let sink = sinks
+            .reshape([1, kv_heads, n_rep, 1])
+            .expand([batch, kv_heads, n_rep, q_len])
+            .reshape([batch, kv_heads, rows, 1]);
+        burn::tensor::activation::sigmoid(lse - sink)
+    }
+}
+
+/// [`CubeAttentionBackward`] with gpt-oss's sinks as a fourth input.
+#[derive(Debug)]
+struct SinkAttentionBackward;
+
+impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 4> for SinkAttentionBackward {
+    /// The plain attention's saved inputs, output and statistics, the call, and each row's
+    /// sink weight `w`.
+    type State = (Saved<R>, Call<R>, CubeTensor<R>);
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (saved, call, w) = ops.state;
+        let grad = float4::<R, BT>(into_contiguous(grads.consume::<Cube<R, BT>>(&ops.node)));
+        let w = float4::<R, BT>(w);
+        // Each row's `sum(dO * O_plain)`.
+        let d = (grad.clone() * float4::<R, BT>(saved.out.clone())).sum_dim(3);
+        let scaled = into_contiguous((grad * w.clone()).into_primitive().tensor());
+        let delta = into_contiguous(
+            (d.clone() * w.clone() * w.clone())
+                .into_primitive()
+                .tensor(),
+        );
+        let [dq, dk, dv] = call.backward(&saved, &delta, &scaled);
+        let (batch, kv_heads, n_rep) = (call.groups / call.kv_heads, call.kv_heads, call.n_rep());
+        let dsink = (d * w.clone() * (w.neg() + 1.0))
+            .neg()
+            .reshape([batch, kv_heads, n_rep, call.q_len])
+            .sum_dim(3)
+            .sum_dim(0)
+            .reshape([kv_heads * n_rep])
+            .into_primitive()
+            .tensor();
+        let grads_in = [dq, dk, dv, dsink];
+        for (parent, g) in ops.parents.into_iter().zip(grads_in) {
+            if let Some(node) = parent {
+                grads.register::<Cube<R, BT>>(node.id, g);
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
@@ -511,13 +591,20 @@ fn inner_mask<B: Backend, R: CubeRuntime, BT: BoolElement>(
 /// No autodiff (validation, a frozen reference, generation's prefill): the forward alone.
 fn inference<B: Backend, R: CubeRuntime, BT: BoolElement>(
     [q, k, v]: [Tensor<Cube<R, BT>, 4>; 3],
+    sinks: Option<Tensor<Cube<R, BT>, 1>>,
     mask: (&AttentionMask<B>, &CubeTensor<R>),
     softcap: Option<f64>,
 ) -> Tensor<Cube<R, BT>, 4> {
     let dtype = q.dtype();
     let [q, k, v] = [q, k, v].map(fp32);
-    let (out, _) = call::<B, R, BT>(&q, mask.0, mask.1, softcap).forward(&[q, k, v]);
-    Tensor::<Cube<R, BT>, 4>::from_primitive(TensorPrimitive::Float(out)).cast(dtype)
+    let c = call::<B, R, BT>(&q, mask.0, mask.1, softcap);
+    let (out, stats) = c.forward(&[q, k, v]);
+    let out = float4::<R, BT>(out);
+    let out = match sinks {
+        Some(sinks) => out * c.sink_weights(&stats, sinks.cast(DType::F32)),
+        None => out,
+    };
+    out.cast(dtype)
 }
 
 fn autodiff<B: Backend, R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
@@ -553,51 +640,108 @@ fn autodiff<B: Backend, R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
     Tensor::<Autodiff<Cube<R, BT>, C>, 4>::from_primitive(TensorPrimitive::Float(y)).cast(dtype)
 }
 
+/// [`autodiff`] with gpt-oss's sinks: the plain kernels' output times each row's sink weight,
+/// and [`SinkAttentionBackward`] for all four inputs.
+fn autodiff_with_sinks<B: Backend, R: CubeRuntime, BT: BoolElement, C: CheckpointStrategy>(
+    [q, k, v]: [Tensor<Autodiff<Cube<R, BT>, C>, 4>; 3],
+    sinks: Tensor<Autodiff<Cube<R, BT>, C>, 1>,
+    mask: (&AttentionMask<B>, &CubeTensor<R>),
+    softcap: Option<f64>,
+) -> Tensor<Autodiff<Cube<R, BT>, C>, 4> {
+    let dtype = q.dtype();
+    let [q, k, v]: [FloatTensor<Autodiff<Cube<R, BT>, C>>; 3] =
+        [q, k, v].map(|t| t.cast(DType::F32).into_primitive().tensor());
+    let s: FloatTensor<Autodiff<Cube<R, BT>, C>> = sinks.cast(DType::F32).into_primitive().tensor();
+    let inputs = [&q, &k, &v].map(|t| into_contiguous(t.primitive.clone()));
+    let c = call::<B, R, BT>(&inputs[0], mask.0, mask.1, softcap);
+    let (plain, stats) = c.forward(&inputs);
+    let sink_values =
+        Tensor::<Cube<R, BT>, 1>::from_primitive(TensorPrimitive::Float(s.primitive.clone()));
+    let w = c.sink_weights(&stats, sink_values);
+    let out = into_contiguous(
+        (float4::<R, BT>(plain.clone()) * w.clone())
+            .into_primitive()
+            .tensor(),
+    );
+    let y = match SinkAttentionBackward
+        .prepare::<C>([
+            q.node.clone(),
+            k.node.clone(),
+            v.node.clone(),
+            s.node.clone(),
+        ])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                Saved {
+                    inputs,
+                    out: plain,
+                    stats,
+                },
+                c,
+                into_contiguous(w.into_primitive().tensor()),
+            ),
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    Tensor::<Autodiff<Cube<R, BT>, C>, 4>::from_primitive(TensorPrimitive::Float(y)).cast(dtype)
+}
+
+/// What the fused attention takes: queries, keys, values and gpt-oss's sinks, if any.
+type Inputs<B> = ([Tensor<B, 4>; 3], Option<Tensor<B, 1>>);
+
 /// The fused attention when `B` is `Cube<R, BT>` with or without autodiff, else the inputs back.
 fn on_cube<B: Backend, R: CubeRuntime, BT: BoolElement>(
-    x: [Tensor<B, 4>; 3],
+    x: Inputs<B>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
-) -> Result<Tensor<B, 4>, [Tensor<B, 4>; 3]> {
+) -> Result<Tensor<B, 4>, Inputs<B>> {
     let Some(inner) = inner_mask::<B, R, BT>(mask) else {
         return Err(x);
     };
     let mask = (mask, &inner);
     let x = match typed::<B, Cube<R, BT>>(x) {
-        Ok(x) => return Ok(cast_back(inference(x, mask, softcap))),
+        Ok((x, sinks)) => return Ok(cast_back(inference(x, sinks, mask, softcap))),
         Err(x) => x,
     };
     let x = match typed::<B, Autodiff<Cube<R, BT>, NoCheckpointing>>(x) {
-        Ok(x) => return Ok(cast_back(autodiff(x, mask, softcap))),
+        Ok((x, None)) => return Ok(cast_back(autodiff(x, mask, softcap))),
+        Ok((x, Some(s))) => return Ok(cast_back(autodiff_with_sinks(x, s, mask, softcap))),
         Err(x) => x,
     };
     match typed::<B, Autodiff<Cube<R, BT>, BalancedCheckpointing>>(x) {
-        Ok(x) => Ok(cast_back(autodiff(x, mask, softcap))),
+        Ok((x, None)) => Ok(cast_back(autodiff(x, mask, softcap))),
+        Ok((x, Some(s))) => Ok(cast_back(autodiff_with_sinks(x, s, mask, softcap))),
         Err(x) => Err(x),
     }
 }
 
-/// The three tensors as backend `T`'s when `B` is `T`.
-fn typed<B: Backend, T: Backend>(
-    x: [Tensor<B, 4>; 3],
-) -> Result<[Tensor<T, 4>; 3], [Tensor<B, 4>; 3]> {
+/// The inputs as backend `T`'s when `B` is `T`.
+fn typed<B: Backend, T: Backend>((x, sinks): Inputs<B>) -> Result<Inputs<T>, Inputs<B>> {
     if TypeId::of::<B>() != TypeId::of::<T>() {
-        return Err(x);
+        return Err((x, sinks));
     }
-    Ok(x.map(cast_back::<Tensor<B, 4>, Tensor<T, 4>>))
+    Ok((
+        x.map(cast_back::<Tensor<B, 4>, Tensor<T, 4>>),
+        sinks.map(cast_back::<Tensor<B, 1>, Tensor<T, 1>>),
+    ))
 }
 
-/// `softmax(q @ k^T (soft-capped) + mask) @ v`, grouped as [`super::attention`], through the
-/// fused kernels when `B` is burn's CUDA or wgpu backend (with or without autodiff); otherwise
-/// the inputs back for the caller's path.
+/// `softmax(q @ k^T (soft-capped) + mask) @ v`, grouped as [`super::attention`] (with `sinks`
+/// `[heads]` in each row's denominator), through the fused kernels when `B` is burn's CUDA or
+/// wgpu backend (with or without autodiff); otherwise the inputs back for the caller's path.
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: &AttentionMask<B>,
     softcap: Option<f64>,
-) -> Result<Tensor<B, 4>, [Tensor<B, 4>; 3]> {
-    let x = [q, k, v];
+    sinks: Option<Tensor<B, 1>>,
+) -> Result<Tensor<B, 4>, Inputs<B>> {
+    let x = ([q, k, v], sinks);
     #[cfg(feature = "cuda")]
     let x = match on_cube::<B, cubecl::cuda::CudaRuntime, u8>(x, mask, softcap) {
         Ok(y) => return Ok(y),

@@ -127,8 +127,8 @@ pub fn attention_skips_hidden_tiles<B: Backend>() -> bool {
 /// [`composed_attention`].
 ///
 /// `sinks` (gpt-oss): one logit per query head (`[kv_heads * n_rep]`), an extra softmax term
-/// with no value. The fused CPU kernel takes them (its backward gives their gradient); the
-/// cubecl kernels do not yet, so attention with sinks on CUDA and wgpu is the composed one.
+/// with no value. The fused CPU kernel takes them (its backward gives their gradient), and so
+/// does the cubecl path, as a per-row scaling of the plain kernels' output and gradients.
 pub fn attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -192,12 +192,9 @@ fn attention_in<B: Backend>(
         return composed(q, k, v, sinks);
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    let [q, k, v] = match sinks {
-        Some(_) => [q, k, v],
-        None => match cube_attention::attention(q, k, v, mask, softcap) {
-            Ok(grouped) => return laid_out(grouped),
-            Err(x) => x,
-        },
+    let ([q, k, v], sinks) = match cube_attention::attention(q, k, v, mask, softcap, sinks) {
+        Ok(grouped) => return laid_out(grouped),
+        Err(x) => x,
     };
     let dtype = q.dtype();
     if dtype == DType::BF16 && is_flex::<B>() {

@@ -47,8 +47,8 @@ fn gemma2_logits_loss_and_every_gradient() {
     crate::models::check_model_on::<Gpu>("families/gemma2", "family-gemma2.safetensors", &device());
 }
 
-/// gpt-oss: attention sinks (the composed path on cubecl), biased projections, a sparse layer's
-/// routing and fused experts, YaRN.
+/// gpt-oss: attention sinks (the cubecl kernels, each row scaled by its sink weight), biased
+/// projections, a sparse layer's routing and fused experts, YaRN.
 #[test]
 fn gpt_oss_logits_loss_and_every_gradient() {
     crate::models::check_model_on::<Gpu>(
