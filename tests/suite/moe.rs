@@ -1097,6 +1097,55 @@ fn each_rank_loads_only_its_rows_of_gpt_oss_fused_experts() {
     }
 }
 
+/// QLoRA on gpt-oss with adapters on its fused experts, under FSDP (2 workers, each expert's
+/// NF4 rows quantized from the expert's whole weight as one device quantizes it): one device's
+/// losses. The model is sized for NF4 (every decoder linear 16384 values).
+#[test]
+fn fsdp_qlora_on_gpt_oss_experts_matches_one_device() {
+    use crate::distributed::train;
+    let config = json!({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
+        "attention_bias": true, "tie_word_embeddings": false, "bos_token_id": 2000,
+        "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32",
+        "rope_theta": 150000.0
+    });
+    let ckpt = saved_random(config, 9, "gpt-oss-nf4");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let extra = [
+        "model=tune.models.gpt_oss.qlora_gpt_oss_tiny",
+        "model.lora_attn_modules=[q_proj,v_proj]",
+        "model.apply_lora_to_mlp=True",
+        "model.lora_dropout=0.0",
+        checkpoint_dir.as_str(),
+        "max_steps_per_epoch=3",
+    ];
+    let (one, two) = (temp_dir("gpt-oss-qlora-1"), temp_dir("gpt-oss-qlora-2"));
+    train(
+        1,
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &one,
+        4,
+        &extra,
+    );
+    train(2, "lora_finetune_distributed", "tiny/lora", &two, 2, &extra);
+    let losses = |dir: &TempDir| {
+        column(
+            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!((a.len(), b.len()), (3, 3), "{a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
+    }
+}
+
 /// An MXFP4 checkpoint missing one expert weight's scales is refused at load, naming the
 /// tensor, rather than read with made-up scales.
 #[test]
