@@ -1099,19 +1099,35 @@ pub(crate) fn one_device_and_fsdp_agree(
     extra: &[&str],
     steps: usize,
 ) -> (TempDir, TempDir) {
+    recipes_on_one_device_and_fsdp_agree(tag, FULL_RECIPES, extra, steps)
+}
+
+/// The full fine-tuning recipes and tiny configs: one device's, then the distributed ones.
+pub(crate) const FULL_RECIPES: [(&str, &str); 2] = [
+    ("full_finetune_single_device", "tiny/full_single_device"),
+    ("full_finetune_distributed", "tiny/full"),
+];
+
+/// The LoRA recipes and tiny configs: one device's, then the distributed ones.
+pub(crate) const LORA_RECIPES: [(&str, &str); 2] = [
+    ("lora_finetune_single_device", "tiny/lora_single_device"),
+    ("lora_finetune_distributed", "tiny/lora"),
+];
+
+/// [`one_device_and_fsdp_agree`] for `recipes` (`[(recipe, config)]`: one device's, then the
+/// distributed one's).
+pub(crate) fn recipes_on_one_device_and_fsdp_agree(
+    tag: &str,
+    [(single, single_config), (distributed, distributed_config)]: [(&str, &str); 2],
+    extra: &[&str],
+    steps: usize,
+) -> (TempDir, TempDir) {
     let max_steps = format!("max_steps_per_epoch={steps}");
     let mut extra = extra.to_vec();
     extra.push(&max_steps);
     let (one, two) = (temp_dir(&format!("{tag}-1")), temp_dir(&format!("{tag}-2")));
-    train(
-        1,
-        "full_finetune_single_device",
-        "tiny/full_single_device",
-        &one,
-        4,
-        &extra,
-    );
-    train(2, "full_finetune_distributed", "tiny/full", &two, 2, &extra);
+    train(1, single, single_config, &one, 4, &extra);
+    train(2, distributed, distributed_config, &two, 2, &extra);
     let losses = |dir: &TempDir| {
         column(
             &read_metrics(&dir.path().join("logs/metrics.jsonl")),

@@ -60,10 +60,15 @@ fn tiny_qwen3_moe_with(extra: serde_json::Value) -> TempDir {
         "output_router_logits": false, "tie_word_embeddings": false, "bos_token_id": 2000,
         "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32"
     });
+    overridden(&mut config, extra);
+    saved_random(config, 3, "tiny-qwen3-moe")
+}
+
+/// `config` with `extra`'s keys set.
+fn overridden(config: &mut serde_json::Value, extra: serde_json::Value) {
     for (key, value) in extra.as_object().into_iter().flatten() {
         config[key] = value.clone();
     }
-    saved_random(config, 3, "tiny-qwen3-moe")
 }
 
 /// A model of `config` with seeded random weights, saved with the tiny tokenizer beside it.
@@ -752,7 +757,12 @@ fn gpt_oss_mxfp4_experts_dequantize_as_transformers_does() {
 /// fused): 2 layers (sliding, then full), 4 experts of which each token takes 2, attention
 /// sinks, YaRN.
 fn tiny_gpt_oss() -> TempDir {
-    let config = json!({
+    tiny_gpt_oss_with(json!({}))
+}
+
+/// [`tiny_gpt_oss`] with `extra`'s config.json keys.
+fn tiny_gpt_oss_with(extra: serde_json::Value) -> TempDir {
+    let mut config = json!({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
         "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -764,6 +774,7 @@ fn tiny_gpt_oss() -> TempDir {
             "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 128},
         "rope_theta": 150000.0
     });
+    overridden(&mut config, extra);
     saved_random(config, 5, "tiny-gpt-oss")
 }
 
@@ -1041,7 +1052,6 @@ fn fsdp_on_gpt_oss_matches_one_device_and_saves_the_fused_layout() {
 /// the layer) takes one device's steps, and rank 0 saves the same peft adapter.
 #[test]
 fn fsdp_lora_on_gpt_oss_experts_matches_one_device() {
-    use crate::distributed::train;
     let ckpt = tiny_gpt_oss();
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
     let extra = [
@@ -1050,29 +1060,13 @@ fn fsdp_lora_on_gpt_oss_experts_matches_one_device() {
         "model.apply_lora_to_mlp=True",
         "model.lora_dropout=0.0",
         checkpoint_dir.as_str(),
-        "max_steps_per_epoch=3",
     ];
-    let (one, two) = (temp_dir("gpt-oss-lora-1"), temp_dir("gpt-oss-lora-2"));
-    train(
-        1,
-        "lora_finetune_single_device",
-        "tiny/lora_single_device",
-        &one,
-        4,
+    let (one, two) = crate::distributed::recipes_on_one_device_and_fsdp_agree(
+        "gpt-oss-lora",
+        crate::distributed::LORA_RECIPES,
         &extra,
+        3,
     );
-    train(2, "lora_finetune_distributed", "tiny/lora", &two, 2, &extra);
-    let losses = |dir: &TempDir| {
-        column(
-            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
-            "loss",
-        )
-    };
-    let (a, b) = (losses(&one), losses(&two));
-    assert_eq!((a.len(), b.len()), (3, 3), "{a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
-    }
     let adapter = |dir: &TempDir| {
         SafetensorsFile::open(&dir.path().join("epoch_0/adapter_model.safetensors")).unwrap()
     };
@@ -1102,18 +1096,9 @@ fn each_rank_loads_only_its_rows_of_gpt_oss_fused_experts() {
 /// losses. The model is sized for NF4 (every decoder linear 16384 values).
 #[test]
 fn fsdp_qlora_on_gpt_oss_experts_matches_one_device() {
-    use crate::distributed::train;
-    let config = json!({
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-        "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": 16,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
-        "attention_bias": true, "tie_word_embeddings": false, "bos_token_id": 2000,
-        "eos_token_id": 2004, "pad_token_id": 2005, "torch_dtype": "float32",
-        "rope_theta": 150000.0
-    });
-    let ckpt = saved_random(config, 9, "gpt-oss-nf4");
+    let ckpt = tiny_gpt_oss_with(json!({
+        "hidden_size": 128, "intermediate_size": 128, "num_key_value_heads": 4, "head_dim": 32
+    }));
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
     let extra = [
         "model=tune.models.gpt_oss.qlora_gpt_oss_tiny",
@@ -1121,29 +1106,13 @@ fn fsdp_qlora_on_gpt_oss_experts_matches_one_device() {
         "model.apply_lora_to_mlp=True",
         "model.lora_dropout=0.0",
         checkpoint_dir.as_str(),
-        "max_steps_per_epoch=3",
     ];
-    let (one, two) = (temp_dir("gpt-oss-qlora-1"), temp_dir("gpt-oss-qlora-2"));
-    train(
-        1,
-        "lora_finetune_single_device",
-        "tiny/lora_single_device",
-        &one,
-        4,
+    crate::distributed::recipes_on_one_device_and_fsdp_agree(
+        "gpt-oss-qlora",
+        crate::distributed::LORA_RECIPES,
         &extra,
+        3,
     );
-    train(2, "lora_finetune_distributed", "tiny/lora", &two, 2, &extra);
-    let losses = |dir: &TempDir| {
-        column(
-            &read_metrics(&dir.path().join("logs/metrics.jsonl")),
-            "loss",
-        )
-    };
-    let (a, b) = (losses(&one), losses(&two));
-    assert_eq!((a.len(), b.len()), (3, 3), "{a:?} vs {b:?}");
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} vs {b:?}");
-    }
 }
 
 /// An MXFP4 checkpoint missing one expert weight's scales is refused at load, naming the
