@@ -125,6 +125,27 @@ fn usage<R: cubecl::Runtime>(device: &R::Device) -> Option<DeviceMemory> {
     })
 }
 
+/// The largest buffer the device allocates at once (cubecl's largest memory page: on wgpu the
+/// adapter's `max_storage_buffer_binding_size`, 128 MiB on lavapipe); `None` for the CPU.
+pub fn largest_buffer<D: burn::tensor::backend::DeviceOps>(device: &D) -> Option<u64> {
+    let any = device as &dyn std::any::Any;
+    #[cfg(feature = "wgpu")]
+    if let Some(device) = any.downcast_ref::<burn::backend::wgpu::WgpuDevice>() {
+        return Some(largest_page::<burn::backend::wgpu::WgpuRuntime>(device));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(device) = any.downcast_ref::<burn::backend::cuda::CudaDevice>() {
+        return Some(largest_page::<cubecl::cuda::CudaRuntime>(device));
+    }
+    let _ = any;
+    None
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn largest_page<R: cubecl::Runtime>(device: &R::Device) -> u64 {
+    R::client(device).properties().memory.max_page_size
+}
+
 thread_local! {
     /// The most device memory this thread (a rank's worker) saw at its samples since
     /// [`take_device_peak`] last read it.
@@ -146,6 +167,92 @@ pub fn take_device_peak() -> Option<DeviceMemory> {
     PEAK.with(|peak| peak.take())
 }
 
+/// A failure on the device's own thread: cubecl runs each device's work on a thread of its own
+/// and, when a task there panics (a buffer the driver cannot allocate, an out-of-memory), logs
+/// "Task failed" and goes on; the tensor whose buffer was never made then reads as whatever
+/// memory it lands on. burn returns nothing to the caller (cubecl 0.10's `initialize_memory`
+/// unwraps the allocation on that thread), so a run would go on with wrong losses and weights:
+/// on lavapipe, composed attention at 2048 tokens came out with an infinite gradient norm and at
+/// 4096 with plausible but wrong losses. [`watch_device_faults`] records such a panic, and the
+/// trainer takes it ([`take_device_fault`]) after each step's read and before each save, and
+/// stops the run naming it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the device failed ({message}){more}; {hint}",
+    more = if *.count > 1 { format!(", {} times", .count) } else { String::new() },
+    hint = fault_hint(.message)
+)]
+pub struct DeviceFault {
+    /// The first failure's panic message.
+    pub message: String,
+    /// How many tasks failed since the last [`take_device_fault`].
+    pub count: usize,
+}
+
+/// What to change after a fault: an allocation the device refused is the run's memory.
+fn fault_hint(message: &str) -> &'static str {
+    if message.contains("allocate") || message.to_lowercase().contains("out of memory") {
+        "the step needs a buffer larger than the device gives: lower batch_size or tokenizer.max_seq_len, keep attention: fused (the default: composed attention keeps a heads x seq x seq buffer per layer), or set enable_activation_checkpointing: True"
+    } else {
+        "the device's results from here on cannot be trusted; rerun with RUST_LOG=warn for cubecl's log, or use device=cpu"
+    }
+}
+
+/// cubecl 0.10 names its device threads `DS{U|D}-{type}-{index}` (cubecl-common's
+/// `device::handle::channel`).
+fn on_device_thread() -> bool {
+    std::thread::current()
+        .name()
+        .is_some_and(|n| n.starts_with("DSD-") || n.starts_with("DSU-"))
+}
+
+static FAULT: std::sync::Mutex<Option<DeviceFault>> = std::sync::Mutex::new(None);
+
+/// Records every panic on a device thread for [`take_device_fault`], printing the first one's
+/// message in one line (cubecl's log adds "Task failed" for each); panics elsewhere go to the
+/// hook that was there before. Installed once per process; the CPU has no device thread, so
+/// there it never fires.
+pub fn watch_device_faults() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !on_device_thread() {
+                return previous(info);
+            }
+            let message = info
+                .payload()
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a task panicked".into());
+            let message = cause(&message).to_string();
+            let mut fault = FAULT.lock().unwrap_or_else(|e| e.into_inner());
+            match fault.as_mut() {
+                Some(f) => f.count += 1,
+                None => {
+                    eprintln!("tune: the device failed: {message}");
+                    *fault = Some(DeviceFault { message, count: 1 });
+                }
+            }
+        }));
+    });
+}
+
+/// The cause in a panic message: its first line, without the `unwrap` it came through
+/// ("called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 268435456").
+fn cause(message: &str) -> &str {
+    let first = message.lines().next().unwrap_or_default();
+    first
+        .strip_prefix("called `Result::unwrap()` on an `Err` value: ")
+        .unwrap_or(first)
+}
+
+/// The device failures recorded since the last call, if any (see [`DeviceFault`]).
+pub fn take_device_fault() -> Option<DeviceFault> {
+    FAULT.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,7 +261,38 @@ mod tests {
     fn the_cpu_has_no_device_memory_of_its_own() {
         let cpu = burn::backend::flex::FlexDevice;
         assert_eq!(device_memory(&cpu), None);
+        assert_eq!(largest_buffer(&cpu), None);
         sample_device_memory(&cpu);
         assert_eq!(take_device_peak(), None);
+    }
+
+    #[test]
+    fn a_panic_on_a_device_thread_is_recorded_and_others_are_not() {
+        watch_device_faults();
+        let panics_on = |name: &str| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(|| {
+                    panic!("called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 268435456\nNo backtrace available")
+                })
+                .unwrap()
+                .join()
+                .expect_err("the thread panicked");
+        };
+        panics_on("a-worker");
+        assert_eq!(take_device_fault(), None, "not a device thread");
+        panics_on("DSD-4-0");
+        panics_on("DSD-4-0");
+        let fault = take_device_fault().expect("recorded");
+        assert_eq!(fault.count, 2);
+        let text = fault.to_string();
+        assert_eq!(fault.message, "can't allocate buffer of size: 268435456");
+        assert!(
+            text.contains("can't allocate buffer of size: 268435456")
+                && text.contains(", 2 times")
+                && text.contains("attention: fused"),
+            "{text}"
+        );
+        assert_eq!(take_device_fault(), None, "taken once");
     }
 }

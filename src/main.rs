@@ -335,6 +335,8 @@ impl Job {
         device: B::Device,
         world: World,
     ) -> Result<(), WorkerError> {
+        // Before the model goes to the device: a failure there from the load on is caught.
+        tune::device::watch_device_faults();
         let ctx = recipes::RunContext::<B> {
             recipe_name: self.recipe_name,
             device,
@@ -397,6 +399,7 @@ fn bench(
     json: bool,
 ) -> Result<(), CliError> {
     let scratch = std::env::temp_dir();
+    tune::device::watch_device_faults();
     let report = match device {
         Device::Cpu => tune::kernels::on_pool(|| {
             tune::bench::run::<burn::backend::Autodiff<burn::backend::Flex>>(

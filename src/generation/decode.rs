@@ -185,5 +185,9 @@ pub fn generate<B: Backend>(
         token = sampler.sample(&logits);
     }
     out.decode = started.elapsed();
+    // Each token was read from the device: a task that failed there has been recorded.
+    if let Some(fault) = crate::device::take_device_fault() {
+        return Err(GenerateError::Device(fault));
+    }
     Ok(out)
 }

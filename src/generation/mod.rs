@@ -30,4 +30,7 @@ pub enum GenerateError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{0}")]
     BadSampling(String),
+    /// The tokens are not what the model computes (see `device::DeviceFault`).
+    #[error("the generated tokens cannot be trusted: {0}")]
+    Device(crate::device::DeviceFault),
 }

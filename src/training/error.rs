@@ -69,6 +69,15 @@ pub enum TrainError {
         step: usize,
         epoch: usize,
     },
+    /// A task on the device's own thread failed during the step (see `device::DeviceFault`):
+    /// its losses and weights are not what the step computes.
+    #[error(
+        "step {step} did not run as computed: {fault}. Training stopped before saving anything from it"
+    )]
+    DeviceFailed {
+        fault: crate::device::DeviceFault,
+        step: usize,
+    },
     #[error("stopped by {signal} at the end of step {step}")]
     Interrupted {
         signal: crate::interrupt::Signal,

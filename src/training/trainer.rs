@@ -186,6 +186,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         show_progress: bool,
         world: World,
     ) -> Self {
+        crate::device::watch_device_faults();
         Self {
             settings,
             model,
@@ -218,6 +219,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         super::activation_checkpointing::take_offloaded_bytes();
         crate::device::take_device_peak();
         let step = self.run_step(micro_batches, loss_step, times.as_mut())?;
+        // The step's read has waited for the device: a task that failed there (the previous
+        // step's update included) has been recorded by now.
+        self.check_device(self.state.global_step + 1)?;
         let offloaded_activation_bytes = super::activation_checkpointing::take_offloaded_bytes();
         let checked = self.guard(&step)?;
         let (mut trainer, lr, grad_norm) = self.update(step.grads, &checked, times.as_mut())?;
@@ -422,6 +426,15 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok((self, lr, grad_norm))
     }
 
+    /// Fails the run with the device thread's recorded failure, if any (`device::DeviceFault`),
+    /// as a failure of `step`.
+    fn check_device(&self, step: usize) -> Result<(), TrainError> {
+        match crate::device::take_device_fault() {
+            Some(fault) => Err(TrainError::DeviceFailed { fault, step }),
+            None => Ok(()),
+        }
+    }
+
     /// With phase timing, waits for the device and adds the time since `since` to the phase
     /// `field` picks; returns now.
     fn phase_end(
@@ -434,7 +447,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             return since;
         };
         // A GPU backend queues its kernels: wait for them, so each phase gets its own time.
-        // An error here surfaces at the next read.
+        // A task that failed on the device is recorded there and stops the step at its check
+        // (`check_device`), whatever this returns.
         let _ = B::sync(&self.model.device());
         let now = Instant::now();
         *field(t) += now - since;
@@ -531,6 +545,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         progress: Option<&EpochProgress>,
     ) -> Result<(), TrainError> {
         let started = Instant::now();
+        // The weights about to be saved: every task that made them has run, and none failed.
+        // (A sync that fails reports the failure cubecl's stream kept; a panicked task is the
+        // recorded fault.)
+        if let Err(e) = B::sync(&self.model.device()) {
+            return Err(TrainError::DeviceFailed {
+                fault: crate::device::DeviceFault {
+                    message: e.to_string(),
+                    count: 1,
+                },
+                step: self.state.global_step,
+            });
+        }
+        self.check_device(self.state.global_step)?;
         if self.sharded_saves && self.model.shards.is_some() {
             self.save_shares(kind, saver, progress)?;
         } else {
@@ -669,6 +696,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         progress: &EpochProgress,
     ) -> Result<(), TrainError> {
         let metrics = validation.run(&self.model, loss_step, &self.world, info)?;
+        self.check_device(self.state.global_step)?;
         fsdp::check(&self.model)?;
         if self.world.is_main() {
             let line = metrics

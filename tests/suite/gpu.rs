@@ -239,6 +239,50 @@ fn unsupported_wgpu_runs_are_refused_by_name() {
     );
 }
 
+/// A buffer the device cannot allocate stops the run by name. cubecl makes buffers on its
+/// device thread, and a failed one only logs "Task failed" there: the run went on and reported
+/// figures from memory never written. Composed attention at 4096 tokens asks for the tiny
+/// shape's 4 heads x 4096^2 fp32 scores, 256 MiB: beyond lavapipe's 128 MiB (on a device that
+/// allocates it, the same run must simply succeed).
+#[test]
+fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
+    let scores: u64 = 4 * 4096 * 4096 * 4;
+    let largest = tune::device::largest_buffer(&device()).expect("a device limit");
+    let res = tune(&[
+        "bench",
+        "--shape",
+        "tiny",
+        "--mode",
+        "lora",
+        "--device",
+        "wgpu",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "4096",
+        "--steps",
+        "2",
+        "--attention",
+        "composed",
+    ]);
+    let err = String::from_utf8_lossy(&res.stderr);
+    if largest >= scores {
+        assert!(res.status.success(), "{largest} bytes at once:\n{err}");
+        return;
+    }
+    assert_eq!(res.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("step 1 did not run as computed")
+            && err.contains(&format!("can't allocate buffer of size: {scores}"))
+            && err.contains("keep attention: fused"),
+        "{err}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&res.stdout).contains("tokens/s"),
+        "no figures from the failed step"
+    );
+}
+
 /// NF4 weights dequantize on the device (codes and block scales uploaded once), bit for bit
 /// as the host decodes them, in both row orders.
 #[test]
