@@ -184,7 +184,7 @@ fn with_template(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSamp
     } else if let Some(r) = prefix_regions(tok, messages, &msgs, &full) {
         r
     } else {
-        search_regions(tok, messages, &full)?
+        search_regions(tok, messages, &msgs, &full)?
     };
     let mut s = SftSample::default();
     let first_trained = messages.first().is_some_and(|m| !m.masked);
@@ -267,11 +267,19 @@ fn prefix_regions(
     Some((regions, last_start))
 }
 
-/// Fallback: find each message's content in `full`, in order; a trained message spans its content
-/// up to the end of the next stop token (end of turn) before the next message's content.
+/// Fallback, for a template that renders a message differently once others follow it (gpt-oss
+/// and Qwen3 drop an earlier turn's reasoning, and gpt-oss ends the last turn with `<|return|>`,
+/// the others with `<|end|>`): find each message's content in `full`, in order. A trained
+/// message spans its content up to the end of the first special token after it (the end of
+/// its turn: `<|end|>`, `<|im_end|>`, a stop token) before the next message's content. An
+/// assistant message after a masked prompt starts where the generation prompt ends when the
+/// prompt renders as a prefix of `full` (its header masked, as in [`prefix_regions`]), so what
+/// the template writes before its content, gpt-oss's analysis channel from `thinking` or
+/// Qwen3's `<think>` block, is trained with it.
 fn search_regions(
     tok: &Tokenizer,
     messages: &[LabeledMessage],
+    msgs: &[Message],
     full: &str,
 ) -> Result<(Vec<(usize, usize)>, usize)> {
     let mut found: Vec<Option<(usize, usize)>> = Vec::with_capacity(messages.len());
@@ -290,27 +298,37 @@ fn search_regions(
         }
         found.push(hit);
     }
-    let stop_strings: Vec<String> = tok
+    let mut turn_ends: Vec<String> = tok
         .stop_ids()
         .iter()
         .filter_map(|&id| tok.id_to_token(id))
         .collect();
+    turn_ends.extend(tok.special_token_strings());
     let mut regions = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         if m.masked {
             continue;
         }
-        let (start, mut end) = found[i].ok_or_else(|| TokenizeError::MessageNotInTemplate {
+        let (mut start, mut end) = found[i].ok_or_else(|| TokenizeError::MessageNotInTemplate {
             index: i,
             role: m.message.role.to_string(),
         })?;
+        let earliest = found[..i].iter().flatten().last().map_or(0, |&(_, e)| e);
+        if m.message.role == Role::Assistant
+            && (i == 0 || messages[i - 1].masked)
+            && let Ok(g) = tok.apply_chat_template(&msgs[..i], true)
+            && (earliest..=start).contains(&g.len())
+            && full.starts_with(&g)
+        {
+            start = g.len();
+        }
         let limit = found[i + 1..]
             .iter()
             .flatten()
             .map(|&(s, _)| s)
             .next()
             .unwrap_or(full.len());
-        let stop_end = stop_strings
+        let stop_end = turn_ends
             .iter()
             .filter_map(|s| full[end..limit].find(s.as_str()).map(|p| end + p + s.len()))
             .min();

@@ -331,7 +331,17 @@ impl RowTransform {
                 ));
             }
             let masked = role != Role::Assistant && !self.train_on_input;
-            out.push(LabeledMessage::new(role, content, masked));
+            let mut message = LabeledMessage::new(role, content, masked);
+            if style == ConversationStyle::Openai {
+                // Every other key (gpt-oss's `thinking`, `tool_calls`, ...) reaches the chat
+                // template as transformers passes it.
+                message.message.extra = obj
+                    .iter()
+                    .filter(|(k, _)| *k != role_key && *k != content_key)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+            }
+            out.push(message);
         }
         if !self.train_on_input && out.iter().all(|m| m.masked) {
             return Err(cols.bad_message(

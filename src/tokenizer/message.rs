@@ -56,11 +56,19 @@ impl<'de> Deserialize<'de> for Role {
     }
 }
 
-/// One chat message: `{"role": ..., "content": ...}` in the template.
+/// One chat message: `{"role": ..., "content": ...}` in the template, with every other key
+/// the dataset's message has (`extra`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// The message's other keys, passed to a chat template unchanged, as transformers'
+    /// `apply_chat_template` passes each message: gpt-oss's template renders an assistant's
+    /// `thinking` as its analysis channel (the OpenAI cookbook's fine-tuning data has it), and
+    /// without it the reasoning would silently go untrained. torchtune's formats (its tokenizer
+    /// components) read the role and content only, as torchtune's own do.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Message {
@@ -68,6 +76,7 @@ impl Message {
         Message {
             role,
             content: content.into(),
+            extra: serde_json::Map::new(),
         }
     }
     pub fn system(content: impl Into<String>) -> Self {

@@ -36,6 +36,8 @@ pub struct Tokenizer {
     stop_ids: Vec<u32>,
     template: Option<ChatTemplate>,
     format: ModelFormat,
+    /// See [`Tokenizer::with_render_time`].
+    render_time: Option<i64>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -119,6 +121,7 @@ impl Tokenizer {
             stop_ids,
             template,
             format: ModelFormat::default(),
+            render_time: None,
         })
     }
 
@@ -184,6 +187,20 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// The added tokens tokenizer.json marks special (`<|end|>`, `<|im_end|>`, ...): what a chat
+    /// template writes between turns.
+    pub fn special_token_strings(&self) -> Vec<String> {
+        let mut tokens: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special)
+            .map(|t| t.content)
+            .collect();
+        tokens.sort();
+        tokens
     }
 
     pub fn id_to_token(&self, id: u32) -> Option<String> {
@@ -314,6 +331,14 @@ impl Tokenizer {
             eos_token: content(&self.eos),
             pad_token: content(&self.pad),
             unk_token: content(&self.unk),
+            render_time: self.render_time,
         }
+    }
+
+    /// Renders chat templates as at `unix_secs`: what their `strftime_now` writes (gpt-oss's
+    /// "Current date:"), in place of the clock.
+    pub fn with_render_time(mut self, unix_secs: i64) -> Self {
+        self.render_time = Some(unix_secs);
+        self
     }
 }

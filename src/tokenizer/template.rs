@@ -32,6 +32,8 @@ pub struct TemplateVars {
     pub eos_token: Option<String>,
     pub pad_token: Option<String>,
     pub unk_token: Option<String>,
+    /// The Unix time `strftime_now` renders, in place of the clock.
+    pub render_time: Option<i64>,
 }
 
 impl ChatTemplate {
@@ -125,7 +127,7 @@ impl ChatTemplate {
             message: describe(&e),
         };
         let tmpl = self.env.get_template(NAME).map_err(err)?;
-        let ctx = context! {
+        let base = context! {
             messages => Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
             bos_token => vars.bos_token.clone().unwrap_or_default(),
@@ -134,6 +136,14 @@ impl ChatTemplate {
             unk_token => vars.unk_token.clone(),
             tools => Value::from(()),
             documents => Value::from(()),
+        };
+        // A context value shadows the environment's function of the same name.
+        let ctx = match vars.render_time {
+            Some(time) => context! {
+                strftime_now => Value::from_function(move |format: String| format_time(time, &format)),
+                ..base
+            },
+            None => base,
         };
         tmpl.render(ctx).map_err(err)
     }
@@ -156,7 +166,8 @@ fn raise_exception(message: String) -> std::result::Result<Value, Error> {
 }
 
 /// `strftime_now(format)`: the current UTC time, formatted with the common strftime codes
-/// (%Y %m %d %e %H %M %S %y %B %b %A %a %j %p %I %%).
+/// (%Y %m %d %e %H %M %S %y %B %b %A %a %j %p %I %%); a render with
+/// `TemplateVars::render_time` writes that time instead.
 fn strftime_now(format: String) -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -246,6 +246,25 @@ fn openai_chat_from_rows() {
     );
 }
 
+/// A message's other keys reach the chat template: gpt-oss's renders an assistant's `thinking`
+/// as its analysis channel, trained with the answer (the OpenAI cookbook's fine-tuning data,
+/// HuggingFaceH4/Multilingual-Thinking, holds its reasoning there).
+#[test]
+fn openai_messages_keep_their_other_keys_for_the_template() {
+    let harmony = tok("harmony");
+    let rows = rows_of(vec![json!({"messages": [
+        {"role": "developer", "content": "reasoning language: French"},
+        {"role": "user", "content": "Capital of Australia?"},
+        {"role": "assistant", "thinking": "Il demande la capitale.", "content": "Canberra."}
+    ]})]);
+    let s = spec("conversation_style: openai\n");
+    let ds = Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &harmony, None).expect("build");
+    assert_eq!(
+        trained_text(&harmony, &sft(&ds)[0]),
+        "<|channel|>analysis<|message|>Il demande la capitale.<|end|><|start|>assistant<|channel|>final<|message|>Canberra.<|return|>"
+    );
+}
+
 #[test]
 fn instruct_with_column_map() {
     let q = tok("tiny-qwen2");

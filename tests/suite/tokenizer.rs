@@ -246,3 +246,92 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
         "{err}"
     );
 }
+
+/// gpt-oss's harmony chat template (gpt-oss's own, as TRL 1.16 ships it) on conversations in
+/// the shape of the OpenAI cookbook's fine-tuning data (tests/fixtures/make_harmony_fixture.py):
+/// tune renders transformers' text, prompt and ids; an assistant's `thinking` reaches the
+/// template (its analysis channel); and the trained tokens are those TRL's `assistant_only_loss`
+/// trains, less each assistant turn's opening `<|start|>assistant`: tune masks a template's
+/// assistant header as it does for every template (and, as torchtune's HuggingFaceModelTokenizer,
+/// puts the tokenizer's BOS first).
+#[test]
+fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
+    let text = std::fs::read_to_string(fixture("harmony.json")).expect("harmony.json");
+    let r: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(r["date"], "2025-01-01");
+    let tok = Tokenizer::from_path(fixture("harmony"))
+        .expect("load")
+        .with_render_time(1_735_689_600);
+    let bos = tok.bos_id().expect("gpt-oss names <|startoftext|>");
+    let header = [
+        tok.encode("<|start|>", false).expect("enc"),
+        tok.encode("assistant", false).expect("enc"),
+    ]
+    .concat();
+    let cases = r["cases"].as_object().expect("cases");
+    assert_eq!(cases.len(), 3);
+    for (name, case) in cases {
+        let messages: Vec<Message> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
+        let rendered = tok.apply_chat_template(&messages, false).expect("render");
+        assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
+        let prompt = tok
+            .apply_chat_template(&messages[..messages.len() - 1], true)
+            .expect("prompt");
+        assert_eq!(prompt, case["prompt"].as_str().expect("str"), "{name}");
+
+        let labeled: Vec<tune::data::LabeledMessage> = messages
+            .iter()
+            .map(|m| tune::data::LabeledMessage {
+                masked: m.role != Role::Assistant,
+                message: m.clone(),
+            })
+            .collect();
+        let sample = tune::data::tokenize_messages(&tok, &labeled, None).expect("tokenize");
+        let ids = ids(&case["ids"]);
+        assert_eq!(sample.tokens[0], bos, "{name}");
+        assert_eq!(sample.tokens[1..], ids[..], "{name}");
+        // TRL's mask, less the header opening each trained run.
+        let mut want: Vec<bool> = case["assistant_masks"]
+            .as_array()
+            .expect("mask")
+            .iter()
+            .map(|m| m.as_u64() == Some(1))
+            .collect();
+        let mut i = 0;
+        while i < want.len() {
+            if want[i] && (i == 0 || !want[i - 1]) {
+                assert_eq!(
+                    ids[i..i + header.len()],
+                    header[..],
+                    "{name}: a run opens with the header"
+                );
+                for w in &mut want[i..i + header.len()] {
+                    *w = false;
+                }
+                i += header.len();
+            }
+            i += 1;
+        }
+        let trained: Vec<bool> = sample.labels[1..]
+            .iter()
+            .map(|&l| l != tune::data::IGNORE_INDEX)
+            .collect();
+        let show = |mask: &[bool]| {
+            let kept: Vec<u32> = ids
+                .iter()
+                .zip(mask)
+                .filter(|(_, m)| **m)
+                .map(|(t, _)| *t)
+                .collect();
+            tok.decode(&kept, false).expect("decode")
+        };
+        assert_eq!(
+            trained,
+            want,
+            "{name}: tune trains {:?}\nTRL less headers {:?}",
+            show(&trained),
+            show(&want)
+        );
+    }
+}
