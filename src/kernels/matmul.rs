@@ -119,14 +119,7 @@ fn skinny(lhs: &FlexTensor, a: &MatrixView, rhs: &FlexTensor, b: &MatrixView) ->
     if !f32_skinny::ROWS.contains(&m) || b.row_stride != 1 || b.col_stride < 0 || k == 0 {
         return None;
     }
-    let a_data: &[f32] = lhs.storage();
-    let rows: Vec<f32> = (0..m)
-        .flat_map(|r| (0..k).map(move |c| (r, c)))
-        .map(|(r, c)| {
-            let at = a.offset as isize + r as isize * a.row_stride + c as isize * a.col_stride;
-            a_data[at as usize]
-        })
-        .collect();
+    let rows = gathered_rows(lhs, a);
     let b_data: &[f32] = rhs.storage();
     Some(f32_skinny::product(
         &rows,
@@ -137,6 +130,28 @@ fn skinny(lhs: &FlexTensor, a: &MatrixView, rhs: &FlexTensor, b: &MatrixView) ->
         b.col_stride as usize,
         n,
     ))
+}
+
+/// The rows of the matrix `a` views in `x`, row-major and contiguous: one copy per row where
+/// the view's rows are contiguous, else element by element.
+fn gathered_rows(x: &FlexTensor, a: &MatrixView) -> Vec<f32> {
+    let data: &[f32] = x.storage();
+    let (m, k) = (a.rows, a.cols);
+    if a.col_stride == 1 && a.row_stride >= 0 {
+        let mut rows = Vec::with_capacity(m * k);
+        for r in 0..m {
+            let start = a.offset + r * a.row_stride as usize;
+            rows.extend_from_slice(&data[start..start + k]);
+        }
+        return rows;
+    }
+    (0..m)
+        .flat_map(|r| (0..k).map(move |c| (r, c)))
+        .map(|(r, c)| {
+            let at = a.offset as isize + r as isize * a.row_stride + c as isize * a.col_stride;
+            data[at as usize]
+        })
+        .collect()
 }
 
 /// A single matrix's place in its storage: the last two dimensions of a tensor whose leading
