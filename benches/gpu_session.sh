@@ -19,7 +19,9 @@
 #   5. long sequences: SmolLM2-135M LoRA at 512-4096 tokens with burn's composed attention,
 #      tune's fused cubecl attention, and fused + activation checkpointing + offloading:
 #      tokens/s, peak device memory (cubecl's memory manager) and each run's losses, which must
-#      agree between the attention paths (fp32, then bf16);
+#      agree between the attention paths (fp32, then bf16); and gpt-oss's layer pair with
+#      attention sinks (shape gpt-oss-small-2l) at 1024 and 4096 tokens, composed against fused
+#      (the fused kernels scale each row by its sink weight) in bf16;
 #   6. the RL recipes on cuda: the tiny GRPO and PPO configs (the reward must be logged, the
 #      run must finish).
 # Each part's time limit is its own (PARTS="1 5" runs some); the whole is about eight minutes.
@@ -81,23 +83,31 @@ for dtype in fp32 bf16; do
     done
   done
 done
+for seq in 1024 4096; do
+  for variant in composed fused; do
+    timeout 60 "$TUNE" bench --device cuda --dtype bf16 --shape gpt-oss-small-2l --mode lora \
+      --batch-size 1 --seq-len $seq --steps 2 --attention $variant --json 2>>"$RESULTS/long.err" |
+      python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['variant']='$variant'; print(json.dumps(r))" \
+      >> "$RESULTS/long.jsonl" || echo "gpt-oss bf16 $seq $variant: failed (exit $?)" | tee -a "$RESULTS/long.err"
+  done
+done
 python3 - "$RESULTS/long.jsonl" <<'PY' | tee "$RESULTS/long.md"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print("| dtype | seq | attention | tokens/s | peak device GiB in use | reserved | losses |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
+print("| shape | dtype | seq | attention | tokens/s | peak device GiB in use | reserved | losses |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 gib = lambda b: f"{b / 2**30:.2f}" if b else "-"
 for r in rows:
-    print(f"| {r['dtype']} | {r['seq_len']} | {r['variant']} | {r['tokens_per_second']:.0f} | "
+    print(f"| {r['shape']} | {r['dtype']} | {r['seq_len']} | {r['variant']} | {r['tokens_per_second']:.0f} | "
           f"{gib(r['peak_device_memory_active_bytes'])} | {gib(r['peak_device_memory_reserved_bytes'])} | "
           + " ".join(f"{l:.5f}" for l in r["losses"]) + " |")
 by = {}
 for r in rows:
-    by.setdefault((r["dtype"], r["seq_len"]), {})[r["variant"]] = r["losses"]
-for (dtype, seq), v in by.items():
+    by.setdefault((r["shape"], r["dtype"], r["seq_len"]), {})[r["variant"]] = r["losses"]
+for (shape, dtype, seq), v in by.items():
     if "composed" in v and "fused" in v:
         worst = max(abs(a - b) / abs(b) for a, b in zip(v["fused"], v["composed"]))
-        print(f"{dtype} {seq}: largest relative loss difference fused vs composed {worst:.2e}")
+        print(f"{shape} {dtype} {seq}: largest relative loss difference fused vs composed {worst:.2e}")
 PY
 fi
 
