@@ -333,7 +333,7 @@ impl RowTransform {
             let masked = role != Role::Assistant && !self.train_on_input;
             let mut message = LabeledMessage::new(role, content, masked);
             if style == ConversationStyle::Openai {
-                // Every other key (gpt-oss's `thinking`, `tool_calls`, ...) reaches the chat
+                // Every other key (gpt-oss's `thinking`, Qwen3's `reasoning_content`, ...) reaches the chat
                 // template as transformers passes it.
                 message.message.extra = obj
                     .iter()
