@@ -274,8 +274,8 @@ fn prefix_regions(
 /// its turn: `<|end|>`, `<|im_end|>`, a stop token) before the next message's content. An
 /// assistant message after a masked prompt starts where the generation prompt ends when the
 /// prompt renders as a prefix of `full` (its header masked, as in [`prefix_regions`]), so what
-/// the template writes before its content (gpt-oss's analysis channel from `thinking`) is
-/// trained with it.
+/// the template writes before its content (gpt-oss's analysis channel from `thinking`, Qwen3's
+/// `<think>` block from `reasoning_content`) is trained with it.
 fn search_regions(
     tok: &Tokenizer,
     messages: &[LabeledMessage],

@@ -335,3 +335,52 @@ fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
         );
     }
 }
+
+/// Qwen3's own template (as TRL 1.16 ships it) with `reasoning_content`: tune renders
+/// transformers' text and ids, and trains each answer with the `<think>` block the template
+/// writes before it (the last turn's; the template drops earlier turns' reasoning), from after
+/// the assistant header through `<|im_end|>` (tests/fixtures/make_harmony_fixture.py).
+#[test]
+fn qwen3_reasoning_content_renders_and_trains_with_its_answer() {
+    let text = std::fs::read_to_string(fixture("qwen3_template.json")).expect("fixture");
+    let r: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let tok = Tokenizer::from_path(fixture("qwen3-template")).expect("load");
+    assert_eq!(tok.bos_id(), None);
+    for (name, want_trained) in [
+        (
+            "reasoning_content_in_one_turn",
+            "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>\n",
+        ),
+        (
+            "two_turns_the_first_ones_reasoning_dropped",
+            "Blue.<|im_end|><think>\nNot blue.\n</think>\n\nGreen.<|im_end|>",
+        ),
+    ] {
+        let case = &r["cases"][name];
+        let messages: Vec<Message> =
+            serde_json::from_value(case["messages"].clone()).expect("messages");
+        let rendered = tok.apply_chat_template(&messages, false).expect("render");
+        assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
+        let labeled: Vec<tune::data::LabeledMessage> = messages
+            .iter()
+            .map(|m| tune::data::LabeledMessage {
+                masked: m.role != Role::Assistant,
+                message: m.clone(),
+            })
+            .collect();
+        let sample = tune::data::tokenize_messages(&tok, &labeled, None).expect("tokenize");
+        assert_eq!(sample.tokens, ids(&case["ids"]), "{name}");
+        let trained: Vec<u32> = sample
+            .tokens
+            .iter()
+            .zip(&sample.labels)
+            .filter(|(_, l)| **l != tune::data::IGNORE_INDEX)
+            .map(|(t, _)| *t)
+            .collect();
+        assert_eq!(
+            tok.decode(&trained, false).expect("decode"),
+            want_trained,
+            "{name}"
+        );
+    }
+}
