@@ -46,6 +46,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.clone()).map_err(|e| {
             TokenizerError::TemplateSyntax {
                 origin: origin.clone(),
@@ -161,6 +162,167 @@ fn describe(e: &Error) -> String {
     s
 }
 
+/// `tojson` as transformers defines it for chat templates, `json.dumps(x, ensure_ascii=False,
+/// indent=None, separators=None, sort_keys=False)` with those keyword arguments: `", "` and
+/// `": "` between items (`","` and newlines with `indent`), keys in the message's order, nothing
+/// escaped for HTML. minijinja's own writes compact JSON with `<`, `>` and `&` escaped, so a tool
+/// call's arguments (gpt-oss, Qwen3, Llama 3.1) rendered into other text and tokens.
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<Value, Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let invalid = |message: String| Error::new(ErrorKind::InvalidOperation, message);
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            (None, Some(text)) => Some(text.to_string()),
+            _ => {
+                return Err(invalid(format!(
+                    "tojson: indent must be a number or a string, not {v}"
+                )));
+            }
+        },
+    };
+    let (item, key) = match separators.as_deref() {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(other) => {
+            return Err(invalid(format!(
+                "tojson: separators must be two strings, not {other:?}"
+            )));
+        }
+    };
+    let to_json = |e: serde_json::Error| invalid(format!("tojson: {e}"));
+    let mut out = Vec::new();
+    let mut writer = serde_json::Serializer::with_formatter(
+        &mut out,
+        PyJson {
+            indent,
+            item,
+            key,
+            level: 0,
+            has_items: false,
+        },
+    );
+    if sort_keys == Some(true) {
+        // serde_json's own maps are sorted by key.
+        let sorted = serde_json::to_value(&value).map_err(to_json)?;
+        serde::Serialize::serialize(&sorted, &mut writer).map_err(to_json)?;
+    } else {
+        serde::Serialize::serialize(&value, &mut writer).map_err(to_json)?;
+    }
+    let text = String::from_utf8(out).map_err(|e| invalid(format!("tojson: {e}")))?;
+    if ensure_ascii == Some(true) {
+        let mut ascii = String::with_capacity(text.len());
+        for c in text.chars() {
+            if c.is_ascii() {
+                ascii.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    ascii.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+        return Ok(Value::from(ascii));
+    }
+    Ok(Value::from(text))
+}
+
+/// Python's `json.dumps` layout: `item` between items, `key` after keys, and with an `indent`
+/// each item on its own line (empty containers stay `[]` and `{}`).
+struct PyJson {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    level: usize,
+    has_items: bool,
+}
+
+impl PyJson {
+    fn open<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_items = false;
+        w.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        bracket: &[u8],
+    ) -> std::io::Result<()> {
+        self.level -= 1;
+        if let Some(indent) = &self.indent
+            && self.has_items
+        {
+            w.write_all(b"\n")?;
+            w.write_all(indent.repeat(self.level).as_bytes())?;
+        }
+        self.has_items = true;
+        w.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(self.item.as_bytes())?;
+        }
+        if let Some(indent) = &self.indent {
+            w.write_all(b"\n")?;
+            w.write_all(indent.repeat(self.level).as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+impl serde_json::ser::Formatter for PyJson {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_items = true;
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(self.key.as_bytes())
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_items = true;
+        Ok(())
+    }
+}
+
 fn raise_exception(message: String) -> std::result::Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
@@ -267,6 +429,38 @@ mod tests {
         assert_eq!(format_time(0, "%Y-%m-%d %A"), "1970-01-01 Thursday");
     }
 
+    /// `tojson` writes what Python's `json.dumps` writes for transformers (the expected texts
+    /// are its output): separators, indentation, key order, `sort_keys`, `ensure_ascii`, and no
+    /// HTML escaping.
+    #[test]
+    fn tojson_writes_pythons_json() {
+        let render = |expr: &str| {
+            let source = format!(
+                "{{% set v = {{\"b\": 1, \"a\": [1, 2.5, \"x<y&z é\"], \"c\": {{}}, \"d\": none, \"e\": true}} %}}{{{{ {expr} }}}}"
+            );
+            ChatTemplate::new(source, "test".into())
+                .expect("compiles")
+                .render(&[], false, &TemplateVars::default())
+                .expect("renders")
+        };
+        assert_eq!(
+            render("v | tojson"),
+            r#"{"b": 1, "a": [1, 2.5, "x<y&z é"], "c": {}, "d": null, "e": true}"#
+        );
+        assert_eq!(
+            render("v | tojson(indent=2)"),
+            "{\n  \"b\": 1,\n  \"a\": [\n    1,\n    2.5,\n    \"x<y&z é\"\n  ],\n  \"c\": {},\n  \"d\": null,\n  \"e\": true\n}"
+        );
+        assert_eq!(
+            render("v | tojson(sort_keys=true)"),
+            r#"{"a": [1, 2.5, "x<y&z é"], "b": 1, "c": {}, "d": null, "e": true}"#
+        );
+        assert_eq!(
+            render("v | tojson(ensure_ascii=true)"),
+            r#"{"b": 1, "a": [1, 2.5, "x<y&z \u00e9"], "c": {}, "d": null, "e": true}"#
+        );
+    }
+
     #[test]
     fn transformers_features() {
         let t = ChatTemplate::new(
@@ -284,7 +478,7 @@ mod tests {
             )
             .expect("renders");
         assert!(
-            out.starts_with("hi|[{\"role\":\"system\",\"content\":\"  hi  \"}]|4"),
+            out.starts_with("hi|[{\"role\": \"system\", \"content\": \"  hi  \"}]|4"),
             "{out}"
         );
         let err = t
