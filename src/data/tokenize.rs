@@ -267,6 +267,38 @@ fn prefix_regions(
     Some((regions, last_start))
 }
 
+/// Where assistant message `i`'s text begins after its header, between `earliest` (the end of
+/// the message before it) and `content` (where its content was found), for [`search_regions`]:
+/// the end of its generation prompt when that renders as a prefix of `full`; else the header
+/// (what the generation prompt adds, gpt-oss's `<|start|>assistant`) where it follows the
+/// previous message's turn end. The second serves a prompt whose own rendering changes once the
+/// answer follows it: gpt-oss drops a tool call's reasoning once a final answer comes.
+fn turn_start(
+    tok: &Tokenizer,
+    msgs: &[Message],
+    i: usize,
+    full: &str,
+    (earliest, content): (usize, usize),
+    turn_ends: &[String],
+) -> Option<usize> {
+    let with_prompt = tok.apply_chat_template(&msgs[..i], true).ok()?;
+    if (earliest..=content).contains(&with_prompt.len()) && full.starts_with(&with_prompt) {
+        return Some(with_prompt.len());
+    }
+    let without = tok.apply_chat_template(&msgs[..i], false).ok()?;
+    let header = with_prompt
+        .strip_prefix(&without)
+        .filter(|h| !h.is_empty())?;
+    let between = &full[earliest..content];
+    let turn_end = turn_ends
+        .iter()
+        .filter_map(|s| between.find(s.as_str()).map(|p| p + s.len()))
+        .min()?;
+    between[turn_end..]
+        .starts_with(header)
+        .then_some(earliest + turn_end + header.len())
+}
+
 /// Fallback, for a template that renders a message differently once others follow it (gpt-oss
 /// and Qwen3 drop an earlier turn's reasoning, and gpt-oss ends the last turn with `<|return|>`,
 /// the others with `<|end|>`): find each message's content in `full`, in order. A trained
@@ -275,7 +307,8 @@ fn prefix_regions(
 /// assistant message after a masked prompt starts where the generation prompt ends when the
 /// prompt renders as a prefix of `full` (its header masked, as in [`prefix_regions`]), so what
 /// the template writes before its content (gpt-oss's analysis channel from `thinking`, Qwen3's
-/// `<think>` block from `reasoning_content`) is trained with it.
+/// `<think>` block from `reasoning_content`) is trained with it. An assistant message without
+/// text (a tool call) spans from there to the first stop token.
 fn search_regions(
     tok: &Tokenizer,
     messages: &[LabeledMessage],
@@ -298,36 +331,60 @@ fn search_regions(
         }
         found.push(hit);
     }
-    let mut turn_ends: Vec<String> = tok
+    let stop_strings: Vec<String> = tok
         .stop_ids()
         .iter()
         .filter_map(|&id| tok.id_to_token(id))
         .collect();
+    let mut turn_ends = stop_strings.clone();
     turn_ends.extend(tok.special_token_strings());
     let mut regions = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         if m.masked {
             continue;
         }
-        let (mut start, mut end) = found[i].ok_or_else(|| TokenizeError::MessageNotInTemplate {
+        let not_found = || TokenizeError::MessageNotInTemplate {
             index: i,
             role: m.message.role.to_string(),
-        })?;
+        };
         let earliest = found[..i].iter().flatten().last().map_or(0, |&(_, e)| e);
-        if m.message.role == Role::Assistant
-            && (i == 0 || messages[i - 1].masked)
-            && let Ok(g) = tok.apply_chat_template(&msgs[..i], true)
-            && (earliest..=start).contains(&g.len())
-            && full.starts_with(&g)
-        {
-            start = g.len();
-        }
         let limit = found[i + 1..]
             .iter()
             .flatten()
             .map(|&(s, _)| s)
             .next()
             .unwrap_or(full.len());
+        let Some((mut start, mut end)) = found[i] else {
+            // A message without text (a tool call): from where its generation prompt ends to
+            // the first stop token after it (`<|call|>`, `<|im_end|>`); the special tokens
+            // inside a call (gpt-oss's `<|channel|>`) do not end it.
+            if m.message.role != Role::Assistant || !m.message.content.trim().is_empty() {
+                return Err(not_found());
+            }
+            let start = tok
+                .apply_chat_template(&msgs[..i], true)
+                .ok()
+                .filter(|g| g.len() >= earliest && g.len() <= limit && full.starts_with(g))
+                .ok_or_else(not_found)?
+                .len();
+            let end = stop_strings
+                .iter()
+                .filter_map(|s| {
+                    full[start..limit]
+                        .find(s.as_str())
+                        .map(|p| start + p + s.len())
+                })
+                .min()
+                .ok_or_else(not_found)?;
+            regions.push((start, end));
+            continue;
+        };
+        if m.message.role == Role::Assistant
+            && (i == 0 || messages[i - 1].masked)
+            && let Some(turn) = turn_start(tok, msgs, i, full, (earliest, start), &turn_ends)
+        {
+            start = turn;
+        }
         let stop_end = turn_ends
             .iter()
             .filter_map(|s| full[end..limit].find(s.as_str()).map(|p| end + p + s.len()))

@@ -304,8 +304,15 @@ impl RowTransform {
                 }
                 (ConversationStyle::Openai, r) => Role::parse(r),
             };
+            // A tool call (OpenAI's layout) may come without text.
+            let calls_tools = style == ConversationStyle::Openai
+                && obj
+                    .get("tool_calls")
+                    .and_then(Value::as_array)
+                    .is_some_and(|calls| !calls.is_empty());
             let content = match obj.get(content_key) {
                 Some(Value::String(s)) => s.clone(),
+                None | Some(Value::Null) if calls_tools => String::new(),
                 Some(Value::Array(parts)) => {
                     let mut text = String::new();
                     for part in parts {
@@ -325,7 +332,7 @@ impl RowTransform {
             if role == Role::System && self.new_system_prompt.is_some() {
                 continue;
             }
-            if role == Role::Assistant && content.trim().is_empty() {
+            if role == Role::Assistant && content.trim().is_empty() && !calls_tools {
                 return Err(bad(
                     "the assistant message is empty; give it text or drop the row".into(),
                 ));

@@ -61,6 +61,8 @@ impl<'de> Deserialize<'de> for Role {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
     pub role: Role,
+    /// Empty for a tool call without text.
+    #[serde(default, deserialize_with = "text_or_null")]
     pub content: String,
     /// The message's other keys, passed to a chat template unchanged, as transformers'
     /// `apply_chat_template` passes each message: gpt-oss's template renders an assistant's
@@ -69,6 +71,11 @@ pub struct Message {
     /// components) read the role and content only, as torchtune's own do.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A message's `content`: its text, or `null` read as none (a tool call's).
+fn text_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
 impl Message {

@@ -263,6 +263,32 @@ fn openai_messages_keep_their_other_keys_for_the_template() {
         trained_text(&harmony, &sft(&ds)[0]),
         "<|channel|>analysis<|message|>Il demande la capitale.<|end|><|start|>assistant<|channel|>final<|message|>Canberra.<|return|>"
     );
+
+    // A tool call comes without text (`content: null`) and trains as the call the template
+    // writes; any other empty assistant message is still refused.
+    let rows = rows_of(vec![json!({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ]},
+        {"role": "tool", "content": "22 degrees"},
+        {"role": "assistant", "content": "It is 22 degrees."}
+    ]})]);
+    let ds = Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &harmony, None).expect("build");
+    assert_eq!(
+        trained_text(&harmony, &sft(&ds)[0]),
+        " to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|><|channel|>final<|message|>It is 22 degrees.<|return|>"
+    );
+    let rows = rows_of(vec![json!({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": null}
+    ]})]);
+    let err =
+        Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &harmony, None).expect_err("no text");
+    assert!(
+        err.to_string().contains("needs a string `content`"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -248,9 +248,10 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
 }
 
 /// gpt-oss's harmony chat template (gpt-oss's own, as TRL 1.16 ships it) on conversations in
-/// the shape of the OpenAI cookbook's fine-tuning data (tests/fixtures/make_harmony_fixture.py):
-/// tune renders transformers' text, prompt and ids; an assistant's `thinking` reaches the
-/// template (its analysis channel); and the trained tokens are those TRL's `assistant_only_loss`
+/// the shape of the OpenAI cookbook's fine-tuning data, and a tool call with its result
+/// (tests/fixtures/make_harmony_fixture.py): tune renders transformers' text, prompt and ids
+/// (the call's arguments and the result through `tojson`); an assistant's `thinking` and
+/// `tool_calls` reach the template; and the trained tokens are those TRL's `assistant_only_loss`
 /// trains, less each assistant turn's opening `<|start|>assistant`: tune masks a template's
 /// assistant header as it does for every template (and, as torchtune's HuggingFaceModelTokenizer,
 /// puts the tokenizer's BOS first).
@@ -269,7 +270,7 @@ fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
     ]
     .concat();
     let cases = r["cases"].as_object().expect("cases");
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), 4);
     for (name, case) in cases {
         let messages: Vec<Message> =
             serde_json::from_value(case["messages"].clone()).expect("messages");
@@ -336,10 +337,11 @@ fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
     }
 }
 
-/// Qwen3's own template (as TRL 1.16 ships it) with `reasoning_content`: tune renders
-/// transformers' text and ids, and trains each answer with the `<think>` block the template
-/// writes before it (the last turn's; the template drops earlier turns' reasoning), from after
-/// the assistant header through `<|im_end|>` (tests/fixtures/make_harmony_fixture.py).
+/// Qwen3's own template (as TRL 1.16 ships it) with `reasoning_content` and a tool call: tune
+/// renders transformers' text and ids, and trains each answer with the `<think>` block the
+/// template writes before it (the last turn's; the template drops earlier turns' reasoning),
+/// and the tool call (no text, `content: null`), each from after the assistant header through
+/// `<|im_end|>` (tests/fixtures/make_harmony_fixture.py).
 #[test]
 fn qwen3_reasoning_content_renders_and_trains_with_its_answer() {
     let text = std::fs::read_to_string(fixture("qwen3_template.json")).expect("fixture");
@@ -354,6 +356,10 @@ fn qwen3_reasoning_content_renders_and_trains_with_its_answer() {
         (
             "two_turns_the_first_ones_reasoning_dropped",
             "Blue.<|im_end|><think>\nNot blue.\n</think>\n\nGreen.<|im_end|>",
+        ),
+        (
+            "a_tool_call_its_result_and_the_answer",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"C\"}}\n</tool_call><|im_end|><think>\n\n</think>\n\nIt is 22 degrees in Paris.<|im_end|>",
         ),
     ] {
         let case = &r["cases"][name];
