@@ -247,6 +247,28 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
     );
 }
 
+/// A fixture case's messages, checked to render as transformers rendered them (`rendered`), and
+/// tokenized for training with the assistant messages trained.
+fn rendered_and_tokenized(
+    tok: &Tokenizer,
+    name: &str,
+    case: &serde_json::Value,
+) -> (Vec<Message>, tune::data::SftSample) {
+    let messages: Vec<Message> =
+        serde_json::from_value(case["messages"].clone()).expect("messages");
+    let rendered = tok.apply_chat_template(&messages, false).expect("render");
+    assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
+    let labeled: Vec<tune::data::LabeledMessage> = messages
+        .iter()
+        .map(|m| tune::data::LabeledMessage {
+            masked: m.role != Role::Assistant,
+            message: m.clone(),
+        })
+        .collect();
+    let sample = tune::data::tokenize_messages(tok, &labeled, None).expect("tokenize");
+    (messages, sample)
+}
+
 /// gpt-oss's harmony chat template (gpt-oss's own, as TRL 1.16 ships it) on conversations in
 /// the shape of the OpenAI cookbook's fine-tuning data, and a tool call with its result
 /// (tests/fixtures/make_harmony_fixture.py): tune renders transformers' text, prompt and ids
@@ -272,23 +294,11 @@ fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
     let cases = r["cases"].as_object().expect("cases");
     assert_eq!(cases.len(), 4);
     for (name, case) in cases {
-        let messages: Vec<Message> =
-            serde_json::from_value(case["messages"].clone()).expect("messages");
-        let rendered = tok.apply_chat_template(&messages, false).expect("render");
-        assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
+        let (messages, sample) = rendered_and_tokenized(&tok, name, case);
         let prompt = tok
             .apply_chat_template(&messages[..messages.len() - 1], true)
             .expect("prompt");
         assert_eq!(prompt, case["prompt"].as_str().expect("str"), "{name}");
-
-        let labeled: Vec<tune::data::LabeledMessage> = messages
-            .iter()
-            .map(|m| tune::data::LabeledMessage {
-                masked: m.role != Role::Assistant,
-                message: m.clone(),
-            })
-            .collect();
-        let sample = tune::data::tokenize_messages(&tok, &labeled, None).expect("tokenize");
         let ids = ids(&case["ids"]);
         assert_eq!(sample.tokens[0], bos, "{name}");
         assert_eq!(sample.tokens[1..], ids[..], "{name}");
@@ -363,18 +373,7 @@ fn qwen3_reasoning_content_renders_and_trains_with_its_answer() {
         ),
     ] {
         let case = &r["cases"][name];
-        let messages: Vec<Message> =
-            serde_json::from_value(case["messages"].clone()).expect("messages");
-        let rendered = tok.apply_chat_template(&messages, false).expect("render");
-        assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
-        let labeled: Vec<tune::data::LabeledMessage> = messages
-            .iter()
-            .map(|m| tune::data::LabeledMessage {
-                masked: m.role != Role::Assistant,
-                message: m.clone(),
-            })
-            .collect();
-        let sample = tune::data::tokenize_messages(&tok, &labeled, None).expect("tokenize");
+        let (_, sample) = rendered_and_tokenized(&tok, name, case);
         assert_eq!(sample.tokens, ids(&case["ids"]), "{name}");
         let trained: Vec<u32> = sample
             .tokens
