@@ -6,7 +6,9 @@ use super::prompts::Partition;
 use super::sample::SftSample;
 use super::source::{Row, load_rows};
 use super::spec::{DatasetKind, DatasetSpec};
-use super::tokenize::{tokenize_messages, tokenize_prompt_response, tokenize_text};
+use super::tokenize::{
+    tokenize_conversation, tokenize_messages, tokenize_prompt_response, tokenize_text,
+};
 use super::transform::{RowContent, RowTransform};
 use crate::tokenizer::Tokenizer;
 use std::path::Path;
@@ -98,9 +100,10 @@ impl Dataset {
                     tokenize_prompt_response(tokenizer, &prompt, &response, max_seq_len)
                         .map_err(tok_err(row))?,
                 ),
-                RowContent::Messages(m) => {
-                    sft.push(tokenize_messages(tokenizer, &m, max_seq_len).map_err(tok_err(row))?)
-                }
+                RowContent::Messages(m, inputs) => sft.push(
+                    tokenize_conversation(tokenizer, &m, &inputs, max_seq_len)
+                        .map_err(tok_err(row))?,
+                ),
                 RowContent::Text(t) => sft.push(
                     tokenize_text(tokenizer, &t, add_eos, max_seq_len).map_err(tok_err(row))?,
                 ),

@@ -96,6 +96,10 @@ pub enum TokenizeError {
         "could not find message {index} ({role}) in the text the chat template rendered, so its tokens cannot be masked; set `train_on_input: true` or use a template that writes message contents verbatim"
     )]
     MessageNotInTemplate { index: usize, role: String },
+    #[error(
+        "the row's `{column}` is for a chat template, which this tokenizer does not format with (a torchtune tokenizer component, or no chat_template); use tune.tokenizers.HFTokenizer with the checkpoint's template, or drop the column"
+    )]
+    TemplateInputWithoutTemplate { column: &'static str },
     #[error("max_seq_len must be at least 2 (got {0})")]
     MaxSeqLen(usize),
     #[error(

@@ -25,7 +25,8 @@ pub use sample::{IGNORE_INDEX, SftSample};
 pub use source::{FileFormat, Row, load_rows, read_file, resolve_files};
 pub use spec::{ConversationStyle, DataFiles, DatasetKind, DatasetSpec};
 pub use tokenize::{
-    tokenize_messages, tokenize_prompt, tokenize_prompt_response, tokenize_text, truncate,
+    tokenize_conversation, tokenize_messages, tokenize_prompt, tokenize_prompt_response,
+    tokenize_text, truncate,
 };
 pub use transform::{
     ALPACA_PROMPT_INPUT, ALPACA_PROMPT_NO_INPUT, LabeledMessage, RowContent, RowTransform,

@@ -13,7 +13,7 @@ use super::error::TokenizeError;
 use super::formats;
 use super::sample::{IGNORE_INDEX, SftSample};
 use super::transform::LabeledMessage;
-use crate::tokenizer::{Message, Role, Tokenizer, Truncation};
+use crate::tokenizer::{Message, Role, TemplateInputs, Tokenizer, Truncation};
 
 type Result<T> = std::result::Result<T, TokenizeError>;
 
@@ -36,12 +36,32 @@ pub fn tokenize_messages(
     messages: &[LabeledMessage],
     max_seq_len: Option<usize>,
 ) -> Result<SftSample> {
+    tokenize_conversation(tok, messages, &TemplateInputs::default(), max_seq_len)
+}
+
+/// [`tokenize_messages`] with the conversation's tools and template keyword arguments, which
+/// only a chat template reads (refused otherwise, naming the dataset's column).
+pub fn tokenize_conversation(
+    tok: &Tokenizer,
+    messages: &[LabeledMessage],
+    inputs: &TemplateInputs,
+    max_seq_len: Option<usize>,
+) -> Result<SftSample> {
     check_len(max_seq_len)?;
+    let templated = !tok.format().format.is_torchtune() && tok.has_chat_template();
+    if !templated && *inputs != TemplateInputs::default() {
+        let column = if inputs.tools.is_some() {
+            "tools"
+        } else {
+            "chat_template_kwargs"
+        };
+        return Err(TokenizeError::TemplateInputWithoutTemplate { column });
+    }
     if tok.format().format.is_torchtune() {
         return formats::tokenize(tok, messages, max_seq_len, true);
     }
     let mut sample = if tok.has_chat_template() {
-        with_template(tok, messages)?
+        with_template(&Rendering { tok, inputs }, messages)?
     } else {
         plain(tok, messages)?
     };
@@ -172,7 +192,32 @@ fn plain(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {
     Ok(s)
 }
 
-fn with_template(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {
+/// A tokenizer rendering one conversation's chat template with its [`TemplateInputs`]: every
+/// rendering below sees the same tools and keyword arguments; the rest is the tokenizer's.
+struct Rendering<'a> {
+    tok: &'a Tokenizer,
+    inputs: &'a TemplateInputs,
+}
+
+impl Rendering<'_> {
+    fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> crate::tokenizer::Result<String> {
+        self.tok
+            .apply_chat_template_with(messages, add_generation_prompt, self.inputs)
+    }
+}
+
+impl std::ops::Deref for Rendering<'_> {
+    type Target = Tokenizer;
+    fn deref(&self) -> &Tokenizer {
+        self.tok
+    }
+}
+
+fn with_template(tok: &Rendering<'_>, messages: &[LabeledMessage]) -> Result<SftSample> {
     let msgs: Vec<Message> = messages.iter().map(|m| m.message.clone()).collect();
     let full = tok.apply_chat_template(&msgs, false)?;
     let (ids, offsets) = tok.encode_with_offsets(&full, false)?;
@@ -215,7 +260,7 @@ fn with_template(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSamp
 
 /// `b[i]` = byte length of `render(msgs[..i])` for i in 1..n (b[0] = 0, b[n] = full.len()),
 /// or None when some prefix rendering fails or is not a prefix of `full`.
-fn prefix_bounds(tok: &Tokenizer, msgs: &[Message], full: &str) -> Option<Vec<usize>> {
+fn prefix_bounds(tok: &Rendering<'_>, msgs: &[Message], full: &str) -> Option<Vec<usize>> {
     let mut bounds = vec![0];
     for i in 1..msgs.len() {
         let r = tok.apply_chat_template(&msgs[..i], false).ok()?;
@@ -230,7 +275,7 @@ fn prefix_bounds(tok: &Tokenizer, msgs: &[Message], full: &str) -> Option<Vec<us
 
 /// Trained byte spans from prefix renderings, and where the last message starts.
 fn prefix_regions(
-    tok: &Tokenizer,
+    tok: &Rendering<'_>,
     messages: &[LabeledMessage],
     msgs: &[Message],
     full: &str,
@@ -274,7 +319,7 @@ fn prefix_regions(
 /// previous message's turn end. The second serves a prompt whose own rendering changes once the
 /// answer follows it: gpt-oss drops a tool call's reasoning once a final answer comes.
 fn turn_start(
-    tok: &Tokenizer,
+    tok: &Rendering<'_>,
     msgs: &[Message],
     i: usize,
     full: &str,
@@ -310,7 +355,7 @@ fn turn_start(
 /// `<think>` block from `reasoning_content`) is trained with it. An assistant message without
 /// text (a tool call) spans from there to the first stop token.
 fn search_regions(
-    tok: &Tokenizer,
+    tok: &Rendering<'_>,
     messages: &[LabeledMessage],
     msgs: &[Message],
     full: &str,

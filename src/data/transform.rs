@@ -2,7 +2,7 @@
 use super::error::{DataError, Result};
 use super::source::{Row, kind_name};
 use super::spec::{ConversationStyle, DatasetKind, DatasetSpec};
-use crate::tokenizer::{Message, Role};
+use crate::tokenizer::{Message, Role, TemplateInputs};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
@@ -25,7 +25,9 @@ impl LabeledMessage {
 /// What one row becomes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RowContent {
-    Messages(Vec<LabeledMessage>),
+    /// A conversation, and what its row gives the chat template besides (`tools`,
+    /// `chat_template_kwargs`; chat rows only).
+    Messages(Vec<LabeledMessage>, TemplateInputs),
     Text(String),
     /// A prompt (not trained) and its response (trained, then EOS), each encoded as text on its
     /// own: gsm8k_sft.
@@ -158,10 +160,13 @@ impl RowTransform {
             DatasetKind::Instruct => {
                 let input = cols.string("input")?;
                 let output = cols.non_empty("output")?;
-                Ok(RowContent::Messages(self.with_system(vec![
-                    LabeledMessage::new(Role::User, input, !self.train_on_input),
-                    LabeledMessage::new(Role::Assistant, output, false),
-                ])))
+                Ok(RowContent::Messages(
+                    self.with_system(vec![
+                        LabeledMessage::new(Role::User, input, !self.train_on_input),
+                        LabeledMessage::new(Role::Assistant, output, false),
+                    ]),
+                    TemplateInputs::default(),
+                ))
             }
             DatasetKind::Chat => self.chat(&cols),
             DatasetKind::TextCompletion => {
@@ -232,10 +237,13 @@ impl RowTransform {
                 .replace("{instruction}", instruction)
                 .replacen("{input}", input, 1)
         };
-        Ok(RowContent::Messages(vec![
-            LabeledMessage::new(Role::User, prompt, !self.train_on_input),
-            LabeledMessage::new(Role::Assistant, output, false),
-        ]))
+        Ok(RowContent::Messages(
+            vec![
+                LabeledMessage::new(Role::User, prompt, !self.train_on_input),
+                LabeledMessage::new(Role::Assistant, output, false),
+            ],
+            TemplateInputs::default(),
+        ))
     }
 
     fn chat(&self, cols: &Cols<'_>) -> Result<RowContent> {
@@ -250,7 +258,38 @@ impl RowTransform {
             }
             None => self.message_list(cols, default, self.style)?,
         };
-        Ok(RowContent::Messages(self.with_system(messages)))
+        Ok(RowContent::Messages(
+            self.with_system(messages),
+            self.template_inputs(cols)?,
+        ))
+    }
+
+    /// A chat row's `tools` (a list) and `chat_template_kwargs` (an object) columns, which TRL
+    /// passes to `apply_chat_template` (OpenAI-style rows only).
+    fn template_inputs(&self, cols: &Cols<'_>) -> Result<TemplateInputs> {
+        let mut inputs = TemplateInputs::default();
+        if self.style != ConversationStyle::Openai {
+            return Ok(inputs);
+        }
+        match cols.obj.get("tools") {
+            None | Some(Value::Null) => {}
+            Some(tools @ Value::Array(_)) => inputs.tools = Some(tools.clone()),
+            Some(other) => {
+                return Err(cols.wrong_type("tools".into(), "a list of tool definitions", other));
+            }
+        }
+        match cols.obj.get("chat_template_kwargs") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(kwargs)) => inputs.kwargs = kwargs.clone(),
+            Some(other) => {
+                return Err(cols.wrong_type(
+                    "chat_template_kwargs".into(),
+                    "an object of the chat template's keyword arguments",
+                    other,
+                ));
+            }
+        }
+        Ok(inputs)
     }
 
     /// Prepends `new_system_prompt` (existing system messages were dropped while parsing).

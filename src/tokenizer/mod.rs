@@ -9,7 +9,7 @@ pub use error::{Result, TokenizerError};
 pub use format::{MessageFormat, ModelFormat, PromptTemplate, Truncation};
 pub use message::{Message, Role};
 pub use special::SpecialToken;
-pub use template::{ChatTemplate, TemplateVars};
+pub use template::{ChatTemplate, TemplateInputs, TemplateVars};
 
 use special::CheckpointConfigs;
 
@@ -317,11 +317,26 @@ impl Tokenizer {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with(messages, add_generation_prompt, &TemplateInputs::default())
+    }
+
+    /// [`Self::apply_chat_template`] with a conversation's tools and keyword arguments.
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        inputs: &TemplateInputs,
+    ) -> Result<String> {
         let template = self
             .template
             .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
-        template.render(messages, add_generation_prompt, &self.template_vars())
+        template.render(
+            messages,
+            add_generation_prompt,
+            &self.template_vars(),
+            inputs,
+        )
     }
 
     fn template_vars(&self) -> TemplateVars {

@@ -36,6 +36,16 @@ pub struct TemplateVars {
     pub render_time: Option<i64>,
 }
 
+/// What one conversation gives its template besides the messages, as TRL takes them from a
+/// dataset row: `tools` (its `tools` column) and the keyword arguments of `apply_chat_template`
+/// (its `chat_template_kwargs` column: gpt-oss's `reasoning_effort`, Qwen3's
+/// `enable_thinking`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TemplateInputs {
+    pub tools: Option<serde_json::Value>,
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
 impl ChatTemplate {
     /// Compiles `source`; `origin` names where it came from for error messages.
     pub fn new(source: String, origin: String) -> Result<Self> {
@@ -116,12 +126,14 @@ impl ChatTemplate {
         &self.origin
     }
 
-    /// Renders `messages`; `tools` is none.
+    /// Renders `messages` with a conversation's `inputs` (no tools and no keyword arguments by
+    /// default).
     pub fn render(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
         vars: &TemplateVars,
+        inputs: &TemplateInputs,
     ) -> Result<String> {
         let err = |e: Error| TokenizerError::TemplateRender {
             origin: self.origin.clone(),
@@ -135,8 +147,10 @@ impl ChatTemplate {
             eos_token => vars.eos_token.clone().unwrap_or_default(),
             pad_token => vars.pad_token.clone(),
             unk_token => vars.unk_token.clone(),
-            tools => Value::from(()),
+            tools => inputs.tools.as_ref().map_or(Value::from(()), Value::from_serialize),
             documents => Value::from(()),
+            // As transformers' `**kwargs`; the names above stay what they are.
+            ..Value::from_serialize(&inputs.kwargs)
         };
         // A context value shadows the environment's function of the same name.
         let ctx = match vars.render_time {
@@ -440,7 +454,12 @@ mod tests {
             );
             ChatTemplate::new(source, "test".into())
                 .expect("compiles")
-                .render(&[], false, &TemplateVars::default())
+                .render(
+                    &[],
+                    false,
+                    &TemplateVars::default(),
+                    &TemplateInputs::default(),
+                )
                 .expect("renders")
         };
         assert_eq!(
@@ -475,6 +494,7 @@ mod tests {
                 &[Message::system("  hi  ")],
                 false,
                 &TemplateVars::default(),
+                &TemplateInputs::default(),
             )
             .expect("renders");
         assert!(
@@ -482,7 +502,12 @@ mod tests {
             "{out}"
         );
         let err = t
-            .render(&[Message::user("x")], false, &TemplateVars::default())
+            .render(
+                &[Message::user("x")],
+                false,
+                &TemplateVars::default(),
+                &TemplateInputs::default(),
+            )
             .expect_err("raises");
         assert!(err.to_string().contains("need system"), "{err}");
     }

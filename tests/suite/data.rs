@@ -291,6 +291,50 @@ fn openai_messages_keep_their_other_keys_for_the_template() {
     );
 }
 
+/// A chat row's `tools` and `chat_template_kwargs` columns reach the chat template, as TRL
+/// passes them to `apply_chat_template` (gpt-oss: the tool's namespace in the developer
+/// message, `Reasoning: high`); a tokenizer that formats without a template refuses them by
+/// column.
+#[test]
+fn chat_rows_give_the_template_their_tools_and_keyword_arguments() {
+    let harmony = tok("harmony");
+    let rows = rows_of(vec![json!({
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Sunny."}
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+            "description": "The weather.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "chat_template_kwargs": {"reasoning_effort": "high"}
+    })]);
+    let s = spec("conversation_style: openai\n");
+    let ds = Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &harmony, None).expect("build");
+    let sample = &sft(&ds)[0];
+    let text = harmony.decode(&sample.tokens, false).expect("decode");
+    assert!(
+        text.contains("Reasoning: high")
+            && text.contains("type get_weather = (_: {\ncity?: string,\n}) => any;"),
+        "{text}"
+    );
+    assert_eq!(
+        trained_text(&harmony, sample),
+        "<|channel|>final<|message|>Sunny.<|return|>"
+    );
+
+    let mut plain = tok("tiny-llama");
+    plain.set_chat_template(None).expect("unset");
+    let err =
+        Dataset::from_rows(&rows, &s.of(DatasetKind::Chat), &plain, None).expect_err("no template");
+    assert!(err.to_string().contains("`tools`"), "{err}");
+    let bad = rows_of(vec![json!({
+        "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        "chat_template_kwargs": "high"
+    })]);
+    let err = Dataset::from_rows(&bad, &s.of(DatasetKind::Chat), &harmony, None).expect_err("type");
+    assert!(err.to_string().contains("chat_template_kwargs"), "{err}");
+}
+
 #[test]
 fn instruct_with_column_map() {
     let q = tok("tiny-qwen2");

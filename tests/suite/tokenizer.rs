@@ -1,7 +1,7 @@
 use crate::support::{TempDir, temp_dir};
 
 use std::path::{Path, PathBuf};
-use tune::tokenizer::{Message, Role, Tokenizer, TokenizerError};
+use tune::tokenizer::{Message, Role, TemplateInputs, Tokenizer, TokenizerError};
 
 fn fixture(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -247,16 +247,26 @@ fn special_tokens_path_must_agree_with_the_vocabulary() {
     );
 }
 
-/// A fixture case's messages, checked to render as transformers rendered them (`rendered`), and
-/// tokenized for training with the assistant messages trained.
+/// A fixture case's messages and row inputs (`tools`, `chat_template_kwargs`), checked to
+/// render as transformers rendered them (`rendered`), and tokenized for training with the
+/// assistant messages trained.
 fn rendered_and_tokenized(
     tok: &Tokenizer,
     name: &str,
     case: &serde_json::Value,
-) -> (Vec<Message>, tune::data::SftSample) {
+) -> (Vec<Message>, TemplateInputs, tune::data::SftSample) {
     let messages: Vec<Message> =
         serde_json::from_value(case["messages"].clone()).expect("messages");
-    let rendered = tok.apply_chat_template(&messages, false).expect("render");
+    let inputs = TemplateInputs {
+        tools: case.get("tools").cloned(),
+        kwargs: case
+            .get("chat_template_kwargs")
+            .and_then(|k| k.as_object().cloned())
+            .unwrap_or_default(),
+    };
+    let rendered = tok
+        .apply_chat_template_with(&messages, false, &inputs)
+        .expect("render");
     assert_eq!(rendered, case["rendered"].as_str().expect("str"), "{name}");
     let labeled: Vec<tune::data::LabeledMessage> = messages
         .iter()
@@ -265,15 +275,16 @@ fn rendered_and_tokenized(
             message: m.clone(),
         })
         .collect();
-    let sample = tune::data::tokenize_messages(tok, &labeled, None).expect("tokenize");
-    (messages, sample)
+    let sample = tune::data::tokenize_conversation(tok, &labeled, &inputs, None).expect("tokenize");
+    (messages, inputs, sample)
 }
 
 /// gpt-oss's harmony chat template (gpt-oss's own, as TRL 1.16 ships it) on conversations in
-/// the shape of the OpenAI cookbook's fine-tuning data, and a tool call with its result
-/// (tests/fixtures/make_harmony_fixture.py): tune renders transformers' text, prompt and ids
-/// (the call's arguments and the result through `tojson`); an assistant's `thinking` and
-/// `tool_calls` reach the template; and the trained tokens are those TRL's `assistant_only_loss`
+/// the shape of the OpenAI cookbook's fine-tuning data, and a tool call with its result, the
+/// row's tool definitions and `reasoning_effort: high` (tests/fixtures/make_harmony_fixture.py):
+/// tune renders transformers' text, prompt and ids (the tools' TypeScript namespace, the call's
+/// arguments and the result through `tojson`); an assistant's `thinking` and `tool_calls` reach
+/// the template; and the trained tokens are those TRL's `assistant_only_loss`
 /// trains, less each assistant turn's opening `<|start|>assistant`: tune masks a template's
 /// assistant header as it does for every template (and, as torchtune's HuggingFaceModelTokenizer,
 /// puts the tokenizer's BOS first).
@@ -294,9 +305,9 @@ fn gpt_oss_harmony_template_renders_and_trains_as_transformers_and_trl() {
     let cases = r["cases"].as_object().expect("cases");
     assert_eq!(cases.len(), 4);
     for (name, case) in cases {
-        let (messages, sample) = rendered_and_tokenized(&tok, name, case);
+        let (messages, inputs, sample) = rendered_and_tokenized(&tok, name, case);
         let prompt = tok
-            .apply_chat_template(&messages[..messages.len() - 1], true)
+            .apply_chat_template_with(&messages[..messages.len() - 1], true, &inputs)
             .expect("prompt");
         assert_eq!(prompt, case["prompt"].as_str().expect("str"), "{name}");
         let ids = ids(&case["ids"]);
@@ -373,7 +384,7 @@ fn qwen3_reasoning_content_renders_and_trains_with_its_answer() {
         ),
     ] {
         let case = &r["cases"][name];
-        let (_, sample) = rendered_and_tokenized(&tok, name, case);
+        let (_, _, sample) = rendered_and_tokenized(&tok, name, case);
         assert_eq!(sample.tokens, ids(&case["ids"]), "{name}");
         let trained: Vec<u32> = sample
             .tokens
