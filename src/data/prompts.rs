@@ -18,8 +18,8 @@ use super::gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, column_text as text,
 use super::source::{Row, kind_name, load_rows};
 use super::spec::{DatasetKind, DatasetSpec};
 use super::tokenize::{tokenize_prompt, tokenize_text};
-use super::transform::LabeledMessage;
-use crate::tokenizer::{Message, Role, Tokenizer};
+use super::transform::{LabeledMessage, template_inputs};
+use crate::tokenizer::{Message, Role, TemplateInputs, Tokenizer};
 
 /// One prompt of an RL dataset.
 #[derive(Debug, Clone, PartialEq)]
@@ -169,6 +169,27 @@ pub fn prompt_tokens(
     user: &str,
     chat: bool,
 ) -> std::result::Result<Vec<u32>, TokenizeError> {
+    prompt_tokens_with(tok, system, user, chat, &TemplateInputs::default())
+}
+
+/// [`prompt_tokens`] with a row's tools and template keyword arguments, which only the
+/// checkpoint's chat template reads (refused otherwise, naming the column).
+fn prompt_tokens_with(
+    tok: &Tokenizer,
+    system: Option<&str>,
+    user: &str,
+    chat: bool,
+    inputs: &TemplateInputs,
+) -> std::result::Result<Vec<u32>, TokenizeError> {
+    let templated = chat && !tok.format().format.is_torchtune();
+    if !templated && *inputs != TemplateInputs::default() {
+        let column = if inputs.tools.is_some() {
+            "tools"
+        } else {
+            "chat_template_kwargs"
+        };
+        return Err(TokenizeError::TemplateInputWithoutTemplate { column });
+    }
     if !chat {
         return Ok(tokenize_text(tok, user, false, None)?.tokens);
     }
@@ -183,7 +204,7 @@ pub fn prompt_tokens(
     }
     let mut messages: Vec<Message> = system.map(Message::system).into_iter().collect();
     messages.push(Message::user(user));
-    let text = tok.apply_chat_template(&messages, true)?;
+    let text = tok.apply_chat_template_with(&messages, true, inputs)?;
     Ok(tok.encode(&text, false)?)
 }
 
@@ -236,8 +257,9 @@ fn prompt(row: &Row, spec: &DatasetSpec, tok: &Tokenizer) -> Result<PromptSample
         });
     }
     let system = spec.new_system_prompt.as_deref();
-    let tokens =
-        prompt_tokens(tok, system, prompt, spec.apply_chat_template).map_err(tokenize_err(row))?;
+    let inputs = template_inputs(row, obj)?;
+    let tokens = prompt_tokens_with(tok, system, prompt, spec.apply_chat_template, &inputs)
+        .map_err(tokenize_err(row))?;
     let mut columns = obj.clone();
     columns.remove(&column);
     Ok(PromptSample {
@@ -486,6 +508,33 @@ mod tests {
         want.extend(tok.encode("Count to three:", false).expect("encode"));
         assert_eq!(ds.samples()[0].tokens, want);
         assert!(ds.samples()[0].columns.is_empty());
+    }
+
+    /// A prompt row's `chat_template_kwargs` reaches the checkpoint's template, as TRL's
+    /// GRPOTrainer passes it (and the row's other columns still go to the rewards); without a
+    /// template it is refused by column.
+    #[test]
+    fn a_prompt_rows_template_keyword_arguments_reach_the_template() {
+        let mut tok = tiny();
+        tok.set_chat_template(Some(
+            "{% for m in messages %}{{ m.content }}{% endfor %}|{{ effort | default('medium') }}"
+                .into(),
+        ))
+        .expect("template");
+        let spec = DatasetSpec::new(DatasetKind::Prompt);
+        let r = rows(vec![
+            json!({"prompt": "Think.", "chat_template_kwargs": {"effort": "high"}, "id": 1}),
+        ]);
+        let ds = PromptDataset::from_rows(&r, &spec, &tok, None).expect("dataset");
+        let text = tok.decode(&ds.samples()[0].tokens, false).expect("decode");
+        assert_eq!(text, "Think.|high");
+
+        let plain = DatasetSpec {
+            apply_chat_template: false,
+            ..DatasetSpec::new(DatasetKind::Prompt)
+        };
+        let err = PromptDataset::from_rows(&r, &plain, &tok, None).expect_err("no template");
+        assert!(err.to_string().contains("chat_template_kwargs"), "{err}");
     }
 
     #[test]

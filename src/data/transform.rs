@@ -260,36 +260,11 @@ impl RowTransform {
         };
         Ok(RowContent::Messages(
             self.with_system(messages),
-            self.template_inputs(cols)?,
+            match self.style {
+                ConversationStyle::Openai => template_inputs(cols.row, cols.obj)?,
+                ConversationStyle::Sharegpt => TemplateInputs::default(),
+            },
         ))
-    }
-
-    /// A chat row's `tools` (a list) and `chat_template_kwargs` (an object) columns, which TRL
-    /// passes to `apply_chat_template` (OpenAI-style rows only).
-    fn template_inputs(&self, cols: &Cols<'_>) -> Result<TemplateInputs> {
-        let mut inputs = TemplateInputs::default();
-        if self.style != ConversationStyle::Openai {
-            return Ok(inputs);
-        }
-        match cols.obj.get("tools") {
-            None | Some(Value::Null) => {}
-            Some(tools @ Value::Array(_)) => inputs.tools = Some(tools.clone()),
-            Some(other) => {
-                return Err(cols.wrong_type("tools".into(), "a list of tool definitions", other));
-            }
-        }
-        match cols.obj.get("chat_template_kwargs") {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(kwargs)) => inputs.kwargs = kwargs.clone(),
-            Some(other) => {
-                return Err(cols.wrong_type(
-                    "chat_template_kwargs".into(),
-                    "an object of the chat template's keyword arguments",
-                    other,
-                ));
-            }
-        }
-        Ok(inputs)
     }
 
     /// Prepends `new_system_prompt` (existing system messages were dropped while parsing).
@@ -398,4 +373,34 @@ impl RowTransform {
         }
         Ok(out)
     }
+}
+
+/// A row's `tools` (a list) and `chat_template_kwargs` (an object) columns, which TRL passes to
+/// `apply_chat_template` with an OpenAI-style chat row (SFT) or prompt (GRPO).
+pub(super) fn template_inputs(row: &Row, obj: &Map<String, Value>) -> Result<TemplateInputs> {
+    let wrong = |column: &str, expected: &'static str, v: &Value| DataError::WrongType {
+        path: (*row.file).clone(),
+        row: row.index,
+        column: column.to_string(),
+        expected,
+        found: kind_name(v).to_string(),
+    };
+    let mut inputs = TemplateInputs::default();
+    match obj.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(tools @ Value::Array(_)) => inputs.tools = Some(tools.clone()),
+        Some(other) => return Err(wrong("tools", "a list of tool definitions", other)),
+    }
+    match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(kwargs)) => inputs.kwargs = kwargs.clone(),
+        Some(other) => {
+            return Err(wrong(
+                "chat_template_kwargs",
+                "an object of the chat template's keyword arguments",
+                other,
+            ));
+        }
+    }
+    Ok(inputs)
 }
