@@ -17,7 +17,7 @@ use super::error::{DataError, Result, TokenizeError};
 use super::gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, column_text as text, gsm8k_parts};
 use super::source::{Row, kind_name, load_rows};
 use super::spec::{DatasetKind, DatasetSpec};
-use super::tokenize::{tokenize_prompt, tokenize_text};
+use super::tokenize::{check_template_inputs, tokenize_prompt, tokenize_text};
 use super::transform::{LabeledMessage, template_inputs};
 use crate::tokenizer::{Message, Role, TemplateInputs, Tokenizer};
 
@@ -181,15 +181,7 @@ fn prompt_tokens_with(
     chat: bool,
     inputs: &TemplateInputs,
 ) -> std::result::Result<Vec<u32>, TokenizeError> {
-    let templated = chat && !tok.format().format.is_torchtune();
-    if !templated && *inputs != TemplateInputs::default() {
-        let column = if inputs.tools.is_some() {
-            "tools"
-        } else {
-            "chat_template_kwargs"
-        };
-        return Err(TokenizeError::TemplateInputWithoutTemplate { column });
-    }
+    check_template_inputs(inputs, chat && !tok.format().format.is_torchtune())?;
     if !chat {
         return Ok(tokenize_text(tok, user, false, None)?.tokens);
     }
@@ -517,8 +509,7 @@ mod tests {
     fn a_prompt_rows_template_keyword_arguments_reach_the_template() {
         let mut tok = tiny();
         tok.set_chat_template(Some(
-            "{% for m in messages %}{{ m.content }}{% endfor %}|{{ effort | default('medium') }}"
-                .into(),
+            "{% for m in messages %}{{ m.content }}{% endfor %}|{{ effort | default('medium') }}",
         ))
         .expect("template");
         let spec = DatasetSpec::new(DatasetKind::Prompt);

@@ -48,15 +48,10 @@ pub fn tokenize_conversation(
     max_seq_len: Option<usize>,
 ) -> Result<SftSample> {
     check_len(max_seq_len)?;
-    let templated = !tok.format().format.is_torchtune() && tok.has_chat_template();
-    if !templated && *inputs != TemplateInputs::default() {
-        let column = if inputs.tools.is_some() {
-            "tools"
-        } else {
-            "chat_template_kwargs"
-        };
-        return Err(TokenizeError::TemplateInputWithoutTemplate { column });
-    }
+    check_template_inputs(
+        inputs,
+        !tok.format().format.is_torchtune() && tok.has_chat_template(),
+    )?;
     if tok.format().format.is_torchtune() {
         return formats::tokenize(tok, messages, max_seq_len, true);
     }
@@ -190,6 +185,20 @@ fn plain(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {
         }
     }
     Ok(s)
+}
+
+/// Refuses a row's template inputs (by column) when the row is not formatted with the
+/// checkpoint's chat template (`templated`), which is all that reads them.
+pub(super) fn check_template_inputs(inputs: &TemplateInputs, templated: bool) -> Result<()> {
+    if templated || *inputs == TemplateInputs::default() {
+        return Ok(());
+    }
+    let column = if inputs.tools.is_some() {
+        "tools"
+    } else {
+        "chat_template_kwargs"
+    };
+    Err(TokenizeError::TemplateInputWithoutTemplate { column })
 }
 
 /// A tokenizer rendering one conversation's chat template with its [`TemplateInputs`]: every
