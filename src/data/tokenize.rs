@@ -322,7 +322,8 @@ fn prefix_regions(
 }
 
 /// Where assistant message `i`'s text begins after its header, between `earliest` (the end of
-/// the message before it) and `content` (where its content was found), for [`search_regions`]:
+/// the message before it) and `content` (where its content was found, or for a message without
+/// text where the next one's was), for [`search_regions`]:
 /// the end of its generation prompt when that renders as a prefix of `full`; else the header
 /// (what the generation prompt adds, gpt-oss's `<|start|>assistant`) where it follows the
 /// previous message's turn end. The second serves a prompt whose own rendering changes once the
@@ -415,12 +416,8 @@ fn search_regions(
             if m.message.role != Role::Assistant || !m.message.content.trim().is_empty() {
                 return Err(not_found());
             }
-            let start = tok
-                .apply_chat_template(&msgs[..i], true)
-                .ok()
-                .filter(|g| g.len() >= earliest && g.len() <= limit && full.starts_with(g))
-                .ok_or_else(not_found)?
-                .len();
+            let start = turn_start(tok, msgs, i, full, (earliest, limit), &turn_ends)
+                .ok_or_else(not_found)?;
             let end = stop_strings
                 .iter()
                 .filter_map(|s| {

@@ -104,13 +104,7 @@ impl<'a> Cols<'a> {
     }
 
     fn wrong_type(&self, column: String, expected: &'static str, v: &Value) -> DataError {
-        DataError::WrongType {
-            path: (*self.row.file).clone(),
-            row: self.row.index,
-            column,
-            expected,
-            found: kind_name(v).to_string(),
-        }
+        wrong_type(self.row, column, expected, v)
     }
 
     fn bad_message(&self, column: &str, index: usize, problem: String) -> DataError {
@@ -378,13 +372,7 @@ impl RowTransform {
 /// A row's `tools` (a list) and `chat_template_kwargs` (an object) columns, which TRL passes to
 /// `apply_chat_template` with an OpenAI-style chat row (SFT) or prompt (GRPO).
 pub(super) fn template_inputs(row: &Row, obj: &Map<String, Value>) -> Result<TemplateInputs> {
-    let wrong = |column: &str, expected: &'static str, v: &Value| DataError::WrongType {
-        path: (*row.file).clone(),
-        row: row.index,
-        column: column.to_string(),
-        expected,
-        found: kind_name(v).to_string(),
-    };
+    let wrong = |column: &str, expected, v: &Value| wrong_type(row, column.into(), expected, v);
     let mut inputs = TemplateInputs::default();
     match obj.get("tools") {
         None | Some(Value::Null) => {}
@@ -403,4 +391,15 @@ pub(super) fn template_inputs(row: &Row, obj: &Map<String, Value>) -> Result<Tem
         }
     }
     Ok(inputs)
+}
+
+/// Column `column` of `row` holds `v`, not what `expected` says.
+fn wrong_type(row: &Row, column: String, expected: &'static str, v: &Value) -> DataError {
+    DataError::WrongType {
+        path: (*row.file).clone(),
+        row: row.index,
+        column,
+        expected,
+        found: kind_name(v).to_string(),
+    }
 }

@@ -475,6 +475,20 @@ mod tests {
             r#"{"a": [1, 2.5, "x<y&z é"], "b": 1, "c": {}, "d": null, "e": true}"#
         );
         assert_eq!(
+            render("v | tojson(separators=[\",\", \":\"])"),
+            r#"{"b":1,"a":[1,2.5,"x<y&z é"],"c":{},"d":null,"e":true}"#
+        );
+        let bad = ChatTemplate::new("{{ 1 | tojson(indent=[1]) }}".into(), "test".into())
+            .expect("compiles")
+            .render(
+                &[],
+                false,
+                &TemplateVars::default(),
+                &TemplateInputs::default(),
+            )
+            .expect_err("indent");
+        assert!(bad.to_string().contains("indent must be a number"), "{bad}");
+        assert_eq!(
             render("v | tojson(ensure_ascii=true)"),
             r#"{"b": 1, "a": [1, 2.5, "x<y&z \u00e9"], "c": {}, "d": null, "e": true}"#
         );
