@@ -216,7 +216,9 @@ pub fn run<B: AutodiffBackend>(
     let model =
         build::<B::InnerBackend>(&args, &mut RandomInit::new(0, &args), &Default::default())
             .map_err(|e| fail(&e))?;
-    let dir = scratch.join(format!("bench-{}", s.shape));
+    // One folder per process: two benches of one shape at once (the test suite's) must not
+    // write and remove each other's checkpoint.
+    let dir = scratch.join(format!("bench-{}-{}", s.shape, std::process::id()));
     let t = Instant::now();
     save_model(
         &model,
@@ -416,7 +418,7 @@ pub fn run<B: AutodiffBackend>(
         let optim_state = optimizer.state_dict();
         report.snapshot_seconds = secs(t.elapsed());
         let t = Instant::now();
-        let out = scratch.join(format!("bench-{}-ckpt", s.shape));
+        let out = scratch.join(format!("bench-{}-ckpt-{}", s.shape, std::process::id()));
         std::fs::create_dir_all(&out).map_err(|e| fail(&e))?;
         let state = if s.mode.is_adapter() {
             state
