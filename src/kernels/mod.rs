@@ -423,6 +423,33 @@ pub fn permute<B: Backend, const D: usize>(x: Tensor<B, D>, axes: [usize; D]) ->
     }
 }
 
+/// `buffer` (`[batch, heads, capacity, dim]`, a key/value cache) with `new` (`[batch, heads,
+/// count, dim]`) written at positions `at..at + count`: in place on Flex when `buffer` is not
+/// shared ([`flex::write_positions`] says why burn's `slice_assign` is not), elsewhere burn's
+/// `slice_assign` (in place on cubecl devices).
+pub fn write_positions<B: Backend>(
+    buffer: Tensor<B, 4>,
+    at: usize,
+    new: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let [batch, heads, count, dim] = new.dims();
+    let range = [0..batch, 0..heads, at..at + count, 0..dim];
+    let (buffer, new) = match (
+        dispatch::as_flex_of(buffer, |_| true),
+        dispatch::as_flex_of(new, |_| true),
+    ) {
+        (Ok(buffer), Ok(new)) => match flex::write_positions(buffer, at, &new) {
+            Ok(written) => return dispatch::from_flex(written),
+            Err(buffer) => (dispatch::from_flex(buffer), dispatch::from_flex(new)),
+        },
+        (buffer, new) => (
+            buffer.map_or_else(|t| t, dispatch::from_flex),
+            new.map_or_else(|t| t, dispatch::from_flex),
+        ),
+    };
+    buffer.slice_assign(range, new)
+}
+
 /// `x * sigmoid(x)`.
 pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     struct Silu;

@@ -58,8 +58,8 @@ impl<B: Backend> LayerCache<B> {
     }
 }
 
-/// `buffer` with `new` written at positions `len..len + new` (in place when the buffer is not
-/// shared, which it is not between steps), grown by doubling when it is too small.
+/// `buffer` with `new` written at positions `len..len + new` (in place: the buffer is not
+/// shared between steps), grown by doubling when it is too small.
 fn write<B: Backend>(buffer: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>) -> Tensor<B, 4> {
     let [batch, heads, count, dim] = new.dims();
     let end = len + count;
@@ -75,13 +75,13 @@ fn write<B: Backend>(buffer: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>
             match old {
                 Some(old) if len > 0 => {
                     let filled = old.slice([0..batch, 0..heads, 0..len, 0..dim]);
-                    fresh.slice_assign([0..batch, 0..heads, 0..len, 0..dim], filled)
+                    crate::kernels::write_positions(fresh, 0, filled)
                 }
                 _ => fresh,
             }
         }
     };
-    buffer.slice_assign([0..batch, 0..heads, len..end, 0..dim], new)
+    crate::kernels::write_positions(buffer, len, new)
 }
 
 #[derive(Debug)]
@@ -127,6 +127,41 @@ mod tests {
             .map(|i| (start * 1000 + i) as f32)
             .collect();
         Tensor::from_data(TensorData::new(values, [b, h, len, d]), &Default::default())
+    }
+
+    fn buffer_address(cache: &LayerCache<Flex>) -> Option<usize> {
+        let keys = cache.keys.as_ref()?.clone().into_primitive().tensor();
+        Some(keys.bytes().as_ptr() as usize)
+    }
+
+    /// A decoding step writes its position into the buffer it has, never a copy of it
+    /// (burn-flex's `slice_assign` copied every layer's whole cache per token).
+    #[test]
+    fn a_decoding_step_writes_its_position_in_place() {
+        let mut cache = LayerCache::<Flex>::default();
+        let _ = cache.append(block(0, 3), block(0, 3));
+        let buffer = buffer_address(&cache);
+        assert!(buffer.is_some());
+        for pos in 3..40 {
+            let (k, _) = cache.append(block(pos, 1), block(pos, 1));
+            assert_eq!(k.dims()[2], pos + 1);
+            assert_eq!(buffer_address(&cache), buffer, "position {pos}");
+        }
+    }
+
+    /// bf16 caches (`dtype: bf16`) append as f32 ones do, across growth.
+    #[test]
+    fn bf16_appends_equal_concatenation() {
+        let bf16 = |t: Tensor<Flex, 4>| t.cast(burn::tensor::DType::BF16);
+        let mut cache = LayerCache::<Flex>::default();
+        let mut expected = bf16(block(0, 5));
+        let _ = cache.append(expected.clone(), expected.clone());
+        for pos in 5..INITIAL_CAPACITY + 9 {
+            let new = bf16(block(pos, 1));
+            let (k, _) = cache.append(new.clone(), new.clone());
+            expected = Tensor::cat(vec![expected, new], 2);
+            assert_eq!(k.to_data(), expected.to_data(), "after {pos}");
+        }
     }
 
     /// Appends across the first buffer's capacity (a prefill longer than it, then single
