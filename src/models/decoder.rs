@@ -338,6 +338,33 @@ impl<B: Backend> OutputHead<B> {
         self.project(hidden.reshape([batch * seq, h]), mode)
             .reshape([batch, seq, self.vocab_size])
     }
+
+    /// [`Self::logits`] at `positions` only (`[batch, width]` row-major: each row's
+    /// positions, each below `seq`) -> `[batch, width, vocab]`, the same values as the full
+    /// logits there: TRL's `logits_to_keep`. Why: an RL update scores only the completion,
+    /// and with a real vocabulary the projection is a large share of the model
+    /// (SmolLM2-135M's 49 152 x 576 is a fifth of its weights).
+    pub fn logits_at(
+        &self,
+        hidden: Tensor<B, 3>,
+        positions: &[i32],
+        mode: ForwardMode,
+    ) -> Tensor<B, 3> {
+        let [batch, seq, h] = hidden.dims();
+        let width = positions.len() / batch.max(1);
+        let flat: Vec<i32> = positions
+            .chunks(width.max(1))
+            .enumerate()
+            .flat_map(|(row, at)| at.iter().map(move |&p| (row * seq) as i32 + p))
+            .collect();
+        let index = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(flat, [batch * width]),
+            &hidden.device(),
+        );
+        let kept = hidden.reshape([batch * seq, h]).select(0, index);
+        self.project(kept, mode)
+            .reshape([batch, width, self.vocab_size])
+    }
 }
 
 /// Hugging Face's `model.*`: embeddings, layers, final norm.

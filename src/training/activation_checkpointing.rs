@@ -378,16 +378,76 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
     mode: ForwardMode,
-    (checkpointing, step_seed): (Checkpointing, u64),
+    checkpointing: (Checkpointing, u64),
     weight: f64,
     aux_coef: Option<f64>,
     loss_of_logits: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
+) -> LossPass<B> {
+    let head = LossHead {
+        logits_at: None,
+        loss_of_logits,
+    };
+    loss_pass(model, input, mode, checkpointing, weight, aux_coef, head)
+}
+
+/// [`loss_and_grads`] with logits only at `logits_at` (`[batch, width]` row-major, each row's
+/// positions): `loss_of_logits` gets `[batch, width, vocab]` ([`OutputHead::logits_at`]).
+pub fn loss_and_grads_at<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    mode: ForwardMode,
+    checkpointing: (Checkpointing, u64),
+    weight: f64,
+    aux_coef: Option<f64>,
+    (logits_at, loss_of_logits): (&[i32], impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>),
+) -> LossPass<B> {
+    let head = LossHead {
+        logits_at: Some(logits_at),
+        loss_of_logits,
+    };
+    loss_pass(model, input, mode, checkpointing, weight, aux_coef, head)
+}
+
+/// What a pass makes of its top hidden states: logits (at every position, or at the given
+/// ones) and the loss of them.
+struct LossHead<'a, F> {
+    logits_at: Option<&'a [i32]>,
+    loss_of_logits: F,
+}
+
+impl<F> LossHead<'_, F> {
+    /// The loss of the logits of `normed` (final norm applied).
+    fn loss<B: Backend>(
+        self,
+        output: &OutputHead<B>,
+        normed: Tensor<B, 3>,
+        mode: ForwardMode,
+    ) -> Tensor<B, 1>
+    where
+        F: FnOnce(Tensor<B, 3>) -> Tensor<B, 1>,
+    {
+        let logits = match self.logits_at {
+            Some(at) => output.logits_at(normed, at, mode),
+            None => output.logits(normed, mode),
+        };
+        (self.loss_of_logits)(logits)
+    }
+}
+
+fn loss_pass<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    input: TokenBatch<'_>,
+    mode: ForwardMode,
+    (checkpointing, step_seed): (Checkpointing, u64),
+    weight: f64,
+    aux_coef: Option<f64>,
+    loss_head: LossHead<'_, impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>>,
 ) -> LossPass<B> {
     // A sharded model trains only through per-layer passes: its layers are whole one at a
     // time, and their gradients reach its shards only from here.
     if checkpointing.recomputes() || model.shards.is_some() {
         let head = |output: &OutputHead<B>, top: Tensor<B, 3>| {
-            let loss = loss_of_logits(output.logits(output.norm(top), mode));
+            let loss = loss_head.loss(output, output.norm(top), mode);
             let grads = (loss.clone() * weight).backward();
             (loss, vec![grads])
         };
@@ -409,8 +469,9 @@ pub fn loss_and_grads<B: AutodiffBackend>(
         };
     }
     let Some(coef) = aux_coef else {
+        let hidden = model.hidden(input, mode, None);
         return LossPass {
-            loss: loss_of_logits(model.forward(input, mode)),
+            loss: loss_head.loss(&model.head(), hidden, mode),
             grads: None,
             aux_loss: None,
         };
@@ -419,7 +480,7 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     let aux = load
         .aux_loss()
         .unwrap_or_else(|| Tensor::zeros([1], &model.device()));
-    let loss = loss_of_logits(model.logits(hidden, mode)) + aux.clone() * coef;
+    let loss = loss_head.loss(&model.head(), hidden, mode) + aux.clone() * coef;
     LossPass {
         loss,
         grads: None,

@@ -164,6 +164,32 @@ pub fn completion_log_probs<B: Backend>(
     picked.mask_fill(mask.bool_not(), 1.0)
 }
 
+/// [`completion_log_probs`] of logits computed only at the completion's positions
+/// (`[rows, width, vocab]`, [`Rollouts::window_indices`]; [`OutputHead::logits_at`]): the same
+/// values, without projecting the prompts' positions onto the vocabulary.
+pub fn window_log_probs<B: Backend>(
+    logits: Tensor<B, 3>,
+    rollouts: &Rollouts,
+    temperature: f64,
+) -> Tensor<B, 2> {
+    let [rows, width, vocab] = logits.dims();
+    let device = logits.device();
+    let logits = crate::precision::to_f32(logits) / temperature;
+    let (all_targets, _) = next_token_targets(&rollouts.batch.labels, rows);
+    let seq = rollouts.batch.seq_len;
+    let targets: Vec<i32> = rollouts
+        .window_indices()
+        .chunks(width.max(1))
+        .enumerate()
+        .flat_map(|(row, at)| at.iter().map(move |&p| (row, p)))
+        .map(|(row, p)| all_targets[row * seq + p as usize])
+        .collect();
+    let picked =
+        target_log_probs(logits.reshape([rows * width, vocab]), &targets).reshape([rows, width]);
+    let mask = bool_grid::<B>(&rollouts.mask, rows, width, &device);
+    picked.mask_fill(mask.bool_not(), 1.0)
+}
+
 fn bool_grid<B: Backend>(
     values: &[bool],
     rows: usize,
@@ -218,15 +244,16 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let mut scored = None;
         // TRL's GRPO adds the policy's load-balancing loss of each micro-batch's forward
         // (`loss + router_aux_loss_coef * aux_loss`), over its real tokens.
-        let pass = activation_checkpointing::loss_and_grads(
+        let window = r.window_indices();
+        let pass = activation_checkpointing::loss_and_grads_at(
             model,
             token_batch(batch),
             POLICY_MODE,
             (self.activation_checkpointing, info.seed),
             rows as f64,
             load_balancing::aux_loss_coef(model),
-            |logits| {
-                let pi = completion_log_probs(logits, r, temperature);
+            (&window, |logits| {
+                let pi = window_log_probs(logits, r, temperature);
                 let detached = pi.clone().detach();
                 let old = r
                     .old_log_probs
@@ -259,7 +286,7 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
                 };
                 scored = Some((out, approx_kl));
                 loss
-            },
+            }),
         );
         let (out, approx_kl) = scored.expect("loss_and_grads calls the loss closure once");
         let (_, mut metrics) =
@@ -772,9 +799,10 @@ fn score<B: Backend>(
     while start < rows {
         let end = (start + rows_per_pass).min(rows);
         let part = rollouts.rows_range(start, end);
-        let logits = model.forward(token_batch(&part.batch), mode);
+        let hidden = model.hidden(token_batch(&part.batch), mode, None);
+        let logits = model.head().logits_at(hidden, &part.window_indices(), mode);
         super::fsdp::check(model)?;
-        let lp = completion_log_probs(logits, &part, temperature);
+        let lp = window_log_probs(logits, &part, temperature);
         out.extend(HostTensor::from_tensor(&lp).data);
         start = end;
     }
@@ -1061,6 +1089,52 @@ mod tests {
         );
         let e = check_prompts(&[&good, &empty], &[4, 9], 10).unwrap_err();
         assert!(e.to_string().contains("dataset row 9"), "{e}");
+    }
+
+    /// Log-probabilities of logits computed only at each row's completion positions (the
+    /// update's and the scoring passes') equal those picked out of the full logits.
+    #[test]
+    fn completion_window_logits_give_the_full_logits_log_probs() {
+        use burn::backend::Flex;
+        use burn::tensor::{Int, TensorData};
+        let (p1, c1) = (vec![5u32, 6, 7], vec![8u32, 9]);
+        let (p2, c2) = (vec![5u32], vec![3u32, 4, 2]);
+        let rows = [
+            RolloutRow {
+                prompt: &p1,
+                completion: &c1,
+                counts: true,
+            },
+            RolloutRow {
+                prompt: &p2,
+                completion: &c2,
+                counts: true,
+            },
+        ];
+        let r = collate_rollouts(&rows, 0);
+        let (n, seq, vocab, width) = (2, r.batch.seq_len, 11, r.width);
+        let values: Vec<f32> = (0..n * seq * vocab)
+            .map(|i| ((i * 37 % 101) as f32 / 10.0) - 5.0)
+            .collect();
+        let device = Default::default();
+        let full = Tensor::<Flex, 3>::from_data(TensorData::new(values, [n, seq, vocab]), &device);
+        let want = completion_log_probs(full.clone(), &r, 0.7);
+        let flat: Vec<i32> = r
+            .window_indices()
+            .chunks(width)
+            .enumerate()
+            .flat_map(|(row, at)| at.iter().map(move |&p| (row * seq) as i32 + p))
+            .collect();
+        let index = Tensor::<Flex, 1, Int>::from_data(TensorData::new(flat, [n * width]), &device);
+        let window = full
+            .reshape([n * seq, vocab])
+            .select(0, index)
+            .reshape([n, width, vocab]);
+        let got = window_log_probs(window, &r, 0.7);
+        assert_eq!(got.to_data(), want.to_data());
+        // Some counted positions are real log-probabilities, not the padding's 1.0.
+        let got = got.into_data().to_vec::<f32>().unwrap();
+        assert!(got.iter().filter(|&&v| v < 0.0).count() >= 4, "{got:?}");
     }
 
     #[test]
