@@ -17,6 +17,9 @@ Usage (a venv with torch, transformers, trl and peft; tune built):
 
     python benches/grpo_side_by_side.py --tune target/release/tune --out /tmp/grpo-bench [--steps 20]
 
+With `--checkpoint DIR` both sides train that checkpoint instead (with its own tokenizer and
+chat template), e.g. the real SmolLM2-135M-Instruct that benches/smollm2_from_gguf.py writes.
+
 Prints a markdown table: seconds per step, rollout tokens per second, peak RSS, and the mean
 reward of the first and last quarter of the steps, and both reward curves.
 """
@@ -248,14 +251,22 @@ def main():
     p.add_argument("--out", default="/tmp/grpo-bench")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model")
+    p.add_argument(
+        "--checkpoint",
+        help="an HF checkpoint folder to train instead of the random SmolLM2-135M-shaped model "
+        "(benches/smollm2_from_gguf.py writes the real SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--trl-child", action="store_true")
     p.add_argument("--reuse-tune", action="store_true", help="take tune's figures from OUT/tune.json")
     args = p.parse_args()
     if args.trl_child:
         return trl_main(args)
     os.makedirs(args.out, exist_ok=True)
-    model = os.path.join(args.out, "model")
-    write_model(model)
+    if args.checkpoint:
+        model = os.path.abspath(args.checkpoint)
+    else:
+        model = os.path.join(args.out, "model")
+        write_model(model)
     tune_json = os.path.join(args.out, "tune.json")
     if args.reuse_tune:
         tune = json.load(open(tune_json))
