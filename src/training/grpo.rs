@@ -1097,21 +1097,7 @@ mod tests {
     fn completion_window_logits_give_the_full_logits_log_probs() {
         use burn::backend::Flex;
         use burn::tensor::{Int, TensorData};
-        let (p1, c1) = (vec![5u32, 6, 7], vec![8u32, 9]);
-        let (p2, c2) = (vec![5u32], vec![3u32, 4, 2]);
-        let rows = [
-            RolloutRow {
-                prompt: &p1,
-                completion: &c1,
-                counts: true,
-            },
-            RolloutRow {
-                prompt: &p2,
-                completion: &c2,
-                counts: true,
-            },
-        ];
-        let r = collate_rollouts(&rows, 0);
+        let r = two_rollouts(true);
         let (n, seq, vocab, width) = (2, r.batch.seq_len, 11, r.width);
         let values: Vec<f32> = (0..n * seq * vocab)
             .map(|i| ((i * 37 % 101) as f32 / 10.0) - 5.0)
@@ -1137,8 +1123,8 @@ mod tests {
         assert!(got.iter().filter(|&&v| v < 0.0).count() >= 4, "{got:?}");
     }
 
-    #[test]
-    fn rollout_rows_are_right_padded_with_the_completion_as_labels() {
+    /// Rows [5 6 7 | 8 9] and [5 | 3 4 2], the second counting in the loss or not.
+    fn two_rollouts(second_counts: bool) -> Rollouts {
         let (p1, c1) = (vec![5u32, 6, 7], vec![8u32, 9]);
         let (p2, c2) = (vec![5u32], vec![3u32, 4, 2]);
         let rows = [
@@ -1150,10 +1136,15 @@ mod tests {
             RolloutRow {
                 prompt: &p2,
                 completion: &c2,
-                counts: false,
+                counts: second_counts,
             },
         ];
-        let r = collate_rollouts(&rows, 0);
+        collate_rollouts(&rows, 0)
+    }
+
+    #[test]
+    fn rollout_rows_are_right_padded_with_the_completion_as_labels() {
+        let r = two_rollouts(false);
         assert_eq!(r.batch.seq_len, 5);
         assert_eq!(r.width, 3);
         assert_eq!(r.batch.tokens, vec![5, 6, 7, 8, 9, 5, 3, 4, 2, 0]);
