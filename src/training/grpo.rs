@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Tensor, TensorData};
 
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
@@ -141,32 +141,13 @@ impl Rollouts {
 }
 
 /// Per-token log-probabilities `[rows, width]` of each row's completion under `logits`
-/// `[rows, seq, vocab]` at `temperature` (`log_softmax(logits / temperature)`, torchtune's
-/// `batched_logits_to_logprobs`), in fp32, with 1.0 where `mask` is false (torchtune writes 1.0
-/// into the padding of every log-probability tensor, so padding counts as ratio 1).
-pub fn completion_log_probs<B: Backend>(
-    logits: Tensor<B, 3>,
-    rollouts: &Rollouts,
-    temperature: f64,
-) -> Tensor<B, 2> {
-    let [rows, seq, vocab] = logits.dims();
-    let device = logits.device();
-    let logits = crate::precision::to_f32(logits) / temperature;
-    let (targets, _) = next_token_targets(&rollouts.batch.labels, rows);
-    let all = target_log_probs(logits.reshape([rows * seq, vocab]), &targets).reshape([rows, seq]);
-    let width = rollouts.width;
-    let index = Tensor::<B, 2, Int>::from_data(
-        TensorData::new(rollouts.window_indices(), [rows, width]),
-        &device,
-    );
-    let picked = all.gather(1, index);
-    let mask = bool_grid::<B>(&rollouts.mask, rows, width, &device);
-    picked.mask_fill(mask.bool_not(), 1.0)
-}
-
-/// [`completion_log_probs`] of logits computed only at the completion's positions
-/// (`[rows, width, vocab]`, [`Rollouts::window_indices`]; [`OutputHead::logits_at`]): the same
-/// values, without projecting the prompts' positions onto the vocabulary.
+/// computed only at the completion's positions (`[rows, width, vocab]`,
+/// [`Rollouts::window_indices`]; [`OutputHead::logits_at`]): `log_softmax(logits /
+/// temperature)` (torchtune's `batched_logits_to_logprobs`) at each completion token, in fp32,
+/// with 1.0 where `mask` is false (torchtune writes 1.0 into the padding of every
+/// log-probability tensor, so padding counts as ratio 1). The values torchtune picks out of
+/// the full logits (`logits[:, context_length - 1 : -1]`), without projecting the prompts'
+/// positions onto the vocabulary.
 pub fn window_log_probs<B: Backend>(
     logits: Tensor<B, 3>,
     rollouts: &Rollouts,
@@ -188,6 +169,22 @@ pub fn window_log_probs<B: Backend>(
         target_log_probs(logits.reshape([rows * width, vocab]), &targets).reshape([rows, width]);
     let mask = bool_grid::<B>(&rollouts.mask, rows, width, &device);
     picked.mask_fill(mask.bool_not(), 1.0)
+}
+
+/// `model`'s log-probabilities of `rollouts`' completions (`[rows, width]`, as
+/// [`window_log_probs`]), projecting only the completion's positions onto the vocabulary: the
+/// scoring passes of GRPO (the old policy, the reference) and PPO (the policy, the reference).
+pub fn score_completions<B: Backend>(
+    model: &CausalLm<B>,
+    rollouts: &Rollouts,
+    mode: ForwardMode,
+    temperature: f64,
+) -> Tensor<B, 2> {
+    let hidden = model.hidden(token_batch(&rollouts.batch), mode, None);
+    let logits = model
+        .head()
+        .logits_at(hidden, &rollouts.window_indices(), mode);
+    window_log_probs(logits, rollouts, temperature)
 }
 
 fn bool_grid<B: Backend>(
@@ -799,10 +796,8 @@ fn score<B: Backend>(
     while start < rows {
         let end = (start + rows_per_pass).min(rows);
         let part = rollouts.rows_range(start, end);
-        let hidden = model.hidden(token_batch(&part.batch), mode, None);
-        let logits = model.head().logits_at(hidden, &part.window_indices(), mode);
+        let lp = score_completions(model, &part, mode, temperature);
         super::fsdp::check(model)?;
-        let lp = window_log_probs(logits, &part, temperature);
         out.extend(HostTensor::from_tensor(&lp).data);
         start = end;
     }
@@ -1070,6 +1065,7 @@ pub(crate) fn combine(updates: Vec<StepDone>) -> StepDone {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::Int;
 
     /// A prompt the model cannot take stops the rollout naming its dataset row and why.
     #[test]
@@ -1091,12 +1087,34 @@ mod tests {
         assert!(e.to_string().contains("dataset row 9"), "{e}");
     }
 
+    /// The definition [`window_log_probs`] is held to: each row's completion log-probabilities
+    /// picked out of the full logits `[rows, seq, vocab]`, as torchtune picks them.
+    fn completion_log_probs<B: Backend>(
+        logits: Tensor<B, 3>,
+        rollouts: &Rollouts,
+        temperature: f64,
+    ) -> Tensor<B, 2> {
+        let [rows, seq, vocab] = logits.dims();
+        let device = logits.device();
+        let logits = crate::precision::to_f32(logits) / temperature;
+        let (targets, _) = next_token_targets(&rollouts.batch.labels, rows);
+        let all =
+            target_log_probs(logits.reshape([rows * seq, vocab]), &targets).reshape([rows, seq]);
+        let width = rollouts.width;
+        let index = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(rollouts.window_indices(), [rows, width]),
+            &device,
+        );
+        let picked = all.gather(1, index);
+        let mask = bool_grid::<B>(&rollouts.mask, rows, width, &device);
+        picked.mask_fill(mask.bool_not(), 1.0)
+    }
+
     /// Log-probabilities of logits computed only at each row's completion positions (the
     /// update's and the scoring passes') equal those picked out of the full logits.
     #[test]
     fn completion_window_logits_give_the_full_logits_log_probs() {
         use burn::backend::Flex;
-        use burn::tensor::{Int, TensorData};
         let r = two_rollouts(true);
         let (n, seq, vocab, width) = (2, r.batch.seq_len, 11, r.width);
         let values: Vec<f32> = (0..n * seq * vocab)

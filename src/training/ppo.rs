@@ -39,7 +39,8 @@ use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
 use super::grpo::{
-    RolloutRow, Rollouts, check_prompts, collate_rollouts, completion_log_probs, completion_seed,
+    RolloutRow, Rollouts, check_prompts, collate_rollouts, completion_seed, score_completions,
+    window_log_probs,
 };
 use super::load_balancing;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
@@ -193,15 +194,16 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
         let (epsilon, temperature) = (self.epsilon, self.temperature);
         let mut stats = None;
         // The policy's load-balancing loss, added as TRL's GRPO adds it.
-        let pass = activation_checkpointing::loss_and_grads(
+        let window = mb.rollouts.window_indices();
+        let pass = activation_checkpointing::loss_and_grads_at(
             model,
             token_batch(batch),
             TRAIN_MODE,
             (self.activation_checkpointing, info.seed),
             1.0,
             load_balancing::aux_loss_coef(model),
-            |logits| {
-                let pi = completion_log_probs(logits, &mb.rollouts, temperature);
+            (&window, |logits| {
+                let pi = window_log_probs(logits, &mb.rollouts, temperature);
                 let approx_kl = (pi.clone().detach() - old.clone()).powi_scalar(2).mean() * 0.5;
                 let (loss, ratios, clipfrac) = policy_loss(
                     old.clone(),
@@ -217,7 +219,7 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
                     approx_kl,
                 ));
                 loss
-            },
+            }),
         );
         let (policy, ratios, clipfrac, approx_kl) =
             stats.expect("loss_and_grads calls the loss closure once");
@@ -518,17 +520,9 @@ pub fn score_responses<B: Backend>(
             TensorData::new(vec![true; part.mask.len()], [end - start, width]),
             &device,
         );
-        let lp = completion_log_probs(
-            models.policy.forward(input, SCORING_MODE),
-            &part,
-            temperature,
-        );
+        let lp = score_completions(models.policy, &part, SCORING_MODE, temperature);
         log_probs.extend(HostTensor::from_tensor(&lp).data);
-        let rlp = completion_log_probs(
-            models.reference.forward(input, SCORING_MODE),
-            &part,
-            temperature,
-        );
+        let rlp = score_completions(models.reference, &part, SCORING_MODE, temperature);
         ref_log_probs.extend(HostTensor::from_tensor(&rlp).data);
         let v = response_values(models.value.forward(input, SCORING_MODE), &part, all_tokens);
         values.extend(HostTensor::from_tensor(&v).data);
