@@ -146,12 +146,7 @@ pub fn cross_entropy_backward_with<B: AutodiffBackend>(
             Some(kept) => {
                 let zeros =
                     precision::to_dtype(Tensor::zeros([rows, width], &device), upstream.dtype());
-                zeros.select_assign(
-                    0,
-                    row_index(kept, &device),
-                    upstream,
-                    IndexingUpdateOp::Add,
-                )
+                zeros.select_assign(0, row_index(kept, &device), upstream, IndexingUpdateOp::Add)
             }
             None => upstream,
         };
