@@ -339,32 +339,31 @@ impl<B: Backend> OutputHead<B> {
             .reshape([batch, seq, self.vocab_size])
     }
 
-    /// [`Self::logits`] at `positions` only (`[batch, width]` row-major: each row's
-    /// positions, each below `seq`) -> `[batch, width, vocab]`, the same values as the full
+    /// [`Self::logits`] at `rows` only (indices into the flattened `[batch * seq]` positions,
+    /// `width` per sequence, in order) -> `[batch, width, vocab]`, the same values as the full
     /// logits there: TRL's `logits_to_keep`. Why: an RL update scores only the completion,
     /// and with a real vocabulary the projection is a large share of the model
     /// (SmolLM2-135M's 49 152 x 576 is a fifth of its weights).
     pub fn logits_at(
         &self,
         hidden: Tensor<B, 3>,
-        positions: &[i32],
+        rows: &[usize],
         mode: ForwardMode,
     ) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
-        let width = positions.len() / batch.max(1);
-        let flat: Vec<i32> = positions
-            .chunks(width.max(1))
-            .enumerate()
-            .flat_map(|(row, at)| at.iter().map(move |&p| (row * seq) as i32 + p))
-            .collect();
-        let index = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(flat, [batch * width]),
-            &hidden.device(),
-        );
+        let width = rows.len() / batch.max(1);
+        let index = row_index(rows, &hidden.device());
         let kept = hidden.reshape([batch * seq, h]).select(0, index);
         self.project(kept, mode)
             .reshape([batch, width, self.vocab_size])
     }
+}
+
+/// `rows` as an index tensor for `select` and `select_assign` along the first dimension.
+pub fn row_index<B: Backend>(rows: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
+    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    let n = rows.len();
+    Tensor::from_data(TensorData::new(rows, [n]), device)
 }
 
 /// Hugging Face's `model.*`: embeddings, layers, final norm.

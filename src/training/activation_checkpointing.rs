@@ -390,8 +390,9 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     loss_pass(model, input, mode, checkpointing, weight, aux_coef, head)
 }
 
-/// [`loss_and_grads`] with logits only at `logits_at` (`[batch, width]` row-major, each row's
-/// positions): `loss_of_logits` gets `[batch, width, vocab]` ([`OutputHead::logits_at`]).
+/// [`loss_and_grads`] with logits only at `logits_at` (indices into the flattened
+/// `[batch * seq]` positions, `width` per sequence): `loss_of_logits` gets
+/// `[batch, width, vocab]` ([`OutputHead::logits_at`]).
 pub fn loss_and_grads_at<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
@@ -399,7 +400,7 @@ pub fn loss_and_grads_at<B: AutodiffBackend>(
     checkpointing: (Checkpointing, u64),
     weight: f64,
     aux_coef: Option<f64>,
-    (logits_at, loss_of_logits): (&[i32], impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>),
+    (logits_at, loss_of_logits): (&[usize], impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>),
 ) -> LossPass<B> {
     let head = LossHead {
         logits_at: Some(logits_at),
@@ -411,7 +412,7 @@ pub fn loss_and_grads_at<B: AutodiffBackend>(
 /// What a pass makes of its top hidden states: logits (at every position, or at the given
 /// ones) and the loss of them.
 struct LossHead<'a, F> {
-    logits_at: Option<&'a [i32]>,
+    logits_at: Option<&'a [usize]>,
     loss_of_logits: F,
 }
 

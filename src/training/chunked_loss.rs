@@ -20,11 +20,11 @@
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{IndexingUpdateOp, Tensor};
 
 use super::loss::next_token_targets;
 use crate::models::CausalLm;
-use crate::models::decoder::OutputHead;
+use crate::models::decoder::{OutputHead, row_index};
 use crate::modules::ForwardMode;
 use crate::{kernels, precision};
 
@@ -92,15 +92,11 @@ pub fn cross_entropy_backward_with<B: AutodiffBackend>(
     // a large share of the step. A batch with no target keeps every row (a zero loss, zero
     // gradients, as before).
     let labelled: Vec<usize> = (0..rows).filter(|&r| mask[r] > 0.0).collect();
-    let kept = if labelled.is_empty() || labelled.len() == rows {
-        None
-    } else {
-        Some(labelled)
-    };
+    let kept = (!labelled.is_empty() && labelled.len() < rows)
+        .then(|| (row_index::<B::InnerBackend>(&labelled, &device), labelled));
     let flat = hidden.clone().reshape([rows, width]).inner();
     let (flat, targets, mask, chunks) = match &kept {
-        Some(kept) => {
-            let index = row_index::<B::InnerBackend>(kept, &device);
+        Some((index, kept)) => {
             fn pick<T: Copy>(kept: &[usize], values: &[T]) -> Vec<T> {
                 kept.iter().map(|&r| values[r]).collect()
             }
@@ -112,7 +108,7 @@ pub fn cross_entropy_backward_with<B: AutodiffBackend>(
                 .filter(|c| !c.is_empty())
                 .collect();
             (
-                flat.select(0, index),
+                flat.select(0, index.clone()),
                 pick(kept, &targets),
                 pick(kept, &mask),
                 chunks,
@@ -143,10 +139,10 @@ pub fn cross_entropy_backward_with<B: AutodiffBackend>(
         // The rows without a target get a zero gradient (added onto zeros: burn 0.21 has
         // only the adding `select_assign`).
         let upstream = match &kept {
-            Some(kept) => {
+            Some((index, _)) => {
                 let zeros =
                     precision::to_dtype(Tensor::zeros([rows, width], &device), upstream.dtype());
-                zeros.select_assign(0, row_index(kept, &device), upstream, IndexingUpdateOp::Add)
+                zeros.select_assign(0, index.clone(), upstream, IndexingUpdateOp::Add)
             }
             None => upstream,
         };
@@ -160,16 +156,6 @@ pub fn cross_entropy_backward_with<B: AutodiffBackend>(
         grads.push(body.backward());
     }
     (Tensor::from_inner(loss_sum), grads)
-}
-
-/// `rows` as an index tensor for `select`.
-fn row_index<B: burn::tensor::backend::Backend>(
-    rows: &[usize],
-    device: &B::Device,
-) -> Tensor<B, 1, Int> {
-    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    let n = rows.len();
-    Tensor::from_data(TensorData::new(rows, [n]), device)
 }
 
 #[cfg(test)]

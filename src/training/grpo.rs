@@ -138,11 +138,21 @@ impl Rollouts {
             .flat_map(|&p| (0..self.width).map(move |c| (p - 1 + c).min(seq - 1) as i32))
             .collect()
     }
+
+    /// [`Self::window_indices`] as indices into the flattened `[rows * seq]` positions.
+    pub(crate) fn window_rows(&self) -> Vec<usize> {
+        let (seq, width) = (self.batch.seq_len, self.width.max(1));
+        self.window_indices()
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| i / width * seq + p as usize)
+            .collect()
+    }
 }
 
 /// Per-token log-probabilities `[rows, width]` of each row's completion under `logits`
 /// computed only at the completion's positions (`[rows, width, vocab]`,
-/// [`Rollouts::window_indices`]; [`OutputHead::logits_at`]): `log_softmax(logits /
+/// [`Rollouts::window_rows`]; [`OutputHead::logits_at`]): `log_softmax(logits /
 /// temperature)` (torchtune's `batched_logits_to_logprobs`) at each completion token, in fp32,
 /// with 1.0 where `mask` is false (torchtune writes 1.0 into the padding of every
 /// log-probability tensor, so padding counts as ratio 1). The values torchtune picks out of
@@ -157,13 +167,10 @@ pub fn window_log_probs<B: Backend>(
     let device = logits.device();
     let logits = crate::precision::to_f32(logits) / temperature;
     let (all_targets, _) = next_token_targets(&rollouts.batch.labels, rows);
-    let seq = rollouts.batch.seq_len;
     let targets: Vec<i32> = rollouts
-        .window_indices()
-        .chunks(width.max(1))
-        .enumerate()
-        .flat_map(|(row, at)| at.iter().map(move |&p| (row, p)))
-        .map(|(row, p)| all_targets[row * seq + p as usize])
+        .window_rows()
+        .into_iter()
+        .map(|i| all_targets[i])
         .collect();
     let picked =
         target_log_probs(logits.reshape([rows * width, vocab]), &targets).reshape([rows, width]);
@@ -183,7 +190,7 @@ pub fn score_completions<B: Backend>(
     let hidden = model.hidden(token_batch(&rollouts.batch), mode, None);
     let logits = model
         .head()
-        .logits_at(hidden, &rollouts.window_indices(), mode);
+        .logits_at(hidden, &rollouts.window_rows(), mode);
     window_log_probs(logits, rollouts, temperature)
 }
 
@@ -241,7 +248,7 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let mut scored = None;
         // TRL's GRPO adds the policy's load-balancing loss of each micro-batch's forward
         // (`loss + router_aux_loss_coef * aux_loss`), over its real tokens.
-        let window = r.window_indices();
+        let window = r.window_rows();
         let pass = activation_checkpointing::loss_and_grads_at(
             model,
             token_batch(batch),
@@ -1123,13 +1130,7 @@ mod tests {
         let device = Default::default();
         let full = Tensor::<Flex, 3>::from_data(TensorData::new(values, [n, seq, vocab]), &device);
         let want = completion_log_probs(full.clone(), &r, 0.7);
-        let flat: Vec<i32> = r
-            .window_indices()
-            .chunks(width)
-            .enumerate()
-            .flat_map(|(row, at)| at.iter().map(move |&p| (row * seq) as i32 + p))
-            .collect();
-        let index = Tensor::<Flex, 1, Int>::from_data(TensorData::new(flat, [n * width]), &device);
+        let index = crate::models::decoder::row_index(&r.window_rows(), &device);
         let window = full
             .reshape([n * seq, vocab])
             .select(0, index)
@@ -1174,6 +1175,7 @@ mod tests {
         assert_eq!(r.mask, vec![true, true, false, false, false, false]);
         // Position c of a row is predicted at prompt_len - 1 + c.
         assert_eq!(r.window_indices(), vec![2, 3, 4, 0, 1, 2]);
+        assert_eq!(r.window_rows(), vec![2, 3, 4, 5, 6, 7]);
         assert_eq!(r.rows_range(1, 2).batch.tokens, vec![5, 3, 4, 2, 0]);
         // TRL's attention_mask, which the load-balancing loss keeps to: the right padding, and
         // the truncated completion of a row that does not count, are out.

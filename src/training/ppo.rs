@@ -194,7 +194,7 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
         let (epsilon, temperature) = (self.epsilon, self.temperature);
         let mut stats = None;
         // The policy's load-balancing loss, added as TRL's GRPO adds it.
-        let window = mb.rollouts.window_indices();
+        let window = mb.rollouts.window_rows();
         let pass = activation_checkpointing::loss_and_grads_at(
             model,
             token_batch(batch),
