@@ -93,11 +93,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
 ///
 /// Why not sort the vocabulary: the walk almost always ends within the first few tokens, so
 /// they are ranked a block at a time ([`Ranked`]) and the rest never are. A full sort of
-/// SmolLM2's 49 152 tokens for each of GRPO's 16 rows per token was 7% of a run's samples
-/// (on one core while the other waited).
-pub fn draw_filtered(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
+/// SmolLM2's 49 152 tokens for each of GRPO's 16 rows per token, on one core while the other
+/// waited, was 23% of a rollout's samples: rollouts went from 76-86 to 105-129 tokens/s.
+fn draw_filtered(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
     let mut ranked = Ranked::new(candidates(logits, params));
-    let Some(&(_, max)) = ranked.first() else {
+    let Some(&(_, max)) = ranked.get(0) else {
         return 0;
     };
     let weight = |l: f64| (l - max).exp();
@@ -177,10 +177,6 @@ impl Ranked {
 
     fn new(items: Vec<(u32, f64)>) -> Self {
         Self { items, sorted: 0 }
-    }
-
-    fn first(&mut self) -> Option<&(u32, f64)> {
-        self.get(0)
     }
 
     /// The `i`-th in [`by_logit`] order, ranking the next block (twice the last) when `i`

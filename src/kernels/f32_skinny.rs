@@ -21,8 +21,8 @@
 //! against 0.333 at 96), so the path stops at 64.
 //!
 //! Why AVX-512 tiles of four rows by four lines ([`avx512`]) where the CPU has AVX-512: 32
-//! vector registers hold sixteen accumulators, so each loaded vector serves four products
-//! instead of two or four, and each instruction does twice the lanes. On the two cores of the
+//! vector registers hold sixteen accumulators, so every loaded vector serves four products (a
+//! weight line's served two in the AVX2 tiles), and each instruction does twice the lanes. On the two cores of the
 //! machine BENCHMARKS.md measures on (AMD EPYC, AVX-512): 16 rows against SmolLM2-135M's
 //! weights (30 layers' worth, read from memory) 61-71 -> 83-106 GFLOP/s per product shape,
 //! 3-6 rows (an expert's tokens) 17-35 -> 21-53; GRPO's rollouts (16 rows) 255 -> 290
