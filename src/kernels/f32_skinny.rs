@@ -118,7 +118,10 @@ multiversion! {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::{
-        __m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_reduce_add_ps, _mm512_setzero_ps,
+        __m512, _MM_HINT_T0, _mm_prefetch, _mm512_add_ps, _mm512_castpd_ps, _mm512_castps_pd,
+        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_permute_ps, _mm512_setzero_ps,
+        _mm512_shuffle_f32x4, _mm512_storeu_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+        _mm512_unpacklo_pd, _mm512_unpacklo_ps,
     };
 
     /// Lanes of one vector.
@@ -131,6 +134,7 @@ mod avx512 {
     fn tile<const R: usize, const L: usize>(
         rows: [&[f32]; R],
         lines: [&[f32]; L],
+        next: Option<[&[f32]; L]>,
     ) -> [[f32; L]; R] {
         let k = lines[0].len();
         assert!(
@@ -148,6 +152,13 @@ mod avx512 {
                 for j in 0..L {
                     y[j] = _mm512_loadu_ps(lines[j].as_ptr().add(i));
                 }
+                if let Some(next) = next {
+                    for line in next {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            line.as_ptr().add(i.min(line.len() - 1)).cast(),
+                        );
+                    }
+                }
                 for r in 0..R {
                     let x = _mm512_loadu_ps(rows[r].as_ptr().add(i));
                     for j in 0..L {
@@ -155,10 +166,24 @@ mod avx512 {
                     }
                 }
             }
+            let mut sums = [0.0f32; LANES];
+            if R * L == LANES {
+                let mut all = [_mm512_setzero_ps(); LANES];
+                for r in 0..R {
+                    all[r * L..(r + 1) * L].copy_from_slice(&acc[r]);
+                }
+                _mm512_storeu_ps(sums.as_mut_ptr(), lane_sums(all));
+            } else {
+                for r in 0..R {
+                    for j in 0..L {
+                        sums[r * L + j] = lane_sum(acc[r][j]);
+                    }
+                }
+            }
             let mut out = [[0.0f32; L]; R];
             for r in 0..R {
                 for j in 0..L {
-                    let mut sum = _mm512_reduce_add_ps(acc[r][j]);
+                    let mut sum = sums[r * L + j];
                     for t in whole..k {
                         sum = rows[r][t].mul_add(lines[j][t], sum);
                     }
@@ -166,6 +191,61 @@ mod avx512 {
                 }
             }
             out
+        }
+    }
+
+    /// The sum of `v`'s lanes, in [`lane_sums`]' order: within each 128-bit quarter
+    /// `(l0 + l2) + (l1 + l3)`, then `(q0 + q1) + (q2 + q3)`.
+    #[inline(always)]
+    unsafe fn lane_sum(v: __m512) -> f32 {
+        // SAFETY: register-only AVX-512F intrinsics (the caller is compiled for AVX-512F).
+        unsafe {
+            let v = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+            let v = _mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v));
+            let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
+            let v = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+            let mut lanes = [0.0f32; LANES];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+            lanes[0]
+        }
+    }
+
+    /// Lane `i` of the result is the sum of `v[i]`'s lanes, each added as [`lane_sum`] adds
+    /// them (bit for bit), by a transposing tree: 45 instructions where sixteen separate
+    /// reductions take about 130. Why: in a tile of four rows by four lines over SmolLM2's
+    /// K = 576, the reductions were a fifth of the instructions.
+    #[inline(always)]
+    unsafe fn lane_sums(v: [__m512; LANES]) -> __m512 {
+        // SAFETY: register-only AVX-512F intrinsics (the caller is compiled for AVX-512F).
+        unsafe {
+            // Pairs: each quarter holds (l0 + l2, l1 + l3) of both.
+            let pairs: [__m512; 8] = std::array::from_fn(|i| {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+            });
+            // Fours: each quarter holds one partial sum of each of the four.
+            let fours: [__m512; 4] = std::array::from_fn(|i| {
+                let (a, b) = (
+                    _mm512_castps_pd(pairs[2 * i]),
+                    _mm512_castps_pd(pairs[2 * i + 1]),
+                );
+                _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+                )
+            });
+            // Eights: quarters (q0 + q1) and (q2 + q3) of each of two fours.
+            let eights: [__m512; 2] = std::array::from_fn(|i| {
+                let (a, b) = (fours[2 * i], fours[2 * i + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                    _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+                )
+            });
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(eights[0], eights[1]),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(eights[0], eights[1]),
+            )
         }
     }
 
@@ -192,25 +272,35 @@ mod avx512 {
         let quads = lines / 4 * 4;
         for c in (0..quads).step_by(4) {
             let quad = [line(c), line(c + 1), line(c + 2), line(c + 3)];
+            let next =
+                (c + 8 <= quads).then(|| [line(c + 4), line(c + 5), line(c + 6), line(c + 7)]);
             for r in (0..m / 4 * 4).step_by(4) {
-                let sums = tile([row(r), row(r + 1), row(r + 2), row(r + 3)], quad);
+                let sums = tile(
+                    [row(r), row(r + 1), row(r + 2), row(r + 3)],
+                    quad,
+                    next.filter(|_| r == 0),
+                );
                 for (i, sums) in sums.iter().enumerate() {
                     put(c, r + i, sums);
                 }
             }
             for r in m / 4 * 4..m {
-                put(c, r, &tile([row(r)], quad)[0]);
+                put(c, r, &tile([row(r)], quad, None)[0]);
             }
         }
         for c in quads..lines {
             for r in (0..m / 4 * 4).step_by(4) {
-                let sums = tile([row(r), row(r + 1), row(r + 2), row(r + 3)], [line(c)]);
+                let sums = tile(
+                    [row(r), row(r + 1), row(r + 2), row(r + 3)],
+                    [line(c)],
+                    None,
+                );
                 for (i, sums) in sums.iter().enumerate() {
                     put(c, r + i, sums);
                 }
             }
             for r in m / 4 * 4..m {
-                put(c, r, &tile([row(r)], [line(c)])[0]);
+                put(c, r, &tile([row(r)], [line(c)], None)[0]);
             }
         }
     }
