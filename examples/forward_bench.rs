@@ -64,6 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokens: &tokens,
             positions: &positions,
             document_ids: None,
+            continued_documents: None,
             left_padding: None,
             padding: None,
             batch: 1,

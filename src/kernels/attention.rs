@@ -163,13 +163,41 @@ impl Masking<'_> {
             any_shown |= span.lo < hi && lo < span.hi;
             all_shown &= span.dense && span.lo <= lo && hi <= span.hi;
         }
-        any_shown.then_some(Tile {
+        if !any_shown || (!all_shown && self.hides_tile(d, g, (r0, nq), (k0, nk))) {
+            return None;
+        }
+        Some(Tile {
             g,
             r0,
             nq,
             k0,
             nk,
             edge: !all_shown,
+        })
+    }
+
+    /// Whether the mask hides keys `k0..k0 + nk` from every row of `r0..r0 + nq` although
+    /// their spans overlap them: the keys of the other completions between a packed
+    /// completion and its prompt (`training::rollout_pack`). A row that hides every key is
+    /// never skipped (its span is all keys, computed in full like the composed path).
+    /// Why: those packs' rows span the whole pack; skipping saves their attention the tiles
+    /// of every other completion. The scan reads one tile of the mask, which the tile's own
+    /// products would read anyway.
+    fn hides_tile(
+        &self,
+        d: &Dims,
+        g: usize,
+        (r0, nq): (usize, usize),
+        (k0, nk): (usize, usize),
+    ) -> bool {
+        (r0..r0 + nq).all(|row| {
+            let at = self.mask_row(d, g, row) * d.k_len;
+            let span = self.spans[self.mask_row(d, g, row)];
+            let shows_some = self.mask[at + span.lo as usize] > HIDDEN;
+            shows_some
+                && self.mask[at + k0..at + k0 + nk]
+                    .iter()
+                    .all(|&v| v <= HIDDEN)
         })
     }
 
@@ -417,6 +445,13 @@ pub fn forward(x: &Inputs) -> (Vec<f32>, Vec<RowStats>) {
     if d.rows == 0 || d.dim == 0 {
         return (out, stats);
     }
+    if d.q_len == 1 {
+        out.par_chunks_mut(d.rows * d.dim)
+            .zip(stats.par_chunks_mut(d.rows))
+            .enumerate()
+            .for_each(|(g, (o, st))| one_position(x, g, o, st));
+        return (out, stats);
+    }
     // Each group's query heads, each in blocks of its own rows (see `Dims::query_blocks`).
     let q_len = d.q_len.max(1);
     out.par_chunks_mut(q_len * d.dim)
@@ -434,6 +469,55 @@ pub fn forward(x: &Inputs) -> (Vec<f32>, Vec<RowStats>) {
                 .for_each(|(qb, (o, st))| forward_block(x, g, first + qb * BLOCK_Q, o, st));
         });
     (out, stats)
+}
+
+multiversion! {
+    /// Group `g` of a pass with one query position (a decoding step): its query heads' rows
+    /// see the same keys, so one task takes them all and computes every score at once (soft
+    /// cap, then the mask row, as [`Masking::apply`]), with the sinks' terms as
+    /// [`forward_block`] adds them. Why: the blocked path made each head's single row a block
+    /// of its own, with a small gemm call per key tile; the composed path's batched products
+    /// (what decoding used instead) were 7% of GRPO's rollouts on SmolLM2-135M.
+    fn one_position(x: &Inputs, g: usize, o: &mut [f32], stats: &mut [RowStats]) {
+        let d = &x.dims;
+        let keys = x.k.rows(d, g, 0, d.k_len);
+        let values = x.v.rows(d, g, 0, d.k_len);
+        let mut s = vec![0.0f32; d.k_len];
+        for (r, (o_row, st)) in o.chunks_exact_mut(d.dim).zip(stats.iter_mut()).enumerate() {
+            let q = x.q_rows(g, r, 1);
+            for (v, key) in s.iter_mut().zip(keys.chunks_exact(d.dim)) {
+                *v = simd::dot(q, key);
+            }
+            if let Some(cap) = x.masking.softcap {
+                for v in s.iter_mut() {
+                    *v = (*v / cap).tanh() * cap;
+                }
+            }
+            let mask = &x.masking.mask[x.masking.mask_row(d, g, r) * d.k_len..][..d.k_len];
+            for (v, &m) in s.iter_mut().zip(mask) {
+                *v += m;
+            }
+            let sink = x.sinks.map(|sinks| sinks[d.query_head(g, r)]);
+            let scores_max = simd::max(&s);
+            let max = match sink {
+                Some(sink) if sink > scores_max => sink,
+                _ => scores_max,
+            };
+            let sum = simd::exp_shifted_in_place(&mut s, max)
+                + sink.map_or(0.0, |sink| simd::exp(sink - max));
+            o_row.fill(0.0);
+            for (&p, value) in s.iter().zip(values.chunks_exact(d.dim)) {
+                for (o, &v) in o_row.iter_mut().zip(value) {
+                    *o += p * v;
+                }
+            }
+            let inv_sum = 1.0 / sum;
+            for v in o_row.iter_mut() {
+                *v *= inv_sum;
+            }
+            *st = RowStats { max, inv_sum };
+        }
+    }
 }
 
 fn forward_block(x: &Inputs, g: usize, r0: usize, o: &mut [f32], stats: &mut [RowStats]) {

@@ -184,11 +184,7 @@ fn attention_in<B: Backend>(
         OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
     };
     let composed = |q, k, v, sinks| laid_out(composed_attention(q, k, v, mask, softcap, sinks));
-    // A decoding step (one query position, no autodiff) keeps nothing for a backward and its
-    // scores are one row per query head: two batched products beat the fused kernel's
-    // per-block overhead there (measured: decode rate 13% lower through it on SmolLM2-135M).
-    let decoding = q_len == 1 && !B::ad_enabled(&q.device());
-    if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
+    if !FUSED_ATTENTION.load(Ordering::Relaxed) {
         return composed(q, k, v, sinks);
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

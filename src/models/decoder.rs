@@ -339,24 +339,33 @@ impl<B: Backend> OutputHead<B> {
             .reshape([batch, seq, self.vocab_size])
     }
 
-    /// [`Self::logits`] at `rows` only (indices into the flattened `[batch * seq]` positions,
-    /// `width` per sequence, in order) -> `[batch, width, vocab]`, the same values as the full
-    /// logits there: TRL's `logits_to_keep`. Why: an RL update scores only the completion,
-    /// and with a real vocabulary the projection is a large share of the model
-    /// (SmolLM2-135M's 49 152 x 576 is a fifth of its weights).
+    /// [`Self::logits`] at `at.rows` only -> `[at.rows.len() / at.width, at.width, vocab]`,
+    /// the same values as the full logits there: TRL's `logits_to_keep`. Why: an RL update
+    /// scores only the completion, and with a real vocabulary the projection is a large share
+    /// of the model (SmolLM2-135M's 49 152 x 576 is a fifth of its weights).
     pub fn logits_at(
         &self,
         hidden: Tensor<B, 3>,
-        rows: &[usize],
+        at: LogitRows<'_>,
         mode: ForwardMode,
     ) -> Tensor<B, 3> {
         let [batch, seq, h] = hidden.dims();
-        let width = rows.len() / batch.max(1);
-        let index = row_index(rows, &hidden.device());
+        let width = at.width.max(1);
+        let index = row_index(at.rows, &hidden.device());
         let kept = hidden.reshape([batch * seq, h]).select(0, index);
         self.project(kept, mode)
-            .reshape([batch, width, self.vocab_size])
+            .reshape([at.rows.len() / width, width, self.vocab_size])
     }
+}
+
+/// The positions to project onto the vocabulary, as sequences of `width`: `rows` indexes the
+/// flattened `[batch * seq]` hidden states, `width` at a time per result sequence, in order.
+/// A position may serve several result sequences (a packed prompt's last position predicts
+/// the first token of each completion that continues it).
+#[derive(Debug, Clone, Copy)]
+pub struct LogitRows<'a> {
+    pub rows: &'a [usize],
+    pub width: usize,
 }
 
 /// `rows` as an index tensor for `select` and `select_assign` along the first dimension.
@@ -381,6 +390,9 @@ pub struct TokenBatch<'a> {
     pub positions: &'a [u32],
     /// Packed samples: which document each position belongs to.
     pub document_ids: Option<&'a [u32]>,
+    /// With `document_ids`: the document each position continues, whose positions it sees
+    /// besides its own document's ([`mask::Separations::continued_documents`]).
+    pub continued_documents: Option<&'a [u32]>,
     /// Rows of different lengths decoded together (left-padded prompts): per row, how many
     /// leading key positions (of the cache and this input together) are padding. No real
     /// query attends to them; a padding query attends only to padding (its output is unused).
@@ -400,6 +412,7 @@ impl<'a> TokenBatch<'a> {
     pub fn separations(&self) -> mask::Separations<'a> {
         mask::Separations {
             document_ids: self.document_ids,
+            continued_documents: self.continued_documents,
             left_padding: self.left_padding,
         }
     }

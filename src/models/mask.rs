@@ -13,6 +13,11 @@ const MASKED: f32 = -1.0e30;
 pub struct Separations<'a> {
     /// Packed samples: the document of each position (`[batch * k_len]`).
     pub document_ids: Option<&'a [u32]>,
+    /// With `document_ids`, per position, the document it continues (`[batch * k_len]`): it
+    /// sees that document's positions besides its own document's, the way each of a group's
+    /// completions, packed after their one prompt, sees the prompt. A position of a document
+    /// that continues none names its own.
+    pub continued_documents: Option<&'a [u32]>,
     /// Per row, its leading padding positions: a real position never sees them, a padding
     /// position sees only padding (so no softmax row is empty).
     pub left_padding: Option<&'a [usize]>,
@@ -25,9 +30,13 @@ impl Separations<'_> {
 
     /// Whether positions `j` and `i` of row `b` (`k_len` positions a row) are kept apart.
     fn apart(&self, b: usize, k_len: usize, j: usize, i: usize) -> bool {
-        let other_doc = self
-            .document_ids
-            .is_some_and(|d| d[b * k_len + j] != d[b * k_len + i]);
+        let other_doc = self.document_ids.is_some_and(|d| {
+            let (key, query) = (d[b * k_len + j], d[b * k_len + i]);
+            let continued = self
+                .continued_documents
+                .is_some_and(|c| c[b * k_len + i] == key);
+            key != query && !continued
+        });
         let across_padding = self
             .left_padding
             .is_some_and(|pad| (j < pad[b]) != (i < pad[b]));
@@ -46,7 +55,7 @@ pub fn causal<B: Backend>(
 ) -> AttentionMask<B> {
     let separations = Separations {
         document_ids,
-        left_padding: None,
+        ..Separations::default()
     };
     causal_window(batch, q_len, offset, separations, None, device)
 }
@@ -105,8 +114,8 @@ mod tests {
         let device = Default::default();
         let pads = [2usize, 0];
         let separations = Separations {
-            document_ids: None,
             left_padding: Some(&pads),
+            ..Separations::default()
         };
         // A prefill of two rows, the first left-padded by two positions.
         let prefill = causal_window::<Flex>(2, 4, 0, separations, None, &device);
@@ -126,5 +135,31 @@ mod tests {
         // A sliding window counts positions, padding or not.
         let window = causal_window::<Flex>(2, 1, 4, separations, Some(2), &device);
         assert_eq!(seen(&window), vec![vec![vec![3, 4]], vec![vec![3, 4]]]);
+    }
+
+    #[test]
+    fn a_completion_sees_its_prompt_and_itself_but_no_other_completion() {
+        let device = Default::default();
+        // One pack: a prompt (document 0, positions 0-1), then two completions that continue
+        // it (documents 1 and 2), then another prompt with no completion (document 3).
+        let documents = [0, 0, 1, 1, 2, 3];
+        let continued = [0, 0, 0, 0, 0, 3];
+        let separations = Separations {
+            document_ids: Some(&documents),
+            continued_documents: Some(&continued),
+            left_padding: None,
+        };
+        let mask = causal_window::<Flex>(1, 6, 0, separations, None, &device);
+        assert_eq!(
+            seen(&mask),
+            vec![vec![
+                vec![0],
+                vec![0, 1],
+                vec![0, 1, 2],
+                vec![0, 1, 2, 3],
+                vec![0, 1, 4],
+                vec![5],
+            ]]
+        );
     }
 }

@@ -29,6 +29,16 @@ impl<B: Backend> CausalLm<B> {
         out
     }
 
+    /// Whether a training pass draws dropout masks: some adapter has `lora_dropout` > 0.
+    pub fn has_dropout(&self) -> bool {
+        self.model.layers.iter().any(|layer| {
+            layer
+                .linears()
+                .iter()
+                .any(|l| l.lora.as_ref().is_some_and(|a| a.dropout > 0.0))
+        })
+    }
+
     /// The base weights stored in NF4 (QLoRA), dequantized as exported (bf16, as torchtune
     /// saves them), by Hugging Face name. They are not parameters (nothing trains them), so
     /// `named_params` does not list them.

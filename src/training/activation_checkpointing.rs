@@ -15,7 +15,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use std::cell::RefCell;
 
-use crate::models::decoder::{DecoderLayer, OutputHead};
+use crate::models::decoder::{DecoderLayer, LogitRows, OutputHead};
 use crate::models::moe::RouterLoad;
 use crate::models::{CausalLm, TokenBatch};
 use crate::modules::{ForwardMode, dropout};
@@ -390,9 +390,8 @@ pub fn loss_and_grads<B: AutodiffBackend>(
     loss_pass(model, input, mode, checkpointing, weight, aux_coef, head)
 }
 
-/// [`loss_and_grads`] with logits only at `logits_at` (indices into the flattened
-/// `[batch * seq]` positions, `width` per sequence): `loss_of_logits` gets
-/// `[batch, width, vocab]` ([`OutputHead::logits_at`]).
+/// [`loss_and_grads`] with logits only at `logits_at`: `loss_of_logits` gets
+/// `[sequences, width, vocab]` ([`OutputHead::logits_at`]).
 pub fn loss_and_grads_at<B: AutodiffBackend>(
     model: &CausalLm<B>,
     input: TokenBatch<'_>,
@@ -400,7 +399,7 @@ pub fn loss_and_grads_at<B: AutodiffBackend>(
     checkpointing: (Checkpointing, u64),
     weight: f64,
     aux_coef: Option<f64>,
-    (logits_at, loss_of_logits): (&[usize], impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>),
+    (logits_at, loss_of_logits): (LogitRows<'_>, impl FnOnce(Tensor<B, 3>) -> Tensor<B, 1>),
 ) -> LossPass<B> {
     let head = LossHead {
         logits_at: Some(logits_at),
@@ -412,7 +411,7 @@ pub fn loss_and_grads_at<B: AutodiffBackend>(
 /// What a pass makes of its top hidden states: logits (at every position, or at the given
 /// ones) and the loss of them.
 struct LossHead<'a, F> {
-    logits_at: Option<&'a [usize]>,
+    logits_at: Option<LogitRows<'a>>,
     loss_of_logits: F,
 }
 

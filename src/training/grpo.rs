@@ -14,8 +14,9 @@
 //! global batch, and a resumed run samples what the uninterrupted run did.
 //!
 //! Where tune differs from torchtune, and why:
-//! - sequences are right-padded per row (prompt, completion, padding) instead of left-padded
-//!   prompts with a padding mask: a causal model gives the same log-probabilities either way;
+//! - each prompt is computed once, its completions packed after it and attending to it
+//!   ([`super::rollout_pack`]), where torchtune and TRL run a left-padded row of prompt and
+//!   completion per completion: a causal model gives the same log-probabilities either way;
 //! - with one update per batch (`ppo_epochs: 1`) the old policy's log-probabilities are the
 //!   policy's own, detached, as TRL does (`old_per_token_logps = per_token_logps.detach()`):
 //!   they are the same weights, so torchtune's extra forward pass computes the same numbers;
@@ -38,7 +39,8 @@ use super::grpo_loss::{
 use super::load_balancing;
 use super::loss::{IGNORE_INDEX, next_token_targets, target_log_probs};
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
-use super::sft::token_batch;
+use super::rollout_pack::RolloutInput;
+
 use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
 use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
@@ -179,18 +181,29 @@ pub fn window_log_probs<B: Backend>(
 }
 
 /// `model`'s log-probabilities of `rollouts`' completions (`[rows, width]`, as
-/// [`window_log_probs`]), projecting only the completion's positions onto the vocabulary: the
-/// scoring passes of GRPO (the old policy, the reference) and PPO (the policy, the reference).
+/// [`window_log_probs`]), projecting only the completion's positions onto the vocabulary and
+/// computing each prompt once ([`RolloutInput::of`]): the scoring passes of GRPO (the old
+/// policy, the reference) and PPO (the policy, the reference).
 pub fn score_completions<B: Backend>(
     model: &CausalLm<B>,
     rollouts: &Rollouts,
     mode: ForwardMode,
     temperature: f64,
 ) -> Tensor<B, 2> {
-    let hidden = model.hidden(token_batch(&rollouts.batch), mode, None);
-    let logits = model
-        .head()
-        .logits_at(hidden, &rollouts.window_rows(), mode);
+    let input = RolloutInput::of(model, rollouts, mode);
+    score_input(model, rollouts, &input, mode, temperature)
+}
+
+/// [`score_completions`] through `input`, the rollouts laid out for the pass.
+pub fn score_input<B: Backend>(
+    model: &CausalLm<B>,
+    rollouts: &Rollouts,
+    input: &RolloutInput,
+    mode: ForwardMode,
+    temperature: f64,
+) -> Tensor<B, 2> {
+    let hidden = model.hidden(input.token_batch(), mode, None);
+    let logits = model.head().logits_at(hidden, input.logit_rows(), mode);
     window_log_probs(logits, rollouts, temperature)
 }
 
@@ -224,13 +237,18 @@ pub struct GrpoLoss {
     pub activation_checkpointing: Checkpointing,
     /// The rollouts the next updates train on ([`GrpoSteps`] sets them each step).
     pub rollouts: Option<Rollouts>,
+    /// Each prompt computed once for all its completions ([`RolloutInput::of`]); `false` runs
+    /// the rows as collated, the definition the tests hold the shared form to.
+    pub share_prompts: bool,
 }
 
 impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
+    /// `_batch` is the rollouts' rows as collated; the pass runs [`Self::rollouts`] laid out
+    /// by [`RolloutInput`].
     fn step(
         &mut self,
         model: &CausalLm<B>,
-        batch: &Batch,
+        _batch: &Batch,
         info: StepInfo,
     ) -> Result<StepOutput<B>, TrainError> {
         let Some(r) = self.rollouts.as_ref() else {
@@ -248,15 +266,19 @@ impl<B: AutodiffBackend> LossStep<B> for GrpoLoss {
         let mut scored = None;
         // TRL's GRPO adds the policy's load-balancing loss of each micro-batch's forward
         // (`loss + router_aux_loss_coef * aux_loss`), over its real tokens.
-        let window = r.window_rows();
+        let input = if self.share_prompts {
+            RolloutInput::of(model, r, POLICY_MODE)
+        } else {
+            RolloutInput::rows(r)
+        };
         let pass = activation_checkpointing::loss_and_grads_at(
             model,
-            token_batch(batch),
+            input.token_batch(),
             POLICY_MODE,
             (self.activation_checkpointing, info.seed),
             rows as f64,
             load_balancing::aux_loss_coef(model),
-            (&window, |logits| {
+            (input.logit_rows(), |logits| {
                 let pi = window_log_probs(logits, r, temperature);
                 let detached = pi.clone().detach();
                 let old = r
@@ -458,6 +480,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
             temperature: settings.sampling.sampling.temperature,
             activation_checkpointing: settings.activation_checkpointing,
             rollouts: None,
+            share_prompts: true,
         };
         Self {
             settings,
@@ -725,7 +748,7 @@ pub(crate) fn completion_seed(step_seed: u64, row: usize, k: usize) -> u64 {
 }
 
 /// One completion to train on, before collation.
-pub(crate) struct RolloutRow<'a> {
+pub struct RolloutRow<'a> {
     pub prompt: &'a [u32],
     pub completion: &'a [u32],
     /// Whether its tokens count in the loss.
@@ -734,7 +757,7 @@ pub(crate) struct RolloutRow<'a> {
 
 /// Right-pads prompt + completion rows into one batch, the labels being the completion's
 /// tokens (so next-token targets pick exactly them), and the loss mask per completion position.
-pub(crate) fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
+pub fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
     let seq = rows
         .iter()
         .map(|r| r.prompt.len() + r.completion.len())

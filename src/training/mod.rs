@@ -21,6 +21,7 @@ pub mod optimizer_shards;
 pub mod ppo;
 pub mod ppo_maths;
 pub mod progress;
+pub mod rollout_pack;
 pub mod save_hook;
 pub mod schedule;
 pub mod sft;

@@ -47,6 +47,7 @@ use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
     Grid, Scored, Trajectory, TrajectorySettings, trajectory, trajectory_metrics,
 };
+use super::rollout_pack::RolloutInput;
 use super::sft::token_batch;
 use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;
@@ -180,10 +181,12 @@ pub struct PolicyLoss {
 }
 
 impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
+    /// `_batch` is the micro-batch's rows as collated; the pass runs them laid out by
+    /// [`RolloutInput`].
     fn step(
         &mut self,
         model: &CausalLm<B>,
-        batch: &crate::data::Batch,
+        _batch: &crate::data::Batch,
         info: StepInfo,
     ) -> Result<StepOutput<B>, TrainError> {
         let mb = self.queue.pop_front().ok_or_else(missing_batch)?;
@@ -194,15 +197,15 @@ impl<B: AutodiffBackend> LossStep<B> for PolicyLoss {
         let (epsilon, temperature) = (self.epsilon, self.temperature);
         let mut stats = None;
         // The policy's load-balancing loss, added as TRL's GRPO adds it.
-        let window = mb.rollouts.window_rows();
+        let input = RolloutInput::of(model, &mb.rollouts, TRAIN_MODE);
         let pass = activation_checkpointing::loss_and_grads_at(
             model,
-            token_batch(batch),
+            input.token_batch(),
             TRAIN_MODE,
             (self.activation_checkpointing, info.seed),
             1.0,
             load_balancing::aux_loss_coef(model),
-            (&window, |logits| {
+            (input.logit_rows(), |logits| {
                 let pi = window_log_probs(logits, &mb.rollouts, temperature);
                 let approx_kl = (pi.clone().detach() - old.clone()).powi_scalar(2).mean() * 0.5;
                 let (loss, ratios, clipfrac) = policy_loss(

@@ -222,6 +222,7 @@ pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
         tokens: &batch.tokens,
         positions: &batch.position_ids,
         document_ids: batch.document_ids.as_deref(),
+        continued_documents: None,
         left_padding: None,
         padding: batch.padding.as_deref(),
         batch: batch.batch_size,

@@ -18,6 +18,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
         tokens: &tokens,
         positions: &pos,
         document_ids: None,
+        continued_documents: None,
         left_padding: None,
         padding: None,
         batch,

@@ -109,6 +109,7 @@ fn logits(lm: &CausalLm<Cpu>) -> HostTensor {
             tokens: &tokens,
             positions: &pos,
             document_ids: None,
+            continued_documents: None,
             left_padding: None,
             padding: None,
             batch: 2,

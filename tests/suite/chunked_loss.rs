@@ -41,6 +41,7 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
         tokens: &tokens,
         positions: &pos,
         document_ids: None,
+        continued_documents: None,
         left_padding: None,
         padding: None,
         batch,

@@ -40,6 +40,7 @@ mod qat_recipes;
 mod qlora;
 mod qlora_recipes;
 mod resume;
+mod rollout_pack;
 mod support;
 mod tokenizer;
 mod torchtune_tokens;

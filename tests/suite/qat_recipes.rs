@@ -46,6 +46,7 @@ fn logits(model: &CausalLm<Cpu>, tokens: &[u32]) -> HostTensor {
         tokens,
         positions: &pos,
         document_ids: None,
+        continued_documents: None,
         left_padding: None,
         padding: None,
         batch: 1,

@@ -297,6 +297,7 @@ pub fn forward_rows<B: burn::tensor::backend::Backend>(
         tokens,
         positions: &pos,
         document_ids: None,
+        continued_documents: None,
         left_padding: None,
         padding: None,
         batch,
