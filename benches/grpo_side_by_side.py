@@ -7,7 +7,9 @@ The model is SmolLM2-135M's shape (30 layers, hidden 576, GQA 9/3) with random w
 tiny shipped tokenizer's 2048-token vocabulary (no download: the real checkpoint is not
 available offline), written once with transformers. The prompts are the first 64 instructions
 of assets/data/alpaca_tiny.json as a user turn of the tokenizer's chat template; the reward is
-the number of letters "e" in the completion, a task a random model can learn. Both sides:
+the number of letters "e" in the completion, a task a random model can learn (TRL: a Python
+function; tune: the same count in a Python program it starts once and streams completions to,
+as `tune.rewards.command` runs any reward). Both sides:
 2 prompts x 8 completions a step, up to 32 tokens at temperature 1, LoRA rank 8 (alpha 16) on
 q_proj and v_proj, AdamW at a constant 5e-3, clipping at 1.0, no KL term, the per-completion
 mean then the batch mean of the clipped surrogate (tune's GRPOSimpleLoss, TRL's
@@ -88,6 +90,14 @@ def run_tune(args, model):
     with open(os.path.join(work, "prompts.jsonl"), "w") as f:
         for p in prompts():
             f.write(json.dumps({"prompt": p}) + "\n")
+    # TRL's reward below, as a program tune starts once and streams completions to.
+    reward = os.path.join(work, "reward.py")
+    with open(reward, "w") as f:
+        f.write(
+            "import json, sys\n"
+            "for line in sys.stdin:\n"
+            "    print(json.loads(line)['completion'].count('e'), flush=True)\n"
+        )
     overrides = [
         f"output_dir={work}/out",
         "model._component_=tune.models.llama3.lora_llama3_tiny",
@@ -99,6 +109,8 @@ def run_tune(args, model):
         "tokenizer.max_seq_len=512",
         f"checkpointer.checkpoint_dir={model}",
         f"dataset.data_files={work}/prompts.jsonl",
+        "reward_functions=[{_component_: tune.rewards.command, name: letter_e, "
+        f"command: [{sys.executable}, {reward}], weight: 1.0}}]",
         "~dataset.column_map",
         f"batch_size={PROMPTS_PER_STEP}",
         f"forward_batch_size={PROMPTS_PER_STEP}",

@@ -184,7 +184,12 @@ fn attention_in<B: Backend>(
         OutputLayout::ByPosition => grouped_to_by_position(grouped, q_len),
     };
     let composed = |q, k, v, sinks| laid_out(composed_attention(q, k, v, mask, softcap, sinks));
-    if !FUSED_ATTENTION.load(Ordering::Relaxed) {
+    // A decoding step (one query position, no autodiff) on a cubecl device keeps burn's
+    // batched products: the cubecl kernels' one thread per query row has not been measured
+    // against them there. On Flex the fused kernel takes a whole group per task for one
+    // position (`attention::one_position`).
+    let decoding = q_len == 1 && !B::ad_enabled(&q.device()) && !is_flex::<B>();
+    if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
         return composed(q, k, v, sinks);
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
