@@ -120,6 +120,7 @@ def run_tune(args, model):
         "lr_scheduler._component_=torchtune.training.lr_schedulers.get_constant_schedule_with_warmup",
         "lr_scheduler.num_warmup_steps=0",
         f"num_steps={args.steps}",
+        f"seed={args.seed}",
         "save_adapter_weights_only=True",
     ]
     cmd = ["/usr/bin/time", "-v", args.tune, "run", "grpo_lora_finetune_single_device",
@@ -180,7 +181,7 @@ def trl_main(args):
         report_to=[],
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=args.seed,
         shuffle_dataset=True,
     )
     peft_config = LoraConfig(
@@ -235,7 +236,7 @@ def trl_main(args):
 
 def run_trl(args, model):
     cmd = ["/usr/bin/time", "-v", sys.executable, os.path.abspath(__file__), "--trl-child",
-           "--model", model, "--out", args.out, "--steps", str(args.steps)]
+           "--model", model, "--out", args.out, "--steps", str(args.steps), "--seed", str(args.seed)]
     started = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     wall = time.time() - started
@@ -262,6 +263,7 @@ def main():
     p.add_argument("--tune", default=os.path.join(ROOT, "target", "release", "tune"))
     p.add_argument("--out", default="/tmp/grpo-bench")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=42, help="both sides' seed (sampling, shuffling)")
     p.add_argument("--model")
     p.add_argument(
         "--checkpoint",

@@ -191,8 +191,8 @@ impl Masking<'_> {
         (k0, nk): (usize, usize),
     ) -> bool {
         (r0..r0 + nq).all(|row| {
-            let at = self.mask_row(d, g, row) * d.k_len;
-            let span = self.spans[self.mask_row(d, g, row)];
+            let mask_row = self.mask_row(d, g, row);
+            let (at, span) = (mask_row * d.k_len, self.spans[mask_row]);
             let shows_some = self.mask[at + span.lo as usize] > HIDDEN;
             shows_some
                 && self.mask[at + k0..at + k0 + nk]

@@ -22,6 +22,7 @@ pub mod ppo;
 pub mod ppo_maths;
 pub mod progress;
 pub mod rollout_pack;
+pub mod rollouts;
 pub mod save_hook;
 pub mod schedule;
 pub mod sft;

@@ -38,16 +38,14 @@ use rand::seq::SliceRandom;
 use super::activation_checkpointing::{self, Checkpointing};
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
-use super::grpo::{
-    RolloutRow, Rollouts, check_prompts, collate_rollouts, completion_seed, score_completions,
-    window_log_probs,
-};
+use super::grpo::{check_prompts, completion_seed, score_completions, window_log_probs};
 use super::load_balancing;
 use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::ppo_maths::{
     Grid, Scored, Trajectory, TrajectorySettings, trajectory, trajectory_metrics,
 };
 use super::rollout_pack::RolloutInput;
+use super::rollouts::{RolloutRow, Rollouts, collate_rollouts};
 use super::sft::token_batch;
 use super::trainer::{EpochSteps, StepDone, Trainer};
 use crate::checkpoint::HostTensor;

@@ -24,8 +24,8 @@
 //! - a training pass with dropout: each row's prompt draws its own masks in TRL and
 //!   torchtune, and a shared prompt would draw one.
 
-use super::grpo::Rollouts;
 use super::load_balancing;
+use super::rollouts::Rollouts;
 use crate::data::LONG_PACK;
 use crate::kernels;
 use crate::models::CausalLm;
@@ -229,7 +229,7 @@ fn pack(rollouts: &Rollouts, capacity: usize) -> Option<RolloutInput> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::training::grpo::{RolloutRow, collate_rollouts};
+    use crate::training::rollouts::{RolloutRow, collate_rollouts};
 
     /// Three completions of prompt [5 6 7] (one of a single token), then prompt [4] twice, its
     /// first completion truncated and not counted.

@@ -6,9 +6,10 @@ use burn::tensor::{Tensor, TensorData};
 use tune::models::{CausalLm, Trainable};
 use tune::modules::ForwardMode;
 use tune::training::activation_checkpointing::Checkpointing;
-use tune::training::grpo::{GrpoLoss, RolloutRow, Rollouts, collate_rollouts, score_input};
+use tune::training::grpo::{GrpoLoss, score_input};
 use tune::training::grpo_loss::{GrpoObjective, TorchtuneGrpoLoss, TorchtuneGrpoSettings};
 use tune::training::rollout_pack::RolloutInput;
+use tune::training::rollouts::{RolloutRow, Rollouts, collate_rollouts};
 use tune::training::{LossStep, StepInfo};
 
 use crate::support::*;
