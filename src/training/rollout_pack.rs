@@ -111,7 +111,8 @@ struct Segment {
     /// The first row's prompt (every row of the segment has the same).
     prompt_row: usize,
     prompt_len: usize,
-    /// Rows and how many of their completion tokens run (the last counted one is not needed).
+    /// Rows and how many completion positions the loss reads in each (`n`: the completion's
+    /// first `n - 1` tokens run; the last predicts nothing read).
     completions: Vec<(usize, usize)>,
     len: usize,
 }
