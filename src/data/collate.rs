@@ -38,6 +38,27 @@ impl Batch {
     pub fn row_labels(&self, i: usize) -> &[i64] {
         &self.labels[i * self.seq_len..(i + 1) * self.seq_len]
     }
+
+    /// Rows `rows` (in that order) of a batch of rows, not packs, as a batch of their own;
+    /// its trained-token count is left at 0 for the caller's loss to count.
+    pub fn select_rows(&self, rows: &[usize]) -> Batch {
+        let seq = self.seq_len;
+        fn pick<T: Copy>(values: &[T], rows: &[usize], seq: usize) -> Vec<T> {
+            rows.iter()
+                .flat_map(|&r| values[r * seq..(r + 1) * seq].iter().copied())
+                .collect()
+        }
+        Batch {
+            tokens: pick(&self.tokens, rows, seq),
+            labels: pick(&self.labels, rows, seq),
+            position_ids: pick(&self.position_ids, rows, seq),
+            document_ids: None,
+            padding: self.padding.as_ref().map(|p| pick(p, rows, seq)),
+            batch_size: rows.len(),
+            seq_len: seq,
+            num_trained_tokens: 0,
+        }
+    }
 }
 
 fn count_trained(labels: &[i64], seq_len: usize) -> usize {

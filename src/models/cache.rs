@@ -48,11 +48,7 @@ impl<B: Backend> LayerCache<B> {
                 .unsqueeze_dim::<5>(1)
                 .repeat_dim(1, times)
                 .reshape([batch * times, heads, len, dim]);
-            let fresh = crate::precision::to_dtype(
-                Tensor::<B, 4>::zeros([batch * times, heads, len + room, dim], &filled.device()),
-                filled.dtype(),
-            );
-            crate::kernels::write_positions(fresh, 0, filled)
+            crate::kernels::write_positions(zeroed_like(&filled, len + room), 0, filled)
         };
         self.keys = self.keys.take().map(repeat);
         self.values = self.values.take().map(repeat);
@@ -73,10 +69,7 @@ fn write<B: Backend>(buffer: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>
         Some(b) if capacity >= end => b,
         old => {
             let grown = end.max(2 * capacity).max(INITIAL_CAPACITY);
-            let fresh = crate::precision::to_dtype(
-                Tensor::<B, 4>::zeros([batch, heads, grown, dim], &new.device()),
-                new.dtype(),
-            );
+            let fresh = zeroed_like(&new, grown);
             match old {
                 Some(old) if len > 0 => {
                     let filled = old.slice([0..batch, 0..heads, 0..len, 0..dim]);
@@ -87,6 +80,15 @@ fn write<B: Backend>(buffer: Option<Tensor<B, 4>>, len: usize, new: Tensor<B, 4>
         }
     };
     crate::kernels::write_positions(buffer, len, new)
+}
+
+/// A zeroed buffer of `positions` positions with `like`'s rows, heads, width and dtype.
+fn zeroed_like<B: Backend>(like: &Tensor<B, 4>, positions: usize) -> Tensor<B, 4> {
+    let [batch, heads, _, dim] = like.dims();
+    crate::precision::to_dtype(
+        Tensor::<B, 4>::zeros([batch, heads, positions, dim], &like.device()),
+        like.dtype(),
+    )
 }
 
 #[derive(Debug)]

@@ -562,39 +562,12 @@ fn last_index(response: &[u32], stop_ids: &[u32]) -> usize {
 /// Rows `rows` of the batch's trajectories, as one micro-batch.
 pub fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMicroBatch {
     let width = rollouts.width;
-    let seq = rollouts.batch.seq_len;
     let pick = |values: &[f32]| -> Vec<f32> {
         rows.iter()
             .flat_map(|&r| values[r * width..(r + 1) * width].iter().copied())
             .collect()
     };
-    let pick_rows = |values: &[u32]| -> Vec<u32> {
-        rows.iter()
-            .flat_map(|&r| values[r * seq..(r + 1) * seq].iter().copied())
-            .collect()
-    };
-    let labels: Vec<i64> = rows
-        .iter()
-        .flat_map(|&r| {
-            rollouts.batch.labels[r * seq..(r + 1) * seq]
-                .iter()
-                .copied()
-        })
-        .collect();
-    let batch = crate::data::Batch {
-        tokens: pick_rows(&rollouts.batch.tokens),
-        labels,
-        position_ids: pick_rows(&rollouts.batch.position_ids),
-        document_ids: None,
-        batch_size: rows.len(),
-        seq_len: seq,
-        num_trained_tokens: 0,
-        padding: rollouts.batch.padding.as_ref().map(|p| {
-            rows.iter()
-                .flat_map(|&r| p[r * seq..(r + 1) * seq].iter().copied())
-                .collect()
-        }),
-    };
+    let batch = rollouts.batch.select_rows(rows);
     let mask: Vec<bool> = rows
         .iter()
         .flat_map(|&r| t.response_padding.row(r).iter().map(|p| !p))

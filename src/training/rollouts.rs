@@ -58,22 +58,8 @@ impl Rollouts {
 
     /// Rows `start..end`, with the same width (per-token values line up with the whole).
     pub(crate) fn rows_range(&self, start: usize, end: usize) -> Rollouts {
-        let seq = self.batch.seq_len;
         let w = self.width;
-        let batch = Batch {
-            tokens: self.batch.tokens[start * seq..end * seq].to_vec(),
-            labels: self.batch.labels[start * seq..end * seq].to_vec(),
-            position_ids: self.batch.position_ids[start * seq..end * seq].to_vec(),
-            document_ids: None,
-            batch_size: end - start,
-            seq_len: seq,
-            num_trained_tokens: 0,
-            padding: self
-                .batch
-                .padding
-                .as_ref()
-                .map(|p| p[start * seq..end * seq].to_vec()),
-        };
+        let batch = self.batch.select_rows(&(start..end).collect::<Vec<_>>());
         Rollouts {
             batch,
             prompt_lens: self.prompt_lens[start..end].to_vec(),

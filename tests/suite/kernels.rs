@@ -510,10 +510,31 @@ pub(crate) fn fused_attention_cases<B: Backend>(device: &B::Device) {
     // Cached keys: a chunk of queries after 100 positions, and one decoding step.
     let chunk = mask::causal::<B>(1, 5, 100, None, device);
     check_attention("offset", [1, 3, 3, 16], &chunk, None, false);
-    // One query position: through autodiff it is the fused kernel (a decoding step without
-    // autodiff takes the composed path).
+    // One query position (a decoding step; on the CPU every query head of a group in one
+    // task), soft-capped, and with left-padded rows (GRPO's prompts decoded together).
     let step = mask::causal::<B>(2, 1, 77, None, device);
     check_attention("one position", [2, 2, 4, 8], &step, None, false);
+    check_attention(
+        "one position + softcap",
+        [2, 2, 4, 8],
+        &step,
+        Some(5.0),
+        false,
+    );
+    let pads = [0usize, 9];
+    let padded = mask::Separations {
+        left_padding: Some(&pads),
+        ..Default::default()
+    };
+    let padded_step = mask::causal_window::<B>(2, 1, 40, padded, None, device);
+    assert_eq!(padded_step.dims[0], 2);
+    check_attention(
+        "one position, left-padded",
+        [2, 1, 3, 64],
+        &padded_step,
+        None,
+        false,
+    );
     // A row that hides every key: uniform weights, as the composed softmax gives.
     let mut host = vec![0.0f32; 3 * 70];
     host[70..140].fill(-1.0e30);
