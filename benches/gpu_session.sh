@@ -23,7 +23,10 @@
 #      attention sinks (shape gpt-oss-small-2l) at 1024 and 4096 tokens, composed against fused
 #      (the fused kernels scale each row by its sink weight) in bf16;
 #   6. the RL recipes on cuda: the tiny GRPO and PPO configs (the reward must be logged, the
-#      run must finish).
+#      run must finish);
+#   7. burn's autotune, when BIN has a second binary built with it (`cargo build --release
+#      --features cuda,autotune --bin tune`, carried as tune-autotune or tune-autotune.xz):
+#      part 2's rows and part 5's bf16 4096-token rows again with that binary.
 # Each part's time limit is its own (PARTS="1 5" runs some); the whole is about eight minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +34,7 @@ BIN=${BIN:-.gpu}
 RESULTS=${RESULTS:-/tmp/tune-gpu-results}
 mkdir -p "$RESULTS"
 export TUNE=$PWD/$BIN/tune RANDOM_CHECKPOINT=$PWD/$BIN/random_checkpoint
-for exe in tune random_checkpoint; do
+for exe in tune tune-autotune random_checkpoint; do
   if [ -f "$BIN/$exe.xz" ]; then
     mkdir -p /tmp/tune-bin
     python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" \
@@ -40,8 +43,10 @@ for exe in tune random_checkpoint; do
 done
 [ -x /tmp/tune-bin/tune ] && export TUNE=/tmp/tune-bin/tune
 [ -x /tmp/tune-bin/random_checkpoint ] && export RANDOM_CHECKPOINT=/tmp/tune-bin/random_checkpoint
+TUNE_AUTOTUNE=$PWD/$BIN/tune-autotune
+[ -x /tmp/tune-bin/tune-autotune ] && TUNE_AUTOTUNE=/tmp/tune-bin/tune-autotune
 nvidia-smi -L | tee "$RESULTS/gpu.txt"
-PARTS=${PARTS:-"1 5 6 2 3 4"}  # run in this file's order
+PARTS=${PARTS:-"1 5 6 2 7 3 4"}  # run in this file's order
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 # cubecl loads the driver and NVRTC at run time: the toolkit's, or the one PyTorch's wheels carry.
 for lib in /usr/local/cuda/lib64 $(python3 -c "import nvidia, os; print(' '.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in os.listdir(p)))" 2>/dev/null); do
@@ -133,6 +138,20 @@ RUNS=${RUNS:-"smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} \
   DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare.jsonl" timeout 150 benches/compare.sh \
   2>"$RESULTS/compare.err" | tee "$RESULTS/compare.md"
 tail -5 "$RESULTS/compare.err"
+fi
+
+if part 7 && [ -x "$TUNE_AUTOTUNE" ]; then
+echo "== 7. burn's autotune: part 2's rows and the 4096-token rows with the autotune build"
+RUNS=${RUNS:-"smollm2-135m:lora:8:512:10 smollm2-135m:full:8:512:10"} TUNE="$TUNE_AUTOTUNE" \
+  DEVICE=cuda PYTHON=python3 OUT="$RESULTS/compare-autotune.jsonl" timeout 150 benches/compare.sh \
+  2>"$RESULTS/compare-autotune.err" | tee "$RESULTS/compare-autotune.md"
+tail -5 "$RESULTS/compare-autotune.err"
+for variant in composed fused; do
+  timeout 60 "$TUNE_AUTOTUNE" bench --device cuda --dtype bf16 --shape smollm2-135m --mode lora \
+    --batch-size 1 --seq-len 4096 --steps 2 --attention $variant --json 2>>"$RESULTS/long.err" |
+    python3 -c "import json,sys; r=json.loads(sys.stdin.read()); r['variant']='$variant+autotune'; print(json.dumps(r))" \
+    | tee -a "$RESULTS/long-autotune.jsonl" || echo "autotune 4096 $variant: failed (exit $?)" | tee -a "$RESULTS/long.err"
+done
 fi
 
 if part 3; then

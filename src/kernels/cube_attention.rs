@@ -7,20 +7,25 @@
 //! its output and two floats per query row (the score max and the softmax sum): linear in the
 //! sequence length.
 //!
-//! The kernels are the simple form of FlashAttention-2's algorithm: one unit (GPU thread) per
-//! query row sweeps the keys its mask row shows with an online softmax (forward), recomputes
-//! each probability from the saved max and sum for `dQ` (one unit per query row) and for `dK`
-//! and `dV` (one unit per key, over the query rows that see it); nothing is shared between
-//! units, so there are no atomics and no block-level synchronisation. Keys a mask row hides
-//! outside its [`RowSpan`](super::attention::RowSpan) are skipped (half the work of a causal
-//! mask). The layout, masks, soft cap and grouped queries are the CPU kernel's: queries
+//! The kernels are FlashAttention-2's algorithm in blocks. A cube takes a block of query rows
+//! ([`block_for`] the device: 64 at SmolLM2's head size of 64 on an H200, 16 in lavapipe's
+//! 32 KB of shared memory) and sweeps the key tiles some row of it
+//! shows, each tile staged in shared memory: the block's scores come from register tiles (a
+//! thread owns 4 rows and every 8th column), each row's owner folds them into its running max
+//! and sum (online softmax), and the output tile accumulates `P @ V` in registers. The backward
+//! recomputes each tile's probabilities from the saved max and sum: `dQ` one cube per query
+//! block over its key tiles, `dK` and `dV` one cube per key block over the query blocks that
+//! show it (split over several cubes at short sequences, [`Call::splits`]); nothing is shared
+//! between cubes, so there are no atomics. Key tiles no row of a block shows (outside every
+//! row's [`RowSpan`](super::attention::RowSpan)) are skipped: half the work of a causal mask.
+//! The layout, masks, soft cap and grouped queries are the CPU kernel's: queries
 //! `[batch, kv_heads, n_rep * q_len, dim]` (already scaled), keys and values `[batch, kv_heads,
 //! k_len, dim]`, the additive mask `[mask_batch, q_len, k_len]` in fp32. The maths is fp32
 //! whatever the run's dtype (bf16 inputs are widened and the output rounded back, as the CPU
 //! path does); it is checked against the composed path on wgpu (`tests/suite/gpu.rs`).
 //!
-//! `dim` is a compile-time constant of each kernel (one compilation per head size) and the
-//! loops over it are unrolled, so a unit's rows live in registers rather than local memory.
+//! `dim` and the block are compile-time constants of each kernel (one compilation per head size
+//! and block), so a thread's tiles are unrolled into registers.
 //!
 //! gpt-oss's attention sinks (a logit `s_h` per query head in every row's softmax denominator,
 //! with no value) need no kernel of their own: with a sink, a row's output is the plain
@@ -29,10 +34,10 @@
 //! and the row's `delta` by `w^2`; the sink's gradient is `-D w (1 - w)` summed over its head's
 //! rows, `D = sum(dO * O_plain)` ([`SinkAttentionBackward`]).
 //!
-//! What it is not yet: a tiled kernel staging blocks of keys in shared memory with tensor-core
-//! products. Each unit reads its keys from global memory (the L1/L2 caches serve the units of
-//! a cube, which read the same keys), so its speed is below a tiled kernel's; its memory is
-//! what the issue asked for.
+//! What it is not yet: tensor-core products (cubecl's `cmma`), which the fp32 maths here does
+//! not use. The blocked kernels replaced one-thread-per-row kernels (fb59af8) that ran at 0.43x
+//! the composed path's tokens/s on an H200; the blocked ones have been checked on lavapipe only,
+//! for values, and wait for a lent GPU to be timed (`benches/gpu_session.sh` part 5).
 
 use std::any::TypeId;
 
@@ -60,10 +65,33 @@ use super::dispatch::{cast_back, same_type};
 /// between CUDA and wgpu).
 type Cube<R, BT> = CubeBackend<R, f32, i32, BT>;
 
-/// Units (threads) per cube. Why 64: a unit holds two to four rows of `dim` floats in
-/// registers (128 for `dim` 64 in the forward, 256 in the backward), and a cube of many units
-/// would need more registers than a multiprocessor has.
-const CUBE_UNITS: u32 = 64;
+/// A cube's threads form `block / ROWS` row groups of `LANES` lanes: a thread owns `ROWS`
+/// consecutive rows of a block and every `LANES`-th column (of a score tile and of an output
+/// tile). Why this shape: each operand read from shared memory then serves `ROWS` (or the
+/// thread's column count) multiply-adds from registers, where one thread per row did one per
+/// read; and lanes reading neighbouring columns hit different shared-memory banks.
+const ROWS: usize = 4;
+const LANES: usize = 8;
+
+/// The block sizes tried, largest first: `block` query rows per cube and keys per tile. The
+/// largest whose shared memory fits the device is taken ([`block_for`]); 64 only for heads of
+/// at most 64 (larger heads would hold more accumulators than a thread has registers).
+const BLOCKS: [usize; 4] = [64, 32, 16, 8];
+
+/// Shared memory (bytes) of the largest kernel (the backward's: four `block x dim` tiles at
+/// stride `dim + 1`, a `block x block` score tile at stride `block + 1`, six values per row).
+fn shared_bytes(block: usize, dim: usize) -> usize {
+    4 * (4 * block * (dim + 1) + block * (block + 1) + 6 * block)
+}
+
+/// The block for heads of `dim` on a device with `max_shared` bytes of shared memory per cube.
+fn block_for(dim: usize, max_shared: usize) -> usize {
+    BLOCKS
+        .into_iter()
+        .filter(|&b| b <= 32 || dim <= 64)
+        .find(|&b| shared_bytes(b, dim) <= max_shared)
+        .unwrap_or(BLOCKS[BLOCKS.len() - 1])
+}
 
 // ---------------------------------------------------------------------------------------------
 // Kernels.
@@ -79,16 +107,18 @@ struct Operands {
     spans: Array<i32>,
 }
 
-/// The sizes of one call: `units` threads, `rows` query rows per group of `kv_heads` heads,
-/// the mask's `mask_batch`, `q_len` and `k_len`, and the soft cap.
+/// The sizes of one call: `cubes` launched with work, `rows` query rows per group of
+/// `kv_heads` heads, the mask's `mask_batch`, `q_len` and `k_len`, the `splits` of a key
+/// block's query blocks (the `dK`/`dV` kernel) and the soft cap.
 #[derive(CubeLaunch, CubeType)]
 struct Sizes {
-    units: usize,
+    cubes: usize,
     rows: usize,
     kv_heads: usize,
     mask_batch: usize,
     q_len: usize,
     k_len: usize,
+    splits: usize,
     cap: f32,
 }
 
@@ -101,13 +131,157 @@ struct Backprop {
     grad_out: Array<f32>,
 }
 
-/// The mask row and shown keys `lo..hi` of query row `r` of group `g`.
+/// The row spans of a block of query rows in shared memory: each row's mask row and shown
+/// keys `lo..hi` (a row past the group's end shows none).
+#[derive(CubeType)]
+struct BlockRows {
+    mask_row: SharedMemory<u32>,
+    lo: SharedMemory<u32>,
+    hi: SharedMemory<u32>,
+}
+
 #[cube]
-fn mask_row(x: &Operands, n: &Sizes, g: usize, r: usize) -> (usize, usize, usize) {
-    let row = ((g / n.kv_heads) % n.mask_batch) * n.q_len + r % n.q_len;
-    let lo = usize::cast_from(x.spans[2 * row]);
-    let hi = usize::cast_from(x.spans[2 * row + 1]);
-    (row, lo, hi)
+fn block_rows(#[comptime] block: usize) -> BlockRows {
+    BlockRows {
+        mask_row: SharedMemory::<u32>::new(block),
+        lo: SharedMemory::<u32>::new(block),
+        hi: SharedMemory::<u32>::new(block),
+    }
+}
+
+/// Fills `b` for the block of rows `r0..r0 + block` of group `g` (one thread per row).
+#[cube]
+fn load_spans(x: &Operands, n: &Sizes, g: usize, r0: usize, b: &mut BlockRows) {
+    let t = UNIT_POS as usize;
+    if t < b.lo.len() {
+        let r = r0 + t;
+        let mut row = 0usize;
+        let mut lo = 0usize;
+        let mut hi = 0usize;
+        if r < n.rows {
+            row = ((g / n.kv_heads) % n.mask_batch) * n.q_len + r % n.q_len;
+            lo = usize::cast_from(x.spans[2 * row]);
+            hi = usize::cast_from(x.spans[2 * row + 1]);
+        }
+        b.mask_row[t] = u32::cast_from(row);
+        b.lo[t] = u32::cast_from(lo);
+        b.hi[t] = u32::cast_from(hi);
+    }
+}
+
+/// The keys `lo..hi` some row of `b` shows (after a `sync_cube` that published `b`); empty
+/// (`lo >= hi`) when none does.
+#[cube]
+fn union_span(b: &BlockRows, k_len: usize) -> (usize, usize) {
+    let mut lo = k_len;
+    let mut hi = 0usize;
+    for i in 0..b.lo.len() {
+        let (l, h) = (usize::cast_from(b.lo[i]), usize::cast_from(b.hi[i]));
+        if l < h {
+            if l < lo {
+                lo = l;
+            }
+            if h > hi {
+                hi = h;
+            }
+        }
+    }
+    (lo, hi)
+}
+
+/// Copies rows `0..valid` of `src` from element `first` (rows `dim` apart) into `dst` at
+/// stride `dim + 1`, zeros for rows `valid..block` (every thread of the cube takes part).
+#[cube]
+fn load_tile(
+    src: &Array<f32>,
+    first: usize,
+    valid: usize,
+    dst: &mut SharedMemory<f32>,
+    #[comptime] block: usize,
+    #[comptime] dim: usize,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < comptime!(block * dim) {
+        let r = e / dim;
+        let mut value = f32::new(0.0);
+        if r < valid {
+            value = src[first + e];
+        }
+        dst[r * comptime!(dim + 1) + e % dim] = value;
+        e += comptime!(2 * block);
+    }
+}
+
+/// `out[i * cols + c] = a[ROWS * ty + i] . b[tx + LANES * c]` over rows of `dim` at stride
+/// `dim + 1`: the thread's `ROWS x cols` tile of `a @ b^T`.
+#[cube]
+fn tile_dots(
+    a: &SharedMemory<f32>,
+    b: &SharedMemory<f32>,
+    ty: usize,
+    tx: usize,
+    out: &mut Array<f32>,
+    #[comptime] cols: usize,
+    #[comptime] dim: usize,
+) {
+    let stride = comptime!(dim + 1);
+    let mut av = Array::<f32>::new(ROWS);
+    let mut bv = Array::<f32>::new(cols);
+    #[unroll]
+    for x in 0..comptime!(ROWS * cols) {
+        out[x] = 0.0;
+    }
+    for d in 0..dim {
+        #[unroll]
+        for i in 0..ROWS {
+            av[i] = a[(ROWS * ty + i) * stride + d];
+        }
+        #[unroll]
+        for c in 0..cols {
+            bv[c] = b[(tx + LANES * c) * stride + d];
+        }
+        #[unroll]
+        for i in 0..ROWS {
+            #[unroll]
+            for c in 0..cols {
+                out[i * cols + c] += av[i] * bv[c];
+            }
+        }
+    }
+}
+
+/// `acc[i * cols + c] += sum_j p[ROWS * ty + i][j] * v[j][tx + LANES * c]`: the thread's tile
+/// of `p @ v`, `p` a `block x block` tile at stride `block + 1`, `v` a `block x dim` tile at
+/// stride `dim + 1` (columns past `dim` skipped).
+#[cube]
+fn tile_accumulate(
+    p: &SharedMemory<f32>,
+    v: &SharedMemory<f32>,
+    ty: usize,
+    tx: usize,
+    acc: &mut Array<f32>,
+    #[comptime] block: usize,
+    #[comptime] dim: usize,
+) {
+    let cols = comptime!(dim.div_ceil(LANES));
+    let mut pv = Array::<f32>::new(ROWS);
+    for j in 0..block {
+        #[unroll]
+        for i in 0..ROWS {
+            pv[i] = p[(ROWS * ty + i) * comptime!(block + 1) + j];
+        }
+        #[unroll]
+        for c in 0..cols {
+            let col = tx + LANES * c;
+            if col < dim {
+                let value = v[j * comptime!(dim + 1) + col];
+                #[unroll]
+                for i in 0..ROWS {
+                    acc[i * cols + c] += pv[i] * value;
+                }
+            }
+        }
+    }
 }
 
 /// `s` soft-capped (`tanh(s / cap) * cap`) when `capped`, and the tanh, for the backward.
@@ -122,7 +296,8 @@ fn capped_score(s: f32, cap: f32, #[comptime] capped: bool) -> (f32, f32) {
     (out, t)
 }
 
-/// One unit per query row: the output row and its softmax statistics.
+/// One cube per block of query rows: the output rows and their softmax statistics, over the
+/// key tiles some row of the block shows.
 #[cube(launch)]
 fn forward_kernel(
     x: &Operands,
@@ -130,58 +305,198 @@ fn forward_kernel(
     stats: &mut Array<f32>,
     n: Sizes,
     #[comptime] dim: usize,
+    #[comptime] block: usize,
     #[comptime] capped: bool,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= n.units {
+    if CUBE_POS >= n.cubes {
         terminate!();
     }
-    let g = pos / n.rows;
-    let (row, lo, hi) = mask_row(x, &n, g, pos % n.rows);
-    let q0 = pos * dim;
-    let kv0 = g * n.k_len * dim;
-    let m0 = row * n.k_len;
-    let mut qr = Array::<f32>::new(dim);
-    let mut acc = Array::<f32>::new(dim);
-    #[unroll]
-    for d in 0..dim {
-        qr[d] = x.q[q0 + d];
-        acc[d] = 0.0;
-    }
-    // Below any score with its mask added (the masks tune builds use -1e30).
+    let cols = comptime!(block / LANES);
+    let out_cols = comptime!(dim.div_ceil(LANES));
+    let t = UNIT_POS as usize;
+    let (ty, tx) = (t / LANES, t % LANES);
+    let blocks = n.rows.div_ceil(block);
+    let g = CUBE_POS / blocks;
+    let r0 = (CUBE_POS % blocks) * block;
+    let q_first = (g * n.rows + r0) * dim;
+    let kv_first = g * n.k_len * dim;
+
+    let mut rows = block_rows(block);
+    let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut kv = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut ps = SharedMemory::<f32>::new(comptime!(block * (block + 1)));
+    let mut scale = SharedMemory::<f32>::new(block);
+    load_spans(x, &n, g, r0, &mut rows);
+    load_tile(&x.q, q_first, n.rows - r0, &mut qs, block, dim);
+    sync_cube();
+    let (lo, hi) = union_span(&rows, n.k_len);
+
+    // The row owner's (thread `t < block`) running max and sum.
     let mut m = f32::new(-3.0e38);
     let mut l = f32::new(0.0);
-    for j in lo..hi {
-        let k0 = kv0 + j * dim;
-        let mut s = f32::new(0.0);
-        #[unroll]
-        for d in 0..dim {
-            s += qr[d] * x.k[k0 + d];
-        }
-        let (s, _t) = capped_score(s, n.cap, capped);
-        let s = s + x.mask[m0 + j];
-        let m_new = max(m, s);
-        let scale = (m - m_new).exp();
-        let p = (s - m_new).exp();
-        l = l * scale + p;
-        #[unroll]
-        for d in 0..dim {
-            acc[d] = acc[d] * scale + p * x.v[k0 + d];
-        }
-        m = m_new;
-    }
-    let inv = f32::new(1.0) / l;
+    let mut s = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut acc = Array::<f32>::new(comptime!(ROWS * out_cols));
     #[unroll]
-    for d in 0..dim {
-        out[q0 + d] = acc[d] * inv;
+    for x in 0..comptime!(ROWS * out_cols) {
+        acc[x] = 0.0;
+    }
+    let mut j0 = lo;
+    while j0 < hi {
+        load_tile(&x.k, kv_first + j0 * dim, n.k_len - j0, &mut kv, block, dim);
+        sync_cube();
+        tile_dots(&qs, &kv, ty, tx, &mut s, cols, dim);
+        #[unroll]
+        for i in 0..ROWS {
+            let rl = ROWS * ty + i;
+            let m0 = usize::cast_from(rows.mask_row[rl]) * n.k_len;
+            #[unroll]
+            for c in 0..cols {
+                let j = j0 + tx + LANES * c;
+                let (sc, _t) = capped_score(s[i * cols + c], n.cap, capped);
+                let mut value = f32::new(0.0);
+                if j < n.k_len {
+                    value = sc + x.mask[m0 + j];
+                }
+                ps[rl * comptime!(block + 1) + tx + LANES * c] = value;
+            }
+        }
+        sync_cube();
+        // Each row's owner: the online softmax over the tile's shown keys.
+        if t < block {
+            let (rlo, rhi) = (usize::cast_from(rows.lo[t]), usize::cast_from(rows.hi[t]));
+            let base = t * comptime!(block + 1);
+            let mut m_new = m;
+            for c in 0..block {
+                let j = j0 + c;
+                if j >= rlo && j < rhi {
+                    m_new = max(m_new, ps[base + c]);
+                }
+            }
+            let a = (m - m_new).exp();
+            let mut sum = f32::new(0.0);
+            for c in 0..block {
+                let j = j0 + c;
+                let mut p = f32::new(0.0);
+                if j >= rlo && j < rhi {
+                    p = (ps[base + c] - m_new).exp();
+                }
+                ps[base + c] = p;
+                sum += p;
+            }
+            l = l * a + sum;
+            m = m_new;
+            scale[t] = a;
+        }
+        sync_cube();
+        load_tile(&x.v, kv_first + j0 * dim, n.k_len - j0, &mut kv, block, dim);
+        sync_cube();
+        #[unroll]
+        for i in 0..ROWS {
+            let a = scale[ROWS * ty + i];
+            #[unroll]
+            for c in 0..out_cols {
+                acc[i * out_cols + c] *= a;
+            }
+        }
+        tile_accumulate(&ps, &kv, ty, tx, &mut acc, block, dim);
+        sync_cube();
+        j0 += block;
     }
     // The max and the sum apart, not `m + ln(l)`: for a row whose mask hides every key `m` is
     // -1e30, and `m + ln(l)` rounds to `m` in fp32 (the backward would then see `p = 1`).
-    stats[2 * pos] = m;
-    stats[2 * pos + 1] = inv;
+    if t < block {
+        let inv = f32::new(1.0) / l;
+        scale[t] = inv;
+        let r = r0 + t;
+        if r < n.rows {
+            let at = g * n.rows + r;
+            stats[2 * at] = m;
+            stats[2 * at + 1] = inv;
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for i in 0..ROWS {
+        let rl = ROWS * ty + i;
+        if r0 + rl < n.rows {
+            let inv = scale[rl];
+            #[unroll]
+            for c in 0..out_cols {
+                let col = tx + LANES * c;
+                if col < dim {
+                    out[q_first + rl * dim + col] = acc[i * out_cols + c] * inv;
+                }
+            }
+        }
+    }
 }
 
-/// One unit per query row: `dQ` from the recomputed probabilities.
+/// The softmax statistics and `delta` of a block of query rows, in shared memory.
+#[derive(CubeType)]
+struct BlockStats {
+    max: SharedMemory<f32>,
+    inv: SharedMemory<f32>,
+    delta: SharedMemory<f32>,
+}
+
+#[cube]
+fn block_stats(#[comptime] block: usize) -> BlockStats {
+    BlockStats {
+        max: SharedMemory::<f32>::new(block),
+        inv: SharedMemory::<f32>::new(block),
+        delta: SharedMemory::<f32>::new(block),
+    }
+}
+
+/// Fills `st` for rows `r0..r0 + block` of group `g` (one thread per row).
+#[cube]
+fn load_stats(b: &Backprop, n: &Sizes, g: usize, r0: usize, st: &mut BlockStats) {
+    let t = UNIT_POS as usize;
+    if t < st.max.len() {
+        let r = r0 + t;
+        let mut max = f32::new(0.0);
+        let mut inv = f32::new(0.0);
+        let mut delta = f32::new(0.0);
+        if r < n.rows {
+            let at = g * n.rows + r;
+            max = b.stats[2 * at];
+            inv = b.stats[2 * at + 1];
+            delta = b.delta[at];
+        }
+        st.max[t] = max;
+        st.inv[t] = inv;
+        st.delta[t] = delta;
+    }
+}
+
+/// The gradient of one score: `p * (dp - delta)`, times the soft cap's derivative, with `p`
+/// recomputed from the row's statistics; 0 and 0 (`p`, `ds`) for a key the row does not show.
+#[cube]
+fn score_grad(
+    raw: f32,
+    dp: f32,
+    mask: f32,
+    shown: bool,
+    max: f32,
+    inv: f32,
+    delta: f32,
+    cap: f32,
+    #[comptime] capped: bool,
+) -> (f32, f32) {
+    let mut p = f32::new(0.0);
+    let mut ds = f32::new(0.0);
+    if shown {
+        let (s, t) = capped_score(raw, cap, capped);
+        p = (s + mask - max).exp() * inv;
+        ds = p * (dp - delta);
+        if capped {
+            ds *= 1.0 - t * t;
+        }
+    }
+    (p, ds)
+}
+
+/// One cube per block of query rows: `dQ` over the key tiles some row of the block shows.
 #[cube(launch)]
 fn grad_query_kernel(
     x: &Operands,
@@ -189,54 +504,99 @@ fn grad_query_kernel(
     dq: &mut Array<f32>,
     n: Sizes,
     #[comptime] dim: usize,
+    #[comptime] block: usize,
     #[comptime] capped: bool,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= n.units {
+    if CUBE_POS >= n.cubes {
         terminate!();
     }
-    let g = pos / n.rows;
-    let (row, lo, hi) = mask_row(x, &n, g, pos % n.rows);
-    let q0 = pos * dim;
-    let kv0 = g * n.k_len * dim;
-    let m0 = row * n.k_len;
-    let mut qr = Array::<f32>::new(dim);
-    let mut gr = Array::<f32>::new(dim);
-    let mut acc = Array::<f32>::new(dim);
+    let cols = comptime!(block / LANES);
+    let out_cols = comptime!(dim.div_ceil(LANES));
+    let t = UNIT_POS as usize;
+    let (ty, tx) = (t / LANES, t % LANES);
+    let blocks = n.rows.div_ceil(block);
+    let g = CUBE_POS / blocks;
+    let r0 = (CUBE_POS % blocks) * block;
+    let q_first = (g * n.rows + r0) * dim;
+    let kv_first = g * n.k_len * dim;
+
+    let mut rows = block_rows(block);
+    let mut st = block_stats(block);
+    let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut gs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut ks = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut vs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut ds_tile = SharedMemory::<f32>::new(comptime!(block * (block + 1)));
+    load_spans(x, &n, g, r0, &mut rows);
+    load_stats(b, &n, g, r0, &mut st);
+    load_tile(&x.q, q_first, n.rows - r0, &mut qs, block, dim);
+    load_tile(&b.grad_out, q_first, n.rows - r0, &mut gs, block, dim);
+    sync_cube();
+    let (lo, hi) = union_span(&rows, n.k_len);
+
+    let mut s = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut dp = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut acc = Array::<f32>::new(comptime!(ROWS * out_cols));
     #[unroll]
-    for d in 0..dim {
-        qr[d] = x.q[q0 + d];
-        gr[d] = b.grad_out[q0 + d];
-        acc[d] = 0.0;
+    for x in 0..comptime!(ROWS * out_cols) {
+        acc[x] = 0.0;
     }
-    let (m_r, inv_r, delta_r) = (b.stats[2 * pos], b.stats[2 * pos + 1], b.delta[pos]);
-    for j in lo..hi {
-        let k0 = kv0 + j * dim;
-        let mut s = f32::new(0.0);
-        let mut dp = f32::new(0.0);
+    let mut j0 = lo;
+    while j0 < hi {
+        load_tile(&x.k, kv_first + j0 * dim, n.k_len - j0, &mut ks, block, dim);
+        load_tile(&x.v, kv_first + j0 * dim, n.k_len - j0, &mut vs, block, dim);
+        sync_cube();
+        tile_dots(&qs, &ks, ty, tx, &mut s, cols, dim);
+        tile_dots(&gs, &vs, ty, tx, &mut dp, cols, dim);
         #[unroll]
-        for d in 0..dim {
-            s += qr[d] * x.k[k0 + d];
-            dp += gr[d] * x.v[k0 + d];
+        for i in 0..ROWS {
+            let rl = ROWS * ty + i;
+            let (rlo, rhi) = (usize::cast_from(rows.lo[rl]), usize::cast_from(rows.hi[rl]));
+            let m0 = usize::cast_from(rows.mask_row[rl]) * n.k_len;
+            #[unroll]
+            for c in 0..cols {
+                let j = j0 + tx + LANES * c;
+                let shown = j >= rlo && j < rhi;
+                let mut mask = f32::new(0.0);
+                if shown {
+                    mask = x.mask[m0 + j];
+                }
+                let (_p, ds) = score_grad(
+                    s[i * cols + c],
+                    dp[i * cols + c],
+                    mask,
+                    shown,
+                    st.max[rl],
+                    st.inv[rl],
+                    st.delta[rl],
+                    n.cap,
+                    capped,
+                );
+                ds_tile[rl * comptime!(block + 1) + tx + LANES * c] = ds;
+            }
         }
-        let (s, t) = capped_score(s, n.cap, capped);
-        let p = (s + x.mask[m0 + j] - m_r).exp() * inv_r;
-        let mut ds = p * (dp - delta_r);
-        if capped {
-            ds *= 1.0 - t * t;
-        }
-        #[unroll]
-        for d in 0..dim {
-            acc[d] += ds * x.k[k0 + d];
-        }
+        sync_cube();
+        tile_accumulate(&ds_tile, &ks, ty, tx, &mut acc, block, dim);
+        sync_cube();
+        j0 += block;
     }
     #[unroll]
-    for d in 0..dim {
-        dq[q0 + d] = acc[d];
+    for i in 0..ROWS {
+        let rl = ROWS * ty + i;
+        if r0 + rl < n.rows {
+            #[unroll]
+            for c in 0..out_cols {
+                let col = tx + LANES * c;
+                if col < dim {
+                    dq[q_first + rl * dim + col] = acc[i * out_cols + c];
+                }
+            }
+        }
     }
 }
 
-/// One unit per key: `dK` and `dV` over the query rows of its group whose mask row shows it.
+/// One cube per block of keys and split: `dK` and `dV` over the split's query blocks (every
+/// `splits`-th) that show a key of the block, written to the split's own slice (summed after).
 #[cube(launch)]
 fn grad_key_value_kernel(
     x: &Operands,
@@ -245,55 +605,116 @@ fn grad_key_value_kernel(
     dv: &mut Array<f32>,
     n: Sizes,
     #[comptime] dim: usize,
+    #[comptime] block: usize,
     #[comptime] capped: bool,
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= n.units {
+    if CUBE_POS >= n.cubes {
         terminate!();
     }
-    let g = pos / n.k_len;
-    let j = pos % n.k_len;
-    let k0 = pos * dim;
-    let mut kr = Array::<f32>::new(dim);
-    let mut vr = Array::<f32>::new(dim);
-    let mut dk_acc = Array::<f32>::new(dim);
-    let mut dv_acc = Array::<f32>::new(dim);
+    let cols = comptime!(block / LANES);
+    let out_cols = comptime!(dim.div_ceil(LANES));
+    let t = UNIT_POS as usize;
+    let (ty, tx) = (t / LANES, t % LANES);
+    let key_blocks = n.k_len.div_ceil(block);
+    let split = CUBE_POS % n.splits;
+    let g = CUBE_POS / n.splits / key_blocks;
+    let j0 = (CUBE_POS / n.splits % key_blocks) * block;
+    let kv_first = (g * n.k_len + j0) * dim;
+    let groups = n.cubes / n.splits / key_blocks;
+    let out_first = split * groups * n.k_len * dim + kv_first;
+
+    let mut rows = block_rows(block);
+    let mut st = block_stats(block);
+    let mut ks = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut vs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    let mut gs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
+    // `P^T`, then `dS^T`: keys down, query rows across.
+    let mut pt = SharedMemory::<f32>::new(comptime!(block * (block + 1)));
+    load_tile(&x.k, kv_first, n.k_len - j0, &mut ks, block, dim);
+    load_tile(&x.v, kv_first, n.k_len - j0, &mut vs, block, dim);
+
+    let mut s = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut dp = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut ds = Array::<f32>::new(comptime!(ROWS * cols));
+    let mut dk_acc = Array::<f32>::new(comptime!(ROWS * out_cols));
+    let mut dv_acc = Array::<f32>::new(comptime!(ROWS * out_cols));
     #[unroll]
-    for d in 0..dim {
-        kr[d] = x.k[k0 + d];
-        vr[d] = x.v[k0 + d];
-        dk_acc[d] = 0.0;
-        dv_acc[d] = 0.0;
+    for x in 0..comptime!(ROWS * out_cols) {
+        dk_acc[x] = 0.0;
+        dv_acc[x] = 0.0;
     }
-    for r in 0..n.rows {
-        let (row, lo, hi) = mask_row(x, &n, g, r);
-        if j >= lo && j < hi {
-            let qi = g * n.rows + r;
-            let q0 = qi * dim;
-            let mut s = f32::new(0.0);
-            let mut dp = f32::new(0.0);
+    let query_blocks = n.rows.div_ceil(block);
+    let mut qb = split;
+    while qb < query_blocks {
+        let r0 = qb * block;
+        let q_first = (g * n.rows + r0) * dim;
+        load_spans(x, &n, g, r0, &mut rows);
+        load_stats(b, &n, g, r0, &mut st);
+        load_tile(&x.q, q_first, n.rows - r0, &mut qs, block, dim);
+        load_tile(&b.grad_out, q_first, n.rows - r0, &mut gs, block, dim);
+        sync_cube();
+        let (lo, hi) = union_span(&rows, n.k_len);
+        // The same answer on every thread of the cube, so the barriers below stay uniform.
+        if lo < j0 + block && hi > j0 {
+            tile_dots(&ks, &qs, ty, tx, &mut s, cols, dim);
+            tile_dots(&vs, &gs, ty, tx, &mut dp, cols, dim);
             #[unroll]
-            for d in 0..dim {
-                s += x.q[q0 + d] * kr[d];
-                dp += b.grad_out[q0 + d] * vr[d];
+            for i in 0..ROWS {
+                let j = j0 + ROWS * ty + i;
+                #[unroll]
+                for c in 0..cols {
+                    let rl = tx + LANES * c;
+                    let (rlo, rhi) = (usize::cast_from(rows.lo[rl]), usize::cast_from(rows.hi[rl]));
+                    let shown = j >= rlo && j < rhi;
+                    let mut mask = f32::new(0.0);
+                    if shown {
+                        mask = x.mask[usize::cast_from(rows.mask_row[rl]) * n.k_len + j];
+                    }
+                    let (p, grad) = score_grad(
+                        s[i * cols + c],
+                        dp[i * cols + c],
+                        mask,
+                        shown,
+                        st.max[rl],
+                        st.inv[rl],
+                        st.delta[rl],
+                        n.cap,
+                        capped,
+                    );
+                    ds[i * cols + c] = grad;
+                    pt[(ROWS * ty + i) * comptime!(block + 1) + rl] = p;
+                }
             }
-            let (s, t) = capped_score(s, n.cap, capped);
-            let p = (s + x.mask[row * n.k_len + j] - b.stats[2 * qi]).exp() * b.stats[2 * qi + 1];
-            let mut ds = p * (dp - b.delta[qi]);
-            if capped {
-                ds *= 1.0 - t * t;
-            }
+            sync_cube();
+            tile_accumulate(&pt, &gs, ty, tx, &mut dv_acc, block, dim);
+            sync_cube();
             #[unroll]
-            for d in 0..dim {
-                dv_acc[d] += p * b.grad_out[q0 + d];
-                dk_acc[d] += ds * x.q[q0 + d];
+            for i in 0..ROWS {
+                #[unroll]
+                for c in 0..cols {
+                    pt[(ROWS * ty + i) * comptime!(block + 1) + tx + LANES * c] = ds[i * cols + c];
+                }
+            }
+            sync_cube();
+            tile_accumulate(&pt, &qs, ty, tx, &mut dk_acc, block, dim);
+        }
+        sync_cube();
+        qb += n.splits;
+    }
+    #[unroll]
+    for i in 0..ROWS {
+        let kl = ROWS * ty + i;
+        if j0 + kl < n.k_len {
+            #[unroll]
+            for c in 0..out_cols {
+                let col = tx + LANES * c;
+                if col < dim {
+                    dk[out_first + kl * dim + col] = dk_acc[i * out_cols + c];
+                    dv[out_first + kl * dim + col] = dv_acc[i * out_cols + c];
+                }
             }
         }
-    }
-    #[unroll]
-    for d in 0..dim {
-        dk[k0 + d] = dk_acc[d];
-        dv[k0 + d] = dv_acc[d];
     }
 }
 
@@ -314,13 +735,18 @@ struct Call<R: CubeRuntime> {
     mask: CubeTensor<R>,
     /// `(lo, hi)` per mask row, i32.
     spans: CubeTensor<R>,
+    /// Query rows per cube and keys per tile ([`block_for`] the device).
+    block: usize,
 }
 
 impl<R: CubeRuntime> Call<R> {
-    /// The cubes for `units` threads.
-    fn cube(&self, client: &ComputeClient<R>, units: usize) -> (CubeCount, CubeDim) {
-        let dim = CubeDim::new_1d(CUBE_UNITS);
-        (calculate_cube_count_elemwise(client, units, dim), dim)
+    /// `cubes` cubes of `2 * block` threads.
+    fn cubes(&self, client: &ComputeClient<R>, cubes: usize) -> (CubeCount, CubeDim) {
+        let dim = CubeDim::new_1d(2 * self.block as u32);
+        (
+            calculate_cube_count_elemwise(client, cubes * 2 * self.block, dim),
+            dim,
+        )
     }
 
     fn empty(&self, like: &CubeTensor<R>, shape: Shape) -> CubeTensor<R> {
@@ -337,26 +763,50 @@ impl<R: CubeRuntime> Call<R> {
         )
     }
 
-    fn sizes(&self, units: usize) -> SizesLaunch<R> {
+    fn sizes(&self, cubes: usize, splits: usize) -> SizesLaunch<R> {
         SizesLaunch::new(
-            units,
+            cubes,
             self.rows,
             self.kv_heads,
             self.mask_batch,
             self.q_len,
             self.k_len,
+            splits,
             self.softcap.unwrap_or(1.0),
         )
+    }
+
+    /// Cubes of query blocks: one per block of `block` rows of each group.
+    fn query_cubes(&self) -> usize {
+        self.groups * self.rows.div_ceil(self.block)
+    }
+
+    /// How many cubes share a key block's query blocks in the `dK`/`dV` kernel. Why: one cube
+    /// per key block leaves most of a large GPU idle at short sequences (512 tokens of
+    /// SmolLM2-135M are 48 key blocks of 32 against an H200's 132 multiprocessors), so each
+    /// key block's query blocks are dealt to `splits` cubes, each writing its own partial
+    /// `dK`/`dV`, summed afterwards (no atomics, the same sums in the same order every run).
+    fn splits(&self, client: &ComputeClient<R>) -> usize {
+        let key_cubes = self.groups * self.k_len.div_ceil(self.block);
+        let processors = client
+            .properties()
+            .hardware
+            .num_streaming_multiprocessors
+            .unwrap_or(16) as usize;
+        // Four cubes per multiprocessor, at most one per query block.
+        (4 * processors)
+            .div_ceil(key_cubes)
+            .clamp(1, self.rows.div_ceil(self.block).min(8))
     }
 
     /// The output (grouped, as `q`) and the softmax statistics (max, 1 / sum) of every query
     /// row.
     fn forward(&self, inputs: &[CubeTensor<R>; 3]) -> (CubeTensor<R>, CubeTensor<R>) {
         let q = &inputs[0];
-        let units = self.groups * self.rows;
         let out = self.empty(q, q.meta.shape().clone());
-        let stats = self.empty(q, Shape::new([2 * units]));
-        let (count, dim) = self.cube(&q.client, units);
+        let stats = self.empty(q, Shape::new([2 * self.groups * self.rows]));
+        let cubes = self.query_cubes();
+        let (count, dim) = self.cubes(&q.client, cubes);
         forward_kernel::launch::<R>(
             &q.client,
             count,
@@ -364,8 +814,9 @@ impl<R: CubeRuntime> Call<R> {
             self.operands(inputs),
             out.clone().into_array_arg(),
             stats.clone().into_array_arg(),
-            self.sizes(units),
+            self.sizes(cubes, 1),
             self.dim,
+            self.block,
             self.softcap.is_some(),
         );
         (out, stats)
@@ -373,7 +824,7 @@ impl<R: CubeRuntime> Call<R> {
 
     /// `dQ`, `dK`, `dV` from the saved inputs and statistics, `delta` (each query row's
     /// `sum(dO * O)`) and the output's gradient.
-    fn backward(
+    fn backward<BT: BoolElement>(
         &self,
         saved: &Saved<R>,
         delta: &CubeTensor<R>,
@@ -389,8 +840,8 @@ impl<R: CubeRuntime> Call<R> {
             )
         };
         let dq = self.empty(q, q.meta.shape().clone());
-        let units = self.groups * self.rows;
-        let (count, dim) = self.cube(client, units);
+        let cubes = self.query_cubes();
+        let (count, dim) = self.cubes(client, cubes);
         grad_query_kernel::launch::<R>(
             client,
             count,
@@ -398,14 +849,17 @@ impl<R: CubeRuntime> Call<R> {
             self.operands(&saved.inputs),
             backprop(),
             dq.clone().into_array_arg(),
-            self.sizes(units),
+            self.sizes(cubes, 1),
             self.dim,
+            self.block,
             self.softcap.is_some(),
         );
-        let dk = self.empty(k, k.meta.shape().clone());
-        let dv = self.empty(v, v.meta.shape().clone());
-        let units = self.groups * self.k_len;
-        let (count, dim) = self.cube(client, units);
+        let splits = self.splits(client);
+        let shape = k.meta.shape().dims::<4>();
+        let parts = Shape::new([splits, shape[0], shape[1], shape[2], shape[3]]);
+        let (dk, dv) = (self.empty(k, parts.clone()), self.empty(v, parts));
+        let cubes = self.groups * self.k_len.div_ceil(self.block) * splits;
+        let (count, dim) = self.cubes(client, cubes);
         grad_key_value_kernel::launch::<R>(
             client,
             count,
@@ -414,11 +868,17 @@ impl<R: CubeRuntime> Call<R> {
             backprop(),
             dk.clone().into_array_arg(),
             dv.clone().into_array_arg(),
-            self.sizes(units),
+            self.sizes(cubes, splits),
             self.dim,
+            self.block,
             self.softcap.is_some(),
         );
-        [dq, dk, dv]
+        let summed = |t: CubeTensor<R>| {
+            let t = Tensor::<Cube<R, BT>, 5>::from_primitive(TensorPrimitive::Float(t));
+            let t = if splits == 1 { t } else { t.sum_dim(0) };
+            into_contiguous(t.reshape(shape).into_primitive().tensor())
+        };
+        [dq, summed(dk), summed(dv)]
     }
 }
 
@@ -448,7 +908,7 @@ impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 3> for CubeAttention
             .into_primitive()
             .tensor();
         let delta = into_contiguous(delta);
-        let grads_in = call.backward(&saved, &delta, &grad);
+        let grads_in = call.backward::<BT>(&saved, &delta, &grad);
         for (parent, g) in ops.parents.into_iter().zip(grads_in) {
             if let Some(node) = parent {
                 grads.register::<Cube<R, BT>>(node.id, g);
@@ -511,7 +971,7 @@ impl<R: CubeRuntime, BT: BoolElement> Backward<Cube<R, BT>, 4> for SinkAttention
                 .into_primitive()
                 .tensor(),
         );
-        let [dq, dk, dv] = call.backward(&saved, &delta, &scaled);
+        let [dq, dk, dv] = call.backward::<BT>(&saved, &delta, &scaled);
         let (batch, kv_heads, n_rep) = (call.groups / call.kv_heads, call.kv_heads, call.n_rep());
         let dsink = (d * w.clone() * (w.neg() + 1.0))
             .neg()
@@ -562,6 +1022,7 @@ fn call<B: Backend, R: CubeRuntime, BT: BoolElement>(
         softcap: softcap.map(|c| c as f32),
         mask: into_contiguous(mask_tensor.clone()),
         spans,
+        block: block_for(dim, q.client.properties().hardware.max_shared_memory_size),
     }
 }
 

@@ -491,6 +491,8 @@ pub(crate) fn fused_attention_cases<B: Backend>(device: &B::Device) {
     // A real model's head size (SmolLM2, Llama 3.2 1B): 64.
     let long_heads = mask::causal::<B>(1, 70, 0, None, device);
     check_attention("head dim 64", [1, 2, 2, 64], &long_heads, None, false);
+    // A head size that is not a multiple of the cubecl kernels' 8 lanes.
+    check_attention("head dim 12", [1, 2, 2, 12], &long_heads, None, false);
     // Packed documents: a mask per batch row, blocks on document edges.
     let docs: Vec<u32> = (0..2 * 90)
         .map(|i| ((i % 90) / 37 + i / 90) as u32)
