@@ -131,13 +131,16 @@ struct Backprop {
     grad_out: Array<f32>,
 }
 
-/// The row spans of a block of query rows in shared memory: each row's mask row and shown
-/// keys `lo..hi` (a row past the group's end shows none).
+/// A block of query rows in shared memory: each row's mask row and shown keys `lo..hi` (a row
+/// past the group's end shows none) and, for the backward, its softmax statistics and `delta`.
 #[derive(CubeType)]
 struct BlockRows {
     mask_row: SharedMemory<u32>,
     lo: SharedMemory<u32>,
     hi: SharedMemory<u32>,
+    max: SharedMemory<f32>,
+    inv: SharedMemory<f32>,
+    delta: SharedMemory<f32>,
 }
 
 #[cube]
@@ -146,10 +149,13 @@ fn block_rows(#[comptime] block: usize) -> BlockRows {
         mask_row: SharedMemory::<u32>::new(block),
         lo: SharedMemory::<u32>::new(block),
         hi: SharedMemory::<u32>::new(block),
+        max: SharedMemory::<f32>::new(block),
+        inv: SharedMemory::<f32>::new(block),
+        delta: SharedMemory::<f32>::new(block),
     }
 }
 
-/// Fills `b` for the block of rows `r0..r0 + block` of group `g` (one thread per row).
+/// Fills the spans of `b` for rows `r0..r0 + block` of group `g` (one thread per row).
 #[cube]
 fn load_spans(x: &Operands, n: &Sizes, g: usize, r0: usize, b: &mut BlockRows) {
     let t = UNIT_POS as usize;
@@ -284,6 +290,64 @@ fn tile_accumulate(
     }
 }
 
+/// A query-block cube's place: the thread (`t`, its row group `ty` and lane `tx`), the block's
+/// group `g` and first row `r0`, where its first query row starts and where its group's keys do.
+#[derive(CubeType)]
+struct QueryBlock {
+    t: usize,
+    ty: usize,
+    tx: usize,
+    g: usize,
+    r0: usize,
+    q_first: usize,
+    kv_first: usize,
+}
+
+#[cube]
+fn query_block(n: &Sizes, #[comptime] block: usize, #[comptime] dim: usize) -> QueryBlock {
+    let t = UNIT_POS as usize;
+    let blocks = n.rows.div_ceil(block);
+    let g = CUBE_POS / blocks;
+    let r0 = (CUBE_POS % blocks) * block;
+    QueryBlock {
+        t,
+        ty: t / LANES,
+        tx: t % LANES,
+        g,
+        r0,
+        q_first: (g * n.rows + r0) * dim,
+        kv_first: g * n.k_len * dim,
+    }
+}
+
+/// Writes the thread's `ROWS x` every-`LANES`-th-column tile `acc` to rows `0..valid` of a
+/// block starting at element `first` of `dst` (rows `dim` apart).
+#[cube]
+fn store_tile(
+    acc: &Array<f32>,
+    dst: &mut Array<f32>,
+    first: usize,
+    valid: usize,
+    ty: usize,
+    tx: usize,
+    #[comptime] dim: usize,
+) {
+    let cols = comptime!(dim.div_ceil(LANES));
+    #[unroll]
+    for i in 0..ROWS {
+        let r = ROWS * ty + i;
+        if r < valid {
+            #[unroll]
+            for c in 0..cols {
+                let col = tx + LANES * c;
+                if col < dim {
+                    dst[first + r * dim + col] = acc[i * cols + c];
+                }
+            }
+        }
+    }
+}
+
 /// `s` soft-capped (`tanh(s / cap) * cap`) when `capped`, and the tanh, for the backward.
 #[cube]
 fn capped_score(s: f32, cap: f32, #[comptime] capped: bool) -> (f32, f32) {
@@ -313,13 +377,15 @@ fn forward_kernel(
     }
     let cols = comptime!(block / LANES);
     let out_cols = comptime!(dim.div_ceil(LANES));
-    let t = UNIT_POS as usize;
-    let (ty, tx) = (t / LANES, t % LANES);
-    let blocks = n.rows.div_ceil(block);
-    let g = CUBE_POS / blocks;
-    let r0 = (CUBE_POS % blocks) * block;
-    let q_first = (g * n.rows + r0) * dim;
-    let kv_first = g * n.k_len * dim;
+    let QueryBlock {
+        t,
+        ty,
+        tx,
+        g,
+        r0,
+        q_first,
+        kv_first,
+    } = query_block(&n, block, dim);
 
     let mut rows = block_rows(block);
     let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
@@ -417,40 +483,18 @@ fn forward_kernel(
     sync_cube();
     #[unroll]
     for i in 0..ROWS {
-        let rl = ROWS * ty + i;
-        if r0 + rl < n.rows {
-            let inv = scale[rl];
-            #[unroll]
-            for c in 0..out_cols {
-                let col = tx + LANES * c;
-                if col < dim {
-                    out[q_first + rl * dim + col] = acc[i * out_cols + c] * inv;
-                }
-            }
+        let inv = scale[ROWS * ty + i];
+        #[unroll]
+        for c in 0..out_cols {
+            acc[i * out_cols + c] *= inv;
         }
     }
+    store_tile(&acc, out, q_first, n.rows - r0, ty, tx, dim);
 }
 
-/// The softmax statistics and `delta` of a block of query rows, in shared memory.
-#[derive(CubeType)]
-struct BlockStats {
-    max: SharedMemory<f32>,
-    inv: SharedMemory<f32>,
-    delta: SharedMemory<f32>,
-}
-
+/// Fills the statistics of `st` for rows `r0..r0 + block` of group `g` (one thread per row).
 #[cube]
-fn block_stats(#[comptime] block: usize) -> BlockStats {
-    BlockStats {
-        max: SharedMemory::<f32>::new(block),
-        inv: SharedMemory::<f32>::new(block),
-        delta: SharedMemory::<f32>::new(block),
-    }
-}
-
-/// Fills `st` for rows `r0..r0 + block` of group `g` (one thread per row).
-#[cube]
-fn load_stats(b: &Backprop, n: &Sizes, g: usize, r0: usize, st: &mut BlockStats) {
+fn load_stats(b: &Backprop, n: &Sizes, g: usize, r0: usize, st: &mut BlockRows) {
     let t = UNIT_POS as usize;
     if t < st.max.len() {
         let r = r0 + t;
@@ -512,23 +556,24 @@ fn grad_query_kernel(
     }
     let cols = comptime!(block / LANES);
     let out_cols = comptime!(dim.div_ceil(LANES));
-    let t = UNIT_POS as usize;
-    let (ty, tx) = (t / LANES, t % LANES);
-    let blocks = n.rows.div_ceil(block);
-    let g = CUBE_POS / blocks;
-    let r0 = (CUBE_POS % blocks) * block;
-    let q_first = (g * n.rows + r0) * dim;
-    let kv_first = g * n.k_len * dim;
+    let QueryBlock {
+        ty,
+        tx,
+        g,
+        r0,
+        q_first,
+        kv_first,
+        ..
+    } = query_block(&n, block, dim);
 
     let mut rows = block_rows(block);
-    let mut st = block_stats(block);
     let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut gs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut ks = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut vs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut ds_tile = SharedMemory::<f32>::new(comptime!(block * (block + 1)));
     load_spans(x, &n, g, r0, &mut rows);
-    load_stats(b, &n, g, r0, &mut st);
+    load_stats(b, &n, g, r0, &mut rows);
     load_tile(&x.q, q_first, n.rows - r0, &mut qs, block, dim);
     load_tile(&b.grad_out, q_first, n.rows - r0, &mut gs, block, dim);
     sync_cube();
@@ -566,9 +611,9 @@ fn grad_query_kernel(
                     dp[i * cols + c],
                     mask,
                     shown,
-                    st.max[rl],
-                    st.inv[rl],
-                    st.delta[rl],
+                    rows.max[rl],
+                    rows.inv[rl],
+                    rows.delta[rl],
                     n.cap,
                     capped,
                 );
@@ -580,19 +625,7 @@ fn grad_query_kernel(
         sync_cube();
         j0 += block;
     }
-    #[unroll]
-    for i in 0..ROWS {
-        let rl = ROWS * ty + i;
-        if r0 + rl < n.rows {
-            #[unroll]
-            for c in 0..out_cols {
-                let col = tx + LANES * c;
-                if col < dim {
-                    dq[q_first + rl * dim + col] = acc[i * out_cols + c];
-                }
-            }
-        }
-    }
+    store_tile(&acc, dq, q_first, n.rows - r0, ty, tx, dim);
 }
 
 /// One cube per block of keys and split: `dK` and `dV` over the split's query blocks (every
@@ -624,7 +657,6 @@ fn grad_key_value_kernel(
     let out_first = split * groups * n.k_len * dim + kv_first;
 
     let mut rows = block_rows(block);
-    let mut st = block_stats(block);
     let mut ks = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut vs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
     let mut qs = SharedMemory::<f32>::new(comptime!(block * (dim + 1)));
@@ -650,7 +682,7 @@ fn grad_key_value_kernel(
         let r0 = qb * block;
         let q_first = (g * n.rows + r0) * dim;
         load_spans(x, &n, g, r0, &mut rows);
-        load_stats(b, &n, g, r0, &mut st);
+        load_stats(b, &n, g, r0, &mut rows);
         load_tile(&x.q, q_first, n.rows - r0, &mut qs, block, dim);
         load_tile(&b.grad_out, q_first, n.rows - r0, &mut gs, block, dim);
         sync_cube();
@@ -676,9 +708,9 @@ fn grad_key_value_kernel(
                         dp[i * cols + c],
                         mask,
                         shown,
-                        st.max[rl],
-                        st.inv[rl],
-                        st.delta[rl],
+                        rows.max[rl],
+                        rows.inv[rl],
+                        rows.delta[rl],
                         n.cap,
                         capped,
                     );
@@ -702,20 +734,8 @@ fn grad_key_value_kernel(
         sync_cube();
         qb += n.splits;
     }
-    #[unroll]
-    for i in 0..ROWS {
-        let kl = ROWS * ty + i;
-        if j0 + kl < n.k_len {
-            #[unroll]
-            for c in 0..out_cols {
-                let col = tx + LANES * c;
-                if col < dim {
-                    dk[out_first + kl * dim + col] = dk_acc[i * out_cols + c];
-                    dv[out_first + kl * dim + col] = dv_acc[i * out_cols + c];
-                }
-            }
-        }
-    }
+    store_tile(&dk_acc, dk, out_first, n.k_len - j0, ty, tx, dim);
+    store_tile(&dv_acc, dv, out_first, n.k_len - j0, ty, tx, dim);
 }
 
 // ---------------------------------------------------------------------------------------------
