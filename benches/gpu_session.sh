@@ -19,7 +19,8 @@
 #   5. long sequences: SmolLM2-135M LoRA at 512-4096 tokens with burn's composed attention,
 #      tune's fused cubecl attention, and fused + activation checkpointing + offloading:
 #      tokens/s, peak device memory (cubecl's memory manager) and each run's losses, which must
-#      agree between the attention paths (fp32, then bf16); and gpt-oss's layer pair with
+#      agree between the attention paths (fp32, then bf16), the fused kernels' default block
+#      against a block of 32 in bf16 at 1024 and 4096 tokens; and gpt-oss's layer pair with
 #      attention sinks (shape gpt-oss-small-2l) at 1024 and 4096 tokens, composed against fused
 #      (the fused kernels scale each row by its sink weight) in bf16;
 #   6. the RL recipes on cuda: the tiny GRPO and PPO configs (the reward must be logged, the
@@ -77,9 +78,13 @@ echo "== 5. long sequences: composed vs fused attention, checkpointing and offlo
 for dtype in fp32 bf16; do
   for seq in 512 1024 2048 4096; do
     [ "$dtype" = fp32 ] && [ "$seq" != 1024 ] && continue
-    for variant in composed fused offload; do
+    for variant in composed fused fused-block32 offload; do
+      # The blocked kernels take the largest block the device holds (64 at this head size on
+      # an H100/H200); 32 is timed beside it in bf16 at 1024 and 4096 tokens.
+      [ "$variant" = fused-block32 ] && { [ "$dtype" = fp32 ] || [ "$seq" = 512 ] || [ "$seq" = 2048 ]; } && continue
       extra=(--attention fused)
       [ "$variant" = composed ] && extra=(--attention composed)
+      [ "$variant" = fused-block32 ] && extra=(--attention fused --attention-block 32)
       [ "$variant" = offload ] && extra=(--activation-checkpointing --activation-offloading)
       timeout 45 "$TUNE" bench --device cuda --dtype $dtype --shape smollm2-135m --mode lora \
         --batch-size 1 --seq-len $seq --steps 2 "${extra[@]}" --json 2>>"$RESULTS/long.err" |
@@ -99,11 +104,11 @@ done
 python3 - "$RESULTS/long.jsonl" <<'PY' | tee "$RESULTS/long.md"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print("| shape | dtype | seq | attention | tokens/s | peak device GiB in use | reserved | losses |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| shape | dtype | seq | attention | block | tokens/s | peak device GiB in use | reserved | losses |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 gib = lambda b: f"{b / 2**30:.2f}" if b else "-"
 for r in rows:
-    print(f"| {r['shape']} | {r['dtype']} | {r['seq_len']} | {r['variant']} | {r['tokens_per_second']:.0f} | "
+    print(f"| {r['shape']} | {r['dtype']} | {r['seq_len']} | {r['variant']} | {r.get('attention_block') or '-'} | {r['tokens_per_second']:.0f} | "
           f"{gib(r['peak_device_memory_active_bytes'])} | {gib(r['peak_device_memory_reserved_bytes'])} | "
           + " ".join(f"{l:.5f}" for l in r["losses"]) + " |")
 by = {}

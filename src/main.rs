@@ -124,6 +124,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             dtype,
             output_chunks,
             attention,
+            attention_block,
             row_lengths,
             keep_padding,
             device,
@@ -147,6 +148,7 @@ fn dispatch(command: Command) -> Result<(), CliError> {
                 dtype: dtype.into(),
                 output_chunks,
                 attention,
+                attention_block: attention_block.map(usize::from),
                 row_lengths,
                 keep_padding,
             };
@@ -398,6 +400,11 @@ fn bench(
     device: Device,
     json: bool,
 ) -> Result<(), CliError> {
+    if settings.attention_block.is_some() && matches!(device, Device::Cpu) {
+        return Err(CliError::bad(anyhow!(
+            "--attention-block caps the block of tune's cubecl attention kernels: it applies with --device cuda or wgpu, not cpu (drop it there)"
+        )));
+    }
     let scratch = std::env::temp_dir();
     tune::device::watch_device_faults();
     let report = match device {

@@ -95,6 +95,9 @@ pub struct BenchSettings {
     pub output_chunks: usize,
     /// The CPU's fused attention (fp32 on Flex), or burn's composed ops to compare against.
     pub attention: Attention,
+    /// The largest block the cubecl attention kernels may take (cuda / wgpu); `None`: the
+    /// largest the device holds.
+    pub attention_block: Option<usize>,
     /// Real row lengths, taken `batch_size` at a time (cut to `seq_len`) and padded to each
     /// step's longest; `None`: every row `seq_len` long.
     pub row_lengths: Option<Vec<usize>>,
@@ -206,6 +209,7 @@ pub fn run<B: AutodiffBackend>(
         .map_err(|e| BenchError::Failed(e.to_string()))?;
     let args = ModelArgs::from_json(config).map_err(BenchError::Failed)?;
     crate::kernels::set_fused_attention(s.attention == Attention::Fused);
+    crate::kernels::set_attention_block_cap(s.attention_block);
     let fail = |e: &dyn std::fmt::Display| BenchError::Failed(e.to_string());
     let mut report = BenchReport {
         params: args.num_params(),
@@ -463,6 +467,7 @@ impl BenchReport {
                 Attention::Fused => "fused",
                 Attention::Composed => "composed",
             },
+            "attention_block": crate::kernels::attention_block_used(),
             "row_lengths": s.row_lengths.is_some(),
             "padding": if s.keep_padding { "kept" } else { "free" },
             "batch_size": s.batch_size,

@@ -172,6 +172,12 @@ pub enum Command {
         /// probabilities for the backward: to measure the difference.
         #[arg(long, value_enum, default_value = "fused")]
         attention: crate::bench::Attention,
+        /// The largest block (query rows per cube and keys per tile: 8, 16, 32 or 64) tune's
+        /// cubecl attention kernels may take on cuda / wgpu; by default the largest the device's
+        /// shared memory holds. To time the blocks against each other; `--json` reports the
+        /// block taken.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(8..=64))]
+        attention_block: Option<u16>,
         /// Rows of real lengths instead of full rows: a JSON file `{"lengths": [...]}`
         /// (benches/alpaca_lengths.json). Each step takes the next `--batch-size` lengths (cut
         /// to `--seq-len`) and pads the rows to the longest, as torchtune's collate does;

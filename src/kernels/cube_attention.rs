@@ -40,6 +40,7 @@
 //! for values, and wait for a lent GPU to be timed (`benches/gpu_session.sh` part 5).
 
 use std::any::TypeId;
+use std::sync::atomic::Ordering;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -84,13 +85,20 @@ fn shared_bytes(block: usize, dim: usize) -> usize {
     4 * (4 * block * (dim + 1) + block * (block + 1) + 6 * block)
 }
 
-/// The block for heads of `dim` on a device with `max_shared` bytes of shared memory per cube.
+/// The block for heads of `dim` on a device with `max_shared` bytes of shared memory per cube,
+/// at most `tune bench --attention-block`'s cap when one is set.
 fn block_for(dim: usize, max_shared: usize) -> usize {
-    BLOCKS
+    let cap = match super::ATTENTION_BLOCK_CAP.load(Ordering::Relaxed) {
+        0 => usize::MAX,
+        cap => cap,
+    };
+    let block = BLOCKS
         .into_iter()
-        .filter(|&b| b <= 32 || dim <= 64)
+        .filter(|&b| (b <= 32 || dim <= 64) && b <= cap)
         .find(|&b| shared_bytes(b, dim) <= max_shared)
-        .unwrap_or(BLOCKS[BLOCKS.len() - 1])
+        .unwrap_or(BLOCKS[BLOCKS.len() - 1]);
+    super::ATTENTION_BLOCK_USED.store(block, Ordering::Relaxed);
+    block
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ pub mod rows;
 pub mod simd;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::tensor::backend::Backend;
@@ -105,6 +105,23 @@ static FUSED_ATTENTION: AtomicBool = AtomicBool::new(true);
 
 pub fn set_fused_attention(enabled: bool) {
     FUSED_ATTENTION.store(enabled, Ordering::Relaxed);
+}
+
+/// The largest block (query rows per cube, keys per tile) the cubecl attention kernels may take;
+/// 0: the largest the device's shared memory holds. `tune bench --attention-block` sets it, so
+/// one GPU run can time each block.
+static ATTENTION_BLOCK_CAP: AtomicUsize = AtomicUsize::new(0);
+
+/// The block the cubecl attention kernels took last (0: they have not run).
+static ATTENTION_BLOCK_USED: AtomicUsize = AtomicUsize::new(0);
+
+pub fn set_attention_block_cap(cap: Option<usize>) {
+    ATTENTION_BLOCK_CAP.store(cap.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// The block the cubecl attention kernels took last, if they ran (`tune bench` reports it).
+pub fn attention_block_used() -> Option<usize> {
+    Some(ATTENTION_BLOCK_USED.load(Ordering::Relaxed)).filter(|&b| b > 0)
 }
 
 /// Whether attention on `B` is the fused kernel, whose cost follows the keys each query sees

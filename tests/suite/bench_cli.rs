@@ -76,6 +76,19 @@ fn bench_attention_switch_is_reported_and_checked() {
     assert!(stderr.contains("fused, composed"), "{stderr}");
 }
 
+/// `--attention-block` caps the cubecl kernels' block: on the CPU, which has no such kernels, it
+/// is refused by name rather than ignored.
+#[test]
+fn attention_block_is_refused_on_the_cpu() {
+    let run = tiny_bench(&["--attention-block", "32"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--attention-block") && stderr.contains("cuda or wgpu"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn unknown_shape_is_bad_input() {
     let run = tune(&["bench", "--shape", "gpt5", "--json"]);

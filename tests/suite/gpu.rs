@@ -283,6 +283,55 @@ fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
     );
 }
 
+/// `tune bench --attention-block` caps the cubecl attention kernels' block, so that one GPU run
+/// can time each block, and the report names the block taken. Another block sums the same
+/// terms in another order: the losses agree within rounding.
+#[test]
+fn the_attention_block_cap_is_taken_and_reported() {
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--shape",
+            "tiny",
+            "--mode",
+            "lora",
+            "--device",
+            "wgpu",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "100",
+            "--steps",
+            "1",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let res = tune(&args);
+        assert!(
+            res.status.success(),
+            "{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&res.stdout).expect("one JSON report")
+    };
+    let (free, capped) = (bench(&[]), bench(&["--attention-block", "8"]));
+    assert_eq!(capped["attention_block"], 8, "{capped}");
+    assert!(free["attention_block"].as_u64().unwrap_or(0) > 8, "{free}");
+    let losses = |r: &serde_json::Value| -> Vec<f64> {
+        r["losses"]
+            .as_array()
+            .expect("losses")
+            .iter()
+            .filter_map(|l| l.as_f64())
+            .collect()
+    };
+    let (a, b) = (losses(&free), losses(&capped));
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} against {b:?}");
+    }
+}
+
 /// NF4 weights dequantize on the device (codes and block scales uploaded once), bit for bit
 /// as the host decodes them, in both row orders.
 #[test]
