@@ -2,7 +2,9 @@
 # One prepared GPU check for a borrowed NVIDIA machine that has PyTorch but no cargo and no
 # network: prebuilt binaries and wheels travel in BIN (default .gpu/), results go to RESULTS.
 #
-#   Here:  cargo build --release --features cuda --bin tune --example random_checkpoint
+#   Here:  cargo build --release --features cuda,autotune --bin tune   # part 7 only
+#          cp target/release/tune .gpu/tune-autotune
+#          cargo build --release --features cuda --bin tune --example random_checkpoint
 #          cp target/release/tune target/release/examples/random_checkpoint .gpu/
 #          (either may travel stripped and xz-compressed as .gpu/NAME.xz: tune is 70 MB
 #          stripped, 18 MB compressed)
