@@ -239,16 +239,9 @@ fn unsupported_wgpu_runs_are_refused_by_name() {
     );
 }
 
-/// A buffer the device cannot allocate stops the run by name. cubecl makes buffers on its
-/// device thread, and a failed one only logs "Task failed" there: the run went on and reported
-/// figures from memory never written. Composed attention at 4096 tokens asks for the tiny
-/// shape's 4 heads x 4096^2 fp32 scores, 256 MiB: beyond lavapipe's 128 MiB (on a device that
-/// allocates it, the same run must simply succeed).
-#[test]
-fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
-    let scores: u64 = 4 * 4096 * 4096 * 4;
-    let largest = tune::device::largest_buffer(&device()).expect("a device limit");
-    let res = tune(&[
+/// `tune bench` of the tiny shape's LoRA step on wgpu, one row of `seq_len` tokens, plus `extra`.
+fn tiny_lora_bench(seq_len: &str, extra: &[&str]) -> std::process::Output {
+    let args = [
         "bench",
         "--shape",
         "tiny",
@@ -259,12 +252,21 @@ fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
         "--batch-size",
         "1",
         "--seq-len",
-        "4096",
-        "--steps",
-        "2",
-        "--attention",
-        "composed",
-    ]);
+        seq_len,
+    ];
+    tune(&[&args[..], extra].concat())
+}
+
+/// A buffer the device cannot allocate stops the run by name. cubecl makes buffers on its
+/// device thread, and a failed one only logs "Task failed" there: the run went on and reported
+/// figures from memory never written. Composed attention at 4096 tokens asks for the tiny
+/// shape's 4 heads x 4096^2 fp32 scores, 256 MiB: beyond lavapipe's 128 MiB (on a device that
+/// allocates it, the same run must simply succeed).
+#[test]
+fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
+    let scores: u64 = 4 * 4096 * 4096 * 4;
+    let largest = tune::device::largest_buffer(&device()).expect("a device limit");
+    let res = tiny_lora_bench("4096", &["--steps", "2", "--attention", "composed"]);
     let err = String::from_utf8_lossy(&res.stderr);
     if largest >= scores {
         assert!(res.status.success(), "{largest} bytes at once:\n{err}");
@@ -289,24 +291,8 @@ fn a_buffer_the_device_cannot_allocate_stops_the_run_by_name() {
 #[test]
 fn the_attention_block_cap_is_taken_and_reported() {
     let bench = |extra: &[&str]| {
-        let mut args = vec![
-            "bench",
-            "--shape",
-            "tiny",
-            "--mode",
-            "lora",
-            "--device",
-            "wgpu",
-            "--batch-size",
-            "1",
-            "--seq-len",
-            "100",
-            "--steps",
-            "1",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let res = tune(&args);
+        let args = [&["--steps", "1", "--json"][..], extra].concat();
+        let res = tiny_lora_bench("100", &args);
         assert!(
             res.status.success(),
             "{}",
