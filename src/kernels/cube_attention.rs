@@ -811,9 +811,10 @@ impl<R: CubeRuntime> Call<R> {
 
     /// How many cubes share a key block's query blocks in the `dK`/`dV` kernel. Why: one cube
     /// per key block leaves most of a large GPU idle at short sequences (512 tokens of
-    /// SmolLM2-135M are 48 key blocks of 32 against an H200's 132 multiprocessors), so each
-    /// key block's query blocks are dealt to `splits` cubes, each writing its own partial
-    /// `dK`/`dV`, summed afterwards (no atomics, the same sums in the same order every run).
+    /// SmolLM2-135M, one row, are 24 key blocks of 64 against an H200's 132 multiprocessors),
+    /// so each key block's query blocks are dealt to `splits` cubes, each writing its own
+    /// partial `dK`/`dV`, summed afterwards (no atomics, the same sums in the same order every
+    /// run).
     fn splits(&self, client: &ComputeClient<R>) -> usize {
         let key_cubes = self.groups * self.k_len.div_ceil(self.block);
         let processors = client

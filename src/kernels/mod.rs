@@ -203,8 +203,9 @@ fn attention_in<B: Backend>(
     let composed = |q, k, v, sinks| laid_out(composed_attention(q, k, v, mask, softcap, sinks));
     // A decoding step (one query position, no autodiff) on a cubecl device keeps burn's
     // batched products: a step's few query rows per head group would fill a fraction of the
-    // cubecl kernels' blocks, and neither has been measured against the other there. On Flex the fused kernel takes a whole group per task for one
-    // position (`attention::one_position`).
+    // cubecl kernels' blocks, and neither has been measured against the other there. On Flex
+    // the fused kernel takes a whole group per task for one position
+    // (`attention::one_position`).
     let decoding = q_len == 1 && !B::ad_enabled(&q.device()) && !is_flex::<B>();
     if !FUSED_ATTENTION.load(Ordering::Relaxed) || decoding {
         return composed(q, k, v, sinks);

@@ -576,19 +576,13 @@ pub fn micro_batch(rollouts: &Rollouts, t: &Trajectory, rows: &[usize]) -> PpoMi
         .iter()
         .flat_map(|&r| t.value_padding.row(r).iter().map(|p| !p))
         .collect();
-    let counted = mask.iter().filter(|&&m| m).count();
     PpoMicroBatch {
-        rollouts: Rollouts {
+        rollouts: Rollouts::unscored(
             batch,
-            prompt_lens: rows.iter().map(|&r| rollouts.prompt_lens[r]).collect(),
+            rows.iter().map(|&r| rollouts.prompt_lens[r]).collect(),
             width,
             mask,
-            old_log_probs: None,
-            ref_log_probs: None,
-            advantages: Vec::new(),
-            ranks: 1,
-            world_counted_tokens: counted as f64,
-        },
+        ),
         old_log_probs: pick(&t.log_probs.values),
         advantages: pick(&t.advantages.values),
         old_values: pick(&t.values.values),

@@ -32,6 +32,28 @@ pub struct Rollouts {
 }
 
 impl Rollouts {
+    /// Rollouts before any scoring pass: no old or reference log-probabilities, no
+    /// advantages, one rank, counting the tokens `mask` counts.
+    pub(crate) fn unscored(
+        batch: Batch,
+        prompt_lens: Vec<usize>,
+        width: usize,
+        mask: Vec<bool>,
+    ) -> Rollouts {
+        let counted = mask.iter().filter(|&&m| m).count();
+        Rollouts {
+            batch,
+            prompt_lens,
+            width,
+            mask,
+            old_log_probs: None,
+            ref_log_probs: None,
+            advantages: Vec::new(),
+            ranks: 1,
+            world_counted_tokens: counted as f64,
+        }
+    }
+
     pub(crate) fn rows(&self) -> usize {
         self.batch.batch_size
     }
@@ -119,9 +141,8 @@ pub fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
         mask.extend((0..width).map(|c| r.counts && c < r.completion.len()));
         trained += r.completion.len();
     }
-    let mask_count = mask.iter().filter(|&&m| m).count();
-    Rollouts {
-        batch: Batch {
+    Rollouts::unscored(
+        Batch {
             tokens,
             labels,
             position_ids,
@@ -131,13 +152,8 @@ pub fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
             num_trained_tokens: trained,
             padding: padding.contains(&true).then_some(padding),
         },
-        prompt_lens: rows.iter().map(|r| r.prompt.len()).collect(),
+        rows.iter().map(|r| r.prompt.len()).collect(),
         width,
         mask,
-        old_log_probs: None,
-        ref_log_probs: None,
-        advantages: Vec::new(),
-        ranks: 1,
-        world_counted_tokens: mask_count as f64,
-    }
+    )
 }
