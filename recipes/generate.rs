@@ -12,12 +12,11 @@ use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::GenerateConfig;
-use tune::data::LabeledMessage;
 use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
 use tune::model_io::peft;
 use tune::precision;
 use tune::setup::{data, model};
-use tune::tokenizer::{Message, Role, Tokenizer};
+use tune::tokenizer::Tokenizer;
 
 use super::RunContext;
 
@@ -132,44 +131,22 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
 /// generate recipe does: the system and user messages and an empty assistant turn, which gets
 /// its header and no end tokens (torchtune's Qwen, Mistral, Gemma and Phi-3 tokenizers append
 /// EOS there too, which ends the answer before it starts; tune does not). Otherwise, with
-/// `chat: True` the messages go through the checkpoint's chat template (which writes BOS
-/// itself, so no special tokens are added), and without it the user prompt is plain text with
-/// the tokenizer's own special tokens (e.g. BOS).
+/// `chat: True` the messages go through the checkpoint's chat template, BOS first as in
+/// training, and without it the user prompt is plain text with the tokenizer's own special
+/// tokens (e.g. BOS). One definition with the RL recipes' prompts (`data::prompt_tokens`).
 fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
     // Validation refuses `chat` with a torchtune tokenizer component, and a system prompt
     // without `chat` for the others.
-    if tokenizer.format().format.is_torchtune() {
-        let mut messages = Vec::new();
-        if let Some(system) = &cfg.prompt.system {
-            messages.push(LabeledMessage::new(Role::System, system.clone(), true));
-        }
-        messages.push(LabeledMessage::new(
-            Role::User,
-            cfg.prompt.user.clone(),
-            true,
-        ));
-        messages.push(LabeledMessage::new(Role::Assistant, "", false));
-        return tune::data::tokenize_prompt(tokenizer, &messages).context("prompt");
+    let torchtune = tokenizer.format().format.is_torchtune();
+    if cfg.chat && !torchtune && !tokenizer.has_chat_template() {
+        anyhow::bail!(
+            "chat: True, but {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); set chat=False",
+            tokenizer.path().display()
+        );
     }
-    if cfg.chat {
-        if !tokenizer.has_chat_template() {
-            anyhow::bail!(
-                "chat: True, but {} has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); set chat=False",
-                tokenizer.path().display()
-            );
-        }
-        let mut messages = Vec::new();
-        if let Some(system) = &cfg.prompt.system {
-            messages.push(Message::system(system.clone()));
-        }
-        messages.push(Message::user(cfg.prompt.user.clone()));
-        let text = tokenizer
-            .apply_chat_template(&messages, true)
-            .context("prompt: rendering the chat template")?;
-        Ok(tokenizer.encode(&text, false)?)
-    } else {
-        Ok(tokenizer.encode(&cfg.prompt.user, true)?)
-    }
+    let system = cfg.prompt.system.as_deref();
+    tune::data::prompt_tokens(tokenizer, system, &cfg.prompt.user, cfg.chat || torchtune)
+        .context("prompt")
 }
 
 /// torchtune draws a random seed when none is given; report it so the text can be repeated.

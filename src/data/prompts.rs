@@ -17,7 +17,9 @@ use super::error::{DataError, Result, TokenizeError};
 use super::gsm8k::{GSM8K_PROMPT_AFTER, GSM8K_PROMPT_BEFORE, column_text as text, gsm8k_parts};
 use super::source::{Row, kind_name, load_rows};
 use super::spec::{DatasetKind, DatasetSpec};
-use super::tokenize::{check_template_inputs, tokenize_prompt, tokenize_text};
+use super::tokenize::{
+    check_template_inputs, encode_rendered_prompt, tokenize_prompt, tokenize_text,
+};
 use super::transform::{LabeledMessage, template_inputs};
 use crate::tokenizer::{Message, Role, TemplateInputs, Tokenizer};
 
@@ -160,9 +162,9 @@ impl PromptDataset {
 
 /// The token ids of a generation prompt: with `chat`, a user turn (after the system message,
 /// if any) ending at the assistant's header, in the tokenizer component's torchtune format or
-/// else the checkpoint's chat template (rendered with the generation prompt, then encoded
-/// without special tokens since templates write BOS themselves); without `chat`, the text with
-/// BOS and no EOS (torchtune's `encode(text, add_eos=False)`). As the generate recipe does.
+/// else the checkpoint's chat template (rendered with the generation prompt, encoded as
+/// [`encode_rendered_prompt`]: BOS first, as in training); without `chat`, the text with BOS
+/// and no EOS (torchtune's `encode(text, add_eos=False)`). The generate recipe's prompt too.
 pub fn prompt_tokens(
     tok: &Tokenizer,
     system: Option<&str>,
@@ -197,7 +199,7 @@ fn prompt_tokens_with(
     let mut messages: Vec<Message> = system.map(Message::system).into_iter().collect();
     messages.push(Message::user(user));
     let text = tok.apply_chat_template_with(&messages, true, inputs)?;
-    Ok(tok.encode(&text, false)?)
+    encode_rendered_prompt(tok, &text)
 }
 
 /// A row's object, or the error naming the row.
@@ -518,7 +520,7 @@ mod tests {
         ]);
         let ds = PromptDataset::from_rows(&r, &spec, &tok, None).expect("dataset");
         let text = tok.decode(&ds.samples()[0].tokens, false).expect("decode");
-        assert_eq!(text, "Think.|high");
+        assert_eq!(text, "<|begin_of_text|>Think.|high");
 
         let plain = DatasetSpec {
             apply_chat_template: false,
@@ -526,6 +528,29 @@ mod tests {
         };
         let err = PromptDataset::from_rows(&r, &plain, &tok, None).expect_err("no template");
         assert!(err.to_string().contains("chat_template_kwargs"), "{err}");
+    }
+
+    /// A chat template's generation prompt starts with the tokenizer's BOS where the template
+    /// does not write it, and holds it once where it does: the same tokens training gives the
+    /// same turn (torchtune's HuggingFaceModelTokenizer encodes both with `add_bos`), so GRPO's
+    /// policy and `tune run generate` are prompted as SFT trained the model.
+    #[test]
+    fn a_rendered_prompt_starts_with_bos_once_as_training_tokenizes_it() {
+        let mut tok = tiny();
+        let bos = tok.bos_id().expect("the tiny tokenizer has a BOS");
+        let templates = [
+            "{% for m in messages %}{{ m.content }}{% endfor %}",
+            "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        ];
+        for template in templates {
+            tok.set_chat_template(Some(template)).expect("template");
+            let ids = prompt_tokens(&tok, None, "Hello there", true).expect("prompt");
+            assert_eq!(ids[0], bos, "{template}");
+            assert_ne!(ids[1], bos, "{template}");
+            let user = LabeledMessage::new(Role::User, "Hello there", true);
+            let trained = super::super::tokenize_messages(&tok, &[user], None).expect("sample");
+            assert_eq!(trained.tokens, ids, "{template}");
+        }
     }
 
     #[test]

@@ -226,6 +226,24 @@ impl std::ops::Deref for Rendering<'_> {
     }
 }
 
+/// The tokenizer's BOS when a chat template's rendering, encoded without special tokens
+/// (`ids`), does not start with it. torchtune's `HuggingFaceModelTokenizer` encodes every
+/// rendering with `add_bos=True`, for training and for its generate recipe alike, so tune puts
+/// it first wherever it renders a template: conversations ([`tokenize_conversation`]) and
+/// generation prompts ([`encode_rendered_prompt`]), and a model is prompted as it was trained.
+/// Never twice: torchtune adds a second where the template writes BOS and the tokenizer's
+/// post-processor adds one too (Llama 3's, Gemma's), which transformers warns against.
+fn missing_bos(tok: &Tokenizer, ids: &[u32]) -> Option<u32> {
+    tok.bos_id().filter(|bos| ids.first() != Some(bos))
+}
+
+/// A chat template's rendering of a generation prompt as token ids: the text without special
+/// tokens (templates write their own), after [`missing_bos`]'s BOS, as training's.
+pub fn encode_rendered_prompt(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let ids = tok.encode(text, false)?;
+    Ok(missing_bos(tok, &ids).into_iter().chain(ids).collect())
+}
+
 fn with_template(tok: &Rendering<'_>, messages: &[LabeledMessage]) -> Result<SftSample> {
     let msgs: Vec<Message> = messages.iter().map(|m| m.message.clone()).collect();
     let full = tok.apply_chat_template(&msgs, false)?;
@@ -242,9 +260,7 @@ fn with_template(tok: &Rendering<'_>, messages: &[LabeledMessage]) -> Result<Sft
     };
     let mut s = SftSample::default();
     let first_trained = messages.first().is_some_and(|m| !m.masked);
-    if let Some(bos) = tok.bos_id()
-        && ids.first() != Some(&bos)
-    {
+    if let Some(bos) = missing_bos(tok, &ids) {
         s.push(bos, first_trained);
     }
     for (&id, &(start, end)) in ids.iter().zip(&offsets) {

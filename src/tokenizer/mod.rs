@@ -310,8 +310,8 @@ impl Tokenizer {
         }
     }
 
-    /// Renders `messages` with the chat template (text, not ids; tokenize it with
-    /// `add_special_tokens = false` since templates write BOS themselves).
+    /// Renders `messages` with the chat template (text, not ids: `data`'s tokenization encodes
+    /// it without special tokens, after the tokenizer's BOS where the template wrote none).
     pub fn apply_chat_template(
         &self,
         messages: &[Message],
