@@ -38,7 +38,7 @@ pub fn round_to_bf16(x: f32) -> f32 {
 
 /// `x` rounded to the nearest bf16, ties to even; NaN stays NaN (quiet), infinities stay.
 #[inline(always)]
-fn round_bits(x: f32) -> u16 {
+pub fn round_bits(x: f32) -> u16 {
     let b = x.to_bits();
     let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 /// Rows per A panel (and per micro-tile).
 const MR: usize = 6;
 /// Columns per B panel: four vectors of 16 f32 lanes.
-const NR: usize = 64;
+pub const NR: usize = 64;
 const LANES: usize = 16;
 /// K-pairs per cache block of the inner loop.
 const KC_PAIRS: usize = 192;
@@ -259,7 +259,9 @@ unsafe fn pack_k_contiguous_avx512(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]
 /// lanes gathered across vectors in two rounds of `shuffle_i32x4`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn transpose_16x16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
+pub(crate) fn transpose_16x16(
+    r: [std::arch::x86_64::__m512i; 16],
+) -> [std::arch::x86_64::__m512i; 16] {
     use std::arch::x86_64::*;
     // t[2i] lane L: (r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1]); t[2i+1] the next two.
     let t: [__m512i; 16] = std::array::from_fn(|i| {
@@ -299,56 +301,127 @@ fn transpose_16x16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::_
 /// `a @ b` as a row-major f32 `[a.rows, b.cols]`. Panics unless [`available`] and
 /// `a.cols == b.rows` (the caller checks both).
 pub fn gemm(a: Operand<'_>, b: Operand<'_>) -> Vec<f32> {
-    assert!(available(), "bf16 GEMM called on a CPU without AVX512-BF16");
     assert_eq!(a.cols, b.rows, "bf16 GEMM: inner dimensions differ");
-    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let (n, k) = (b.cols, a.cols);
+    // B: panel q, pair kp, column c -> word ((q * k_pairs) + kp) * NR + c.
+    let packed = Packed {
+        words: pack(&b.lines(b.col_stride, b.row_stride, n), k, NR),
+        k_pairs: k.div_ceil(2),
+    };
+    gemm_panels(a, n, &packed)
+}
+
+/// Where the micro-kernels' B panels come from: `[k, n]` in panels of [`NR`] columns, each a
+/// run of K-pair words (pair `kp`, column `c` at `kp * NR + c`; zero past the last column).
+pub trait PanelSource: Sync {
+    /// Whether each block is made anew when asked for (decoded), so that it is asked for once
+    /// per product ([`gemm_panels`] then gives one task all of A's rows) rather than read from
+    /// memory made once.
+    const MADE_PER_BLOCK: bool;
+
+    /// Pairs `kp0..kp0 + kc` of panel `q`: `kc * NR` words, a slice of the source's own or of
+    /// `scratch` (`kc * NR` words, to be overwritten whole).
+    fn block<'s>(&'s self, q: usize, kp0: usize, kc: usize, scratch: &'s mut [u32]) -> &'s [u32];
+}
+
+/// B packed ahead, whole ([`pack`]'s layout).
+struct Packed {
+    words: Vec<u32>,
+    k_pairs: usize,
+}
+
+impl PanelSource for Packed {
+    const MADE_PER_BLOCK: bool = false;
+
+    fn block<'s>(&'s self, q: usize, kp0: usize, kc: usize, _: &'s mut [u32]) -> &'s [u32] {
+        &self.words[(q * self.k_pairs + kp0) * NR..][..kc * NR]
+    }
+}
+
+/// A pointer to C that tasks writing disjoint tiles share.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: each task writes only its own tiles of C (disjoint rows or columns, see
+// `gemm_panels`), and C outlives the parallel loop.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer, through the whole value: a closure naming `.0` would capture the bare
+    /// pointer, which is not `Sync`.
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `a @ b` as a row-major f32 `[a.rows, n]`, B's blocks from `b`. Panics unless [`available`].
+///
+/// Tasks own a block of C's rows and a group of its column panels. Why columns too: at the few
+/// rows of a mixture-of-experts expert (32 per expert on Qwen3-30B-A3B's layer at 512 tokens)
+/// one block of rows was the whole product, so it ran on one thread. A source that decodes
+/// ([`PanelSource::MADE_PER_BLOCK`]) gets one block of rows (every row panel reuses each B block
+/// while it is in L1), and one column panel per task.
+pub fn gemm_panels<S: PanelSource>(a: Operand<'_>, n: usize, b: &S) -> Vec<f32> {
+    assert!(available(), "bf16 GEMM called on a CPU without AVX512-BF16");
+    let (m, k) = (a.rows, a.cols);
     let k_pairs = k.div_ceil(2);
     let col_panels = n.div_ceil(NR);
-
-    // A: panel p, pair kp, row r -> word ((p * k_pairs) + kp) * MR + r.
-    let packed_a = pack(&a.lines(a.row_stride, a.col_stride, m), k, MR);
-    // B: panel q, pair kp, column c -> word ((q * k_pairs) + kp) * NR + c.
-    let packed_b = pack(&b.lines(b.col_stride, b.row_stride, n), k, NR);
-
     let mut out = vec![0.0f32; m * n];
     if m == 0 || n == 0 {
         return out;
     }
-    // Tasks own whole row blocks of C (disjoint rows), each sweeping its column blocks.
-    let task_rows = TASK_ROW_PANELS * MR;
-    out.par_chunks_mut(task_rows * n)
-        .enumerate()
-        .for_each(|(t, c_rows)| {
-            let rows_here = c_rows.len() / n;
-            let first_panel = t * TASK_ROW_PANELS;
-            let panels_here = rows_here.div_ceil(MR);
-            for q0 in (0..col_panels).step_by(TASK_COL_PANELS) {
-                let q1 = (q0 + TASK_COL_PANELS).min(col_panels);
-                for kp0 in (0..k_pairs).step_by(KC_PAIRS) {
-                    let kc = KC_PAIRS.min(k_pairs - kp0);
-                    for q in q0..q1 {
-                        let b_block = &packed_b[(q * k_pairs + kp0) * NR..][..kc * NR];
-                        for pi in 0..panels_here {
-                            let p = first_panel + pi;
-                            let a_block = &packed_a[(p * k_pairs + kp0) * MR..][..kc * MR];
-                            let tile = Tile {
-                                row0: pi * MR,
-                                rows: MR.min(rows_here - pi * MR),
-                                col0: q * NR,
-                                cols: NR.min(n - q * NR),
-                                accumulate: kp0 > 0,
-                            };
-                            // SAFETY: `available()` checked the CPU features above.
-                            unsafe { micro_kernel(a_block, b_block, kc, c_rows, n, tile) };
-                        }
+    // A: panel p, pair kp, row r -> word ((p * k_pairs) + kp) * MR + r.
+    let packed_a = pack(&a.lines(a.row_stride, a.col_stride, m), k, MR);
+    let row_panels = m.div_ceil(MR);
+    let task_panels = if S::MADE_PER_BLOCK {
+        row_panels
+    } else {
+        TASK_ROW_PANELS
+    };
+    let row_tasks = row_panels.div_ceil(task_panels);
+    let group = if S::MADE_PER_BLOCK || row_tasks < 2 * rayon::current_num_threads() {
+        1
+    } else {
+        TASK_COL_PANELS
+    };
+    let groups = col_panels.div_ceil(group);
+    let c = SharedOut(out.as_mut_ptr());
+    (0..row_tasks * groups).into_par_iter().for_each_init(
+        || vec![0u32; KC_PAIRS * NR],
+        |scratch, task| {
+            let (t, g) = (task / groups, task % groups);
+            let first_panel = t * task_panels;
+            let panels_here = task_panels.min(row_panels - first_panel);
+            let row0 = first_panel * MR;
+            let rows_here = (panels_here * MR).min(m - row0);
+            let (q0, q1) = (g * group, ((g + 1) * group).min(col_panels));
+            for kp0 in (0..k_pairs).step_by(KC_PAIRS) {
+                let kc = KC_PAIRS.min(k_pairs - kp0);
+                for q in q0..q1 {
+                    let b_block = b.block(q, kp0, kc, &mut scratch[..kc * NR]);
+                    for pi in 0..panels_here {
+                        let p = first_panel + pi;
+                        let a_block = &packed_a[(p * k_pairs + kp0) * MR..][..kc * MR];
+                        let tile = Tile {
+                            row0: row0 + pi * MR,
+                            rows: MR.min(rows_here - pi * MR),
+                            col0: q * NR,
+                            cols: NR.min(n - q * NR),
+                            accumulate: kp0 > 0,
+                        };
+                        // SAFETY: `available()` checked the CPU features above; the tile lies
+                        // in C (`m` rows of `n`), and no other task writes it: tasks own
+                        // disjoint (row block, column group) pairs.
+                        unsafe { micro_kernel(a_block, b_block, kc, c.ptr(), n, tile) };
                     }
                 }
             }
-        });
+        },
+    );
     out
 }
 
-/// Where a micro-tile lands in the task's rows of C.
+/// Where a micro-tile lands in C.
 #[derive(Clone, Copy)]
 struct Tile {
     row0: usize,
@@ -362,7 +435,7 @@ struct Tile {
 /// `C[tile] (+)= A_panel[.., kc pairs] @ B_panel[kc pairs, ..]` for one `MR x NR` tile.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usize, tile: Tile) {
+unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: *mut f32, ldc: usize, tile: Tile) {
     use std::arch::x86_64::*;
     const V: usize = NR / LANES;
     // No closures in here: a closure does not inherit the function's target features, so its
@@ -375,10 +448,7 @@ unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usiz
                 if v * LANES < tile.cols {
                     // SAFETY: the mask keeps the load inside row `r`'s `tile.cols` columns.
                     *x = unsafe {
-                        _mm512_maskz_loadu_ps(
-                            lane_mask(tile.cols, v),
-                            c.as_ptr().add(base + v * LANES),
-                        )
+                        _mm512_maskz_loadu_ps(lane_mask(tile.cols, v), c.add(base + v * LANES))
                     };
                 }
             }
@@ -410,11 +480,7 @@ unsafe fn micro_kernel(a: &[u32], b: &[u32], kc: usize, c: &mut [f32], ldc: usiz
             if v * LANES < tile.cols {
                 // SAFETY: the mask keeps the store inside row `r`'s `tile.cols` columns.
                 unsafe {
-                    _mm512_mask_storeu_ps(
-                        c.as_mut_ptr().add(base + v * LANES),
-                        lane_mask(tile.cols, v),
-                        x,
-                    )
+                    _mm512_mask_storeu_ps(c.add(base + v * LANES), lane_mask(tile.cols, v), x)
                 };
             }
         }
@@ -433,7 +499,7 @@ fn lane_mask(cols: usize, v: usize) -> u16 {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(_: &[u32], _: &[u32], _: usize, _: &mut [f32], _: usize, _: Tile) {
+unsafe fn micro_kernel(_: &[u32], _: &[u32], _: usize, _: *mut f32, _: usize, _: Tile) {
     unreachable!("available() is false off x86_64")
 }
 

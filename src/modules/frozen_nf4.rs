@@ -47,7 +47,7 @@ impl RowOrder {
     }
 
     /// The quantized row that holds Hugging Face's row `row` (the inverse of `source_row`).
-    fn quantized_row(self, row: usize) -> usize {
+    pub(crate) fn quantized_row(self, row: usize) -> usize {
         match self {
             Self::Stored => row,
             Self::RopeInterleaved { head_dim } => {
@@ -276,7 +276,7 @@ impl FrozenNf4 {
     }
 
     /// Each block's scale in the compute dtype.
-    fn block_scales(&self) -> Vec<f32> {
+    pub(crate) fn block_scales(&self) -> Vec<f32> {
         match &self.scales {
             Some(scales) => scales.as_ref().clone(),
             None => self.nf4.block_scales_in(self.compute),

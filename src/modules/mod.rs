@@ -7,6 +7,7 @@ pub mod linear;
 pub mod lora;
 pub mod nf4;
 pub mod nf4_linear;
+pub mod nf4_panels;
 pub mod norm;
 
 pub use linear::{ForwardMode, Linear};

@@ -6,7 +6,9 @@
 //! forward pass until the backward pass: the whole model in float at once, which is what
 //! QLoRA exists to avoid. Here the forward pass dequantizes, multiplies and drops the weight;
 //! the backward pass dequantizes it again for `grad_x = grad_y @ W` (the weight is frozen, so
-//! it has no gradient), as torchao's `LinearNF4.backward` does.
+//! it has no gradient), as torchao's `LinearNF4.backward` does. In bf16 on a CPU with
+//! AVX512-BF16 neither pass holds the dequantized weight at all: the GEMM decodes it block by
+//! block as its micro-kernels ask ([`super::nf4_panels`]).
 //!
 //! The op is written once against burn's backend API, so it serves Flex, CUDA and wgpu alike.
 
@@ -21,12 +23,14 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive, bf16};
 use burn_flex::{Flex, FlexTensor};
 
 use super::frozen_nf4::FrozenNf4;
 use super::nf4::BLOCK_SIZE;
+use super::nf4_panels::Side;
 use crate::kernels::bf16::{to_bf16, to_f32};
+use crate::kernels::bf16_gemm::{self, Operand};
 use crate::kernels::dispatch::{as_autodiff, as_flex_of, from_autodiff, from_flex};
 
 /// Up to this many rows (decoding's one token per sequence), an un-differentiated product on
@@ -73,9 +77,7 @@ pub fn nf4_linear<B: Backend>(x: Tensor<B, 2>, weight: &Arc<FrozenNf4>) -> Tenso
     } else {
         x
     };
-    // Elsewhere the weight is dequantized and dropped as soon as the product exists.
-    let w = crate::kernels::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
-    crate::kernels::matmul(x, w.transpose())
+    weight_product(x, weight, Side::Transposed)
 }
 
 /// `y` when `B` is `Autodiff<I>` with either checkpoint strategy, else `x` back.
@@ -98,19 +100,56 @@ fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
     Ok(from_autodiff::<B, I, C, 2>(autodiff::<I, C>(x, weight)))
 }
 
-/// The dequantized weight `[out, in]` on `device`, in `dtype`.
-fn dequantized<I: Backend>(weight: &FrozenNf4, device: &I::Device, dtype: DType) -> FloatTensor<I> {
-    // On the host for the CPU, on the device elsewhere (`FrozenNf4::to_tensor`).
-    crate::kernels::cast(weight.to_tensor::<I>(device), dtype)
-        .into_primitive()
-        .tensor()
+/// `x @ W^T` ([`Side::Transposed`]) or `x @ W` ([`Side::Plain`]) in `x`'s dtype. bf16 on a CPU
+/// with the native bf16 GEMM decodes the weight into the product block by block
+/// ([`super::nf4_panels`]); elsewhere the weight is dequantized whole (on the host for the
+/// CPU, on the device elsewhere: [`FrozenNf4::to_tensor`]), multiplied, and dropped.
+fn weight_product<B: Backend>(x: Tensor<B, 2>, weight: &FrozenNf4, side: Side) -> Tensor<B, 2> {
+    let x = match as_flex_of(x, |d| d == DType::BF16) {
+        Ok(flex) => match decoded_in_product(&flex, weight, side) {
+            Some(y) => return from_flex(y),
+            None => from_flex(flex),
+        },
+        Err(x) => x,
+    };
+    let w = crate::kernels::cast(weight.to_tensor::<B>(&x.device()), x.dtype());
+    let w = match side {
+        Side::Transposed => w.transpose(),
+        Side::Plain => w,
+    };
+    crate::kernels::matmul(x, w)
 }
 
-/// `lhs @ rhs` on the inner backend through [`super::matmul`] (bf16 on the CPU takes tune's
-/// bf16 product) rather than `I::float_matmul`.
-fn product<I: Backend>(lhs: FloatTensor<I>, rhs: FloatTensor<I>) -> FloatTensor<I> {
-    let [lhs, rhs] = [lhs, rhs].map(|t| Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(t)));
-    crate::kernels::matmul(lhs, rhs).into_primitive().tensor()
+/// [`weight_product`] for a bf16 `x` on Flex by the native bf16 GEMM over the weight's decoded
+/// panels, rounded to bf16 once as the bf16 products are; `None` where the CPU lacks
+/// AVX512-BF16 or the weight's rows hold part of a block.
+fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
+    if !bf16_gemm::available() {
+        return None;
+    }
+    let panels = weight.bf16_panels(side)?;
+    let x = x.to_contiguous();
+    let [rows, k] = x.shape().dims();
+    let a = Operand {
+        data: x.storage::<bf16>(),
+        offset: 0,
+        rows,
+        cols: k,
+        row_stride: k,
+        col_stride: 1,
+    };
+    let n = panels.cols();
+    let y = bf16_gemm::gemm_panels(a, n, &panels);
+    Some(to_bf16(&FlexTensor::from_data(TensorData::new(
+        y,
+        [rows, n],
+    ))))
+}
+
+/// [`weight_product`] on an autodiff backend's inner tensors.
+fn inner_product<I: Backend>(x: FloatTensor<I>, weight: &FrozenNf4, side: Side) -> FloatTensor<I> {
+    let x = Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x));
+    weight_product(x, weight, side).into_primitive().tensor()
 }
 
 #[derive(Debug)]
@@ -119,14 +158,12 @@ struct Nf4LinearBackward {
 }
 
 impl<I: Backend> Backward<I, 1> for Nf4LinearBackward {
-    /// Where and in which dtype to dequantize the weight again.
-    type State = (I::Device, DType);
+    type State = ();
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (device, dtype) = ops.state;
         unary::<I, _>(ops.parents, ops.node, grads, |grad| {
-            // grad_x [rows, in] = grad_y [rows, out] @ W [out, in]
-            product::<I>(grad, dequantized::<I>(&self.weight, &device, dtype))
+            // grad_x [rows, in] = grad_y [rows, out] @ W [out, in], W decoded again.
+            inner_product::<I>(grad, &self.weight, Side::Plain)
         });
     }
 }
@@ -135,10 +172,7 @@ fn autodiff<I: Backend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<I, C>>,
     weight: &Arc<FrozenNf4>,
 ) -> FloatTensor<Autodiff<I, C>> {
-    let device = I::float_device(&x.primitive);
-    let dtype = x.primitive.dtype();
-    let w = dequantized::<I>(weight, &device, dtype);
-    let y = product::<I>(x.primitive.clone(), I::float_transpose(w));
+    let y = inner_product::<I>(x.primitive.clone(), weight, Side::Transposed);
     let backward = Nf4LinearBackward {
         weight: Arc::clone(weight),
     };
@@ -147,7 +181,7 @@ fn autodiff<I: Backend, C: CheckpointStrategy>(
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => prep.finish((device, dtype), y),
+        OpsKind::Tracked(prep) => prep.finish((), y),
         OpsKind::UnTracked(prep) => prep.finish(y),
     }
 }
