@@ -530,17 +530,18 @@ multiversion! {
     }
 }
 
+/// Values in [-0.05, 0.05) without a pattern a block's scale would hide: a weight for tests.
+#[cfg(test)]
+pub(crate) fn test_weight(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn_flex::Flex;
-
-    /// Values in [-0.05, 0.05) without a pattern a block's scale would hide.
-    fn test_weight(n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1)
-            .collect()
-    }
 
     /// A `[256, 128]` weight quantized in bf16, for both row orders and compute dtypes.
     fn cases() -> impl Iterator<Item = (RowOrder, Nf4Dtype, FrozenNf4)> {

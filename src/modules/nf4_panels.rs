@@ -317,15 +317,7 @@ impl bf16_gemm::PanelSource for Bf16Panels<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::modules::frozen_nf4::RowOrder;
-    use crate::modules::nf4::Nf4Dtype;
-
-    /// Values in [-0.05, 0.05) without a pattern a block's scale would hide.
-    fn test_weight(n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1)
-            .collect()
-    }
+    use crate::modules::frozen_nf4::{RowOrder, test_weight};
 
     /// The GEMM over panels decoded block by block gives the GEMM over the weight dequantized
     /// whole, bit for bit: both sides, both row orders and compute dtypes, a last panel of half
