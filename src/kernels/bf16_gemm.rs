@@ -320,7 +320,8 @@ pub trait PanelSource: Sync {
     const MADE_PER_BLOCK: bool;
 
     /// Pairs `kp0..kp0 + kc` of panel `q`: `kc * NR` words, a slice of the source's own or of
-    /// `scratch` (`kc * NR` words, to be overwritten whole).
+    /// `scratch` (room for a whole K block, 192 pairs of `NR` words, where
+    /// [`Self::MADE_PER_BLOCK`]; else empty).
     fn block<'s>(&'s self, q: usize, kp0: usize, kc: usize, scratch: &'s mut [u32]) -> &'s [u32];
 }
 
@@ -387,7 +388,8 @@ pub fn gemm_panels<S: PanelSource>(a: Operand<'_>, n: usize, b: &S) -> Vec<f32> 
     let groups = col_panels.div_ceil(group);
     let c = SharedOut(out.as_mut_ptr());
     (0..row_tasks * groups).into_par_iter().for_each_init(
-        || vec![0u32; KC_PAIRS * NR],
+        // A packed-ahead source needs no scratch: none is zeroed for it.
+        || vec![0u32; if S::MADE_PER_BLOCK { KC_PAIRS * NR } else { 0 }],
         |scratch, task| {
             let (t, g) = (task / groups, task % groups);
             let first_panel = t * task_panels;
@@ -398,7 +400,7 @@ pub fn gemm_panels<S: PanelSource>(a: Operand<'_>, n: usize, b: &S) -> Vec<f32> 
             for kp0 in (0..k_pairs).step_by(KC_PAIRS) {
                 let kc = KC_PAIRS.min(k_pairs - kp0);
                 for q in q0..q1 {
-                    let b_block = b.block(q, kp0, kc, &mut scratch[..kc * NR]);
+                    let b_block = b.block(q, kp0, kc, scratch);
                     for pi in 0..panels_here {
                         let p = first_panel + pi;
                         let a_block = &packed_a[(p * k_pairs + kp0) * MR..][..kc * MR];
