@@ -220,8 +220,9 @@ fn native_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {
     Some(output(lhs, rhs, bf16_gemm::gemm(a, b)))
 }
 
-/// `x` (bf16) as a GEMM operand, when it is one matrix with non-negative strides.
-fn operand(x: &FlexTensor) -> Option<Operand<'_>> {
+/// `x` (bf16) as a GEMM operand, when it is one matrix with non-negative strides (a view is
+/// read in place).
+pub(crate) fn operand(x: &FlexTensor) -> Option<Operand<'_>> {
     let view = matrix_view(x)?;
     Some(Operand {
         data: x.storage::<bf16>(),

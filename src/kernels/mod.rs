@@ -45,6 +45,7 @@ pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 use flex::OutputLayout;
 pub use matmul::matmul;
+pub(crate) use matmul::operand as bf16_operand;
 
 /// Runs `f` on a thread of rayon's pool (this thread waits) when the pool has more than one
 /// thread, else on this thread. For a whole CPU job on one worker.

@@ -23,14 +23,14 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive, bf16};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
 use super::frozen_nf4::FrozenNf4;
 use super::nf4::BLOCK_SIZE;
 use super::nf4_panels::Side;
 use crate::kernels::bf16::{to_bf16, to_f32};
-use crate::kernels::bf16_gemm::{self, Operand};
+use crate::kernels::bf16_gemm;
 use crate::kernels::dispatch::{as_autodiff, as_flex_of, from_autodiff, from_flex};
 
 /// Up to this many rows (decoding's one token per sequence), an un-differentiated product on
@@ -122,27 +122,18 @@ fn weight_product<B: Backend>(x: Tensor<B, 2>, weight: &FrozenNf4, side: Side) -
 
 /// [`weight_product`] for a bf16 `x` on Flex by the native bf16 GEMM over the weight's decoded
 /// panels, rounded to bf16 once as the bf16 products are; `None` where the CPU lacks
-/// AVX512-BF16 or the weight's rows hold part of a block.
+/// AVX512-BF16, the weight's rows hold part of a block, or `x` is no single matrix.
 fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
     if !bf16_gemm::available() {
         return None;
     }
     let panels = weight.bf16_panels(side)?;
-    let x = x.to_contiguous();
-    let [rows, k] = x.shape().dims();
-    let a = Operand {
-        data: x.storage::<bf16>(),
-        offset: 0,
-        rows,
-        cols: k,
-        row_stride: k,
-        col_stride: 1,
-    };
+    let a = crate::kernels::bf16_operand(x)?;
     let n = panels.cols();
     let y = bf16_gemm::gemm_panels(a, n, &panels);
     Some(to_bf16(&FlexTensor::from_data(TensorData::new(
         y,
-        [rows, n],
+        [a.rows, n],
     ))))
 }
 

@@ -102,9 +102,7 @@ impl Bf16Panels<'_> {
             }
         }
     }
-}
 
-impl Bf16Panels<'_> {
     /// W's `row` (Hugging Face order), block `block` of it: its 64 values' bf16 bits ORed into
     /// `dst` shifted by `shift`.
     fn block_values(&self, row: usize, block: usize, dst: &mut [u32], shift: u32) {
@@ -269,7 +267,7 @@ impl bf16_gemm::PanelSource for Bf16Panels<'_> {
     const MADE_PER_BLOCK: bool = true;
 
     fn block<'s>(&'s self, q: usize, kp0: usize, kc: usize, scratch: &'s mut [u32]) -> &'s [u32] {
-        let [out, inp] = self.weight.shape();
+        let [out, _] = self.weight.shape();
         let scratch = &mut scratch[..kc * NR];
         #[cfg(target_arch = "x86_64")]
         if self.weight.compute != Nf4Dtype::F16 && std::arch::is_x86_feature_detected!("avx512f") {
@@ -287,9 +285,8 @@ impl bf16_gemm::PanelSource for Bf16Panels<'_> {
             Side::Transposed => {
                 // Column `l` of the panel is W's row `q * NR + l`, pairs along `in`.
                 let lines = NR.min(out - q * NR);
-                let pairs = kc.min(inp / 2 - kp0);
                 for l in 0..lines {
-                    self.row_pairs(q * NR + l, 2 * kp0, pairs, &mut scratch[l..], NR);
+                    self.row_pairs(q * NR + l, 2 * kp0, kc, &mut scratch[l..], NR);
                 }
                 if lines < NR {
                     for words in scratch.chunks_exact_mut(NR) {
@@ -326,6 +323,16 @@ mod tests {
     #[test]
     fn the_gemm_over_decoded_panels_is_the_gemm_over_the_dequantized_weight() {
         use crate::kernels::bf16_gemm::{self, Operand};
+        // Rows holding part of a block have no panels (the product dequantizes them whole).
+        let partial = FrozenNf4::quantize(
+            &test_weight(512 * 96),
+            [512, 96],
+            Nf4Dtype::Bf16,
+            Nf4Dtype::Bf16,
+            RowOrder::Stored,
+        )
+        .unwrap();
+        assert!(partial.bf16_panels(Side::Plain).is_none());
         if !bf16_gemm::available() {
             return;
         }
