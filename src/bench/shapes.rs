@@ -9,13 +9,17 @@ use serde_json::Value;
 /// `qwen3-30b-a3b-2l` is Qwen/Qwen3-30B-A3B's layer (128 experts, 8 per token, expert width
 /// 768) in 2 layers with a 2048-token vocabulary, so that the layers, not the output
 /// projection, take the step; `qwen3-30b-a3b-2l-32e` the same with 32 experts: as many active
-/// parameters, a quarter of the experts' total.
+/// parameters, a quarter of the experts' total. `qwen3-30b-a3b-narrow-48l` has Qwen3-30B-A3B's
+/// depth and routing (48 layers of 128 experts, 8 per token) at hidden 256 and expert width 128:
+/// the per-op cost of a deep graph of many small products (autodiff bookkeeping), not its
+/// arithmetic.
 pub const SHAPES: &[&str] = &[
     "tiny",
     "smollm2-135m",
     "llama3.2-1b",
     "qwen3-30b-a3b-2l",
     "qwen3-30b-a3b-2l-32e",
+    "qwen3-30b-a3b-narrow-48l",
 ];
 
 const SHAPES_JSON: &str = include_str!("../../benches/shapes.json");

@@ -141,7 +141,8 @@ pub enum Command {
     )]
     Bench {
         /// One of benches/shapes.json: tiny, smollm2-135m, llama3.2-1b, qwen3-30b-a3b-2l (a
-        /// mixture-of-experts layer), qwen3-30b-a3b-2l-32e.
+        /// mixture-of-experts layer), qwen3-30b-a3b-2l-32e, qwen3-30b-a3b-narrow-48l (its depth
+        /// and experts, narrow), gpt-oss-20b-2l, gpt-oss-small-2l.
         #[arg(long, default_value = "tiny")]
         shape: String,
         #[arg(long, value_enum, default_value = "lora")]
