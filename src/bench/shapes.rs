@@ -12,7 +12,9 @@ use serde_json::Value;
 /// parameters, a quarter of the experts' total. `qwen3-30b-a3b-narrow-48l` has Qwen3-30B-A3B's
 /// depth and routing (48 layers of 128 experts, 8 per token) at hidden 256 and expert width 128:
 /// the per-op cost of a deep graph of many small products (autodiff bookkeeping), not its
-/// arithmetic.
+/// arithmetic. `gpt-oss-20b-2l` is openai/gpt-oss-20b's layer pair (a sliding-window and a full
+/// layer, 32 experts of width 2880, 4 per token); `gpt-oss-small-2l` such a pair at hidden 512
+/// (8 experts of width 512, 2 per token).
 pub const SHAPES: &[&str] = &[
     "tiny",
     "smollm2-135m",
@@ -20,6 +22,8 @@ pub const SHAPES: &[&str] = &[
     "qwen3-30b-a3b-2l",
     "qwen3-30b-a3b-2l-32e",
     "qwen3-30b-a3b-narrow-48l",
+    "gpt-oss-20b-2l",
+    "gpt-oss-small-2l",
 ];
 
 const SHAPES_JSON: &str = include_str!("../../benches/shapes.json");

@@ -274,7 +274,6 @@ impl GraphLocator {
             .max_by_key(|&i| self.keys.get(&graphs[i].origin).map_or(0, HashSet::len))
             .expect("At least one graph");
         let main = graphs.swap_remove(largest);
-        let graphs = graphs.into_iter();
         self.register_key(main.origin, node);
 
         let mut state = main.state.lock();
