@@ -33,6 +33,11 @@ pub trait FlexOpN<const N: usize> {
         dtype == DType::F32
     }
     fn forward(&self, x: [&FlexTensor; N]) -> FlexTensor;
+    /// [`Self::forward`] given the inputs to keep, for an op that can write into one of them
+    /// (in place when nothing else holds it).
+    fn forward_owned(&self, x: [FlexTensor; N]) -> FlexTensor {
+        self.forward(x.each_ref())
+    }
     fn autodiff<C: CheckpointStrategy>(
         &self,
         x: [AutodiffFlexTensor<C>; N],
@@ -129,7 +134,7 @@ pub fn on_flex_n<B: Backend, const N: usize, const D: usize, const E: usize, Op:
             p.map(|t| cast_back(Tensor::<Flex, D>::from_primitive(TensorPrimitive::Float(t))))
         );
     }
-    let y = op.forward(p.each_ref());
+    let y = op.forward_owned(p);
     Ok(cast_back(Tensor::<Flex, E>::from_primitive(
         TensorPrimitive::Float(y),
     )))

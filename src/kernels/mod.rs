@@ -30,6 +30,7 @@ mod f32_skinny;
 mod flex;
 mod matmul;
 pub mod optim;
+mod routed_rows;
 pub mod rows;
 pub mod simd;
 
@@ -46,6 +47,7 @@ use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 use flex::OutputLayout;
 pub use matmul::matmul;
 pub(crate) use matmul::operand as bf16_operand;
+pub use routed_rows::{add_rows, gather_rows};
 
 /// Runs `f` on a thread of rayon's pool (this thread waits) when the pool has more than one
 /// thread, else on this thread. For a whole CPU job on one worker.

@@ -5,18 +5,19 @@
 //!
 //! Routed, never dense: the choice is read on the host (one transfer of `[tokens, experts]`
 //! probabilities per layer, as transformers' `torch.where` over the expert mask syncs too),
-//! and each expert that got tokens runs once over exactly those rows, gathered with `select`
-//! and added back with `select_assign`. Its backward is autodiff's of the same ops, so an
+//! and each expert that got tokens runs once over exactly those rows, gathered and added back
+//! with `kernels::gather_rows` / `add_rows` (burn's `select` / `select_assign`, touching only
+//! the expert's rows on the CPU). Its backward is autodiff's of the same ops, so an
 //! expert without tokens costs nothing either way, and step time follows the active
 //! parameters. The router's gradient comes through the chosen probabilities (`gather`), as in
 //! transformers; the choice itself has none.
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use super::mlp::Mlp;
-use crate::kernels::{cast, softmax};
+use crate::kernels::{add_rows, cast, gather_rows, softmax};
 use crate::modules::{ForwardMode, Linear};
 
 #[derive(Module, Debug)]
@@ -196,10 +197,9 @@ impl<B: Backend> SparseMoe<B> {
             if tokens.is_empty() {
                 continue;
             }
-            let tokens = ints(tokens);
-            let y = expert.forward_rows(rows.clone().select(0, tokens.clone()), mode);
+            let y = expert.forward_rows(gather_rows(rows.clone(), tokens), mode);
             let w = weights.clone().select(0, ints(slots));
-            out = out.select_assign(0, tokens, y * w, IndexingUpdateOp::Add);
+            out = add_rows(out, tokens, y * w);
         }
         if let (Some(shared), Some(gate)) = (&self.shared_expert, &self.shared_expert_gate) {
             let scale = burn::tensor::activation::sigmoid(gate.forward(rows.clone(), mode));

@@ -91,6 +91,17 @@ impl Gradients {
             .map(|tensor| tensor.tensor())
     }
 
+    /// Takes the gradient registered so far for `node_id`, leaving none (tune's patch 18).
+    ///
+    /// For a backward that adds into a few rows of its parent's gradient in place (a row
+    /// gather's: a mixture-of-experts layer runs one per expert) instead of registering a
+    /// full-size tensor, mostly zeros, for [`Self::register`] to add. Register the result back.
+    pub fn take<B: Backend>(&mut self, node_id: NodeId) -> Option<FloatTensor<B>> {
+        self.container
+            .remove::<B>(&node_id.value)
+            .map(|tensor| tensor.tensor())
+    }
+
     /// Gets a grad tensor from the container.
     pub fn get<B: Backend>(&self, tensor: &AutodiffTensor<B>) -> Option<FloatTensor<B>> {
         self.container
