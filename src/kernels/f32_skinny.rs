@@ -81,6 +81,39 @@ pub fn product(
     })
 }
 
+/// Weight lines decoded at a time by [`product_decoded`]: 16 lines of a 2048-wide weight are
+/// 128 KB, which stays in L2 while the rows pass over them.
+const DECODED_LINES: usize = 16;
+
+/// [`product`] over a weight stored in another form (NF4): `decode(c, line)` writes line `c`'s
+/// `k` values, and each task decodes its lines a few at a time into a buffer that stays in
+/// cache, so the float weight is never written whole nor read back from memory. The sums are
+/// [`product`]'s over the decoded lines, bit for bit.
+pub fn product_decoded(
+    rows: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    decode: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    assert_eq!(
+        rows.len(),
+        m * k,
+        "skinny product: the rows hold m * k values"
+    );
+    super::bf16_gemv::by_columns(m, n, |first_column, out| {
+        let mut lines = vec![0.0f32; DECODED_LINES.min(out.len() / m.max(1)) * k];
+        for (i, out) in out.chunks_mut(DECODED_LINES * m).enumerate() {
+            let first = first_column + i * DECODED_LINES;
+            let count = out.len() / m;
+            for (j, line) in lines.chunks_exact_mut(k).take(count).enumerate() {
+                decode(first + j, line);
+            }
+            on_best_path(rows, m, k, &lines, k, out);
+        }
+    })
+}
+
 /// [`avx512::columns`] when the CPU has AVX-512, else [`columns`] (AVX2 or the baseline).
 fn on_best_path(rows: &[f32], m: usize, k: usize, weights: &[f32], stride: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -327,6 +360,21 @@ mod tests {
                     - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn lines_decoded_a_few_at_a_time_give_the_product_over_the_decoded_weight_bit_for_bit() {
+        // 150 lines: several tasks, each several chunks of decoded lines and a partial one.
+        for (m, k, n) in [(5, 64, 150), (2, 128, 17), (64, 96, 40)] {
+            let rows = values(m * k, 3);
+            let weights = values(n * k, 4);
+            let want = product(&rows, m, k, &weights, 0, k, n);
+            let got = product_decoded(&rows, m, k, n, |c, line| {
+                line.copy_from_slice(&weights[c * k..][..k])
+            });
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "m {m} k {k} n {n}");
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ mod bf16_gemv;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod cube_attention;
 pub(crate) mod dispatch;
-mod f32_skinny;
+pub mod f32_skinny;
 mod flex;
 mod matmul;
 pub mod optim;

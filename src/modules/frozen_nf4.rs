@@ -495,6 +495,29 @@ impl FrozenNf4 {
         y
     }
 
+    /// `x @ W^T` for 2-64 rows of `x` (`[rows, in]` row-major) by the f32 skinny product, its
+    /// weight lines decoded a few at a time into a buffer that stays in cache: bit for bit the
+    /// product over [`Self::dequantize`]'s weight, without writing it. `None` for other row
+    /// counts or a weight of another shape than `x` needs.
+    pub fn matmul_rows_decoded(&self, x: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let [out, inp] = self.shape();
+        if !crate::kernels::f32_skinny::ROWS.contains(&rows) || x.len() != rows * inp {
+            return None;
+        }
+        let scales = self.block_scales();
+        let compute = self.compute;
+        Some(crate::kernels::f32_skinny::product_decoded(
+            x,
+            rows,
+            inp,
+            out,
+            |line, values| {
+                let start = self.order.quantized_row(line) * inp;
+                self.nf4.dequantize_into(&scales, compute, start, values);
+            },
+        ))
+    }
+
     /// Bytes held by the quantized weight.
     pub fn bytes(&self) -> usize {
         match &self.scales {
@@ -656,6 +679,27 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// An expert's few rows in fp32 QLoRA: the skinny product over lines decoded a few at a
+    /// time is the skinny product over the dequantized weight bit for bit, in both row orders
+    /// and compute dtypes; other row counts are left to the dequantizing path.
+    #[test]
+    fn the_decoded_line_product_is_the_product_over_the_dequantized_weight() {
+        let (out, inp) = (256, 128);
+        for (order, compute, q) in cases() {
+            let dq = q.dequantize();
+            for rows in [2, 5, 32, 64] {
+                let x: Vec<f32> = (0..rows * inp).map(|i| (i % 13) as f32 - 6.0).collect();
+                let want = crate::kernels::f32_skinny::product(&x, rows, inp, &dq, 0, inp, out);
+                let got = q.matmul_rows_decoded(&x, rows);
+                assert_eq!(got, Some(want), "{order:?} {compute:?} rows {rows}");
+            }
+            for rows in [1, 65] {
+                let x = vec![1.0; rows * inp];
+                assert_eq!(q.matmul_rows_decoded(&x, rows), None, "rows {rows}");
             }
         }
     }

@@ -23,7 +23,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use burn_flex::{Flex, FlexTensor};
 
 use super::frozen_nf4::FrozenNf4;
@@ -105,7 +105,7 @@ fn with_strategy<B: Backend, I: Backend, C: CheckpointStrategy>(
 /// ([`super::nf4_panels`]); elsewhere the weight is dequantized whole (on the host for the
 /// CPU, on the device elsewhere: [`FrozenNf4::to_tensor`]), multiplied, and dropped.
 fn weight_product<B: Backend>(x: Tensor<B, 2>, weight: &FrozenNf4, side: Side) -> Tensor<B, 2> {
-    let x = match as_flex_of(x, |d| d == DType::BF16) {
+    let x = match as_flex_of(x, |d| d == DType::BF16 || d == DType::F32) {
         Ok(flex) => match decoded_in_product(&flex, weight, side) {
             Some(y) => return from_flex(y),
             None => from_flex(flex),
@@ -122,8 +122,12 @@ fn weight_product<B: Backend>(x: Tensor<B, 2>, weight: &FrozenNf4, side: Side) -
 
 /// [`weight_product`] for a bf16 `x` on Flex by the native bf16 GEMM over the weight's decoded
 /// panels, rounded to bf16 once as the bf16 products are; `None` where the CPU lacks
-/// AVX512-BF16, the weight's rows hold part of a block, or `x` is no single matrix.
+/// AVX512-BF16, the weight's rows hold part of a block, or `x` is no single matrix. An f32 `x`
+/// goes to [`decoded_in_skinny_product`].
 fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
+    if x.dtype() == DType::F32 {
+        return decoded_in_skinny_product(x, weight, side);
+    }
     if !bf16_gemm::available() {
         return None;
     }
@@ -135,6 +139,32 @@ fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<
         y,
         [a.rows, n],
     ))))
+}
+
+/// [`weight_product`]'s forward side (`x @ W^T`) for an f32 `x` of a few rows (an expert's
+/// tokens, a short prompt: `f32_skinny::ROWS`) by the skinny product over the weight's lines,
+/// decoded a few at a time into a buffer that stays in cache ([`FrozenNf4::matmul_rows_decoded`]):
+/// bit for bit the product over the dequantized weight, which is never written whole. `None`
+/// for the backward's side (`g @ W` reads the weight across its lines) and other row counts.
+///
+/// Why: with 128 experts of about 32 rows each, fp32 QLoRA dequantized every expert's weight
+/// whole (6 MB in fp32 for one of Qwen3-30B-A3B's) to read it once (BENCHMARKS.md, "fp32 QLoRA
+/// experts decoded in the product").
+fn decoded_in_skinny_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
+    let shape = x.shape();
+    if !matches!(side, Side::Transposed) || shape.num_dims() != 2 {
+        return None;
+    }
+    let rows = shape[0];
+    if !crate::kernels::f32_skinny::ROWS.contains(&rows) {
+        return None;
+    }
+    let x = x.to_contiguous();
+    let y = weight.matmul_rows_decoded(x.storage::<f32>(), rows)?;
+    Some(FlexTensor::from_data(TensorData::new(
+        y,
+        [rows, weight.shape()[0]],
+    )))
 }
 
 /// [`weight_product`] on an autodiff backend's inner tensors.
