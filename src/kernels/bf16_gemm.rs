@@ -21,6 +21,7 @@
 use burn::tensor::bf16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Rows per A panel (and per micro-tile).
 const MR: usize = 6;
@@ -96,15 +97,25 @@ struct Lines<'a> {
 /// The two layouts weights and activations come in have loops that read memory in order: K
 /// contiguous (a pair is one unaligned 32-bit read) or lines contiguous (two K rows
 /// interleaved).
+///
+/// Why not zeroed first: each full panel has every word written below, and a zeroed
+/// allocation of the packed buffer (as large as the operand) was 5% of a bf16 LoRA step on the
+/// 128-expert Qwen3-MoE layer, every expert's weight being packed per product (`memset`
+/// under the allocator, `perf record`). Only the last panel, when short, is zeroed.
 fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
     let k_pairs = k.div_ceil(2);
-    let mut packed = vec![0u32; x.count.div_ceil(width) * k_pairs * width];
-    packed
+    let len = x.count.div_ceil(width) * k_pairs * width;
+    let mut packed = Vec::with_capacity(len);
+    packed.spare_capacity_mut()[..len]
         .par_chunks_mut(k_pairs * width)
         .enumerate()
         .for_each(|(p, panel)| {
             let first = p * width;
             let lines = width.min(x.count - first);
+            if lines < width {
+                // The words past the last line are zero.
+                panel.fill(MaybeUninit::new(0));
+            }
             if x.k_stride == 1 {
                 pack_k_contiguous(
                     x,
@@ -126,11 +137,11 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
                     if 2 * kp + 1 < k {
                         let hi = row(2 * kp + 1);
                         for ((w, &lo), &hi) in words.iter_mut().zip(lo).zip(hi) {
-                            *w = lo as u32 | ((hi as u32) << 16);
+                            w.write(lo as u32 | ((hi as u32) << 16));
                         }
                     } else {
                         for (w, &lo) in words.iter_mut().zip(lo) {
-                            *w = lo as u32;
+                            w.write(lo as u32);
                         }
                     }
                 }
@@ -145,11 +156,15 @@ fn pack(x: &Lines<'_>, k: usize, width: usize) -> Vec<u32> {
                                 0
                             }
                         };
-                        panel[kp * width + l] = at(2 * kp) | (at(2 * kp + 1) << 16);
+                        panel[kp * width + l].write(at(2 * kp) | (at(2 * kp + 1) << 16));
                     }
                 }
             }
         });
+    // SAFETY: every panel's `k_pairs * width` words were written: a short one zeroed whole,
+    // and each branch above writes pair `kp`'s word of every line `l < lines` for every `kp`
+    // (the K-contiguous packs: a full or odd last pair per block, all lines in groups).
+    unsafe { packed.set_len(len) };
     packed
 }
 
@@ -167,7 +182,7 @@ struct PanelAt {
 /// 32-bit pairs, in blocks of [`PACK_PAIRS`] pairs so the panel's written words stay in L1 and
 /// each line's read is one cache line per block. 16 x 16 blocks in AVX-512 registers where the
 /// CPU has AVX512BW (every CPU with AVX512-BF16 does), else one word at a time.
-fn pack_k_contiguous(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
+fn pack_k_contiguous(x: &Lines<'_>, at: PanelAt, panel: &mut [MaybeUninit<u32>]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
@@ -179,7 +194,7 @@ fn pack_k_contiguous(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
     pack_k_contiguous_scalar(x, at, panel);
 }
 
-fn pack_k_contiguous_scalar(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
+fn pack_k_contiguous_scalar(x: &Lines<'_>, at: PanelAt, panel: &mut [MaybeUninit<u32>]) {
     let PanelAt {
         k,
         width,
@@ -197,10 +212,10 @@ fn pack_k_contiguous_scalar(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
             let odd = pairs.remainder().first().map(|&lo| lo as u32);
             let full = pairs.len();
             for (w, pair) in out.iter_mut().step_by(width).zip(pairs) {
-                *w = pair[0] as u32 | ((pair[1] as u32) << 16);
+                w.write(pair[0] as u32 | ((pair[1] as u32) << 16));
             }
             if let Some(lo) = odd {
-                out[full * width] = lo;
+                out[full * width].write(lo);
             }
         }
     }
@@ -212,7 +227,7 @@ fn pack_k_contiguous_scalar(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
 /// lines are one masked store into the panel.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_k_contiguous_avx512(x: &Lines<'_>, at: PanelAt, panel: &mut [u32]) {
+unsafe fn pack_k_contiguous_avx512(x: &Lines<'_>, at: PanelAt, panel: &mut [MaybeUninit<u32>]) {
     let PanelAt {
         k,
         width,
@@ -547,7 +562,8 @@ mod tests {
                 k_stride: 1,
             };
             let size = k.div_ceil(2) * width;
-            let (mut scalar, mut fast) = (vec![7u32; size], vec![7u32; size]);
+            let seven = MaybeUninit::new(7u32);
+            let (mut scalar, mut fast) = (vec![seven; size], vec![seven; size]);
             let at = PanelAt {
                 k,
                 width,
@@ -556,7 +572,59 @@ mod tests {
             };
             pack_k_contiguous_scalar(&x, at, &mut scalar);
             pack_k_contiguous(&x, at, &mut fast);
-            assert_eq!(scalar, fast, "k {k}, lines {lines}, width {width}");
+            // SAFETY: every word was initialised (to 7) before the packs wrote over it.
+            let words = |v: Vec<MaybeUninit<u32>>| -> Vec<u32> {
+                v.into_iter().map(|w| unsafe { w.assume_init() }).collect()
+            };
+            assert_eq!(
+                words(scalar),
+                words(fast),
+                "k {k}, lines {lines}, width {width}"
+            );
+        }
+    }
+
+    /// The packed buffer is not zeroed before packing, so every word must be written: each
+    /// layout (K contiguous, lines contiguous, neither), odd K, a short last panel, packed into
+    /// memory the allocator has just had back full of ones, gives the words the layout defines.
+    #[test]
+    fn packing_writes_every_word_of_every_panel() {
+        let data: Vec<u16> = (0..60_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 16) as u16)
+            .collect();
+        for (k, count, width) in [(33usize, 5usize, MR), (95, 37, NR), (64, 150, NR)] {
+            let k_pairs = k.div_ceil(2);
+            let len = count.div_ceil(width) * k_pairs * width;
+            let strides = [(k + 5, 1), (1, count + 7), (2 * k + 1, 2)];
+            for (line_stride, k_stride) in strides {
+                let x = Lines {
+                    data: &data,
+                    offset: 3,
+                    count,
+                    line_stride,
+                    k_stride,
+                };
+                let at = |l: usize, i: usize| -> u32 {
+                    if i < k {
+                        data[3 + l * line_stride + i * k_stride] as u32
+                    } else {
+                        0
+                    }
+                };
+                let mut want = vec![0u32; len];
+                for l in 0..count {
+                    for kp in 0..k_pairs {
+                        want[((l / width) * k_pairs + kp) * width + l % width] =
+                            at(l, 2 * kp) | (at(l, 2 * kp + 1) << 16);
+                    }
+                }
+                drop(std::hint::black_box(vec![u32::MAX; len]));
+                let got = pack(&x, k, width);
+                assert_eq!(
+                    got, want,
+                    "k {k}, lines {count}, strides {line_stride}/{k_stride}"
+                );
+            }
         }
     }
 
