@@ -46,8 +46,8 @@ pub fn gather_rows<B: Backend>(x: Tensor<B, 2>, rows: &[i64]) -> Tensor<B, 2> {
     }
 }
 
-/// `into` with `values[i]` added to its row `rows[i]`:
-/// `into.select_assign(0, rows, values, Add)`. `rows` holds no row twice.
+/// `into` with `values[i]` added to its row `rows[i]`, in order:
+/// `into.select_assign(0, rows, values, Add)`.
 pub fn add_rows<B: Backend>(
     into: Tensor<B, 2>,
     rows: &[i64],
