@@ -58,6 +58,57 @@ fn f32_product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
 /// threshold, so the split, and with it every sum, is the same as there).
 const PARALLEL_MIN_MACS: usize = 192 * 192 * 192;
 
+/// `y += x[:, first..first + count] @ w` by the `gemm` crate: `y` is `[m, n]` and `x` is
+/// `[m, k]`, both row-major, `w` holds `count` rows of `n` values. For a product whose right
+/// operand is made a block of K rows at a time (a frozen NF4 weight decoded block by block).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_accumulate(
+    y: &mut [f32],
+    x: &[f32],
+    m: usize,
+    k: usize,
+    first: usize,
+    count: usize,
+    w: &[f32],
+    n: usize,
+) {
+    assert!(
+        y.len() == m * n && x.len() == m * k && first + count <= k && w.len() >= count * n,
+        "matmul_accumulate: operands of other sizes than [m, n], [m, k] and [count, n]"
+    );
+    let parallelism = if m.saturating_mul(n).saturating_mul(count) >= PARALLEL_MIN_MACS {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the sizes were checked above: `x`'s columns `first..first + count` of every row
+    // (row stride `k`), `w`'s first `count` rows (row stride `n`) and `y`'s `m * n` values lie
+    // in their slices. With `read_dst` the gemm crate computes `y = 1 * y + 1 * x @ w`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            count,
+            y.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            x.as_ptr().add(first),
+            1,
+            k as isize,
+            w.as_ptr(),
+            1,
+            n as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 /// `lhs @ rhs` for two f32 single matrices (leading dimensions of 1, any strides) by the `gemm`
 /// crate, into a buffer it writes without reading; `None` for batched operands.
 fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> {

@@ -45,8 +45,8 @@ use burn_flex::FlexTensor;
 pub use dispatch::is_flex;
 use dispatch::{AutodiffFlexTensor, FlexOp, FlexOpN, on_flex, on_flex_n};
 use flex::OutputLayout;
-pub use matmul::matmul;
 pub(crate) use matmul::operand as bf16_operand;
+pub use matmul::{matmul, matmul_accumulate};
 pub use routed_rows::{add_rows, gather_rows};
 
 /// Runs `f` on a thread of rayon's pool (this thread waits) when the pool has more than one

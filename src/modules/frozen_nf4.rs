@@ -59,6 +59,10 @@ impl RowOrder {
     }
 }
 
+/// Bytes of decoded fp32 weight rows [`FrozenNf4::matmul_rows_plain_decoded`] holds at a time:
+/// a quarter of a 2 MB L2, so the block stays there while gemm packs and multiplies it.
+const DECODED_BYTES: usize = 512 * 1024;
+
 /// A frozen `[out, in]` weight in NF4.
 #[derive(Debug, Clone)]
 pub struct FrozenNf4 {
@@ -495,6 +499,35 @@ impl FrozenNf4 {
         y
     }
 
+    /// `x @ W` for 2-64 rows of `x` (`[rows, out]` row-major: the backward's input gradient)
+    /// by gemm over blocks of the weight's rows, each decoded into a buffer that stays in L2
+    /// and accumulated into the result, so the dequantized weight is never written whole.
+    /// Sums run in K blocks, so they may differ from the whole product's in the last bits.
+    /// `None` for other row counts or a weight of another shape than `x` needs.
+    pub fn matmul_rows_plain_decoded(&self, x: &[f32], rows: usize) -> Option<Vec<f32>> {
+        let [out, inp] = self.shape();
+        if !crate::kernels::f32_skinny::ROWS.contains(&rows) || x.len() != rows * out {
+            return None;
+        }
+        let scales = self.block_scales();
+        let compute = self.compute;
+        let block_rows = (DECODED_BYTES / 4 / inp.max(1)).clamp(1, out.max(1));
+        let mut block = vec![0.0f32; block_rows * inp];
+        let mut y = vec![0.0f32; rows * inp];
+        for first in (0..out).step_by(block_rows) {
+            let count = block_rows.min(out - first);
+            block[..count * inp]
+                .par_chunks_mut(inp)
+                .enumerate()
+                .for_each(|(i, values)| {
+                    let start = self.order.quantized_row(first + i) * inp;
+                    self.nf4.dequantize_into(&scales, compute, start, values);
+                });
+            crate::kernels::matmul_accumulate(&mut y, x, rows, out, first, count, &block, inp);
+        }
+        Some(y)
+    }
+
     /// `x @ W^T` for 2-64 rows of `x` (`[rows, in]` row-major) by the f32 skinny product, its
     /// weight lines decoded a few at a time into a buffer that stays in cache: bit for bit the
     /// product over [`Self::dequantize`]'s weight, without writing it. `None` for other row
@@ -700,6 +733,40 @@ mod tests {
             for rows in [1, 65] {
                 let x = vec![1.0; rows * inp];
                 assert_eq!(q.matmul_rows_decoded(&x, rows), None, "rows {rows}");
+            }
+        }
+    }
+
+    /// The backward's `g @ W` for an expert's few rows, over blocks of decoded weight rows
+    /// accumulated by gemm, is the product over the dequantized weight (to f32 rounding), in
+    /// both row orders and compute dtypes, with a weight of several blocks and a partial one.
+    #[test]
+    fn the_plain_product_over_decoded_row_blocks_is_the_product_over_the_dequantized_weight() {
+        // 2304 rows of 128: 1024 rows per 512 KB block, so two whole blocks and a partial one.
+        let (out, inp) = (2304, 128);
+        let w = test_weight(out * inp);
+        for order in [RowOrder::Stored, RowOrder::RopeInterleaved { head_dim: 64 }] {
+            for compute in [Nf4Dtype::F32, Nf4Dtype::Bf16] {
+                let q =
+                    FrozenNf4::quantize(&w, [out, inp], Nf4Dtype::Bf16, compute, order).unwrap();
+                let dq = q.dequantize();
+                for rows in [2, 33] {
+                    let x: Vec<f32> = (0..rows * out).map(|i| (i % 13) as f32 - 6.0).collect();
+                    let y = q.matmul_rows_plain_decoded(&x, rows).unwrap();
+                    for r in 0..rows {
+                        for c in 0..inp {
+                            let want: f64 = (0..out)
+                                .map(|o| f64::from(x[r * out + o]) * f64::from(dq[o * inp + c]))
+                                .sum();
+                            let got = f64::from(y[r * inp + c]);
+                            assert!(
+                                (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{order:?} {compute:?} rows {rows}: [{r}, {c}] {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+                assert_eq!(q.matmul_rows_plain_decoded(&vec![1.0; out], 1), None);
             }
         }
     }

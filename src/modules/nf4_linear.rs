@@ -8,7 +8,8 @@
 //! the backward pass dequantizes it again for `grad_x = grad_y @ W` (the weight is frozen, so
 //! it has no gradient), as torchao's `LinearNF4.backward` does. In bf16 on a CPU with
 //! AVX512-BF16 neither pass holds the dequantized weight at all: the GEMM decodes it block by
-//! block as its micro-kernels ask ([`super::nf4_panels`]).
+//! block as its micro-kernels ask ([`super::nf4_panels`]); in f32 neither does a product of a
+//! few rows (an expert's tokens: decoded lines or row blocks, [`decoded_in_skinny_product`]).
 //!
 //! The op is written once against burn's backend API, so it serves Flex, CUDA and wgpu alike.
 
@@ -141,18 +142,19 @@ fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<
     ))))
 }
 
-/// [`weight_product`]'s forward side (`x @ W^T`) for an f32 `x` of a few rows (an expert's
-/// tokens, a short prompt: `f32_skinny::ROWS`) by the skinny product over the weight's lines,
-/// decoded a few at a time into a buffer that stays in cache ([`FrozenNf4::matmul_rows_decoded`]):
-/// bit for bit the product over the dequantized weight, which is never written whole. `None`
-/// for the backward's side (`g @ W` reads the weight across its lines) and other row counts.
+/// [`weight_product`] for an f32 `x` of a few rows (an expert's tokens, a short prompt:
+/// `f32_skinny::ROWS`), the weight never dequantized whole: the forward's `x @ W^T` by the
+/// skinny product over the weight's lines decoded a few at a time
+/// ([`FrozenNf4::matmul_rows_decoded`], bit for bit the product over the dequantized weight),
+/// the backward's `g @ W` by gemm over blocks of its rows decoded into L2 and accumulated
+/// ([`FrozenNf4::matmul_rows_plain_decoded`]). `None` for other row counts.
 ///
 /// Why: with 128 experts of about 32 rows each, fp32 QLoRA dequantized every expert's weight
 /// whole (6 MB in fp32 for one of Qwen3-30B-A3B's) to read it once (BENCHMARKS.md, "fp32 QLoRA
 /// experts decoded in the product").
 fn decoded_in_skinny_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
     let shape = x.shape();
-    if !matches!(side, Side::Transposed) || shape.num_dims() != 2 {
+    if shape.num_dims() != 2 {
         return None;
     }
     let rows = shape[0];
@@ -160,11 +162,15 @@ fn decoded_in_skinny_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> 
         return None;
     }
     let x = x.to_contiguous();
-    let y = weight.matmul_rows_decoded(x.storage::<f32>(), rows)?;
-    Some(FlexTensor::from_data(TensorData::new(
-        y,
-        [rows, weight.shape()[0]],
-    )))
+    let [out, inp] = weight.shape();
+    let (y, width) = match side {
+        Side::Transposed => (weight.matmul_rows_decoded(x.storage::<f32>(), rows)?, out),
+        Side::Plain => (
+            weight.matmul_rows_plain_decoded(x.storage::<f32>(), rows)?,
+            inp,
+        ),
+    };
+    Some(FlexTensor::from_data(TensorData::new(y, [rows, width])))
 }
 
 /// [`weight_product`] on an autodiff backend's inner tensors.
