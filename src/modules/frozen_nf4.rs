@@ -510,7 +510,6 @@ impl FrozenNf4 {
             return None;
         }
         let scales = self.block_scales();
-        let compute = self.compute;
         let block_rows = (DECODED_BYTES / 4 / inp.max(1)).clamp(1, out.max(1));
         let mut block = vec![0.0f32; block_rows * inp];
         let mut y = vec![0.0f32; rows * inp];
@@ -519,10 +518,7 @@ impl FrozenNf4 {
             block[..count * inp]
                 .par_chunks_mut(inp)
                 .enumerate()
-                .for_each(|(i, values)| {
-                    let start = self.order.quantized_row(first + i) * inp;
-                    self.nf4.dequantize_into(&scales, compute, start, values);
-                });
+                .for_each(|(i, values)| self.decode_row(&scales, first + i, values));
             crate::kernels::matmul_accumulate(&mut y, x, rows, out, first, count, &block, inp);
         }
         Some(y)
@@ -538,17 +534,21 @@ impl FrozenNf4 {
             return None;
         }
         let scales = self.block_scales();
-        let compute = self.compute;
         Some(crate::kernels::f32_skinny::product_decoded(
             x,
             rows,
             inp,
             out,
-            |line, values| {
-                let start = self.order.quantized_row(line) * inp;
-                self.nf4.dequantize_into(&scales, compute, start, values);
-            },
+            |line, values| self.decode_row(&scales, line, values),
         ))
+    }
+
+    /// Row `row` (Hugging Face's order) decoded into `values` in the compute dtype, given
+    /// [`Self::block_scales`].
+    fn decode_row(&self, scales: &[f32], row: usize, values: &mut [f32]) {
+        let start = self.order.quantized_row(row) * self.shape()[1];
+        self.nf4
+            .dequantize_into(scales, self.compute, start, values);
     }
 
     /// Bytes held by the quantized weight.
