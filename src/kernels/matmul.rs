@@ -58,6 +58,15 @@ fn f32_product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
 /// threshold, so the split, and with it every sum, is the same as there).
 const PARALLEL_MIN_MACS: usize = 192 * 192 * 192;
 
+/// All of rayon's threads for an `[m, k] @ [k, n]` product of [`PARALLEL_MIN_MACS`] or more.
+fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
+    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_MACS {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
 /// `y += x[:, first..first + count] @ w` by the `gemm` crate: `y` is `[m, n]` and `x` is
 /// `[m, k]`, both row-major, `w` holds `count` rows of `n` values. For a product whose right
 /// operand is made a block of K rows at a time (a frozen NF4 weight decoded block by block).
@@ -76,11 +85,7 @@ pub fn matmul_accumulate(
         y.len() == m * n && x.len() == m * k && first + count <= k && w.len() >= count * n,
         "matmul_accumulate: operands of other sizes than [m, n], [m, k] and [count, n]"
     );
-    let parallelism = if m.saturating_mul(n).saturating_mul(count) >= PARALLEL_MIN_MACS {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = parallelism(m, n, count);
     // SAFETY: the sizes were checked above: `x`'s columns `first..first + count` of every row
     // (row stride `k`), `w`'s first `count` rows (row stride `n`) and `y`'s `m * n` values lie
     // in their slices. With `read_dst` the gemm crate computes `y = 1 * y + 1 * x @ w`.
@@ -118,11 +123,7 @@ fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> 
     if let Some(values) = skinny(lhs, &a, rhs, &b) {
         return Some(output(lhs, rhs, values));
     }
-    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MIN_MACS {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = parallelism(m, n, k);
     let a_data: &[f32] = lhs.storage();
     let b_data: &[f32] = rhs.storage();
     let len = m

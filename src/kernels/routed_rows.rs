@@ -173,10 +173,9 @@ impl Backward<Flex, 2> for AddRowsBackward {
     }
 }
 
-/// `[rows, width]` of a 2-D tensor's shape.
-fn rows_and_width(shape: &Shape) -> (usize, usize) {
-    let width = if shape.num_dims() > 1 { shape[1] } else { 1 };
-    (shape[0], width)
+/// The width of a 2-D tensor's rows.
+fn row_width(shape: &Shape) -> usize {
+    if shape.num_dims() > 1 { shape[1] } else { 1 }
 }
 
 fn zeros(shape: Shape, dtype: DType) -> FlexTensor {
@@ -207,7 +206,7 @@ fn gather(x: &FlexTensor, rows: &[usize]) -> FlexTensor {
 
 fn gather_typed<E: Element + bytemuck::Pod>(x: &FlexTensor, rows: &[usize]) -> FlexTensor {
     let x = x.to_contiguous();
-    let (_, width) = rows_and_width(&x.shape());
+    let width = row_width(&x.shape());
     let (start, _) = x.layout().contiguous_offsets().unwrap_or((0, 0));
     let src = &x.storage::<E>()[start..];
     let mut out = Vec::with_capacity(rows.len() * width);
@@ -231,7 +230,7 @@ where
 {
     let mut into = whole_contiguous(into);
     let values = values.to_contiguous();
-    let (_, width) = rows_and_width(&into.shape());
+    let width = row_width(&into.shape());
     let (start, _) = values.layout().contiguous_offsets().unwrap_or((0, 0));
     let src = &values.storage::<E>()[start..];
     let dst = into.storage_mut::<E>();

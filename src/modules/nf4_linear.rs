@@ -9,7 +9,7 @@
 //! it has no gradient), as torchao's `LinearNF4.backward` does. In bf16 on a CPU with
 //! AVX512-BF16 neither pass holds the dequantized weight at all: the GEMM decodes it block by
 //! block as its micro-kernels ask ([`super::nf4_panels`]); in f32 neither does a product of a
-//! few rows (an expert's tokens: decoded lines or row blocks, [`decoded_in_skinny_product`]).
+//! few rows (an expert's tokens: decoded lines or row blocks, [`decoded_in_f32_product`]).
 //!
 //! The op is written once against burn's backend API, so it serves Flex, CUDA and wgpu alike.
 
@@ -124,10 +124,10 @@ fn weight_product<B: Backend>(x: Tensor<B, 2>, weight: &FrozenNf4, side: Side) -
 /// [`weight_product`] for a bf16 `x` on Flex by the native bf16 GEMM over the weight's decoded
 /// panels, rounded to bf16 once as the bf16 products are; `None` where the CPU lacks
 /// AVX512-BF16, the weight's rows hold part of a block, or `x` is no single matrix. An f32 `x`
-/// goes to [`decoded_in_skinny_product`].
+/// goes to [`decoded_in_f32_product`].
 fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
     if x.dtype() == DType::F32 {
-        return decoded_in_skinny_product(x, weight, side);
+        return decoded_in_f32_product(x, weight, side);
     }
     if !bf16_gemm::available() {
         return None;
@@ -152,7 +152,7 @@ fn decoded_in_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<
 /// Why: with 128 experts of about 32 rows each, fp32 QLoRA dequantized every expert's weight
 /// whole (6 MB in fp32 for one of Qwen3-30B-A3B's) to read it once (BENCHMARKS.md, "fp32 QLoRA
 /// experts decoded in the product").
-fn decoded_in_skinny_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
+fn decoded_in_f32_product(x: &FlexTensor, weight: &FrozenNf4, side: Side) -> Option<FlexTensor> {
     let shape = x.shape();
     if shape.num_dims() != 2 {
         return None;
