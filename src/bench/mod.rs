@@ -220,13 +220,18 @@ pub fn run<B: AutodiffBackend>(
     let model =
         build::<B::InnerBackend>(&args, &mut RandomInit::new(0, &args), &Default::default())
             .map_err(|e| fail(&e))?;
-    // One folder per process: two benches of one shape at once (the test suite's) must not
-    // write and remove each other's checkpoint.
-    let dir = scratch.join(format!("bench-{}-{}", s.shape, std::process::id()));
+    // A fresh folder for each run: two benches of one shape at once (the test suite's) must
+    // not write and remove each other's checkpoint, and it goes when the run ends, failed or
+    // not.
+    let scratch_dir = tempfile::Builder::new()
+        .prefix(&format!("bench-{}-", s.shape))
+        .tempdir_in(scratch)
+        .map_err(|e| fail(&e))?;
+    let dir = scratch_dir.path();
     let t = Instant::now();
     save_model(
         &model,
-        &dir,
+        dir,
         None,
         StorageDtype::F32,
         DEFAULT_MAX_SHARD_BYTES,
@@ -243,7 +248,7 @@ pub fn run<B: AutodiffBackend>(
     } else {
         BaseWeights::Float
     };
-    let mut model = load_model_with::<B>(&dir, None, device, base)
+    let mut model = load_model_with::<B>(dir, None, device, base)
         .map_err(|e| fail(&e))?
         .model;
     if s.mode.is_nf4() {
@@ -255,7 +260,7 @@ pub fn run<B: AutodiffBackend>(
         report.nf4_bytes_per_param = bytes as f64 / numel.max(1) as f64;
     }
     report.load_seconds = secs(t.elapsed());
-    report.checkpoint_bytes = std::fs::read_dir(&dir)
+    report.checkpoint_bytes = std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok())
                 .filter_map(|e| e.metadata().ok())
@@ -422,7 +427,7 @@ pub fn run<B: AutodiffBackend>(
         let optim_state = optimizer.state_dict();
         report.snapshot_seconds = secs(t.elapsed());
         let t = Instant::now();
-        let out = scratch.join(format!("bench-{}-ckpt-{}", s.shape, std::process::id()));
+        let out = dir.join("ckpt");
         std::fs::create_dir_all(&out).map_err(|e| fail(&e))?;
         let state = if s.mode.is_adapter() {
             state
@@ -447,9 +452,7 @@ pub fn run<B: AutodiffBackend>(
             }
         }
         report.sync_save_seconds = report.snapshot_seconds + secs(t.elapsed());
-        let _ = std::fs::remove_dir_all(&out);
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(report)
 }
 

@@ -439,14 +439,14 @@ mod tests {
     use super::super::RewardError;
     use super::*;
     use serde_json::json;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
-    /// A fresh directory for one test's scripts.
-    fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("tune-reward-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("temp dir");
-        d
+    /// A fresh directory for one test's scripts, removed when the test ends.
+    fn dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("tune-reward-{name}-"))
+            .tempdir()
+            .expect("temp dir")
     }
 
     fn script(dir: &Path, file: &str, text: &str) -> String {
@@ -494,7 +494,7 @@ for line in sys.stdin:
     #[test]
     fn the_program_scores_every_batch_from_one_process_and_null_means_no_reward() {
         let d = dir("ok");
-        let s = script(&d, "echo_reward.py", ECHO_PY);
+        let s = script(d.path(), "echo_reward.py", ECHO_PY);
         let mut r = CommandReward::start(argv(&["python3", &s]), DEFAULT_TIMEOUT).expect("start");
         assert_eq!(r.name(), "echo_reward");
         let cols = json!({"answer": "72", "prompt": "shadowed", "id": 7});
@@ -531,7 +531,7 @@ for line in sys.stdin:
     fn a_program_that_exits_is_an_error_with_its_status_stderr_and_the_row() {
         let d = dir("crash");
         let s = script(
-            &d,
+            d.path(),
             "crash.sh",
             "read line\necho 1\nread line\necho 'Traceback: boom' >&2\nexit 3\n",
         );
@@ -566,7 +566,7 @@ for line in sys.stdin:
     fn a_line_that_is_not_a_number_is_an_error_naming_the_line_and_row() {
         let d = dir("garbage");
         let s = script(
-            &d,
+            d.path(),
             "garbage.sh",
             "read line\necho 0.5\nread line\necho 'reward: 1'\ncat > /dev/null\n",
         );
@@ -598,7 +598,7 @@ for line in sys.stdin:
     #[test]
     fn a_program_that_does_not_answer_in_time_is_stopped_with_a_timeout_error() {
         let d = dir("timeout");
-        let s = script(&d, "slow.sh", "read line\nexec sleep 30\n");
+        let s = script(d.path(), "slow.sh", "read line\nexec sleep 30\n");
         let mut r =
             CommandReward::start(argv(&["sh", &s]), Duration::from_millis(300)).expect("start");
         let cols = Map::new();
@@ -623,7 +623,11 @@ for line in sys.stdin:
     #[test]
     fn a_program_that_answers_twice_is_caught_at_the_next_batch() {
         let d = dir("twice");
-        let s = script(&d, "twice.sh", "while read line; do echo 1; echo 2; done\n");
+        let s = script(
+            d.path(),
+            "twice.sh",
+            "while read line; do echo 1; echo 2; done\n",
+        );
         let mut r = CommandReward::start(argv(&["sh", &s]), DEFAULT_TIMEOUT).expect("start");
         let cols = Map::new();
         assert_eq!(
