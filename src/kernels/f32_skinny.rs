@@ -7,7 +7,9 @@
 //! GRPO step on SmolLM2-135M's shape sampling 8 completions spent 36% of its time in
 //! `pack_lhs` (perf, BENCHMARKS.md "GRPO against TRL"). Here each weight line (a weight row, K
 //! contiguous, as `x @ w.T` sees it) is dotted with the rows while it is in cache: the weight
-//! is read once and never written. One row stays on gemm's own path (its gemv does not pack).
+//! is read once and never written. One row stays on gemm's own path (its gemv does not pack)
+//! below 128 KB of weight; from there it takes this one, whose columns are split over rayon's
+//! threads where the gemv runs on one (`matmul::ONE_ROW_MIN_WEIGHT`).
 //!
 //! Why tiles of two rows by four lines ([`simd::dot_2x4`]): a dot product per (row, line) pair
 //! loads both operands for every multiply-add, so the load ports bound it; a tile loads six
@@ -48,7 +50,8 @@
 
 use super::simd::{self, multiversion};
 
-/// The fewest and the most activation rows this path takes.
+/// The fewest and the most activation rows this path takes (and one row against a weight of
+/// 128 KB or more, `matmul::ONE_ROW_MIN_WEIGHT`).
 pub const ROWS: std::ops::RangeInclusive<usize> = 2..=64;
 
 /// `rows @ w.T` as a row-major `[m, n]`: `rows` holds `m` rows of `k` values (row-major), and

@@ -163,12 +163,27 @@ fn f32_matrix_product(lhs: &FlexTensor, rhs: &FlexTensor) -> Option<FlexTensor> 
     Some(output(lhs, rhs, out))
 }
 
+/// From this many weight values (128 KB in f32) a one-row product (a decoding step's, batch 1)
+/// takes [`f32_skinny`], whose columns are split over rayon's threads, instead of the gemm
+/// crate's gemv, which runs on the calling thread whatever the `Parallelism` asked.
+///
+/// Why: a decoding step reads every weight once, so it runs at the memory bandwidth the threads
+/// reading it get; one thread got half of what two get on the Intel Xeon that BENCHMARKS.md
+/// measured on 2026-12-06 (SmolLM2-135M fp32 greedy decoding 25.8 -> 49.7-53.4 tokens/s, the
+/// Qwen3-MoE layers 29.5-31.4 -> 61.6-67.2, the same tokens). From 128 KB rather than 1 MB:
+/// SmolLM2-135M 49.5-50.5 -> 51.9-52.9 tokens/s (its k/v weights are 432 KB). Below it (the
+/// tiny test model's 16 and 32 KB weights) handing the work to the pool costs more than
+/// reading the weight.
+const ONE_ROW_MIN_WEIGHT: usize = 32 * 1024;
+
 /// `lhs @ rhs` by [`f32_skinny`] (a few rows times a weight read in place) when `lhs` has
-/// [`f32_skinny::ROWS`] rows and `rhs` is a transposed row-major weight (K contiguous, lines
-/// at a non-negative stride); else `None`.
+/// [`f32_skinny::ROWS`] rows, or one row against a weight of [`ONE_ROW_MIN_WEIGHT`] values or
+/// more, and `rhs` is a transposed row-major weight (K contiguous, lines at a non-negative
+/// stride); else `None`.
 fn skinny(lhs: &FlexTensor, a: &MatrixView, rhs: &FlexTensor, b: &MatrixView) -> Option<Vec<f32>> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if !f32_skinny::ROWS.contains(&m) || b.row_stride != 1 || b.col_stride < 0 || k == 0 {
+    let rows_taken = f32_skinny::ROWS.contains(&m) || (m == 1 && k * n >= ONE_ROW_MIN_WEIGHT);
+    if !rows_taken || b.row_stride != 1 || b.col_stride < 0 || k == 0 {
         return None;
     }
     let rows = gathered_rows(lhs, a);
@@ -384,5 +399,45 @@ impl Backward<Flex, 2> for MatmulBackward {
                 finish(product(&lhs_t, &grad, false), &rhs_shape, grad.dtype())
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 + seed) % 1013) as f32 / 1013.0 - 0.5)
+            .collect()
+    }
+
+    /// One row times a transposed weight of [`ONE_ROW_MIN_WEIGHT`] values is the skinny
+    /// product's (threaded) bit for bit; one value fewer stays on the gemm crate's gemv.
+    #[test]
+    fn one_row_against_a_large_weight_takes_the_threaded_skinny_product() {
+        let k = 256;
+        for (n, skinny_expected) in [
+            (ONE_ROW_MIN_WEIGHT / k, true),
+            (ONE_ROW_MIN_WEIGHT / k - 1, false),
+        ] {
+            let row = values(k, 1);
+            let weight = values(n * k, 2);
+            let lhs = FlexTensor::from_data(TensorData::new(row.clone(), [1, k]));
+            // `[k, n]`, the weight `[n, k]` transposed as a view (K contiguous).
+            let rhs =
+                FlexTensor::from_data(TensorData::new(weight.clone(), [n, k])).transpose(0, 1);
+            let got = f32_matrix_product(&lhs, &rhs).expect("single matrices");
+            let skinny = f32_skinny::product(&row, 1, k, &weight, 0, k, n);
+            let got: &[f32] = got.storage();
+            assert_eq!(got.len(), n);
+            let same_bits = got
+                .iter()
+                .zip(&skinny)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let near = got.iter().zip(&skinny).all(|(a, b)| (a - b).abs() <= 1e-4);
+            assert!(near, "n = {n}: not the product");
+            assert_eq!(same_bits, skinny_expected, "n = {n}: which path");
+        }
     }
 }

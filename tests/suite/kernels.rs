@@ -618,9 +618,10 @@ fn rounded_from<B: Backend, const D: usize>(what: &str, got: Tensor<B, D>, want:
 
 /// `kernels::matmul` on f32 (its own Flex op, calling the gemm crate for single matrices)
 /// against burn's matmul: bit for bit on plain matrices, forward and both gradients, for a
-/// transposed weight view, a product big enough to run on every thread, one row, one column;
-/// within rounding for 2-64 rows times a transposed weight (`kernels/f32_skinny.rs`, which sums
-/// in another order), and for batched and broadcast operands (burn-flex's batched path).
+/// transposed weight view, a product big enough to run on every thread, one row (times a small
+/// weight), one column; within rounding for 2-64 rows times a transposed weight, and one row
+/// times one of 128 KB or more (`kernels/f32_skinny.rs`, which sums in another order), and for
+/// batched and broadcast operands (burn-flex's batched path).
 #[test]
 fn f32_matmul_matches_burn_with_gradients() {
     // (what, lhs shape, rhs shape, rhs a transposed view, tolerance)
@@ -642,6 +643,20 @@ fn f32_matmul_matches_burn_with_gradients() {
             0.0,
         ),
         ("one row", [1, 70], [70, 33], false, 0.0),
+        (
+            "one row, small transposed weight",
+            [1, 70],
+            [50, 70],
+            true,
+            0.0,
+        ),
+        (
+            "one row, transposed weight of 128 KB",
+            [1, 256],
+            [160, 256],
+            true,
+            5e-5,
+        ),
         ("one column", [77, 70], [70, 1], false, 0.0),
     ];
     let weight_view = |r: Tensor<Ad, 2>, transpose: bool| if transpose { r.transpose() } else { r };
