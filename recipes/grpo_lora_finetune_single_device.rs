@@ -6,7 +6,6 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::{GrpoKeys, TrainConfig};
-use tune::models::Trainable;
 use tune::setup::{grpo, model, session};
 use tune::training::grpo::{GrpoReference, GrpoSteps};
 
@@ -26,7 +25,7 @@ pub fn run<B: AutodiffBackend>(
         model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
-    let policy = policy.set_trainable(Trainable::AdaptersOnly);
+    let policy = policy.set_trainable(plan.trainable());
 
     // Prompts, rewards and the rollout settings.
     let data = grpo::prompt_data(cfg, &ctx.base_dir)?;

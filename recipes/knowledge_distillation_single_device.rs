@@ -41,7 +41,7 @@ pub fn run<B: AutodiffBackend>(
             model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
         let mut student = loaded.model;
         let (plan, content) = model::lora(&mut student, cfg, &run)?;
-        let student = student.set_trainable(Trainable::AdaptersOnly);
+        let student = student.set_trainable(plan.trainable());
         let shape = format!("LoRA {}", plan.describe());
         (student, loaded.storage_dtype, content, shape)
     } else {

@@ -10,7 +10,6 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::TrainConfig;
-use tune::models::Trainable;
 use tune::setup::{data, loss, model, session};
 use tune::training::dpo::{DpoLoss, DpoReference};
 
@@ -29,7 +28,7 @@ pub fn run<B: AutodiffBackend>(
         model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
-    let policy = policy.set_trainable(Trainable::AdaptersOnly);
+    let policy = policy.set_trainable(plan.trainable());
 
     // Data: chosen / rejected pairs.
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;

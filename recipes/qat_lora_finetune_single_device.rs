@@ -9,7 +9,6 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use tune::config::schema::{QatKeys, TrainConfig};
-use tune::models::Trainable;
 use tune::setup::{data, model, quant, run as settings, session};
 use tune::training::sft::SftLoss;
 
@@ -31,7 +30,7 @@ pub fn run<B: AutodiffBackend>(
     let mut policy = loaded.model;
     let quantized = quant::prepare(&mut policy, scheme)?;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
-    let policy = policy.set_trainable(Trainable::AdaptersOnly);
+    let policy = policy.set_trainable(plan.trainable());
 
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
     let seed = run.seed;

@@ -122,6 +122,42 @@ impl AdapterConfig {
             .unwrap_or_default()
     }
 
+    /// peft's `modules_to_save` (modules trained in full and saved with the adapter); empty
+    /// when absent or null.
+    pub fn modules_to_save(&self) -> Vec<String> {
+        self.other
+            .get("modules_to_save")
+            .and_then(|v| v.as_array())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|t| t.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Whether the adapter trains `args`' routers: its `modules_to_save` names the family's
+    /// router module ([`ExpertNaming::router_module`]).
+    pub fn trains_routers(&self, args: &ModelArgs) -> bool {
+        args.moe.as_ref().is_some_and(|moe| {
+            let router = moe.naming.router_module();
+            self.modules_to_save().iter().any(|m| m == router)
+        })
+    }
+
+    /// Marks `args`' routers as trained in full (`model.train_router`): peft's
+    /// `modules_to_save`, which wraps every module whose name ends with the entry, so the
+    /// entry is the router's own path below a layer (`mlp.gate`: a bare `gate` would take
+    /// Qwen2-MoE's `shared_expert_gate` too). Nothing for a dense model.
+    pub fn set_trains_routers(&mut self, args: &ModelArgs) {
+        if let Some(moe) = &args.moe {
+            self.other.insert(
+                "modules_to_save".into(),
+                serde_json::json!([moe.naming.router_module()]),
+            );
+        }
+    }
+
     /// Sets `target_parameters` (peft >= 0.17 reads it).
     pub fn set_target_parameters(&mut self, targets: Vec<String>) {
         self.other
@@ -191,6 +227,16 @@ fn peft_module(args: &ModelArgs, module: &str) -> String {
         Some(tower) => tower.module_path(module),
         None => module.to_string(),
     }
+}
+
+/// The PEFT key of sparse layer `layer`'s router tensor `param` (`weight`, `bias`), as peft
+/// saves a `modules_to_save` module: `base_model.model.model.layers.0.mlp.gate.weight`.
+fn router_key(args: &ModelArgs, naming: ExpertNaming, layer: usize, param: &str) -> String {
+    let module = peft_module(
+        args,
+        &format!("model.layers.{layer}.{}", naming.router_module()),
+    );
+    format!("{PEFT_PREFIX}{module}.{param}")
 }
 
 /// The PEFT key of an adapter tensor: `model.layers.0.self_attn.q_proj` + A ->
@@ -375,6 +421,9 @@ pub fn load_adapter<B: Backend>(
         }
         linear.lora = Some(lora);
     }
+    if config.trains_routers(&args) {
+        used += load_routers(model, &file, dir)?;
+    }
     let consumed = load_fused_experts(model, &config, &file, dir)?;
     used += consumed.len();
     let total = file.names().len();
@@ -494,6 +543,52 @@ fn read_adapter_tensor(
     file.read(key)
 }
 
+/// Every sparse layer's router (weight, and bias where the family has one) from an adapter
+/// that trained them ([`AdapterConfig::trains_routers`]); returns the tensors read.
+fn load_routers<B: Backend>(
+    model: &mut CausalLm<B>,
+    file: &SafetensorsFile,
+    dir: &Path,
+) -> Result<usize, CheckpointError> {
+    let args = model.args.clone();
+    let Some(naming) = args.moe.as_ref().map(|m| m.naming) else {
+        return Ok(0);
+    };
+    let device = model.device();
+    let read = |key: String, shape: Vec<usize>| {
+        let found = file
+            .shape(&key)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                name: key.clone(),
+                dir: dir.join(ADAPTER_WEIGHTS),
+                expected: shape.clone(),
+            })?;
+        if found != shape {
+            return Err(CheckpointError::Invalid {
+                path: dir.join(ADAPTER_WEIGHTS),
+                message: format!("{key} has shape {found:?}, expected {shape:?}"),
+            });
+        }
+        file.read(&key)
+    };
+    let mut used = 0;
+    for (i, layer) in model.model.layers.iter_mut().enumerate() {
+        let Some(moe) = layer.moe.as_mut() else {
+            continue;
+        };
+        let (out, inp) = (moe.gate.out_features(), moe.gate.in_features());
+        let weight = read(router_key(&args, naming, i, "weight"), vec![out, inp])?;
+        moe.gate.set_weight(weight.to_tensor(&device));
+        used += 1;
+        if let Some(bias) = moe.gate.bias.as_mut() {
+            let value = read(router_key(&args, naming, i, "bias"), vec![out])?;
+            *bias = burn::module::Param::initialized(bias.id, value.to_tensor(&device));
+            used += 1;
+        }
+    }
+    Ok(used)
+}
+
 fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool {
     let args = model.args.clone();
     model.linears_mut().iter().any(|(m, l)| {
@@ -501,6 +596,33 @@ fn model_has_adapter_key<B: Backend>(model: &mut CausalLm<B>, key: &str) -> bool
         l.lora.is_some()
             && (peft_key(&m, 'A') == key || peft_key(&m, 'B') == key || magnitude_key(&m) == key)
     })
+}
+
+/// What an adapter checkpoint of `model` holds under peft's keys: the adapter tensors
+/// ([`adapter_state_dict`]) and, where `config` trains them, the routers
+/// ([`AdapterConfig::trains_routers`]).
+pub fn saved_adapter_state<B: Backend>(
+    model: &mut CausalLm<B>,
+    config: &AdapterConfig,
+) -> Vec<(String, HostTensor)> {
+    let mut out = adapter_state_dict(model);
+    let args = model.args.clone();
+    if let Some(naming) = args.moe.as_ref().map(|m| m.naming)
+        && config.trains_routers(&args)
+    {
+        for (i, layer) in model.model.layers.iter().enumerate() {
+            let Some(moe) = &layer.moe else {
+                continue;
+            };
+            let weight = HostTensor::from_tensor(&moe.gate.base_weight());
+            out.push((router_key(&args, naming, i, "weight"), weight));
+            if let Some(bias) = &moe.gate.bias {
+                let bias = HostTensor::from_tensor(&bias.val());
+                out.push((router_key(&args, naming, i, "bias"), bias));
+            }
+        }
+    }
+    out
 }
 
 /// The adapter tensors of `model` under their PEFT keys.
@@ -557,7 +679,7 @@ pub fn save_adapter<B: Backend>(
     config: &AdapterConfig,
     dir: &Path,
 ) -> Result<Vec<String>, CheckpointError> {
-    write_adapter(dir, &adapter_state_dict(model), config)
+    write_adapter(dir, &saved_adapter_state(model, config), config)
 }
 
 /// As [`save_adapter`] from tensors already on the host (for background saves).

@@ -22,6 +22,19 @@ pub enum ExpertNaming {
     GptOss,
 }
 
+impl ExpertNaming {
+    /// The router's module below a decoder layer in transformers 5 (`model.layers.{i}.` before
+    /// it): what peft's `modules_to_save` names and its adapter file keys by. Mixtral's
+    /// checkpoints store it as `block_sparse_moe.gate`, but transformers 5 builds it as
+    /// `mlp.gate`, and peft matches module names.
+    pub fn router_module(self) -> &'static str {
+        match self {
+            Self::Qwen | Self::Mixtral => "mlp.gate",
+            Self::GptOss => "mlp.router",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeArgs {
     pub num_experts: usize,

@@ -454,6 +454,9 @@ pub enum Trainable {
     /// LoRA: only adapter weights; the base stays frozen and never gets gradients or
     /// optimizer state.
     AdaptersOnly,
+    /// LoRA with `train_router: True`: the adapters and every sparse layer's router (weight
+    /// and bias), as peft trains a module in `modules_to_save`.
+    AdaptersAndRouters,
     /// Frozen teachers and references.
     Nothing,
 }
@@ -474,9 +477,15 @@ impl<B: Backend> burn::module::ModuleMapper<B> for SetTrainable {
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let is_adapter = self.path.iter().any(|p| p == "lora");
+        // `SparseMoe::gate`, below a decoder layer's `moe`.
+        let is_router = self
+            .path
+            .windows(2)
+            .any(|w| w[0] == "moe" && w[1] == "gate");
         let train = match self.which {
             Trainable::All => true,
             Trainable::AdaptersOnly => is_adapter,
+            Trainable::AdaptersAndRouters => is_adapter || is_router,
             Trainable::Nothing => false,
         };
         param.set_require_grad(train)

@@ -9,10 +9,10 @@ use crate::checkpoint::StorageDtype;
 use crate::config::schema::{CheckpointerConfig, ModelConfig, TrainConfig};
 use crate::model_io::hf::{LoadedModel, load_model, load_model_rows, load_model_with};
 use crate::model_io::{peft, quantized};
-use crate::models::BaseWeights;
 use crate::models::CausalLm;
 use crate::models::args::ExpertNaming;
 use crate::models::build::RowsOf;
+use crate::models::{BaseWeights, Trainable};
 use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
 use crate::precision::Dtype;
@@ -34,6 +34,18 @@ pub enum ModelConfigError {
         "model.use_dora: DoRA on a mixture-of-experts model's experts (apply_lora_to_mlp: True) is not supported: peft cannot load DoRA magnitudes onto transformers' fused experts; set apply_lora_to_mlp: False or use_dora: False"
     )]
     DoraOnExperts,
+    #[error(
+        "model.train_router: a \"{model_type}\" model is dense, it has no router to train; remove `train_router` (it is for mixture-of-experts models: Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss)"
+    )]
+    RouterOfDenseModel { model_type: &'static str },
+    /// `checkpointer.adapter_checkpoint` continues an adapter: whether it trained the routers
+    /// (its `modules_to_save`) is part of it.
+    #[error(
+        "model.train_router: the adapter in checkpointer.adapter_checkpoint {}, so set `train_router: {}` to continue it",
+        if *adapter { "trained the routers (modules_to_save)" } else { "left the routers frozen" },
+        if *adapter { "True" } else { "False" }
+    )]
+    RouterTrainingDiffers { adapter: bool },
     /// gpt-oss's experts are fused 3-D parameters, which peft adapts through
     /// `target_parameters` (its `ParamWrapper`), and that refuses dropout: its input cannot be
     /// factored out of the fused product.
@@ -156,6 +168,8 @@ pub fn load_with<B: Backend>(
 pub struct LoraPlan {
     pub settings: LoraSettings,
     pub targets: Vec<String>,
+    /// `model.train_router`: every sparse layer's router trains in full beside the adapters.
+    pub train_router: bool,
 }
 
 /// Refuses QAT's int4 export of a model it cannot write faithfully: a multimodal checkpoint's
@@ -201,6 +215,7 @@ pub fn lora_plan(model: &ModelConfig) -> LoraPlan {
             dora: model.use_dora,
         },
         targets,
+        train_router: model.trains_router(),
     }
 }
 
@@ -215,12 +230,24 @@ pub fn attach_adapters<B: Backend>(
     if plan.targets.iter().any(|t| t == "lm_head") && model.lm_head.is_none() {
         return Err(ModelConfigError::TiedOutput.into());
     }
+    if plan.train_router && model.args.moe.is_none() {
+        return Err(ModelConfigError::RouterOfDenseModel {
+            model_type: model.args.family.model_type(),
+        }
+        .into());
+    }
     // The Hub id of the base model when known, else its path (as peft writes it).
     let base_model = crate::hub::provenance::base_model_name(&checkpointer.checkpoint_dir);
     if let Some(mut config) =
         load_adapter_checkpoint(model, checkpointer, "checkpointer.adapter_checkpoint")?
     {
         config.base_model_name_or_path = Some(base_model);
+        if plan.train_router != config.trains_routers(&model.args) {
+            return Err(ModelConfigError::RouterTrainingDiffers {
+                adapter: config.trains_routers(&model.args),
+            }
+            .into());
+        }
         return Ok(config);
     }
     let targets = model.args.lora_targets(&plan.targets);
@@ -265,6 +292,9 @@ pub fn attach_adapters<B: Backend>(
     );
     if !target_parameters.is_empty() {
         config.set_target_parameters(target_parameters);
+    }
+    if plan.train_router {
+        config.set_trains_routers(&model.args);
     }
     Ok(config)
 }
@@ -390,11 +420,25 @@ impl LoraPlan {
     /// "rank 8, alpha 16, on q_proj, v_proj", for start-up lines.
     pub fn describe(&self) -> String {
         format!(
-            "rank {}, alpha {}, on {}",
+            "rank {}, alpha {}, on {}{}",
             self.settings.rank,
             self.settings.alpha,
-            self.targets.join(", ")
+            self.targets.join(", "),
+            if self.train_router {
+                "; routers trained in full"
+            } else {
+                ""
+            }
         )
+    }
+
+    /// What the recipe trains: the adapters, and the routers where asked.
+    pub fn trainable(&self) -> Trainable {
+        if self.train_router {
+            Trainable::AdaptersAndRouters
+        } else {
+            Trainable::AdaptersOnly
+        }
     }
 }
 

@@ -32,7 +32,7 @@ use crate::checkpoint_client::{
     WriterFn, clean_partial, latest_complete, latest_verified,
 };
 use crate::model_io::hf::{save_hf_companions, save_hf_dir};
-use crate::model_io::peft::{AdapterConfig, adapter_state_dict, write_adapter};
+use crate::model_io::peft::{AdapterConfig, saved_adapter_state, write_adapter};
 use crate::model_io::quantized::{QUANTIZED_DIR, quantize_state, write_quantized};
 use crate::models::CausalLm;
 use crate::modules::fake_quant::QuantScheme;
@@ -264,7 +264,7 @@ impl RunCheckpointer {
     ) -> Result<WriterFn, TrainError> {
         let adapter = match &self.content {
             SaveContent::Adapter { config, .. } => {
-                Some((adapter_state_dict(model), config.clone()))
+                Some((saved_adapter_state(model, config), config.clone()))
             }
             SaveContent::FullModel => None,
         };

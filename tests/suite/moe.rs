@@ -148,6 +148,264 @@ fn lora_on_a_moe_adapts_attention_and_experts_as_peft_does() {
     }
 }
 
+/// The LoRA settings of the router tests: adapters on q/v and every expert, as above.
+const LORA_ON_EXPERTS: [&str; 5] = [
+    "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+    "model.lora_attn_modules=[q_proj,v_proj]",
+    "model.apply_lora_to_mlp=True",
+    "model.lora_rank=8",
+    "model.lora_alpha=16",
+];
+
+/// `model.train_router: True` trains every sparse layer's router in full beside the adapters,
+/// as peft's `modules_to_save: ["mlp.gate"]` does: the adapter holds the routers under peft's
+/// keys, the merged export the same trained routers (everything else as the plain LoRA run
+/// leaves it), and loading the adapter back sets them.
+#[test]
+fn lora_with_train_router_trains_the_routers_and_saves_them_as_peft_does() {
+    let ckpt = tiny_qwen3_moe();
+    let out = temp_dir("moe-lora-router");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let mut args = LORA_ON_EXPERTS.to_vec();
+    args.extend([
+        "model.train_router=True",
+        checkpoint_dir.as_str(),
+        "max_steps_per_epoch=25",
+    ]);
+    let metrics = run_recipe(
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &out,
+        &args,
+    );
+    let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
+    assert!(last < first, "loss {first} -> {last}");
+
+    let epoch = out.path().join("epoch_0");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(epoch.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["modules_to_save"], json!(["mlp.gate"]));
+    let adapter = SafetensorsFile::open(&epoch.join("adapter_model.safetensors")).unwrap();
+    let names = adapter.names();
+    // The plain run's 36 adapter tensors and the routers of the two sparse layers.
+    assert_eq!(names.len(), 2 * (3 * 2 + 2 * 4 * 3) + 2, "{names:?}");
+
+    let (before, after) = (stored_tensors(ckpt.path()), stored_tensors(&epoch));
+    for layer in [0, 2] {
+        let name = format!("model.layers.{layer}.mlp.gate.weight");
+        let saved = adapter.read(&format!("base_model.model.{name}")).unwrap();
+        assert!(before[&name] != after[&name], "{name} did not train");
+        let exported = stored_f32(&epoch, &name);
+        assert_eq!(
+            saved.data, exported,
+            "{name}: the adapter's router is the export's"
+        );
+    }
+    assert_eq!(
+        before["model.layers.1.mlp.up_proj.weight"], after["model.layers.1.mlp.up_proj.weight"],
+        "the dense layer's MLP is no router"
+    );
+
+    let mut model = load_model::<Cpu>(ckpt.path(), None, &Default::default())
+        .unwrap()
+        .model;
+    tune::model_io::peft::load_adapter(&mut model, &epoch).unwrap();
+    let loaded = model.hf_state_dict();
+    let router = &loaded
+        .iter()
+        .find(|(n, _)| n == "model.layers.2.mlp.gate.weight")
+        .unwrap()
+        .1;
+    let saved = adapter
+        .read("base_model.model.model.layers.2.mlp.gate.weight")
+        .unwrap();
+    assert_eq!(
+        router.data, saved.data,
+        "loading the adapter sets the router"
+    );
+
+    // Continuing that adapter (`checkpointer.adapter_checkpoint`) without the routers is
+    // refused by key: it would freeze what the adapter trained.
+    let again = temp_dir("moe-lora-router-again");
+    let adapter_checkpoint = format!("checkpointer.adapter_checkpoint={}", epoch.display());
+    let mut args = LORA_ON_EXPERTS.to_vec();
+    args.extend([checkpoint_dir.as_str(), adapter_checkpoint.as_str()]);
+    let run = tiny_lora(&again, &args);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("model.train_router") && stderr.contains("train_router: True"),
+        "{stderr}"
+    );
+}
+
+/// Tensor `name` of the checkpoint in `dir`, in f32.
+fn stored_f32(dir: &Path, name: &str) -> Vec<f32> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .filter_map(|p| SafetensorsFile::open(&p).unwrap().read(name).ok())
+        .map(|t| t.data)
+        .next()
+        .unwrap_or_else(|| panic!("{name} not in {}", dir.display()))
+}
+
+/// Routers trained under LoRA on two FSDP workers take the same steps as on one device, and
+/// both adapters hold the same routers.
+#[test]
+fn fsdp_lora_with_trained_routers_matches_one_device() {
+    let ckpt = tiny_qwen3_moe();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let mut extra = LORA_ON_EXPERTS.to_vec();
+    extra.extend(["model.train_router=True", checkpoint_dir.as_str()]);
+    let (one, two) = crate::distributed::recipes_on_one_device_and_fsdp_agree(
+        "moe-router-fsdp",
+        crate::distributed::LORA_RECIPES,
+        &extra,
+        4,
+    );
+    let router = |dir: &TempDir| {
+        SafetensorsFile::open(&dir.path().join("epoch_0/adapter_model.safetensors"))
+            .unwrap()
+            .read("base_model.model.model.layers.0.mlp.gate.weight")
+            .unwrap()
+            .data
+    };
+    let (a, b) = (router(&one), router(&two));
+    let base = stored_f32(ckpt.path(), "model.layers.0.mlp.gate.weight");
+    assert!(a != base, "the router did not train");
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
+    }
+}
+
+/// A LoRA run that trains the routers, stopped after an epoch and resumed, takes the
+/// uninterrupted run's steps bit for bit and ends with the same adapter, routers included:
+/// the routers come back from the adapter, their AdamW moments from the optimizer state.
+#[test]
+fn a_resumed_run_with_trained_routers_matches_an_uninterrupted_one() {
+    let ckpt = tiny_qwen3_moe();
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    let run = |out: &TempDir, extra: &[&str]| {
+        let output_dir = format!("output_dir={}", out.path().display());
+        let mut args = vec![
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            "tiny/lora_single_device",
+            "max_steps_per_epoch=4",
+            "save_adapter_weights_only=True",
+            "~lr_scheduler",
+            "model.train_router=True",
+            checkpoint_dir.as_str(),
+            output_dir.as_str(),
+        ];
+        args.extend(LORA_ON_EXPERTS);
+        args.extend(extra);
+        tune_ok(&args);
+    };
+    let losses = |out: &TempDir| {
+        column(
+            &read_metrics(&out.path().join("logs/metrics.jsonl")),
+            "loss",
+        )
+    };
+    let adapter = |out: &TempDir| {
+        std::fs::read(out.path().join("epoch_1/adapter_model.safetensors")).unwrap()
+    };
+    let full = temp_dir("moe-router-resume-full");
+    run(&full, &["epochs=2"]);
+    let split = temp_dir("moe-router-resume-split");
+    run(&split, &["epochs=1"]);
+    run(&split, &["epochs=2", "resume_from_checkpoint=True"]);
+    assert_eq!(losses(&full), losses(&split), "every step's loss");
+    assert_eq!(adapter(&full), adapter(&split), "the final adapters");
+}
+
+/// gpt-oss's routers (`mlp.router`, weight and bias) train under LoRA when asked, are saved
+/// under peft's keys for `modules_to_save: ["mlp.router"]`, and load back.
+#[test]
+fn gpt_oss_routers_train_under_lora_with_their_biases() {
+    let ckpt = tiny_gpt_oss();
+    let out = temp_dir("gpt-oss-lora-router");
+    let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
+    run_recipe(
+        "lora_finetune_single_device",
+        "tiny/lora_single_device",
+        &out,
+        &[
+            "model=tune.models.gpt_oss.lora_gpt_oss_tiny",
+            "model.lora_attn_modules=[q_proj,v_proj]",
+            "model.lora_rank=8",
+            "model.lora_alpha=16",
+            "model.train_router=True",
+            &checkpoint_dir,
+            "max_steps_per_epoch=4",
+        ],
+    );
+    let epoch = out.path().join("epoch_0");
+    let config = tune::model_io::peft::AdapterConfig::read(&epoch).unwrap();
+    assert_eq!(config.modules_to_save(), ["mlp.router"]);
+    let adapter = SafetensorsFile::open(&epoch.join("adapter_model.safetensors")).unwrap();
+    for param in ["weight", "bias"] {
+        let key = format!("base_model.model.model.layers.1.mlp.router.{param}");
+        let saved = adapter.read(&key).unwrap();
+        let name = format!("model.layers.1.mlp.router.{param}");
+        assert!(
+            saved.data != stored_f32(ckpt.path(), &name),
+            "{name} did not train"
+        );
+        assert_eq!(
+            saved.data,
+            stored_f32(&epoch, &name),
+            "{name}: the export's"
+        );
+    }
+    let mut model = load_model::<Cpu>(ckpt.path(), None, &Default::default())
+        .unwrap()
+        .model;
+    tune::model_io::peft::load_adapter(&mut model, &epoch).unwrap();
+    let loaded = model.hf_state_dict();
+    let bias = &loaded
+        .iter()
+        .find(|(n, _)| n == "model.layers.1.mlp.router.bias")
+        .unwrap()
+        .1;
+    let saved = adapter
+        .read("base_model.model.model.layers.1.mlp.router.bias")
+        .unwrap();
+    assert_eq!(bias.data, saved.data, "loading the adapter sets the bias");
+}
+
+/// `train_router` on a dense model is refused by key at load; with LoRA DPO and GRPO (whose
+/// reference is this model with the adapters off, where peft would switch the routers back
+/// too) by key in validation.
+#[test]
+fn train_router_where_it_cannot_work_is_refused_by_key() {
+    let out = temp_dir("dense-router");
+    let run = tiny_lora(&out, &["model.train_router=True"]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("model.train_router") && stderr.contains("dense"),
+        "{stderr}"
+    );
+    for config in [
+        "tiny/lora_dpo_single_device",
+        "tiny/grpo_lora_single_device",
+    ] {
+        let run = tune(&["validate", config, "model.train_router=True"]);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{config}");
+        assert!(
+            stderr.contains("model.train_router") && stderr.contains("reference model"),
+            "{config}: {stderr}"
+        );
+    }
+}
+
 /// DoRA on experts would write magnitudes peft cannot load onto transformers' fused experts:
 /// refused by key before training.
 #[test]

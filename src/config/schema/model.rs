@@ -63,6 +63,12 @@ keys! {
     ),
     /// DoRA: a trained magnitude per output row over the adapted weight (peft's `use_dora`).
     use_dora: bool = off(),
+    /// LoRA on a mixture-of-experts model: `True` trains each sparse layer's router in full
+    /// too, saved with the adapter as peft's `modules_to_save`; unset or `False`, the routers
+    /// stay frozen. A dense model has no router: refused at load. (Optional rather than a
+    /// default `False`: unset it leaves the run's fingerprint as checkpoints written before
+    /// the key hold it, so they still resume.)
+    train_router: Option<bool> = optional(),
     /// QLoRA: the decoder's linear base weights in NF4 (LoRA builders only).
     quantize_base: bool = off(),
     /// A generic builder's `vocab_size`: must equal config.json's.
@@ -98,6 +104,11 @@ keys! {
 }
 
 impl ModelConfig {
+    /// `train_router: True`: the routers train beside the adapters.
+    pub fn trains_router(&self) -> bool {
+        self.train_router == Some(true)
+    }
+
     /// Adapters train on a frozen base (LoRA, QLoRA, DoRA builders).
     pub fn is_lora(&self) -> bool {
         self.component.is_lora()
@@ -200,6 +211,19 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             .with_fix("set `use_dora: False`, or train DoRA with lora_finetune_single_device"),
         );
     }
+    if m.trains_router() && matches!(recipe, Some(Recipe::LoraDpo | Recipe::GrpoLora)) {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                join(path, "train_router"),
+                format!(
+                    "recipe `{}` takes its reference model from this one with the adapters switched off, where peft (and so TRL) would also switch trained routers back to the base's; tune keeps no frozen copy of the routers for that",
+                    recipe.map_or("?", Recipe::name)
+                ),
+            )
+            .with_fix("set `train_router: False`, which keeps the routers frozen, or train them with lora_finetune_single_device"),
+        );
+    }
     if builder.is_lora() && recipe.is_some_and(Recipe::is_training) {
         let no_targets =
             m.lora_attn_modules.is_empty() && !m.apply_lora_to_mlp && !m.apply_lora_to_output;
@@ -234,6 +258,7 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             ("apply_lora_to_mlp", m.apply_lora_to_mlp),
             ("apply_lora_to_output", m.apply_lora_to_output),
             ("lora_dropout", m.lora_dropout != 0.0),
+            ("train_router", m.train_router.is_some()),
         ];
         for (k, _) in set.into_iter().filter(|(_, set)| *set) {
             cx.warn(
