@@ -111,8 +111,13 @@ impl AdapterConfig {
     /// peft's `target_parameters` (parameters adapted through its `ParamWrapper`: gpt-oss's
     /// fused experts); empty when absent or null.
     pub fn target_parameters(&self) -> Vec<String> {
+        self.names("target_parameters")
+    }
+
+    /// The strings of the list at `key`; empty when absent or null.
+    fn names(&self, key: &str) -> Vec<String> {
         self.other
-            .get("target_parameters")
+            .get(key)
             .and_then(|v| v.as_array())
             .map(|list| {
                 list.iter()
@@ -125,15 +130,7 @@ impl AdapterConfig {
     /// peft's `modules_to_save` (modules trained in full and saved with the adapter); empty
     /// when absent or null.
     pub fn modules_to_save(&self) -> Vec<String> {
-        self.other
-            .get("modules_to_save")
-            .and_then(|v| v.as_array())
-            .map(|list| {
-                list.iter()
-                    .filter_map(|t| t.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.names("modules_to_save")
     }
 
     /// Whether the adapter trains `args`' routers: its `modules_to_save` names the family's

@@ -207,23 +207,7 @@ fn lora_with_train_router_trains_the_routers_and_saves_them_as_peft_does() {
         "the dense layer's MLP is no router"
     );
 
-    let mut model = load_model::<Cpu>(ckpt.path(), None, &Default::default())
-        .unwrap()
-        .model;
-    tune::model_io::peft::load_adapter(&mut model, &epoch).unwrap();
-    let loaded = model.hf_state_dict();
-    let router = &loaded
-        .iter()
-        .find(|(n, _)| n == "model.layers.2.mlp.gate.weight")
-        .unwrap()
-        .1;
-    let saved = adapter
-        .read("base_model.model.model.layers.2.mlp.gate.weight")
-        .unwrap();
-    assert_eq!(
-        router.data, saved.data,
-        "loading the adapter sets the router"
-    );
+    adapter_sets_on_load(ckpt.path(), &epoch, "model.layers.2.mlp.gate.weight");
 
     // Continuing that adapter (`checkpointer.adapter_checkpoint`) without the routers is
     // refused by key: it would freeze what the adapter trained.
@@ -289,22 +273,21 @@ fn a_resumed_run_with_trained_routers_matches_an_uninterrupted_one() {
     let ckpt = tiny_qwen3_moe();
     let checkpoint_dir = format!("checkpointer.checkpoint_dir={}", ckpt.path().display());
     let run = |out: &TempDir, extra: &[&str]| {
-        let output_dir = format!("output_dir={}", out.path().display());
         let mut args = vec![
-            "run",
-            "lora_finetune_single_device",
-            "--config",
-            "tiny/lora_single_device",
             "max_steps_per_epoch=4",
             "save_adapter_weights_only=True",
             "~lr_scheduler",
             "model.train_router=True",
             checkpoint_dir.as_str(),
-            output_dir.as_str(),
         ];
         args.extend(LORA_ON_EXPERTS);
         args.extend(extra);
-        tune_ok(&args);
+        let run = tiny_lora(out, &args);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
     };
     let losses = |out: &TempDir| {
         column(
@@ -363,20 +346,23 @@ fn gpt_oss_routers_train_under_lora_with_their_biases() {
             "{name}: the export's"
         );
     }
-    let mut model = load_model::<Cpu>(ckpt.path(), None, &Default::default())
+    adapter_sets_on_load(ckpt.path(), &epoch, "model.layers.1.mlp.router.bias");
+}
+
+/// Loading the adapter in `adapter_dir` onto the checkpoint in `base` sets tensor `name` to
+/// the adapter's copy of it.
+fn adapter_sets_on_load(base: &Path, adapter_dir: &Path, name: &str) {
+    let mut model = load_model::<Cpu>(base, None, &Default::default())
         .unwrap()
         .model;
-    tune::model_io::peft::load_adapter(&mut model, &epoch).unwrap();
+    tune::model_io::peft::load_adapter(&mut model, adapter_dir).unwrap();
     let loaded = model.hf_state_dict();
-    let bias = &loaded
-        .iter()
-        .find(|(n, _)| n == "model.layers.1.mlp.router.bias")
+    let (_, value) = loaded.iter().find(|(n, _)| n == name).unwrap();
+    let saved = SafetensorsFile::open(&adapter_dir.join("adapter_model.safetensors"))
         .unwrap()
-        .1;
-    let saved = adapter
-        .read("base_model.model.model.layers.1.mlp.router.bias")
+        .read(&format!("base_model.model.{name}"))
         .unwrap();
-    assert_eq!(bias.data, saved.data, "loading the adapter sets the bias");
+    assert_eq!(value.data, saved.data, "loading the adapter sets {name}");
 }
 
 /// `train_router` on a dense model is refused by key at load; with LoRA DPO and GRPO (whose
