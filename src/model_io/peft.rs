@@ -398,21 +398,7 @@ pub fn load_adapter<B: Backend>(
         let mut lora = Lora::from_tensors(a.to_tensor(&device), b.to_tensor(&device), &settings);
         used += 2;
         if settings.dora {
-            let key = magnitude_key(&peft_path);
-            let found = file
-                .shape(&key)
-                .ok_or_else(|| CheckpointError::MissingTensor {
-                    name: key.clone(),
-                    dir: path.clone(),
-                    expected: vec![out],
-                })?;
-            if found != [out] {
-                return Err(CheckpointError::Invalid {
-                    path: path.clone(),
-                    message: format!("{key} has shape {found:?}, expected [{out}]"),
-                });
-            }
-            let m = file.read(&key)?.to_tensor(&device);
+            let m = read_shaped(&file, &magnitude_key(&peft_path), &[out], dir)?.to_tensor(&device);
             lora = lora.with_magnitude(linear.base_weight_on(&device), Some(m));
             used += 1;
         }
@@ -540,6 +526,32 @@ fn read_adapter_tensor(
     file.read(key)
 }
 
+/// Tensor `key` of the adapter in `dir`, which must have `shape`: a missing tensor or another
+/// shape is an error naming it (DoRA magnitudes, routers; the A and B factors name the rank
+/// too, [`read_adapter_tensor`]).
+fn read_shaped(
+    file: &SafetensorsFile,
+    key: &str,
+    shape: &[usize],
+    dir: &Path,
+) -> Result<HostTensor, CheckpointError> {
+    let path = dir.join(ADAPTER_WEIGHTS);
+    let found = file
+        .shape(key)
+        .ok_or_else(|| CheckpointError::MissingTensor {
+            name: key.to_string(),
+            dir: path.clone(),
+            expected: shape.to_vec(),
+        })?;
+    if found != shape {
+        return Err(CheckpointError::Invalid {
+            path,
+            message: format!("{key} has shape {found:?}, expected {shape:?}"),
+        });
+    }
+    file.read(key)
+}
+
 /// Every sparse layer's router (weight, and bias where the family has one) from an adapter
 /// that trained them ([`AdapterConfig::trains_routers`]); returns the tensors read.
 fn load_routers<B: Backend>(
@@ -552,33 +564,18 @@ fn load_routers<B: Backend>(
         return Ok(0);
     };
     let device = model.device();
-    let read = |key: String, shape: Vec<usize>| {
-        let found = file
-            .shape(&key)
-            .ok_or_else(|| CheckpointError::MissingTensor {
-                name: key.clone(),
-                dir: dir.join(ADAPTER_WEIGHTS),
-                expected: shape.clone(),
-            })?;
-        if found != shape {
-            return Err(CheckpointError::Invalid {
-                path: dir.join(ADAPTER_WEIGHTS),
-                message: format!("{key} has shape {found:?}, expected {shape:?}"),
-            });
-        }
-        file.read(&key)
-    };
+    let read = |key: String, shape: &[usize]| read_shaped(file, &key, shape, dir);
     let mut used = 0;
     for (i, layer) in model.model.layers.iter_mut().enumerate() {
         let Some(moe) = layer.moe.as_mut() else {
             continue;
         };
         let (out, inp) = (moe.gate.out_features(), moe.gate.in_features());
-        let weight = read(router_key(&args, naming, i, "weight"), vec![out, inp])?;
+        let weight = read(router_key(&args, naming, i, "weight"), &[out, inp])?;
         moe.gate.set_weight(weight.to_tensor(&device));
         used += 1;
         if let Some(bias) = moe.gate.bias.as_mut() {
-            let value = read(router_key(&args, naming, i, "bias"), vec![out])?;
+            let value = read(router_key(&args, naming, i, "bias"), &[out])?;
             *bias = burn::module::Param::initialized(bias.id, value.to_tensor(&device));
             used += 1;
         }

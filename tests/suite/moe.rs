@@ -89,6 +89,15 @@ fn saved_random(config: serde_json::Value, seed: u64, tag: &str) -> TempDir {
     dir
 }
 
+/// LoRA on q/v and every expert of the tiny Qwen3-MoE, rank 8, alpha 16.
+const LORA_ON_EXPERTS: [&str; 5] = [
+    "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
+    "model.lora_attn_modules=[q_proj,v_proj]",
+    "model.apply_lora_to_mlp=True",
+    "model.lora_rank=8",
+    "model.lora_alpha=16",
+];
+
 /// LoRA on a sparse model adapts what peft adapts when it loads the adapter on transformers 5:
 /// attention and every routed expert's projections (peft maps `gate_proj`/`up_proj`/`down_proj`
 /// onto the fused experts, so a dense layer's MLP takes none); routers stay as loaded, and the
@@ -103,14 +112,10 @@ fn lora_on_a_moe_adapts_attention_and_experts_as_peft_does() {
         "tiny/lora_single_device",
         &out,
         &[
-            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
-            "model.lora_attn_modules=[q_proj,v_proj]",
-            "model.apply_lora_to_mlp=True",
-            "model.lora_rank=8",
-            "model.lora_alpha=16",
-            &checkpoint_dir,
-            "max_steps_per_epoch=25",
-        ],
+            &LORA_ON_EXPERTS[..],
+            &[&checkpoint_dir, "max_steps_per_epoch=25"],
+        ]
+        .concat(),
     );
     let (first, last) = first_and_last_mean(&column(&metrics, "loss"));
     assert!(last < first, "loss {first} -> {last}");
@@ -147,15 +152,6 @@ fn lora_on_a_moe_adapts_attention_and_experts_as_peft_does() {
         assert_eq!(same, !adapted, "{name}: changed = {}", !same);
     }
 }
-
-/// The LoRA settings of the router tests: adapters on q/v and every expert, as above.
-const LORA_ON_EXPERTS: [&str; 5] = [
-    "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
-    "model.lora_attn_modules=[q_proj,v_proj]",
-    "model.apply_lora_to_mlp=True",
-    "model.lora_rank=8",
-    "model.lora_alpha=16",
-];
 
 /// `model.train_router: True` trains every sparse layer's router in full beside the adapters,
 /// as peft's `modules_to_save: ["mlp.gate"]` does: the adapter holds the routers under peft's
@@ -365,9 +361,10 @@ fn adapter_sets_on_load(base: &Path, adapter_dir: &Path, name: &str) {
     assert_eq!(value.data, saved.data, "loading the adapter sets {name}");
 }
 
-/// `train_router` on a dense model is refused by key at load; with LoRA DPO and GRPO (whose
-/// reference is this model with the adapters off, where peft would switch the routers back
-/// too) by key in validation.
+/// `train_router` on a dense model is refused by key at load; in validation, with LoRA DPO and
+/// GRPO (whose reference is this model with the adapters off, where peft would switch the
+/// routers back too), as `False` on a full builder (which trains them anyway) and on a frozen
+/// teacher.
 #[test]
 fn train_router_where_it_cannot_work_is_refused_by_key() {
     let out = temp_dir("dense-router");
@@ -378,16 +375,38 @@ fn train_router_where_it_cannot_work_is_refused_by_key() {
         stderr.contains("model.train_router") && stderr.contains("dense"),
         "{stderr}"
     );
-    for config in [
-        "tiny/lora_dpo_single_device",
-        "tiny/grpo_lora_single_device",
+    // (config, override, what the refusal says)
+    for (config, key, says) in [
+        (
+            "tiny/lora_dpo_single_device",
+            "model.train_router=True",
+            "reference model",
+        ),
+        (
+            "tiny/grpo_lora_single_device",
+            "model.train_router=True",
+            "reference model",
+        ),
+        // Full fine-tuning trains the routers whatever the key says.
+        (
+            "tiny/full_single_device",
+            "model.train_router=False",
+            "full model builder",
+        ),
+        // A frozen teacher has no routers to train.
+        (
+            "tiny/kd_lora_single_device",
+            "teacher_model.train_router=True",
+            "not trained",
+        ),
     ] {
-        let run = tune(&["validate", config, "model.train_router=True"]);
+        let run = tune(&["validate", config, key]);
         let stderr = String::from_utf8_lossy(&run.stderr);
-        assert!(!run.status.success(), "{config}");
+        let named = key.split('=').next().unwrap();
+        assert!(!run.status.success(), "{config} {key}");
         assert!(
-            stderr.contains("model.train_router") && stderr.contains("reference model"),
-            "{config}: {stderr}"
+            stderr.contains(named) && stderr.contains(says),
+            "{config} {key}: {stderr}"
         );
     }
 }
@@ -402,14 +421,10 @@ fn dora_on_experts_is_refused_by_key() {
     let run = tiny_lora(
         &out,
         &[
-            "model=tune.models.qwen3_moe.lora_qwen3_moe_tiny",
-            "model.lora_attn_modules=[q_proj,v_proj]",
-            "model.apply_lora_to_mlp=True",
-            "model.lora_rank=8",
-            "model.lora_alpha=16",
-            "model.use_dora=True",
-            &checkpoint_dir,
-        ],
+            &LORA_ON_EXPERTS[..],
+            &["model.use_dora=True", &checkpoint_dir],
+        ]
+        .concat(),
     );
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());

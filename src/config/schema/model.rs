@@ -211,19 +211,7 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             .with_fix("set `use_dora: False`, or train DoRA with lora_finetune_single_device"),
         );
     }
-    if m.trains_router() && matches!(recipe, Some(Recipe::LoraDpo | Recipe::GrpoLora)) {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                join(path, "train_router"),
-                format!(
-                    "recipe `{}` takes its reference model from this one with the adapters switched off, where peft (and so TRL) would also switch trained routers back to the base's; tune keeps no frozen copy of the routers for that",
-                    recipe.map_or("?", Recipe::name)
-                ),
-            )
-            .with_fix("set `train_router: False`, which keeps the routers frozen, or train them with lora_finetune_single_device"),
-        );
-    }
+    train_router_rules(m, path, recipe, cx);
     if builder.is_lora() && recipe.is_some_and(Recipe::is_training) {
         let no_targets =
             m.lora_attn_modules.is_empty() && !m.apply_lora_to_mlp && !m.apply_lora_to_output;
@@ -258,7 +246,7 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
             ("apply_lora_to_mlp", m.apply_lora_to_mlp),
             ("apply_lora_to_output", m.apply_lora_to_output),
             ("lora_dropout", m.lora_dropout != 0.0),
-            ("train_router", m.train_router.is_some()),
+            ("train_router", m.trains_router()),
         ];
         for (k, _) in set.into_iter().filter(|(_, set)| *set) {
             cx.warn(
@@ -266,6 +254,49 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
                 format!("ignored: `{name}` is not a LoRA builder"),
             );
         }
+    }
+}
+
+/// `train_router` works where a LoRA recipe trains this section's model; elsewhere it is
+/// refused by name, except `True` on a full builder, which trains the routers anyway (the
+/// LoRA keys' warning says so).
+fn train_router_rules(m: &ModelConfig, path: &str, recipe: Option<Recipe>, cx: &mut Checker) {
+    // A section read on its own (no recipe) has no rules to follow.
+    let (Some(asked), Some(recipe)) = (m.train_router, recipe) else {
+        return;
+    };
+    let key = join(path, "train_router");
+    let recipe_name = recipe.name();
+    let trained_here = path == "model" && recipe.is_training();
+    if !trained_here {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                &key,
+                format!("`{path}` is not trained by recipe `{recipe_name}`, so it has no routers to train or keep frozen"),
+            )
+            .with_fix("remove it; `model.train_router` is for the LoRA training recipes"),
+        );
+    } else if !m.component.is_lora() && !asked {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                &key,
+                format!("`{}` is a full model builder: full fine-tuning trains every weight, the routers included", m.component.canonical_name()),
+            )
+            .with_fix("remove it, or use a LoRA builder to keep the routers frozen"),
+        );
+    } else if asked && matches!(recipe, Recipe::LoraDpo | Recipe::GrpoLora) {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                &key,
+                format!(
+                    "recipe `{recipe_name}` takes its reference model from this one with the adapters switched off, where peft (and so TRL) would also switch trained routers back to the base's; tune keeps no frozen copy of the routers for that"
+                ),
+            )
+            .with_fix("set `train_router: False`, which keeps the routers frozen, or train them with lora_finetune_single_device"),
+        );
     }
 }
 
