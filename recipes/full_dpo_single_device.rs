@@ -5,15 +5,37 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{FullDpoKeys, TrainConfig};
-use tune::models::Trainable;
-use tune::setup::{data, loss, model, session};
-use tune::training::checkpointing::SaveContent;
-use tune::training::dpo::{DpoLoss, DpoReference};
+use crate::config::keys::{keys, required};
+use crate::config::schema::{CheckpointerConfig, DpoLoss as DpoLossConfig, TrainConfig};
+use crate::models::Trainable;
+use crate::setup::{data, loss, model, session};
+use crate::training::checkpointing::SaveContent;
+use crate::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "full_dpo",
+    aliases: &["full_dpo_single_device"],
+    distributed: Some("full_dpo_distributed"),
+    description: "DPO preference alignment of every weight against a frozen reference",
+    trains: Trains::Full,
+    data: DataKind::Pairs,
+    layout: Layout::Training,
+    own: OwnKeysSpec::of::<FullDpoKeys>(),
+};
+
+keys! {
+    /// Full DPO's own keys.
+    pub struct FullDpoKeys {}
+    /// DPO's loss.
+    loss: DpoLossConfig = required().fingerprint(),
+    /// The frozen reference model (usually the checkpoint being trained).
+    ref_checkpointer: CheckpointerConfig = required(),
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -35,10 +57,10 @@ pub fn run<B: AutodiffBackend>(
 
     // Loss: DPO against the frozen reference.
     let mut dpo = DpoLoss::new(
-        loss::dpo(&cfg.loss),
+        loss::dpo(&dpo_keys.loss),
         DpoReference::Frozen(Box::new(reference)),
     );
-    dpo.activation_checkpointing = tune::setup::run::checkpointing(cfg);
+    dpo.activation_checkpointing = crate::setup::run::checkpointing(cfg);
 
     let seed = run.seed;
     let session = session::session(

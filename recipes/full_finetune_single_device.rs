@@ -4,18 +4,31 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
-use tune::models::Trainable;
-use tune::setup::{data, model, run as settings, session};
-use tune::training::checkpointing::SaveContent;
-use tune::training::sft::SftLoss;
+use crate::config::schema::{SftKeys, TrainConfig};
+use crate::models::Trainable;
+use crate::setup::{data, model, run as settings, session};
+use crate::training::checkpointing::SaveContent;
+use crate::training::sft::SftLoss;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "full_finetune",
+    aliases: &["full_finetune_single_device"],
+    distributed: Some("full_finetune_distributed"),
+    description: "Full fine-tuning of every weight (SFT)",
+    trains: Trains::Full,
+    data: DataKind::Responses,
+    layout: Layout::Training,
+    own: OwnKeysSpec::of::<SftKeys>(),
+};
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    keys: &SftKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> Result<(), WorkerError> {
@@ -46,7 +59,7 @@ pub fn run<B: AutodiffBackend>(
 
     let mut loss = SftLoss {
         activation_checkpointing: settings::checkpointing(cfg),
-        output_chunks: settings::output_chunks(cfg),
+        output_chunks: keys.loss.output_chunks(),
         fake_quant_after: None,
         ..SftLoss::default()
     };

@@ -11,16 +11,31 @@ use std::time::Instant;
 use anyhow::Context;
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::GenerateConfig;
-use tune::generation::{GenerateOptions, SamplingParams, StopReason, generate};
-use tune::model_io::peft;
-use tune::precision;
-use tune::setup::{data, model};
-use tune::tokenizer::Tokenizer;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::config::schema::GenerateConfig;
+use crate::generation::{GenerateOptions, SamplingParams, StopReason, generate};
+use crate::model_io::peft;
+use crate::precision;
+use crate::setup::{data, model};
+use crate::tokenizer::Tokenizer;
 
 use super::RunContext;
 
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "generate",
+    aliases: &[],
+    distributed: None,
+    description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
+    trains: Trains::Nothing,
+    data: DataKind::None,
+    layout: Layout::Alone,
+    own: OwnKeysSpec::of::<GenerateConfig>(),
+};
+
 pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> anyhow::Result<()> {
+    if let Some(level) = cfg.log_level {
+        crate::verbosity::set(level);
+    }
     // Model: gradients are never needed, so load on the inner (non-autodiff) backend, in
     // `dtype` (set before the first tensor exists; fp32 on the CPU backend).
     let dtype = precision::generation_dtype::<B::InnerBackend>(cfg.dtype);
@@ -75,8 +90,8 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     let seed = cfg.seed.unwrap_or_else(clock_seed);
     let sampling = SamplingParams {
         temperature: cfg.temperature,
-        top_k: cfg.top_k,
-        top_p: cfg.top_p,
+        top_k: cfg.sampling.top_k,
+        top_p: cfg.sampling.top_p,
     };
     let mut stop_ids = tokenizer.stop_ids().to_vec();
     for id in &lm.args.eos_token_ids {
@@ -145,7 +160,7 @@ fn prompt_ids(cfg: &GenerateConfig, tokenizer: &Tokenizer) -> anyhow::Result<Vec
         );
     }
     let system = cfg.prompt.system.as_deref();
-    tune::data::prompt_tokens(tokenizer, system, &cfg.prompt.user, cfg.chat || torchtune)
+    crate::data::prompt_tokens(tokenizer, system, &cfg.prompt.user, cfg.chat || torchtune)
         .context("prompt")
 }
 

@@ -5,15 +5,51 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{GrpoKeys, TrainConfig};
-use tune::models::Trainable;
-use tune::setup::{grpo, model, session};
-use tune::training::checkpointing::SaveContent;
-use tune::training::grpo::{GrpoReference, GrpoSteps};
+use crate::config::error::{Problem, ProblemKind};
+use crate::config::keys::Checker;
+use crate::config::schema::{GrpoKeys, TrainConfig, grpo_train_rules};
+use crate::models::Trainable;
+use crate::setup::{grpo, model, session};
+use crate::training::checkpointing::SaveContent;
+use crate::training::grpo::{GrpoReference, GrpoSteps};
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "grpo_full_finetune",
+    // torchtune's GRPO recipe is a dev recipe, run as `dev/grpo_full_finetune_distributed`.
+    aliases: &[
+        "grpo_full_finetune_single_device",
+        "dev/grpo_full_finetune_distributed",
+    ],
+    distributed: Some("grpo_full_finetune_distributed"),
+    description: "GRPO: reinforcement learning from rewards on sampled completions, every weight",
+    trains: Trains::Full,
+    data: DataKind::Prompts,
+    layout: Layout::Training,
+    own: OwnKeysSpec {
+        keys: GrpoKeys::KEYS,
+        read: |root, train, cx| read_checked(root, train, cx, rules),
+    },
+};
+
+/// Full GRPO's KL penalty needs its frozen reference.
+fn rules(cfg: &TrainConfig, keys: &GrpoKeys, cx: &mut Checker) {
+    grpo_train_rules(cfg, cx);
+    if keys.ref_checkpointer.is_none() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::MissingKey,
+                "ref_checkpointer",
+                "full GRPO needs the frozen reference model of its KL penalty",
+            )
+            .with_fix("usually the checkpoint being trained: copy the `checkpointer` section (torchtune's configs do)"),
+        );
+    }
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -27,7 +63,7 @@ pub fn run<B: AutodiffBackend>(
 
     // Reference: frozen, off the autodiff graph; not loaded when the KL term is off.
     let reference = match &keys.ref_checkpointer {
-        Some(ref_cfg) if cfg.loss.grpo_kl_weight() != 0.0 => {
+        Some(ref_cfg) if keys.loss.kl_weight() != 0.0 => {
             let key = "ref_checkpointer";
             let frozen =
                 model::frozen_reference::<B::InnerBackend>(ref_cfg, key, &run, &ctx.device)?;
@@ -66,7 +102,7 @@ pub fn run<B: AutodiffBackend>(
             session.trainer.model.args.num_params(),
             data.prompts.len(),
             keys.grpo_samples,
-            keys.max_generated_tokens,
+            keys.rollout.max_generated_tokens,
             steps.describe_rewards(),
             session.log_dir,
         )

@@ -5,13 +5,46 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{GrpoKeys, TrainConfig};
-use tune::setup::{grpo, model, session};
-use tune::training::grpo::{GrpoReference, GrpoSteps};
+use crate::config::error::{Problem, ProblemKind};
+use crate::config::keys::Checker;
+use crate::config::schema::{GrpoKeys, TrainConfig, grpo_train_rules, refuse_router_training};
+use crate::setup::{grpo, model, session};
+use crate::training::grpo::{GrpoReference, GrpoSteps};
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "grpo_lora_finetune",
+    aliases: &["grpo_lora_finetune_single_device"],
+    distributed: Some("grpo_lora_finetune_distributed"),
+    description: "GRPO with LoRA (reference = adapters disabled)",
+    trains: Trains::Lora,
+    data: DataKind::Prompts,
+    layout: Layout::Training,
+    own: OwnKeysSpec {
+        keys: GrpoKeys::KEYS,
+        read: |root, train, cx| read_checked(root, train, cx, rules),
+    },
+};
+
+/// LoRA GRPO's reference is its own base: a second model would not be read.
+fn rules(cfg: &TrainConfig, keys: &GrpoKeys, cx: &mut Checker) {
+    grpo_train_rules(cfg, cx);
+    refuse_router_training(cfg, RECIPE.name, cx);
+    if keys.ref_checkpointer.is_some() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "ref_checkpointer",
+                "LoRA GRPO's reference is the base model with its adapters disabled; a second model would not be read",
+            )
+            .with_fix("remove `ref_checkpointer`"),
+        );
+    }
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -57,7 +90,7 @@ pub fn run<B: AutodiffBackend>(
             plan.describe(),
             data.prompts.len(),
             keys.grpo_samples,
-            keys.max_generated_tokens,
+            keys.rollout.max_generated_tokens,
             steps.describe_rewards(),
             session.log_dir,
         )

@@ -11,16 +11,52 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{KdKeys, TrainConfig};
-use tune::models::Trainable;
-use tune::setup::{data, model, session, teacher};
-use tune::training::checkpointing::SaveContent;
-use tune::training::fsdp;
-use tune::training::kd::KdLoss;
+use crate::config::keys::{default, keys, required};
+use crate::config::schema::{
+    CheckpointerConfig, KdLoss as KdLossConfig, ModelConfig, TrainConfig, WholeCrossEntropyLoss,
+};
+use crate::models::Trainable;
+use crate::setup::{data, model, session, teacher};
+use crate::training::checkpointing::SaveContent;
+use crate::training::fsdp;
+use crate::training::kd::KdLoss;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "knowledge_distillation",
+    aliases: &[
+        "knowledge_distillation_single_device",
+        "kd_single_device",
+        "kd",
+    ],
+    distributed: Some("knowledge_distillation_distributed"),
+    description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
+    trains: Trains::Either,
+    data: DataKind::Responses,
+    layout: Layout::Training,
+    own: OwnKeysSpec::of::<KdKeys>(),
+};
+
+keys! {
+    /// Knowledge distillation's own keys.
+    pub struct KdKeys {}
+    /// The student's token cross-entropy.
+    loss: WholeCrossEntropyLoss = required().fingerprint(),
+    /// The teacher's builder (its architecture comes from its config.json).
+    teacher_model: ModelConfig = required(),
+    /// The frozen teacher's checkpoint (optionally with a PEFT adapter).
+    teacher_checkpointer: CheckpointerConfig = required(),
+    /// The divergence between the student's and the teacher's distributions.
+    kd_loss: KdLossConfig = required().fingerprint(),
+    /// The loss is `(1 - kd_ratio) * cross_entropy + kd_ratio * kd_loss`.
+    kd_ratio: f64 = default(|| 0.5)
+        .range(|v| (0.0..=1.0).contains(&v), "from 0 to 1")
+        .fingerprint(),
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -93,7 +129,7 @@ pub fn run<B: AutodiffBackend>(
         teacher: teacher_model,
         objective,
         kd_ratio,
-        activation_checkpointing: tune::setup::run::checkpointing(cfg),
+        activation_checkpointing: crate::setup::run::checkpointing(cfg),
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;
     Ok(())

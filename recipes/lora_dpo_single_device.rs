@@ -9,16 +9,45 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
-use tune::setup::{data, loss, model, session};
-use tune::training::dpo::{DpoLoss, DpoReference};
+use crate::config::keys::{Checker, keys, required};
+use crate::config::recipes::read_checked;
+use crate::config::schema::{DpoLoss as DpoLossConfig, TrainConfig, refuse_router_training};
+use crate::setup::{data, loss, model, session};
+use crate::training::dpo::{DpoLoss, DpoReference};
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "lora_dpo",
+    aliases: &["lora_dpo_single_device"],
+    distributed: Some("lora_dpo_distributed"),
+    description: "DPO preference alignment with LoRA (reference = adapters disabled)",
+    trains: Trains::Lora,
+    data: DataKind::Pairs,
+    layout: Layout::Training,
+    own: OwnKeysSpec {
+        keys: LoraDpoKeys::KEYS,
+        read: |root, train, cx| read_checked(root, train, cx, rules),
+    },
+};
+
+keys! {
+    /// LoRA DPO's own key: its loss.
+    pub struct LoraDpoKeys {}
+    /// DPO's loss.
+    loss: DpoLossConfig = required().fingerprint(),
+}
+
+fn rules(cfg: &TrainConfig, _: &LoraDpoKeys, cx: &mut Checker) {
+    refuse_router_training(cfg, RECIPE.name, cx);
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    keys: &LoraDpoKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> Result<(), WorkerError> {
@@ -34,8 +63,8 @@ pub fn run<B: AutodiffBackend>(
     let data = data::train_data(cfg, &run, &ctx.base_dir)?;
 
     // Loss: DPO against the adapter-free model.
-    let mut dpo = DpoLoss::new(loss::dpo(&cfg.loss), DpoReference::AdaptersDisabled);
-    dpo.activation_checkpointing = tune::setup::run::checkpointing(cfg);
+    let mut dpo = DpoLoss::new(loss::dpo(&keys.loss), DpoReference::AdaptersDisabled);
+    dpo.activation_checkpointing = crate::setup::run::checkpointing(cfg);
 
     let seed = run.seed;
     let session = session::session(

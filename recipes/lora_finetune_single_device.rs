@@ -7,16 +7,29 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::TrainConfig;
-use tune::setup::{data, model, run as settings, session};
-use tune::training::sft::SftLoss;
+use crate::config::schema::{SftKeys, TrainConfig};
+use crate::setup::{data, model, run as settings, session};
+use crate::training::sft::SftLoss;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "lora_finetune",
+    aliases: &["lora_finetune_single_device"],
+    distributed: Some("lora_finetune_distributed"),
+    description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
+    trains: Trains::Lora,
+    data: DataKind::Responses,
+    layout: Layout::Training,
+    own: OwnKeysSpec::of::<SftKeys>(),
+};
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
+    keys: &SftKeys,
     ctx: &RunContext<B>,
     run: RunStart,
 ) -> Result<(), WorkerError> {
@@ -51,7 +64,7 @@ pub fn run<B: AutodiffBackend>(
 
     let mut loss = SftLoss {
         activation_checkpointing: settings::checkpointing(cfg),
-        output_chunks: settings::output_chunks(cfg),
+        output_chunks: keys.loss.output_chunks(),
         fake_quant_after: None,
         ..SftLoss::default()
     };

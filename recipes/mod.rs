@@ -1,26 +1,140 @@
 //! The recipes: one file each, reading top to bottom like torchtune's recipe scripts (set up
-//! the pieces from the config, train through the shared trainer core, save). They compose the
-//! library; the library never knows about them.
-
-pub mod full_dpo_single_device;
-pub mod full_finetune_single_device;
-pub mod generate;
-pub mod grpo_full_finetune_single_device;
-pub mod grpo_lora_finetune_single_device;
-pub mod knowledge_distillation_single_device;
-pub mod lora_dpo_single_device;
-pub mod lora_finetune_single_device;
-pub mod ppo_full_finetune_single_device;
-pub mod qat_lora_finetune_single_device;
-pub mod qat_single_device;
+//! the pieces from the config, train through the shared trainer core, save). Each file
+//! declares its recipe whole: its names, what it trains, its own keys and their rules
+//! (`RECIPE`), and what it builds (`run`). They compose the library; the library never knows
+//! about them: the registry below is the one list of them, and `tune ls`, the built-in configs,
+//! validation by name and the dispatcher all read it. A new recipe is its file, its name in
+//! the list, and its configs.
 
 use std::path::PathBuf;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{RecipeConfig, RecipeKeys};
-use tune::distributed::{WorkerError, World};
-use tune::precision;
+use crate::config::recipes::{OwnKeys, RecipeSpec, UnknownRecipe, find_in};
+use crate::config::schema::TrainConfig;
+use crate::config::{
+    ResolvedConfig, ValidateOptions, ValidationErrors, Warning, builtin, schema::RecipeConfig,
+};
+use crate::distributed::{WorkerError, World};
+use crate::precision;
+use crate::setup::run::RunStart;
+
+/// Declares the recipes: their modules, the registry in `tune ls` order, and the dispatch to
+/// each one's `run` with its own keys as the type it declared.
+macro_rules! registry {
+    (training: [$($train:ident),* $(,)?], alone: [$($alone:ident),* $(,)?] $(,)?) => {
+        $(pub mod $train;)*
+        $(pub mod $alone;)*
+
+        /// Every recipe, in `tune ls` order.
+        pub static RECIPES: &[&RecipeSpec] = &[$(&$train::RECIPE,)* $(&$alone::RECIPE,)*];
+
+        /// Runs the training recipe `spec` after the shared prologue.
+        fn train<B: AutodiffBackend>(
+            spec: &'static RecipeSpec,
+            cfg: &TrainConfig,
+            own: &dyn OwnKeys,
+            ctx: &RunContext<B>,
+            run: RunStart,
+        ) -> Result<(), WorkerError> {
+            $(
+                if std::ptr::eq(spec, &$train::RECIPE) {
+                    return $train::run(cfg, own_keys(own, spec)?, ctx, run);
+                }
+            )*
+            Err(not_registered(spec))
+        }
+
+        /// Runs a recipe that does not train.
+        fn alone<B: AutodiffBackend>(
+            spec: &'static RecipeSpec,
+            own: &dyn OwnKeys,
+            ctx: &RunContext<B>,
+        ) -> Result<(), WorkerError> {
+            $(
+                if std::ptr::eq(spec, &$alone::RECIPE) {
+                    return $alone::run(own_keys(own, spec)?, ctx).map_err(WorkerError::failed);
+                }
+            )*
+            Err(not_registered(spec))
+        }
+    };
+}
+
+registry! {
+    training: [
+        full_finetune_single_device,
+        lora_finetune_single_device,
+        lora_dpo_single_device,
+        full_dpo_single_device,
+        qat_single_device,
+        qat_lora_finetune_single_device,
+        knowledge_distillation_single_device,
+        grpo_full_finetune_single_device,
+        grpo_lora_finetune_single_device,
+        ppo_full_finetune_single_device,
+    ],
+    alone: [generate],
+}
+
+/// A recipe's own keys as the type its `run` takes; validation read them as its spec says, so
+/// another type is a bug in the registry, reported rather than panicked on.
+fn own_keys<'a, K: 'static>(own: &'a dyn OwnKeys, spec: &RecipeSpec) -> Result<&'a K, WorkerError> {
+    own.get::<K>().ok_or_else(|| {
+        WorkerError::failed(anyhow::anyhow!(
+            "recipe `{spec}`: its keys were read as another type than its run takes (a bug in tune: please report it)"
+        ))
+    })
+}
+
+fn not_registered(spec: &RecipeSpec) -> WorkerError {
+    WorkerError::failed(anyhow::anyhow!(
+        "recipe `{spec}` is not in the registry (a bug in tune: please report it)"
+    ))
+}
+
+/// Finds a recipe by tune's name or a torchtune script name (`.py` ignored).
+pub fn find(name: &str) -> Result<&'static RecipeSpec, UnknownRecipe> {
+    find_in(RECIPES, name)
+}
+
+/// Whether `name` is one of torchtune's `*_distributed` recipe names.
+pub fn is_distributed_name(name: &str) -> bool {
+    RECIPES.iter().any(|r| r.is_distributed_name(name))
+}
+
+/// The recipe a built-in config is for (the script its first line names), and whether it is
+/// the `*_distributed` one.
+pub fn builtin_recipe(config: &builtin::BuiltinConfig) -> Option<(&'static RecipeSpec, bool)> {
+    config
+        .header_words()
+        .find_map(|word| find(word).ok().map(|r| (r, r.is_distributed_name(word))))
+}
+
+/// Validates `cfg` for the recipe named `recipe`, with every check on.
+pub fn validate(
+    recipe: &str,
+    cfg: &ResolvedConfig,
+) -> Result<(RecipeConfig, Vec<Warning>), ValidationErrors> {
+    validate_with(recipe, cfg, &ValidateOptions::default())
+}
+
+/// Validates `cfg` for the recipe named `recipe`.
+pub fn validate_with(
+    recipe: &str,
+    cfg: &ResolvedConfig,
+    opts: &ValidateOptions,
+) -> Result<(RecipeConfig, Vec<Warning>), ValidationErrors> {
+    let spec = find(recipe).map_err(|e| ValidationErrors {
+        source_name: cfg.source.clone(),
+        problems: vec![crate::config::Problem::new(
+            crate::config::ProblemKind::UnknownRecipe,
+            "recipe",
+            e.to_string(),
+        )],
+    })?;
+    crate::config::validate::validate_with(spec, cfg, opts)
+}
 
 /// What every recipe gets besides its typed config.
 pub struct RunContext<B: AutodiffBackend> {
@@ -42,76 +156,49 @@ pub fn run<B: AutodiffBackend>(
     config: &RecipeConfig,
     ctx: &RunContext<B>,
 ) -> Result<(), WorkerError> {
-    match config {
-        RecipeConfig::Train(own, cfg) => {
-            // Before any tensor exists: bf16 becomes the device's float dtype.
-            precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
-            // `attention`: the fused kernels or burn's composed ops, for every model of the run.
-            tune::kernels::set_fused_attention(
-                cfg.attention == tune::config::schema::Attention::Fused,
-            );
-            // One run per directory it writes (rank 0 holds the locks for the whole run).
-            let _locks = if ctx.world.is_main() {
-                Some(tune::setup::run::lock_run_dirs(cfg)?)
-            } else {
-                None
-            };
-            if ctx.world.is_main() && cfg.dtype != tune::precision::Dtype::Fp32 {
-                eprintln!(
-                    "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
-                    precision::name(cfg.dtype)
-                );
-            }
-            // Every worker joins before training; the shared prologue then checks that all of
-            // them run the same version and the same run, and that the output directory holds
-            // no other run's checkpoints.
-            ctx.world.join::<B::InnerBackend>(&ctx.device)?;
-            let run = tune::setup::run::start::<B::InnerBackend>(
-                cfg,
-                own,
-                ctx.world.clone(),
-                &ctx.device,
-            )?;
-            if ctx.world.is_main() {
-                // The resolved config beside the outputs, as torchtune saves it; only once the
-                // directory is known to be this run's.
-                let path = cfg.output_dir.join("tune_config.yaml");
-                std::fs::write(&path, &ctx.resolved_yaml).map_err(|source| {
-                    tune::setup::SetupError::Io {
-                        what: "output_dir",
-                        path,
-                        source,
-                    }
-                })?;
-            }
-            let outcome = match own {
-                RecipeKeys::LoraFinetune => lora_finetune_single_device::run(cfg, ctx, run),
-                RecipeKeys::FullFinetune => full_finetune_single_device::run(cfg, ctx, run),
-                RecipeKeys::LoraDpo => lora_dpo_single_device::run(cfg, ctx, run),
-                RecipeKeys::FullDpo(keys) => full_dpo_single_device::run(cfg, keys, ctx, run),
-                RecipeKeys::KnowledgeDistillation(keys) => {
-                    knowledge_distillation_single_device::run(cfg, keys, ctx, run)
-                }
-                RecipeKeys::Qat(keys) => qat_single_device::run(cfg, keys, ctx, run),
-                RecipeKeys::QatLora(keys) => {
-                    qat_lora_finetune_single_device::run(cfg, keys, ctx, run)
-                }
-                RecipeKeys::GrpoFull(keys) => {
-                    grpo_full_finetune_single_device::run(cfg, keys, ctx, run)
-                }
-                RecipeKeys::GrpoLora(keys) => {
-                    grpo_lora_finetune_single_device::run(cfg, keys, ctx, run)
-                }
-                RecipeKeys::PpoFull(keys) => {
-                    ppo_full_finetune_single_device::run(cfg, keys, ctx, run)
-                }
-            };
-            if outcome.is_ok() {
-                ctx.world.leave::<B::InnerBackend>();
-            }
-            outcome
-        }
+    let Some(cfg) = config.as_train() else {
         // Generation runs on one worker, with no stop handler: any failure is just that.
-        RecipeConfig::Generate(cfg) => generate::run(cfg, ctx).map_err(WorkerError::failed),
+        return alone(config.recipe, config.own.as_ref(), ctx);
+    };
+    if let Some(level) = cfg.log_level {
+        crate::verbosity::set(level);
     }
+    // Before any tensor exists: bf16 becomes the device's float dtype.
+    precision::set_device_dtype::<B>(&ctx.device, cfg.dtype, precision::Use::Training)?;
+    // `attention`: the fused kernels or burn's composed ops, for every model of the run.
+    crate::kernels::set_fused_attention(cfg.attention == crate::config::schema::Attention::Fused);
+    // One run per directory it writes (rank 0 holds the locks for the whole run).
+    let _locks = if ctx.world.is_main() {
+        Some(crate::setup::run::lock_run_dirs(cfg)?)
+    } else {
+        None
+    };
+    if ctx.world.is_main() && cfg.dtype != precision::Dtype::Fp32 {
+        crate::say!(
+            "Training in {}: weights, activations, gradients and optimizer state; losses, norms and attention softmax upcast to fp32",
+            precision::name(cfg.dtype)
+        );
+    }
+    // Every worker joins before training; the shared prologue then checks that all of them run
+    // the same version and the same run, and that the output directory holds no other run's
+    // checkpoints.
+    ctx.world.join::<B::InnerBackend>(&ctx.device)?;
+    let run = crate::setup::run::start::<B::InnerBackend>(config, ctx.world.clone(), &ctx.device)?;
+    if ctx.world.is_main() {
+        // The resolved config beside the outputs, as torchtune saves it; only once the
+        // directory is known to be this run's.
+        let path = cfg.output_dir.join("tune_config.yaml");
+        std::fs::write(&path, &ctx.resolved_yaml).map_err(|source| {
+            crate::setup::SetupError::Io {
+                what: "output_dir",
+                path,
+                source,
+            }
+        })?;
+    }
+    let outcome = train(config.recipe, cfg, config.own.as_ref(), ctx, run);
+    if outcome.is_ok() {
+        ctx.world.leave::<B::InnerBackend>();
+    }
+    outcome
 }

@@ -11,15 +11,36 @@ use std::rc::Rc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{PpoKeys, TrainConfig};
-use tune::models::Trainable;
-use tune::setup::{grpo, model, ppo, session};
-use tune::training::checkpointing::SaveContent;
-use tune::training::ppo::PpoSteps;
+use crate::config::keys::Checker;
+use crate::config::schema::{PpoKeys, TrainConfig, ppo as ppo_keys};
+use crate::models::Trainable;
+use crate::setup::{grpo, model, ppo, session};
+use crate::training::checkpointing::SaveContent;
+use crate::training::ppo::PpoSteps;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "ppo_full_finetune",
+    aliases: &["ppo_full_finetune_single_device"],
+    // torchtune has PPO on one device only.
+    distributed: None,
+    description: "PPO (RLHF): the policy trains on a reward model's scores, with a value model and a KL penalty against a frozen reference",
+    trains: Trains::Full,
+    data: DataKind::PromptsOrText,
+    layout: Layout::Policy,
+    own: OwnKeysSpec {
+        keys: PpoKeys::KEYS,
+        read: |root, train, cx| read_checked(root, train, cx, rules),
+    },
+};
+
+fn rules(cfg: &TrainConfig, keys: &PpoKeys, cx: &mut Checker) {
+    ppo_keys::ppo_rules(cfg, keys, cx);
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -30,7 +51,7 @@ pub fn run<B: AutodiffBackend>(
     // The value model's checkpoints have a directory of their own, claimed as the run's is.
     ppo::check_dirs(cfg, keys)?;
     let value_dir = ppo::value_checkpoint_dir(cfg, keys);
-    let _value_lock = tune::setup::run::claim_companion_dir(
+    let _value_lock = crate::setup::run::claim_companion_dir(
         &value_dir,
         "value_checkpointer.output_dir",
         &run,
@@ -52,8 +73,8 @@ pub fn run<B: AutodiffBackend>(
     model::check_architecture("policy_model", &cfg.model, &reference.args)?;
     let value =
         match &value_resume {
-            Some(r) => tune::model_io::hf::load_model::<B>(&r.dir, None, &ctx.device).map_err(
-                |source| tune::setup::SetupError::Model {
+            Some(r) => crate::model_io::hf::load_model::<B>(&r.dir, None, &ctx.device).map_err(
+                |source| crate::setup::SetupError::Model {
                     key: "resume_from_checkpoint",
                     source,
                 },
@@ -77,7 +98,7 @@ pub fn run<B: AutodiffBackend>(
     let settings = ppo::settings(cfg, keys, &data.tokenizer);
 
     let seed = run.seed;
-    let value_saver = tune::setup::run::companion_checkpointer(
+    let value_saver = crate::setup::run::companion_checkpointer(
         cfg,
         &value_dir,
         &keys.value_checkpointer.checkpoint_dir,
@@ -121,7 +142,7 @@ pub fn run<B: AutodiffBackend>(
             keys.reward_checkpointer.checkpoint_dir.display(),
             steps.settings.total_steps,
             cfg.batch_size,
-            keys.max_generated_tokens,
+            keys.rollout.max_generated_tokens,
             session.log_dir,
         )
     });

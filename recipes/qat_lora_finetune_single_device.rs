@@ -8,13 +8,63 @@
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{QatKeys, TrainConfig};
-use tune::setup::{data, model, quant, run as settings, session};
-use tune::training::sft::SftLoss;
+use crate::config::error::{Problem, ProblemKind};
+use crate::config::keys::Checker;
+use crate::config::recipes::read_checked;
+use crate::config::schema::{QatKeys, TrainConfig};
+use crate::setup::{data, model, quant, run as settings, session};
+use crate::training::sft::SftLoss;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "qat_lora",
+    aliases: &["qat_lora_finetune_single_device"],
+    distributed: Some("qat_lora_finetune_distributed"),
+    description: "Quantization-aware LoRA fine-tuning",
+    trains: Trains::Lora,
+    data: DataKind::Responses,
+    layout: Layout::Training,
+    own: OwnKeysSpec {
+        keys: QatKeys::KEYS,
+        read: |root, train, cx| read_checked(root, train, cx, rules),
+    },
+};
+
+/// QAT fake-quantizes a float base: an NF4 one (QLoRA) and DoRA have no reference to match.
+fn rules(cfg: &TrainConfig, _: &QatKeys, cx: &mut Checker) {
+    let builder = &cfg.model.component;
+    let (name, module, size) = (
+        builder.canonical_name(),
+        builder.family.module(),
+        &builder.size,
+    );
+    if cfg.model.quantizes_base() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "model._component_",
+                format!("`{name}` stores the base in NF4 (QLoRA), but QAT fake-quantizes a float base to int4: torchtune and torchao do not combine the two"),
+            )
+            .with_fix(format!(
+                "use `tune.models.{module}.lora_{module}_{size}` without `quantize_base` for QAT + LoRA, or lora_finetune_single_device for QLoRA"
+            )),
+        );
+    }
+    if cfg.model.lora().is_some_and(|l| l.use_dora) {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "model.use_dora",
+                "DoRA under QAT's fake quantization has no reference implementation to match (torchao and torchtune combine QAT with plain LoRA)",
+            )
+            .with_fix("set `use_dora: False`, or train DoRA with lora_finetune_single_device"),
+        );
+    }
+}
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -59,7 +109,7 @@ pub fn run<B: AutodiffBackend>(
     let mut loss = SftLoss {
         fake_quant_after: qat.fake_quant_after_n_steps,
         activation_checkpointing: settings::checkpointing(cfg),
-        output_chunks: settings::output_chunks(cfg),
+        output_chunks: qat.loss.output_chunks(),
         ..SftLoss::default()
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;

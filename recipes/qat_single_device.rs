@@ -3,19 +3,31 @@
 //! fake-quantized int4 weights (and, for `Int8DynActInt4WeightQATQuantizer`, int8 dynamic
 //! activations), optionally only after `fake_quant_after_n_steps`. Each checkpoint is a float
 //! Hugging Face model; the final one also holds the real int4 export in `quantized/` (see
-//! `tune::model_io::quantized`).
+//! `crate::model_io::quantized`).
 
 use burn::tensor::backend::AutodiffBackend;
 
-use tune::config::schema::{QatKeys, TrainConfig};
-use tune::models::Trainable;
-use tune::setup::{data, model, quant, run as settings, session};
-use tune::training::checkpointing::SaveContent;
-use tune::training::sft::SftLoss;
+use crate::config::schema::{QatKeys, TrainConfig};
+use crate::models::Trainable;
+use crate::setup::{data, model, quant, run as settings, session};
+use crate::training::checkpointing::SaveContent;
+use crate::training::sft::SftLoss;
 
 use super::RunContext;
-use tune::distributed::WorkerError;
-use tune::setup::run::RunStart;
+use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
+use crate::distributed::WorkerError;
+use crate::setup::run::RunStart;
+
+pub static RECIPE: RecipeSpec = RecipeSpec {
+    name: "qat",
+    aliases: &["qat_single_device"],
+    distributed: Some("qat_distributed"),
+    description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
+    trains: Trains::Full,
+    data: DataKind::Responses,
+    layout: Layout::Training,
+    own: OwnKeysSpec::of::<QatKeys>(),
+};
 
 pub fn run<B: AutodiffBackend>(
     cfg: &TrainConfig,
@@ -59,7 +71,7 @@ pub fn run<B: AutodiffBackend>(
     let mut loss = SftLoss {
         fake_quant_after: qat.fake_quant_after_n_steps,
         activation_checkpointing: settings::checkpointing(cfg),
-        output_chunks: settings::output_chunks(cfg),
+        output_chunks: qat.loss.output_chunks(),
         ..SftLoss::default()
     };
     session.fit(&data, &mut loss, cfg.push_to_hub.as_ref())?;

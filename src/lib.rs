@@ -23,3 +23,8 @@ pub mod rewards;
 pub mod setup;
 pub mod tokenizer;
 pub mod training;
+pub mod verbosity;
+
+/// The recipes: one file each (`recipes/`), and their registry.
+#[path = "../recipes/mod.rs"]
+pub mod recipes;

@@ -1,9 +1,6 @@
 //! The `tune` binary: parses the command line, runs commands, renders errors as one line
 //! plus causes (exit 2 for bad input, 1 for a failed run), never a panic trace.
 
-#[path = "../recipes/mod.rs"]
-mod recipes;
-
 use std::process::ExitCode;
 
 use anyhow::anyhow;
@@ -242,11 +239,11 @@ fn run(
     overrides: &[String],
 ) -> Result<(), CliError> {
     let (typed, resolved) = commands::resolve(recipe, config, overrides)?;
-    let distributed = tune::config::recipes::is_distributed_name(recipe);
-    let recipe_kind = typed.recipe();
+    let distributed = tune::recipes::is_distributed_name(recipe);
+    let recipe_kind = typed.recipe;
     if launch.is_distributed() && !distributed {
         // torchtune refuses the same way: only its *_distributed scripts take torchrun flags.
-        return Err(CliError::bad(match recipe_kind.info().distributed {
+        return Err(CliError::bad(match recipe_kind.distributed {
             Some(name) => {
                 anyhow!("{recipe} runs on one device; with --nproc_per_node or --nnodes use {name}")
             }
@@ -255,17 +252,14 @@ fn run(
             ),
         }));
     }
-    if matches!(typed, RecipeConfig::Train(..)) {
+    if typed.as_train().is_some() {
         // SIGINT/SIGTERM stop training at the next step boundary (a second one exits at once).
         tune::interrupt::install().map_err(CliError::failed)?;
     }
     let started = launch.start().map_err(CliError::bad)?;
     let worlds = started.worlds.clone();
     let single_worker = worlds.len() == 1;
-    let device = match &typed {
-        RecipeConfig::Train(_, t) => t.device,
-        RecipeConfig::Generate(g) => g.device,
-    };
+    let device = typed.device();
     let base_dir = std::env::current_dir().map_err(CliError::failed)?;
     let job = std::sync::Arc::new(Job {
         typed,
@@ -339,14 +333,14 @@ impl Job {
     ) -> Result<(), WorkerError> {
         // Before the model goes to the device: a failure there from the load on is caught.
         tune::device::watch_device_faults();
-        let ctx = recipes::RunContext::<B> {
+        let ctx = tune::recipes::RunContext::<B> {
             recipe_name: self.recipe_name,
             device,
             resolved_yaml: self.yaml.clone(),
             base_dir: self.base_dir.clone(),
             world,
         };
-        recipes::run(&self.typed, &ctx)
+        tune::recipes::run(&self.typed, &ctx)
     }
 }
 

@@ -7,23 +7,24 @@ use anyhow::{Context, anyhow};
 
 use super::exit::CliError;
 use crate::checkpoint_client::{format_report, list_checkpoints, list_checkpoints_verified};
-use crate::config::recipes::{self, RECIPES, Recipe};
+use crate::config::recipes::RecipeSpec;
 use crate::config::{RecipeConfig, ResolvedConfig, Warning, builtin, load_config, validate};
+use crate::recipes::{self, RECIPES};
 
 pub fn ls(out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "{:<40} CONFIG", "RECIPE")?;
     // torchtune's listing: each script with its configs, single-device then distributed.
-    for info in RECIPES {
+    for &info in RECIPES {
         for distributed in [false, true] {
             if distributed && info.distributed.is_none() {
                 continue;
             }
             let configs: Vec<&str> = builtin::list()
                 .into_iter()
-                .filter(|c| c.recipe == info.recipe && c.distributed == distributed)
+                .filter(|c| recipes::builtin_recipe(c) == Some((info, distributed)))
                 .map(|c| c.name)
                 .collect();
-            let name = info.recipe.script_name(distributed);
+            let name = info.script_name(distributed);
             if configs.is_empty() {
                 writeln!(out, "{name:<40}")?;
             }
@@ -105,15 +106,15 @@ pub fn cp(
 
 /// The recipe a config is for: its built-in entry, else the header comment torchtune's
 /// configs start with ("... in lora_finetune_single_device.py", "tune run <recipe> ...").
-pub fn infer_recipe(config: &str) -> Option<Recipe> {
+pub fn infer_recipe(config: &str) -> Option<&'static RecipeSpec> {
     infer_script(config).map(|(recipe, _)| recipe)
 }
 
 /// The recipe a config is for and torchtune's script name for it (`lora_finetune_distributed`
 /// for a multi-device config).
-pub fn infer_script(config: &str) -> Option<(Recipe, &'static str)> {
+pub fn infer_script(config: &str) -> Option<(&'static RecipeSpec, &'static str)> {
     if let Some(b) = builtin::get(config.trim_end_matches(".yaml")) {
-        return Some((b.recipe, b.recipe.script_name(b.distributed)));
+        return recipes::builtin_recipe(&b).map(|(r, distributed)| (r, r.script_name(distributed)));
     }
     let text = std::fs::read_to_string(config).ok()?;
     for line in text
@@ -157,14 +158,14 @@ pub fn resolve(
 ) -> Result<(RecipeConfig, ResolvedConfig), CliError> {
     let recipe = recipes::find(recipe).map_err(CliError::bad)?;
     let resolved = load_config(config, overrides).map_err(CliError::bad)?;
-    let (typed, warnings) = validate(recipe.name(), &resolved).map_err(CliError::bad)?;
+    let (typed, warnings) = validate(recipe, &resolved).map_err(CliError::bad)?;
     print_warnings(&warnings);
     Ok((typed, resolved))
 }
 
 pub fn print_warnings(warnings: &[Warning]) {
     for w in warnings {
-        eprintln!("warning: {}: {}", w.key, w.message);
+        crate::say_warn!("{}: {}", w.key, w.message);
     }
 }
 
@@ -190,7 +191,7 @@ pub fn validate_cmd(
             })
         })?,
     };
-    resolve(recipe.name(), config, overrides)?;
+    resolve(recipe.name, config, overrides)?;
     writeln!(out, "Config is well-formed for {script}!").map_err(CliError::failed)
 }
 

@@ -9,9 +9,9 @@ use anyhow::anyhow;
 
 use super::commands::{infer_recipe, resolve};
 use super::exit::CliError;
-use crate::config::RecipeConfig;
-use crate::config::recipes;
+use crate::config::schema::QatKeys;
 use crate::model_io::quantized::{QUANTIZED_DIR, save_quantized};
+use crate::recipes;
 use crate::setup::{model, quant};
 
 /// Returns the export directory.
@@ -28,13 +28,9 @@ pub fn quantize(
             ))
         })?,
     };
-    let (typed, _) = resolve(recipe.name(), config, overrides)?;
-    let (cfg, qat) = match &typed {
-        RecipeConfig::Train(own, cfg) => match own.qat() {
-            Some(qat) => (cfg, qat),
-            None => return Err(not_qat(config)),
-        },
-        RecipeConfig::Generate(_) => return Err(not_qat(config)),
+    let (typed, _) = resolve(recipe.name, config, overrides)?;
+    let (Some(cfg), Some(qat)) = (typed.as_train(), typed.own::<QatKeys>()) else {
+        return Err(not_qat(config));
     };
     let scheme = quant::scheme(&qat.quantizer);
     type B = burn::backend::Flex;

@@ -15,6 +15,7 @@ pub mod load;
 pub mod overrides;
 pub mod paths;
 pub mod recipes;
+pub mod reference;
 pub mod schema;
 pub mod shipped;
 pub mod suggest;

@@ -1,225 +1,218 @@
-//! Recipe names. `tune` has short canonical names; torchtune's `*_single_device` and
-//! `*_distributed` names (with or without `.py`) are accepted as aliases. A distributed recipe
-//! is its single-device recipe run by several data-parallel workers, so both names lead to
-//! one [`Recipe`]; [`is_distributed_name`] tells which was asked for.
+//! What a recipe is, as config validation sees it ([`RecipeSpec`]): its names (tune's short
+//! one, torchtune's `*_single_device` and `*_distributed` scripts), what it trains and reads,
+//! and its own keys. Each recipe declares its spec in its own file (`recipes/`), whose
+//! registry lists them; nothing here knows which recipes there are.
 
+use std::any::Any;
 use std::fmt;
 
+use serde_yaml::Mapping;
+
+use crate::config::keys::{Checker, FingerprintEntries, KeyGroup, KeyInfo};
+use crate::config::schema::TrainConfig;
 use crate::config::suggest;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Recipe {
-    FullFinetune,
-    LoraFinetune,
-    LoraDpo,
-    FullDpo,
-    Qat,
-    QatLora,
-    KnowledgeDistillation,
-    GrpoFull,
-    GrpoLora,
-    PpoFull,
-    Generate,
-}
-
-pub struct RecipeInfo {
-    pub recipe: Recipe,
+/// A recipe, declared once in its file: the registry (`recipes::RECIPES`) lists them all.
+#[derive(Debug)]
+pub struct RecipeSpec {
+    /// tune's name (`lora_finetune`).
     pub name: &'static str,
+    /// torchtune's script names for one device (`lora_finetune_single_device`); the first is
+    /// the one config headers name.
     pub aliases: &'static [&'static str],
-    /// torchtune's `*_distributed` name, for recipes that train.
+    /// torchtune's `*_distributed` name, for recipes that train on several workers.
     pub distributed: Option<&'static str>,
     pub description: &'static str,
+    /// What its `model` section must be.
+    pub trains: Trains,
+    /// What its dataset's rows are.
+    pub data: DataKind,
+    /// How its top level reads.
+    pub layout: Layout,
+    /// Its own keys, besides the ones every training recipe reads.
+    pub own: OwnKeysSpec,
 }
 
-static FULL_FINETUNE: RecipeInfo = RecipeInfo {
-    recipe: Recipe::FullFinetune,
-    name: "full_finetune",
-    aliases: &["full_finetune_single_device"],
-    distributed: Some("full_finetune_distributed"),
-    description: "Full fine-tuning of every weight (SFT)",
-};
+/// The builder a recipe trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trains {
+    /// LoRA adapters on a frozen base: a `lora_*` (or `qlora_*`) builder.
+    Lora,
+    /// Every weight: a full builder.
+    Full,
+    /// Either (knowledge distillation's student).
+    Either,
+    /// Nothing: generation.
+    Nothing,
+}
 
-static LORA_FINETUNE: RecipeInfo = RecipeInfo {
-    recipe: Recipe::LoraFinetune,
-    name: "lora_finetune",
-    aliases: &["lora_finetune_single_device"],
-    distributed: Some("lora_finetune_distributed"),
-    description: "LoRA fine-tuning: frozen base, trainable low-rank adapters (SFT)",
-};
+/// The rows a recipe's `dataset` holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataKind {
+    /// Responses to train on (instruct, chat, text).
+    Responses,
+    /// Preference pairs (chosen and rejected).
+    Pairs,
+    /// Prompts to generate from (GRPO).
+    Prompts,
+    /// Prompts, or text whose start is the prompt (PPO's text completion datasets).
+    PromptsOrText,
+    /// No dataset (generation).
+    None,
+}
 
-static LORA_DPO: RecipeInfo = RecipeInfo {
-    recipe: Recipe::LoraDpo,
-    name: "lora_dpo",
-    aliases: &["lora_dpo_single_device"],
-    distributed: Some("lora_dpo_distributed"),
-    description: "DPO preference alignment with LoRA (reference = adapters disabled)",
-};
+/// How a recipe's top level reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The keys every training recipe reads ([`TrainConfig`]), then its own.
+    Training,
+    /// [`TrainConfig`]'s keys as PPO's configs write them (`policy_model` for `model`, no
+    /// `epochs`: `config::schema::ppo`), then its own.
+    Policy,
+    /// Its own keys only (generation).
+    Alone,
+}
 
-static FULL_DPO: RecipeInfo = RecipeInfo {
-    recipe: Recipe::FullDpo,
-    name: "full_dpo",
-    aliases: &["full_dpo_single_device"],
-    distributed: Some("full_dpo_distributed"),
-    description: "DPO preference alignment of every weight against a frozen reference",
-};
+/// A recipe's own keys: their declarations and their reader, which runs the recipe's rules
+/// over them and the shared keys (`None` for a recipe whose layout has none, or when those
+/// did not read).
+#[derive(Debug, Clone, Copy)]
+pub struct OwnKeysSpec {
+    pub keys: &'static [KeyInfo],
+    pub read: ReadOwnKeys,
+}
 
-static QAT: RecipeInfo = RecipeInfo {
-    recipe: Recipe::Qat,
-    name: "qat",
-    aliases: &["qat_single_device"],
-    distributed: Some("qat_distributed"),
-    description: "Quantization-aware full fine-tuning (fake-quantized int4/int8)",
-};
+/// A recipe's reader of its own keys: the top level, the shared keys when they read, and the
+/// walk's state.
+pub type ReadOwnKeys =
+    fn(&Mapping, Option<&TrainConfig>, &mut Checker) -> Option<Box<dyn OwnKeys>>;
 
-static QAT_LORA: RecipeInfo = RecipeInfo {
-    recipe: Recipe::QatLora,
-    name: "qat_lora",
-    aliases: &["qat_lora_finetune_single_device"],
-    distributed: Some("qat_lora_finetune_distributed"),
-    description: "Quantization-aware LoRA fine-tuning",
-};
-
-static KNOWLEDGE_DISTILLATION: RecipeInfo = RecipeInfo {
-    recipe: Recipe::KnowledgeDistillation,
-    name: "knowledge_distillation",
-    aliases: &[
-        "knowledge_distillation_single_device",
-        "kd_single_device",
-        "kd",
-    ],
-    distributed: Some("knowledge_distillation_distributed"),
-    description: "Knowledge distillation from a frozen teacher into a (LoRA) student",
-};
-
-static GRPO_FULL: RecipeInfo = RecipeInfo {
-    recipe: Recipe::GrpoFull,
-    name: "grpo_full_finetune",
-    // torchtune's GRPO recipe is a dev recipe, run as `dev/grpo_full_finetune_distributed`.
-    aliases: &[
-        "grpo_full_finetune_single_device",
-        "dev/grpo_full_finetune_distributed",
-    ],
-    distributed: Some("grpo_full_finetune_distributed"),
-    description: "GRPO: reinforcement learning from rewards on sampled completions, every weight",
-};
-
-static GRPO_LORA: RecipeInfo = RecipeInfo {
-    recipe: Recipe::GrpoLora,
-    name: "grpo_lora_finetune",
-    aliases: &["grpo_lora_finetune_single_device"],
-    distributed: Some("grpo_lora_finetune_distributed"),
-    description: "GRPO with LoRA (reference = adapters disabled)",
-};
-
-static PPO_FULL: RecipeInfo = RecipeInfo {
-    recipe: Recipe::PpoFull,
-    name: "ppo_full_finetune",
-    aliases: &["ppo_full_finetune_single_device"],
-    // torchtune has PPO on one device only.
-    distributed: None,
-    description: "PPO (RLHF): the policy trains on a reward model's scores, with a value model and a KL penalty against a frozen reference",
-};
-
-static GENERATE: RecipeInfo = RecipeInfo {
-    recipe: Recipe::Generate,
-    name: "generate",
-    aliases: &[],
-    distributed: None,
-    description: "Text generation from a checkpoint (optionally with a LoRA adapter)",
-};
-
-/// Every recipe, in `tune ls` order.
-pub static RECIPES: &[&RecipeInfo] = &[
-    &FULL_FINETUNE,
-    &LORA_FINETUNE,
-    &LORA_DPO,
-    &FULL_DPO,
-    &QAT,
-    &QAT_LORA,
-    &KNOWLEDGE_DISTILLATION,
-    &GRPO_FULL,
-    &GRPO_LORA,
-    &PPO_FULL,
-    &GENERATE,
-];
-
-impl Recipe {
-    pub fn info(self) -> &'static RecipeInfo {
-        match self {
-            Self::FullFinetune => &FULL_FINETUNE,
-            Self::LoraFinetune => &LORA_FINETUNE,
-            Self::LoraDpo => &LORA_DPO,
-            Self::FullDpo => &FULL_DPO,
-            Self::Qat => &QAT,
-            Self::QatLora => &QAT_LORA,
-            Self::KnowledgeDistillation => &KNOWLEDGE_DISTILLATION,
-            Self::GrpoFull => &GRPO_FULL,
-            Self::GrpoLora => &GRPO_LORA,
-            Self::PpoFull => &PPO_FULL,
-            Self::Generate => &GENERATE,
+impl OwnKeysSpec {
+    /// Keys read as `K` declares them, with no rule of the recipe's own.
+    pub const fn of<K: KeyGroup + Send + Sync>() -> Self {
+        Self {
+            keys: K::KEYS,
+            read: read_boxed::<K>,
         }
     }
+}
 
-    pub fn name(self) -> &'static str {
-        self.info().name
+/// Reads keys as `K` declares them, then runs `rules` over them with the shared keys (when
+/// those read): a recipe's own reader is `|root, train, cx| read_checked(root, train, cx,
+/// rules)`.
+pub fn read_checked<K: KeyGroup + Send + Sync>(
+    root: &Mapping,
+    train: Option<&TrainConfig>,
+    cx: &mut Checker,
+    rules: fn(&TrainConfig, &K, &mut Checker),
+) -> Option<Box<dyn OwnKeys>> {
+    let keys = K::read_keys(root, "", cx)?;
+    if let Some(train) = train {
+        rules(train, &keys, cx);
+    }
+    Some(Box::new(keys))
+}
+
+fn read_boxed<K: KeyGroup + Send + Sync>(
+    root: &Mapping,
+    _: Option<&TrainConfig>,
+    cx: &mut Checker,
+) -> Option<Box<dyn OwnKeys>> {
+    K::read_keys(root, "", cx).map(|k| Box::new(k) as Box<dyn OwnKeys>)
+}
+
+/// A recipe's own keys, typed by the recipe (its `run` takes them as their own type).
+pub trait OwnKeys: Any + fmt::Debug + Send + Sync {
+    /// Adds their fingerprint entries.
+    fn fingerprint_keys(&self, out: &mut FingerprintEntries);
+    fn clone_box(&self) -> Box<dyn OwnKeys>;
+    fn eq_box(&self, other: &dyn OwnKeys) -> bool;
+    fn as_any(&self) -> &dyn Any;
+}
+
+impl<K: KeyGroup + Send + Sync> OwnKeys for K {
+    fn fingerprint_keys(&self, out: &mut FingerprintEntries) {
+        KeyGroup::fingerprint_keys(self, "", crate::config::keys::Fingerprint::Inherit, out);
     }
 
+    fn clone_box(&self) -> Box<dyn OwnKeys> {
+        Box::new(self.clone())
+    }
+
+    fn eq_box(&self, other: &dyn OwnKeys) -> bool {
+        other.as_any().downcast_ref::<K>() == Some(self)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl dyn OwnKeys {
+    /// The keys as the type the recipe declared them.
+    pub fn get<K: 'static>(&self) -> Option<&K> {
+        self.as_any().downcast_ref()
+    }
+}
+
+impl Clone for Box<dyn OwnKeys> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+impl RecipeSpec {
     /// torchtune's script name for this recipe (used in config header comments).
-    pub fn torchtune_name(self) -> &'static str {
-        self.info().aliases.first().copied().unwrap_or(self.name())
+    pub fn torchtune_name(&self) -> &'static str {
+        self.aliases.first().copied().unwrap_or(self.name)
     }
 
     /// torchtune's script name for this recipe with `distributed` workers or on one device.
-    pub fn script_name(self, distributed: bool) -> &'static str {
-        match (distributed, self.info().distributed) {
+    pub fn script_name(&self, distributed: bool) -> &'static str {
+        match (distributed, self.distributed) {
             (true, Some(name)) => name,
             _ => self.torchtune_name(),
         }
     }
 
-    pub fn is_training(self) -> bool {
-        self != Self::Generate
+    pub fn is_training(&self) -> bool {
+        self.layout != Layout::Alone
     }
 
-    /// Recipes whose `model` must be a LoRA builder.
-    pub fn needs_lora(self) -> Option<bool> {
-        match self {
-            Self::LoraFinetune | Self::LoraDpo | Self::QatLora | Self::GrpoLora => Some(true),
-            Self::FullFinetune | Self::FullDpo | Self::Qat | Self::GrpoFull | Self::PpoFull => {
-                Some(false)
-            }
-            Self::KnowledgeDistillation | Self::Generate => None,
-        }
+    /// Whether `name` (a `.py` suffix ignored) is one of this recipe's names.
+    pub fn answers_to(&self, name: &str) -> bool {
+        let bare = name.trim().trim_end_matches(".py");
+        self.name == bare || self.aliases.contains(&bare) || self.distributed == Some(bare)
     }
 
-    pub fn is_dpo(self) -> bool {
-        matches!(self, Self::LoraDpo | Self::FullDpo)
+    /// Whether `name` is this recipe's `*_distributed` name (its dev recipe
+    /// `dev/grpo_full_finetune_distributed` included).
+    pub fn is_distributed_name(&self, name: &str) -> bool {
+        let bare = name.trim().trim_end_matches(".py");
+        self.distributed == Some(bare)
+            || (bare.ends_with("_distributed") && self.aliases.contains(&bare))
     }
 
-    /// The reinforcement-learning recipes: they generate from prompts and train on rewards.
-    pub fn is_grpo(self) -> bool {
-        matches!(self, Self::GrpoFull | Self::GrpoLora)
-    }
-
-    /// PPO: a policy, a value model, a reward model and a reference (`policy_model` and
-    /// `reward_and_value_model` in place of `model`).
-    pub fn is_ppo(self) -> bool {
-        self == Self::PpoFull
-    }
-
-    /// The recipes that generate from prompts: GRPO's and PPO's.
-    pub fn generates(self) -> bool {
-        self.is_grpo() || self.is_ppo()
-    }
-
-    pub fn is_qat(self) -> bool {
-        matches!(self, Self::Qat | Self::QatLora)
+    /// Every key of the top level, the shared ones first, as the reference lists them.
+    pub fn top_keys(&self) -> Vec<&'static KeyInfo> {
+        let shared: Vec<&'static KeyInfo> = match self.layout {
+            Layout::Training => TrainConfig::KEYS.iter().collect(),
+            Layout::Policy => crate::config::schema::ppo::SHARED_KEYS.iter().collect(),
+            Layout::Alone => Vec::new(),
+        };
+        shared.into_iter().chain(self.own.keys).collect()
     }
 }
 
-impl fmt::Display for Recipe {
+impl PartialEq for RecipeSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl fmt::Display for RecipeSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.write_str(self.name)
     }
 }
 
@@ -231,16 +224,17 @@ pub struct UnknownRecipe {
     pub known: String,
 }
 
-/// Finds a recipe by canonical name or torchtune alias; a `.py` suffix is ignored.
-pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
-    let bare = name.trim().trim_end_matches(".py");
-    if let Some(info) = RECIPES
-        .iter()
-        .find(|r| r.name == bare || r.aliases.contains(&bare) || r.distributed == Some(bare))
-    {
-        return Ok(info.recipe);
+/// Finds a recipe of `registry` by canonical name or torchtune alias; a `.py` suffix is
+/// ignored.
+pub fn find_in(
+    registry: &'static [&'static RecipeSpec],
+    name: &str,
+) -> Result<&'static RecipeSpec, UnknownRecipe> {
+    if let Some(spec) = registry.iter().find(|r| r.answers_to(name)) {
+        return Ok(spec);
     }
-    let all = RECIPES.iter().flat_map(|r| {
+    let bare = name.trim().trim_end_matches(".py");
+    let all = registry.iter().flat_map(|r| {
         std::iter::once(&r.name)
             .chain(r.aliases)
             .chain(r.distributed.iter())
@@ -253,74 +247,10 @@ pub fn find(name: &str) -> Result<Recipe, UnknownRecipe> {
         } else {
             format!(" ({hint})")
         },
-        known: RECIPES
+        known: registry
             .iter()
             .map(|r| r.name)
             .collect::<Vec<_>>()
             .join(", "),
     })
-}
-
-/// Whether `name` is one of torchtune's `*_distributed` recipe names (its dev recipe
-/// `dev/grpo_full_finetune_distributed` included).
-pub fn is_distributed_name(name: &str) -> bool {
-    let bare = name.trim().trim_end_matches(".py");
-    RECIPES.iter().any(|r| {
-        r.distributed == Some(bare) || (bare.ends_with("_distributed") && r.aliases.contains(&bare))
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn aliases_and_py_suffix() {
-        assert_eq!(find("lora_finetune"), Ok(Recipe::LoraFinetune));
-        assert_eq!(
-            find("lora_finetune_single_device"),
-            Ok(Recipe::LoraFinetune)
-        );
-        assert_eq!(
-            find("lora_finetune_single_device.py"),
-            Ok(Recipe::LoraFinetune)
-        );
-        assert_eq!(
-            find("knowledge_distillation_single_device"),
-            Ok(Recipe::KnowledgeDistillation)
-        );
-        assert_eq!(
-            Recipe::QatLora.torchtune_name(),
-            "qat_lora_finetune_single_device"
-        );
-        assert_eq!(find("lora_finetune_distributed"), Ok(Recipe::LoraFinetune));
-        assert_eq!(
-            find("knowledge_distillation_distributed.py"),
-            Ok(Recipe::KnowledgeDistillation)
-        );
-        assert!(is_distributed_name("full_dpo_distributed"));
-        assert!(!is_distributed_name("full_dpo_single_device"));
-        assert_eq!(Recipe::Qat.script_name(true), "qat_distributed");
-        assert_eq!(Recipe::Generate.script_name(true), "generate");
-        // torchtune's GRPO recipe is a dev recipe, distributed by name.
-        assert_eq!(
-            find("dev/grpo_full_finetune_distributed"),
-            Ok(Recipe::GrpoFull)
-        );
-        assert!(is_distributed_name("dev/grpo_full_finetune_distributed.py"));
-        assert!(!is_distributed_name("grpo_full_finetune_single_device"));
-    }
-
-    #[test]
-    fn unknown_lists_known() {
-        let err = find("lora_finetun").unwrap_err().to_string();
-        assert!(
-            err.starts_with("unknown recipe `lora_finetun` (did you mean"),
-            "{err}"
-        );
-        assert!(
-            err.contains("known recipes: full_finetune, lora_finetune"),
-            "{err}"
-        );
-    }
 }

@@ -6,8 +6,8 @@ use serde_yaml::Value;
 use crate::config::error::{Problem, ProblemKind, ValidationErrors, Warning};
 use crate::config::keys::{Checker, ConfigValue};
 use crate::config::load::ResolvedConfig;
-use crate::config::recipes::{self, Recipe};
-use crate::config::schema::{GenerateConfig, RecipeConfig, RecipeKeys, TrainConfig};
+use crate::config::recipes::{Layout, RecipeSpec};
+use crate::config::schema::{RecipeConfig, TrainConfig};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ValidateOptions {
@@ -21,16 +21,16 @@ impl Default for ValidateOptions {
     }
 }
 
-/// Validates `cfg` for `recipe` (canonical name or torchtune alias) with every check on.
+/// Validates `cfg` for `recipe` with every check on.
 pub fn validate(
-    recipe: &str,
+    recipe: &'static RecipeSpec,
     cfg: &ResolvedConfig,
 ) -> Result<(RecipeConfig, Vec<Warning>), ValidationErrors> {
     validate_with(recipe, cfg, &ValidateOptions::default())
 }
 
 pub fn validate_with(
-    recipe: &str,
+    recipe: &'static RecipeSpec,
     cfg: &ResolvedConfig,
     opts: &ValidateOptions,
 ) -> Result<(RecipeConfig, Vec<Warning>), ValidationErrors> {
@@ -38,13 +38,6 @@ pub fn validate_with(
         source_name: cfg.source.clone(),
         problems,
     };
-    let recipe = recipes::find(recipe).map_err(|e| {
-        fail(vec![Problem::new(
-            ProblemKind::UnknownRecipe,
-            "recipe",
-            e.to_string(),
-        )])
-    })?;
     let Some(root) = cfg.value.as_mapping() else {
         return Err(fail(vec![Problem::new(
             ProblemKind::WrongType,
@@ -52,62 +45,39 @@ pub fn validate_with(
             "the config must be a mapping of keys to values",
         )]));
     };
-    // The one value a rule needs before its own key is read: a resumed run's checkpointer must
-    // also find its `recipe_checkpoint`.
-    let resuming = root.get("resume_from_checkpoint").and_then(Value::as_bool) == Some(true);
-    let mut cx = Checker::new(Some(recipe), opts.check_paths, resuming);
-    let config = match recipe {
-        Recipe::Generate => {
-            cx.unknown_keys(
-                &without_variables(root, cfg),
-                "",
-                &[GenerateConfig::KEYS],
-                false,
-            );
-            GenerateConfig::read_keys(root, "", &mut cx)
-                .map(|g| RecipeConfig::Generate(Box::new(g)))
+    let mut cx = Checker::new(Some(recipe), opts.check_paths).with_root(root);
+    let top = without_variables(root, cfg);
+    let read = match recipe.layout {
+        Layout::Alone => {
+            cx.unknown_keys(&top, "", &[recipe.own.keys], false);
+            (recipe.own.read)(root, None, &mut cx).map(|own| (None, own))
         }
-        Recipe::PpoFull => {
+        Layout::Training => {
+            cx.unknown_keys(&top, "", &[TrainConfig::KEYS, recipe.own.keys], false);
+            let train = TrainConfig::read_keys(root, "", &mut cx);
+            let own = (recipe.own.read)(root, train.as_ref(), &mut cx);
+            train.zip(own).map(|(t, own)| (Some(Box::new(t)), own))
+        }
+        Layout::Policy => {
             use crate::config::schema::ppo;
             // The config's own top level, less what `train_view` refuses itself.
-            let mut top = without_variables(root, cfg);
+            let mut top = top;
             top.remove("model");
             top.remove("epochs");
-            cx.unknown_keys(
-                &top,
-                "",
-                &[&ppo::SHARED_KEYS, RecipeKeys::keys_of(recipe)],
-                false,
-            );
+            cx.unknown_keys(&top, "", &[&ppo::SHARED_KEYS, recipe.own.keys], false);
             let view = ppo::train_view(root, &mut cx);
             let (problems, warnings) = (cx.problems.len(), cx.warnings.len());
-            let common = TrainConfig::read_keys(&view, "", &mut cx);
+            let train = TrainConfig::read_keys(&view, "", &mut cx);
             ppo::rename_policy_paths(&mut cx, problems, warnings);
             let own_view = ppo::own_view(root, &mut cx);
-            let own = RecipeKeys::read(recipe, &own_view, &mut cx);
-            if let (Some(common), Some(own)) = (&common, own.as_ref().and_then(RecipeKeys::ppo)) {
-                ppo::ppo_rules(common, own, &mut cx);
-            }
-            common
-                .zip(own)
-                .map(|(common, own)| RecipeConfig::Train(own, Box::new(common)))
-        }
-        training => {
-            cx.unknown_keys(
-                &without_variables(root, cfg),
-                "",
-                &[TrainConfig::KEYS, RecipeKeys::keys_of(training)],
-                false,
-            );
-            let common = TrainConfig::read_keys(root, "", &mut cx);
-            let own = RecipeKeys::read(training, root, &mut cx);
-            common
-                .zip(own)
-                .map(|(common, own)| RecipeConfig::Train(own, Box::new(common)))
+            let own = (recipe.own.read)(&own_view, train.as_ref(), &mut cx);
+            train.zip(own).map(|(t, own)| (Some(Box::new(t)), own))
         }
     };
-    match config {
-        Some(config) if cx.problems.is_empty() => Ok((config, cx.warnings)),
+    match read {
+        Some((train, own)) if cx.problems.is_empty() => {
+            Ok((RecipeConfig { recipe, train, own }, cx.warnings))
+        }
         // Every key that could not be read reported why.
         _ if !cx.problems.is_empty() => Err(fail(cx.problems)),
         _ => Err(fail(vec![Problem::new(
@@ -130,7 +100,7 @@ fn without_variables(root: &serde_yaml::Mapping, cfg: &ResolvedConfig) -> serde_
 /// Reads one section on its own (no recipe's rules, no file checks): what deserialising a
 /// section type does.
 pub fn read_section<T: ConfigValue>(name: &str, value: &Value) -> Result<T, ValidationErrors> {
-    let mut cx = Checker::new(None, false, false);
+    let mut cx = Checker::new(None, false);
     let read = cx.value::<T>(value, name);
     match read {
         Some(section) if cx.problems.is_empty() => Ok(section),

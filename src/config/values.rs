@@ -96,6 +96,11 @@ impl<T: ConfigValue> ConfigValue for Option<T> {
             None => {}
         }
     }
+    fn defaults(&self, path: &str, out: &mut FingerprintEntries) {
+        if let Some(v) = self {
+            v.defaults(path, out);
+        }
+    }
 }
 
 impl<T: ConfigValue> ConfigValue for Vec<T> {
@@ -109,6 +114,19 @@ impl<T: ConfigValue> ConfigValue for Vec<T> {
             .map(|(i, item)| cx.value::<T>(item, &join(path, &i.to_string())))
             .collect();
         read.into_iter().collect()
+    }
+    /// The whole list, and its items' declared defaults under `path.*` (a fingerprint compares
+    /// lists of sections item by item).
+    fn fingerprint(&self, path: &str, mode: Fingerprint, out: &mut FingerprintEntries) {
+        if mode != Fingerprint::Inherit {
+            out.insert(path, mode, serde_json::to_value(self).unwrap_or_default());
+            self.defaults(path, out);
+        }
+    }
+    fn defaults(&self, path: &str, out: &mut FingerprintEntries) {
+        for item in self {
+            item.defaults(&join(path, "*"), out);
+        }
     }
 }
 

@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use super::SetupError;
 use super::data::{TORCHTUNE_SAMPLER_SEED, sample_loader, spec, tokenizer};
-use crate::config::components::RewardKind;
-use crate::config::schema::{GrpoKeys, RewardConfig, TrainConfig};
+use crate::config::schema::{GrpoKeys, RewardConfig, RewardSettings, TrainConfig};
 use crate::data::{DataLoader, PromptDataset};
 use crate::generation::{GroupSampling, SamplingParams};
 use crate::rewards::{
@@ -78,42 +77,35 @@ pub fn rewards(keys: &GrpoKeys) -> Result<Vec<Weighted>, SetupError> {
             reward(entry)
                 .map(|function| Weighted {
                     function,
-                    weight: entry.weight,
+                    weight: entry.common().weight,
                 })
                 .map_err(|source| SetupError::Reward(Box::new(RewardSetupError { index, source })))
         })
         .collect()
 }
 
-/// One reward function from its entry (the config's rules have checked which settings it
-/// has).
+/// One reward function from its entry.
 fn reward(entry: &RewardConfig) -> Result<Box<dyn RewardFunction>, RewardError> {
-    let function: Box<dyn RewardFunction> = match entry.component {
-        RewardKind::Gsm8kShapedCorrectness => Box::new(ShapedCorrectness {
-            answer_column: entry
-                .answer_column
-                .clone()
-                .unwrap_or_else(|| "answer".into()),
+    let function: Box<dyn RewardFunction> = match &entry.settings {
+        RewardSettings::Gsm8kShapedCorrectness(k) => Box::new(ShapedCorrectness {
+            answer_column: k.answer_column.clone(),
         }),
-        RewardKind::ThinkingAnswerFormatting => Box::new(ThinkingAnswerFormatting::new(
-            entry.think_tag.as_deref().unwrap_or("think"),
-            entry.answer_tag.as_deref().unwrap_or("answer"),
-            entry.positive_reward.unwrap_or(1.0),
-            entry.negative_reward.unwrap_or(0.0),
+        RewardSettings::ThinkingAnswerFormatting(k) => Box::new(ThinkingAnswerFormatting::new(
+            &k.think_tag,
+            &k.answer_tag,
+            k.positive_reward,
+            k.negative_reward,
         )?),
-        RewardKind::ThinkPresence => Box::new(ThinkPresence),
-        RewardKind::Length => Box::new(LengthTarget::new(entry.target.unwrap_or(0))?),
-        RewardKind::Command => {
-            let timeout = entry.timeout.map_or(
-                crate::rewards::command::DEFAULT_TIMEOUT,
-                Duration::from_secs_f64,
-            );
-            let command = CommandReward::start(entry.command.clone().unwrap_or_default(), timeout)
+        RewardSettings::ThinkPresence(_) => Box::new(ThinkPresence),
+        RewardSettings::Length(k) => Box::new(LengthTarget::new(k.target)?),
+        RewardSettings::Command(k) => {
+            let timeout = Duration::from_secs_f64(k.timeout);
+            let command = CommandReward::start(k.command.clone(), timeout)
                 .map_err(|e| RewardError::Command(Box::new(e)))?;
             Box::new(command)
         }
     };
-    Ok(match &entry.name {
+    Ok(match &entry.common().name {
         Some(name) => Box::new(Renamed {
             name: name.clone(),
             inner: function,
@@ -154,18 +146,18 @@ pub fn settings(cfg: &TrainConfig, keys: &GrpoKeys, tokenizer: &Tokenizer) -> Gr
         samples: keys.grpo_samples,
         prompts_per_pass: keys.forward_batch_size.unwrap_or(cfg.batch_size),
         sampling: GroupSampling {
-            max_new_tokens: keys.max_generated_tokens,
+            max_new_tokens: keys.rollout.max_generated_tokens,
             sampling: SamplingParams {
-                temperature: keys.temperature,
-                top_k: keys.top_k,
-                top_p: keys.top_p,
+                temperature: keys.rollout.temperature,
+                top_k: keys.rollout.sampling.top_k,
+                top_p: keys.rollout.sampling.top_p,
             },
             stop_ids,
         },
         ppo_epochs: keys.ppo_epochs,
         num_steps: keys.num_steps,
         save_every_n_epochs: keys.save_every_n_epochs,
-        loss: super::loss::grpo(&cfg.loss, keys.max_generated_tokens),
+        loss: super::loss::grpo(&keys.loss, keys.rollout.max_generated_tokens),
         scale_rewards: keys.scale_rewards,
         mask_truncated_completions: keys.mask_truncated_completions,
         activation_checkpointing: super::run::checkpointing(cfg),

@@ -67,6 +67,9 @@ pub enum SetupError {
     /// Boxed: a reward's error carries its command and its output.
     #[error(transparent)]
     Reward(Box<grpo::RewardSetupError>),
+    /// A recipe that does not train was handed to the training prologue (a bug in tune).
+    #[error("recipe `{recipe}` does not train (a bug in tune: please report it)")]
+    NotTraining { recipe: &'static str },
     #[error(
         "data_parallel_shard_dim: {dim} with {world} ranks: tune shards the weights over every rank (-1, or {world}) or over none (1); groups of ranks (HSDP) are not supported"
     )]

@@ -20,6 +20,11 @@ use crate::precision::Dtype;
 /// A `model` section this checkpoint or device cannot honour.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelConfigError {
+    /// A LoRA recipe given a full builder (validation refuses it first).
+    #[error(
+        "model._component_: `{builder}` is a full model builder, and this recipe trains LoRA adapters"
+    )]
+    NotLora { builder: String },
     #[error(
         "dtype: QLoRA's NF4 base weights are quantized in bf16 or fp32 (as torchtune's QLoRA configs run); set `dtype: bf16` or `dtype: fp32`"
     )]
@@ -129,7 +134,7 @@ pub fn load_base<B: Backend>(
     device: &B::Device,
 ) -> Result<LoadedModel<B>, SetupError> {
     let base = base_weights::<B>(model, device)?;
-    let rows = rows.filter(|_| !lora_plan(model).settings.dora);
+    let rows = rows.filter(|_| !model.lora().is_some_and(|l| l.use_dora));
     load_rows(cfg, "checkpointer", rows, base, device)
 }
 
@@ -192,31 +197,30 @@ pub fn refuse_quantized_export(args: &crate::models::ModelArgs) -> Result<(), Mo
     Ok(())
 }
 
-/// The adapters a LoRA builder's section asks for (validation requires `lora_rank` and
-/// `lora_alpha`, and a target, of LoRA builders in training recipes).
-pub fn lora_plan(model: &ModelConfig) -> LoraPlan {
-    let invariant = "validation requires lora_rank and lora_alpha of a LoRA builder in training";
-    let mut targets: Vec<String> = model
+/// The adapters a LoRA builder's section asks for (`None` for a full builder).
+pub fn lora_plan(model: &ModelConfig) -> Option<LoraPlan> {
+    let lora = model.lora()?;
+    let mut targets: Vec<String> = lora
         .lora_attn_modules
         .iter()
         .map(|m| m.hf_name().to_string())
         .collect();
-    if model.apply_lora_to_mlp {
+    if lora.apply_lora_to_mlp {
         targets.extend(["gate_proj", "up_proj", "down_proj"].map(String::from));
     }
-    if model.apply_lora_to_output {
+    if lora.apply_lora_to_output {
         targets.push("lm_head".into());
     }
-    LoraPlan {
+    Some(LoraPlan {
         settings: LoraSettings {
-            rank: model.lora_rank.expect(invariant) as usize,
-            alpha: model.lora_alpha.expect(invariant),
-            dropout: model.lora_dropout,
-            dora: model.use_dora,
+            rank: lora.lora_rank as usize,
+            alpha: lora.lora_alpha,
+            dropout: lora.lora_dropout,
+            dora: lora.use_dora,
         },
         targets,
-        train_router: model.trains_router(),
-    }
+        train_router: lora.train_router,
+    })
 }
 
 /// Attaches fresh adapters per `plan` (or loads `checkpointer.adapter_checkpoint`), and
@@ -401,7 +405,9 @@ pub fn lora<B: Backend>(
     cfg: &TrainConfig,
     run: &super::run::RunStart,
 ) -> Result<(LoraPlan, crate::training::checkpointing::SaveContent), SetupError> {
-    let plan = lora_plan(&cfg.model);
+    let plan = lora_plan(&cfg.model).ok_or_else(|| ModelConfigError::NotLora {
+        builder: cfg.model.component.canonical_name(),
+    })?;
     let config = attach_adapters(model, &plan, &cfg.checkpointer, run.seed)?;
     if let Some(r) = &run.resume {
         peft::load_adapter(model, &r.dir).map_err(|source| SetupError::Checkpoint {
@@ -458,37 +464,38 @@ pub fn check_architecture(
             hf,
         })
     };
+    let keys = arch.arch();
     let whole = [
-        ("vocab_size", arch.vocab_size, args.vocab_size, "vocab_size"),
+        ("vocab_size", keys.vocab_size, args.vocab_size, "vocab_size"),
         (
             "num_layers",
-            arch.num_layers,
+            keys.num_layers,
             args.num_layers,
             "num_hidden_layers",
         ),
         (
             "num_heads",
-            arch.num_heads,
+            keys.num_heads,
             args.num_heads,
             "num_attention_heads",
         ),
         (
             "num_kv_heads",
-            arch.num_kv_heads,
+            keys.num_kv_heads,
             args.num_kv_heads,
             "num_key_value_heads",
         ),
-        ("embed_dim", arch.embed_dim, args.hidden_size, "hidden_size"),
+        ("embed_dim", keys.embed_dim, args.hidden_size, "hidden_size"),
         (
             "intermediate_dim",
-            arch.intermediate_dim,
+            keys.intermediate_dim,
             args.intermediate_size,
             "intermediate_size",
         ),
-        ("head_dim", arch.head_dim, args.head_dim, "head_dim"),
+        ("head_dim", keys.head_dim, args.head_dim, "head_dim"),
         (
             "max_seq_len",
-            arch.max_seq_len,
+            keys.max_seq_len,
             args.max_position_embeddings,
             "max_position_embeddings",
         ),
@@ -502,8 +509,8 @@ pub fn check_architecture(
     }
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
     for (key, ours, theirs, hf) in [
-        ("norm_eps", arch.norm_eps, args.rms_norm_eps, "rms_norm_eps"),
-        ("rope_base", arch.rope_base, args.rope_theta, "rope_theta"),
+        ("norm_eps", keys.norm_eps, args.rms_norm_eps, "rms_norm_eps"),
+        ("rope_base", keys.rope_base, args.rope_theta, "rope_theta"),
     ] {
         if let Some(v) = ours
             && !close(v, theirs)
@@ -553,7 +560,7 @@ pub fn check_architecture(
         }
         _ => {}
     }
-    if let Some(tied) = arch.tie_word_embeddings
+    if let Some(tied) = keys.tie_word_embeddings
         && tied != args.tie_word_embeddings
     {
         return Err(mismatch(

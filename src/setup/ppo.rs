@@ -53,17 +53,17 @@ pub fn settings(cfg: &TrainConfig, keys: &PpoKeys, tokenizer: &Tokenizer) -> Ppo
         gradient_accumulation_steps: cfg.gradient_accumulation_steps,
         total_steps: total_steps(cfg, keys),
         sampling: GroupSampling {
-            max_new_tokens: keys.max_generated_tokens,
+            max_new_tokens: keys.rollout.max_generated_tokens,
             sampling: SamplingParams {
-                temperature: keys.temperature,
-                top_k: keys.top_k,
-                top_p: None,
+                temperature: keys.rollout.temperature,
+                top_k: keys.rollout.sampling.top_k,
+                top_p: keys.rollout.sampling.top_p,
             },
             stop_ids: stop_ids(keys, tokenizer),
         },
         trajectory: TrajectorySettings {
             pad_id: tokenizer.pad_id().unwrap_or(0),
-            max_generated_tokens: keys.max_generated_tokens,
+            max_generated_tokens: keys.rollout.max_generated_tokens,
             min_response_length: keys.min_response_length,
             penalise_no_eos: keys.penalise_no_eos,
             reward_penalty: keys.reward_penalty as f32,
@@ -72,7 +72,7 @@ pub fn settings(cfg: &TrainConfig, keys: &PpoKeys, tokenizer: &Tokenizer) -> Ppo
             lmbda: keys.lmbda,
             whiten_rewards: keys.whiten_rewards,
         },
-        loss: cfg.loss.ppo(),
+        loss: super::loss::ppo(&keys.loss),
         activation_checkpointing: super::run::checkpointing(cfg),
     }
 }

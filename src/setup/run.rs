@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use crate::config::schema::{Device, RecipeKeys, TrainConfig, fingerprint_entries};
+use crate::config::schema::{Device, RecipeConfig, TrainConfig};
 use crate::distributed::World;
 use crate::models::CausalLm;
 use crate::training::activation_checkpointing::Checkpointing;
@@ -25,14 +25,6 @@ pub fn seed(cfg: &TrainConfig) -> u64 {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64 % 1_000_000)
     })
-}
-
-/// `loss.num_output_chunks`, torchtune's default of 8 when the config leaves it out. A plain
-/// `CrossEntropyLoss` chunks too: the chunks change memory, not the maths.
-pub fn output_chunks(cfg: &TrainConfig) -> usize {
-    cfg.loss
-        .num_output_chunks
-        .unwrap_or(crate::training::chunked_loss::DEFAULT_CHUNKS)
 }
 
 /// `enable_activation_checkpointing` and `enable_activation_offloading` as one setting.
@@ -109,12 +101,14 @@ impl RunStart {
 /// rank 0, for all: the ranks share one data order. Rank 0 tidies partial checkpoints away
 /// before any rank looks for the one to resume.
 pub fn start<B: Backend>(
-    cfg: &TrainConfig,
-    own: &RecipeKeys,
+    config: &RecipeConfig,
     world: World,
     device: &B::Device,
 ) -> Result<RunStart, SetupError> {
     use crate::distributed::sync::{all_reduce_scalars, check_same, from_rank_zero, hash64};
+    let cfg = config.as_train().ok_or(SetupError::NotTraining {
+        recipe: config.recipe.name,
+    })?;
     let fsdp = fully_sharded(cfg, &world)?;
     check_same::<B>(
         &world,
@@ -127,7 +121,7 @@ pub fn start<B: Backend>(
         seed = from_rank_zero::<B>(&world, seed, device, "the seed")?;
     }
     let checkpoint_dir = cfg.checkpoint_dir().to_path_buf();
-    let fingerprint = fingerprint(cfg, own, seed, world.size);
+    let fingerprint = fingerprint(config, seed, world.size);
     check_same::<B>(
         &world,
         device,
@@ -225,27 +219,16 @@ fn claim_checkpoint_dir(
 /// teacher or reference, ...), with the two values only the run knows: the seed it drew, and
 /// the global batch (`batch_size` times the world size, so a run may resume on another number
 /// of workers with the same global batch). Step limits and logging may change.
-pub fn fingerprint(
-    cfg: &TrainConfig,
-    own: &RecipeKeys,
-    seed: u64,
-    world_size: usize,
-) -> RunFingerprint {
-    let mut keys = fingerprint_entries(cfg, own);
-    cfg.loss
-        .keep_earlier_fingerprints("loss", &mut keys.entries);
-    if let RecipeKeys::KnowledgeDistillation(kd) = own {
-        kd.kd_loss
-            .keep_earlier_fingerprints("kd_loss", &mut keys.entries);
-    }
+pub fn fingerprint(config: &RecipeConfig, seed: u64, world_size: usize) -> RunFingerprint {
+    let mut keys = config.fingerprint_entries();
+    let batch_size = config.as_train().map_or(0, |cfg| cfg.batch_size);
     keys.entries.insert("seed".into(), seed.into());
-    keys.entries.insert(
-        "batch_size".into(),
-        (cfg.batch_size * world_size.max(1)).into(),
-    );
+    keys.entries
+        .insert("batch_size".into(), (batch_size * world_size.max(1)).into());
     RunFingerprint {
         entries: keys.entries,
         resume_may_change: keys.resume_may_change,
+        defaults: keys.defaults,
     }
 }
 
@@ -260,7 +243,7 @@ pub fn checkpointer(
 ) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
     crate::training::checkpointing::RunCheckpointer::new(
         cfg.checkpoint_dir().to_path_buf(),
-        cfg.keep_last_n_checkpoints(),
+        cfg.keep_last_n_checkpoints,
         recipe,
         content,
         fingerprint,
@@ -285,7 +268,7 @@ pub fn companion_checkpointer(
 ) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
     let mut saver = crate::training::checkpointing::RunCheckpointer::new(
         dir.to_path_buf(),
-        cfg.keep_last_n_checkpoints().map(|n| n + 1),
+        cfg.keep_last_n_checkpoints.map(|n| n + 1),
         recipe,
         crate::training::checkpointing::SaveContent::FullModel,
         fingerprint,
@@ -443,9 +426,9 @@ fn lock_dir(dir: &std::path::Path, key: &'static str) -> Result<std::fs::File, S
 /// they live already, the key changes nothing: the config check says so).
 fn fully_sharded(cfg: &TrainConfig, world: &World) -> Result<Option<Sharding>, SetupError> {
     use crate::config::schema::Device;
-    let cpu_offload = cfg.cpu_offload() && Device::or_default(cfg.device) != Device::Cpu;
+    let cpu_offload = cfg.fsdp_cpu_offload && Device::or_default(cfg.device) != Device::Cpu;
     let sharding = Sharding {
-        reshard_after_forward: cfg.fsdp_reshard_after_forward.unwrap_or(true),
+        reshard_after_forward: cfg.fsdp_reshard_after_forward,
         cpu_offload,
     };
     if !world.is_distributed() {

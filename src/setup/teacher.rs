@@ -12,8 +12,7 @@ use burn::tensor::backend::Backend;
 
 use super::SetupError;
 use super::model::load_adapter_checkpoint;
-use crate::config::components::LossKind;
-use crate::config::schema::{CheckpointerConfig, LossConfig};
+use crate::config::schema::{CheckpointerConfig, KdLoss, KdSettings};
 use crate::model_io::hf::{load_args, load_model_rows, load_model_with};
 use crate::models::BaseWeights;
 use crate::models::build::RowsOf;
@@ -42,21 +41,14 @@ pub enum TeacherError {
     },
 }
 
-/// The KD divergence `kd_loss` names (validation allows only the three divergences).
-pub fn kd_objective(cfg: &LossConfig) -> KdObjective {
-    match cfg.component {
-        LossKind::ForwardKl => KdObjective::ForwardKl,
-        LossKind::ReverseKl => KdObjective::ReverseKl,
-        LossKind::SymmetricKl => KdObjective::SymmetricKl {
-            sym_kd_ratio: cfg.sym_kd_ratio(),
+/// The KD divergence `kd_loss` names.
+pub fn kd_objective(loss: &KdLoss) -> KdObjective {
+    match &loss.settings {
+        KdSettings::ForwardKl(_) => KdObjective::ForwardKl,
+        KdSettings::ReverseKl(_) => KdObjective::ReverseKl,
+        KdSettings::SymmetricKl(k) => KdObjective::SymmetricKl {
+            sym_kd_ratio: k.sym_kd_ratio,
         },
-        LossKind::CrossEntropy
-        | LossKind::Dpo
-        | LossKind::Grpo(_)
-        | LossKind::TrlGrpo
-        | LossKind::Ppo => {
-            panic!("validation allows only a KL divergence as kd_loss")
-        }
     }
 }
 

@@ -61,6 +61,9 @@ pub struct RunFingerprint {
     /// The keys a resume may change (lowering the learning rate is how a diverged run
     /// continues from its last healthy checkpoint). Not saved: the current run says.
     pub resume_may_change: Vec<String>,
+    /// The declared defaults of this run's keys (`dataset.*.packed` for a list's items). Not
+    /// saved: a checkpoint that holds no value for a key, or null, had its default.
+    pub defaults: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Serialize for RunFingerprint {
@@ -73,7 +76,7 @@ impl<'de> Deserialize<'de> for RunFingerprint {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         Ok(Self {
             entries: serde_json::Map::deserialize(d)?,
-            resume_may_change: Vec::new(),
+            ..Self::default()
         })
     }
 }
@@ -105,20 +108,22 @@ impl RunFingerprint {
         out
     }
 
-    /// Keys that differ, for the "what changed" message. A key one side does not have counts
-    /// as null (a key added to the fingerprint after a checkpoint was written, at its unset
-    /// value, is no change).
-    pub fn differences(&self, other: &RunFingerprint) -> Vec<String> {
-        let (ours, theirs) = (self.flat(), other.flat());
+    /// The keys of `current` (this run's fingerprint) whose value differs from the one this
+    /// (saved) fingerprint holds, for the "what changed" message. Only `current`'s keys
+    /// count: a key the checkpoint holds and this run does not is one the config no longer has
+    /// (a setting of another loss, a LoRA key of a full builder, a key tune dropped), and
+    /// `_component_` says when the component changed. A key the checkpoint holds no value for
+    /// (it was added, or was optional, after the checkpoint was written) had its declared
+    /// default. Lists of sections (datasets, reward functions) compare item by item so.
+    pub fn differences(&self, current: &RunFingerprint) -> Vec<String> {
+        let (saved, ours) = (self.flat(), current.flat());
         let null = serde_json::Value::Null;
-        let mut keys: Vec<&String> = ours.keys().chain(theirs.keys()).collect();
-        keys.sort();
-        keys.dedup();
-        keys.into_iter()
-            .filter(|k| {
-                ours.get(*k).copied().unwrap_or(&null) != theirs.get(*k).copied().unwrap_or(&null)
+        ours.iter()
+            .filter(|(key, value)| {
+                let theirs = saved.get(*key).copied().unwrap_or(&null);
+                !same(theirs, value, key, &current.defaults)
             })
-            .cloned()
+            .map(|(key, _)| key.clone())
             .collect()
     }
 
@@ -133,6 +138,34 @@ impl RunFingerprint {
         self.flat()
             .get(key)
             .map_or(serde_json::Value::Null, |v| (*v).clone())
+    }
+}
+
+/// Whether a saved value is the current one: the same JSON, or none (null) where the key's
+/// declared default is the current value; objects compare on the current one's keys, lists of
+/// the same length item by item (defaults under `key.*`).
+fn same(
+    saved: &serde_json::Value,
+    current: &serde_json::Value,
+    key: &str,
+    defaults: &serde_json::Map<String, serde_json::Value>,
+) -> bool {
+    use serde_json::Value;
+    match (saved, current) {
+        (Value::Object(theirs), Value::Object(ours)) => ours.iter().all(|(k, v)| {
+            same(
+                theirs.get(k).unwrap_or(&Value::Null),
+                v,
+                &format!("{key}.{k}"),
+                defaults,
+            )
+        }),
+        (Value::Array(theirs), Value::Array(ours)) if theirs.len() == ours.len() => theirs
+            .iter()
+            .zip(ours)
+            .all(|(t, o)| same(t, o, &format!("{key}.*"), defaults)),
+        (Value::Null, ours) => ours.is_null() || defaults.get(key) == Some(ours),
+        (theirs, ours) => theirs == ours,
     }
 }
 

@@ -4,8 +4,38 @@ use crate::support;
 
 use tune::config::builtin;
 use tune::config::components::ModelVariant;
-use tune::config::schema::RecipeKeys;
-use tune::config::{RecipeConfig, ValidateOptions, load_config, validate, validate_with};
+use tune::config::{ValidateOptions, load_config};
+
+use tune::recipes::{validate, validate_with};
+
+/// The torchtune script a built-in config's first line names.
+fn script(b: &builtin::BuiltinConfig) -> &'static str {
+    let (recipe, distributed) = tune::recipes::builtin_recipe(b)
+        .unwrap_or_else(|| panic!("{}: its first line names no recipe", b.name));
+    recipe.script_name(distributed)
+}
+
+/// Like torchtune's, each config's first line says which recipe it is for; the names are
+/// the files', sorted and unique.
+#[test]
+fn every_builtin_names_its_recipe_in_its_first_line() {
+    let all = builtin::list();
+    let names: Vec<&str> = all.iter().map(|b| b.name).collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(names, sorted);
+    for b in &all {
+        let first = b.yaml.lines().next().unwrap_or_default();
+        assert!(
+            first.starts_with("# Config for") && first.contains(script(b)),
+            "{}: first line `{first}` must name its recipe",
+            b.name
+        );
+    }
+    let generation = builtin::get("tiny/generation.yaml").expect("tiny/generation");
+    assert_eq!(script(&generation), "generate");
+}
 
 #[test]
 fn every_builtin_validates_without_path_checks() {
@@ -14,7 +44,7 @@ fn every_builtin_validates_without_path_checks() {
     assert!(all.len() >= 28);
     for b in all {
         let cfg = load_config(b.name, &[]).unwrap_or_else(|e| panic!("{}: {e}", b.name));
-        if let Err(e) = validate_with(b.recipe.name(), &cfg, &opts) {
+        if let Err(e) = validate_with(script(&b), &cfg, &opts) {
             panic!("{} does not validate:\n{e}", b.name);
         }
     }
@@ -29,17 +59,14 @@ fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
         .collect();
     // One per torchtune script: 11 single-device (generate and PPO included) and 9 distributed.
     assert_eq!(tiny.len(), 20, "one tiny config per recipe script");
-    let mut scripts: Vec<&str> = tiny
-        .iter()
-        .map(|b| b.recipe.script_name(b.distributed))
-        .collect();
+    let mut scripts: Vec<&str> = tiny.iter().map(script).collect();
     scripts.sort_unstable();
     scripts.dedup();
     assert_eq!(scripts.len(), 20);
     for b in tiny {
         let mut cfg = load_config(b.name, &[]).expect("loads");
         support::rebase_assets(&mut cfg.value, assets.path());
-        match validate(b.recipe.script_name(b.distributed), &cfg) {
+        match validate(script(&b), &cfg) {
             Ok((_, warnings)) => assert!(warnings.is_empty(), "{}: {warnings:?}", b.name),
             Err(e) => panic!("{}:\n{e}", b.name),
         }
@@ -55,14 +82,13 @@ fn tiny_lora_typed_values() {
         &ValidateOptions { check_paths: false },
     )
     .unwrap();
-    let RecipeConfig::Train(RecipeKeys::LoraFinetune, t) = typed else {
-        panic!("wrong recipe config: {typed:?}");
-    };
+    assert_eq!(typed.recipe.name, "lora_finetune");
+    let t = typed.as_train().expect("a training config");
     assert_eq!(
         t.output_dir.to_str(),
         Some("/tmp/tune/tiny/lora_finetune_single_device")
     );
-    assert_eq!(t.model.lora_rank, Some(8));
+    assert_eq!(t.model.lora().map(|l| l.lora_rank), Some(8));
     assert_eq!(t.optimizer.lr, 1e-3);
     assert_eq!(t.seed, Some(42));
     assert_eq!(t.batch_size, 4);

@@ -5,51 +5,21 @@
 use serde_yaml::{Mapping, Value};
 
 use tune::config::keys::{KeyInfo, Ty, shape_ok};
-use tune::config::recipes::{RECIPES, Recipe};
-use tune::config::schema::{GenerateConfig, RecipeConfig, RecipeKeys};
-use tune::config::{ProblemKind, ValidateOptions, load_config, validate_with};
+use tune::config::recipes::RecipeSpec;
+use tune::config::reference::entries_for;
+use tune::config::{ProblemKind, ValidateOptions, load_config};
+use tune::recipes::{RECIPES, validate_with};
 
 const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
 
-/// Every key a recipe reads, by dotted path (sections entered where a config writes them as a
-/// mapping), with its declaration.
-fn keys_of(recipe: Recipe) -> Vec<(String, &'static KeyInfo)> {
-    let top: Vec<&'static [KeyInfo]> = match recipe {
-        Recipe::Generate => vec![GenerateConfig::KEYS],
-        training => vec![
-            RecipeKeys::shared_keys(training),
-            RecipeKeys::keys_of(training),
-        ],
-    };
-    let mut out = Vec::new();
-    for group in top {
-        walk("", group, &mut out);
-    }
-    out
-}
-
-fn walk(prefix: &str, keys: &'static [KeyInfo], out: &mut Vec<(String, &'static KeyInfo)>) {
-    for key in keys {
-        let path = if prefix.is_empty() {
-            key.name.to_string()
-        } else {
-            format!("{prefix}.{}", key.name)
-        };
-        out.push((path.clone(), key));
-        if let Some(section) = section_of(key.ty) {
-            walk(&path, section, out);
-        }
-    }
-}
-
-/// The keys of the section a value of `ty` can be, written as a mapping.
-fn section_of(ty: &'static Ty) -> Option<&'static [KeyInfo]> {
-    match ty {
-        Ty::Section(s) | Ty::OneOrMany(s) => Some(s.keys),
-        Ty::Nullable(inner) => section_of(inner),
-        Ty::Either(a, b) => section_of(a).or_else(|| section_of(b)),
-        _ => None,
-    }
+/// Every key a recipe reads, by dotted path, as its tiny config writes them (a section picked
+/// by a `_component_` with its component's keys), with its declaration.
+fn keys_of(recipe: &RecipeSpec) -> Vec<(String, &'static KeyInfo)> {
+    let base = load_config(tiny_config(recipe), &[]).expect("tiny config");
+    entries_for(recipe, &base.value)
+        .into_iter()
+        .map(|e| (e.path, e.key))
+        .collect()
 }
 
 /// A value whose shape `ty` refuses (`None` for `Any`, which takes every value).
@@ -83,28 +53,22 @@ fn set(root: &mut Value, path: &str, value: Value) {
     }
 }
 
-/// A tiny config for each recipe.
-fn tiny_config(recipe: Recipe) -> &'static str {
-    match recipe {
-        Recipe::FullFinetune => "tiny/full_single_device",
-        Recipe::LoraFinetune => "tiny/lora_single_device",
-        Recipe::LoraDpo => "tiny/lora_dpo_single_device",
-        Recipe::FullDpo => "tiny/full_dpo_single_device",
-        Recipe::Qat => "tiny/qat_single_device",
-        Recipe::QatLora => "tiny/qat_lora_single_device",
-        Recipe::KnowledgeDistillation => "tiny/kd_lora_single_device",
-        Recipe::GrpoFull => "tiny/grpo_full_single_device",
-        Recipe::GrpoLora => "tiny/grpo_lora_single_device",
-        Recipe::PpoFull => "tiny/ppo_full_single_device",
-        Recipe::Generate => "tiny/generation",
-    }
+/// A tiny config for each recipe: the shipped one for its one-device script.
+fn tiny_config(recipe: &RecipeSpec) -> &'static str {
+    let name = recipe.torchtune_name();
+    tune::config::builtin::list()
+        .into_iter()
+        .filter(|b| b.name.starts_with("tiny/"))
+        .find(|b| tune::recipes::builtin_recipe(b) == Some((recipe, false)))
+        .map(|b| b.name)
+        .unwrap_or_else(|| panic!("no tiny config for {name}"))
 }
 
 #[test]
 fn every_key_is_declared_with_a_doc_line_and_a_name_of_its_own() {
     let mut count = 0;
-    for info in RECIPES {
-        let keys = keys_of(info.recipe);
+    for &info in RECIPES {
+        let keys = keys_of(info);
         for (path, key) in &keys {
             assert!(
                 !key.doc.trim().is_empty(),
@@ -129,9 +93,9 @@ fn every_key_is_declared_with_a_doc_line_and_a_name_of_its_own() {
 #[test]
 fn every_key_refuses_a_value_of_another_type_at_its_own_path() {
     let mut checked = 0;
-    for info in RECIPES {
-        let base = load_config(tiny_config(info.recipe), &[]).expect("tiny config");
-        for (path, key) in keys_of(info.recipe) {
+    for &info in RECIPES {
+        let base = load_config(tiny_config(info), &[]).expect("tiny config");
+        for (path, key) in keys_of(info) {
             let Some(wrong) = wrong_value(key.ty) else {
                 continue;
             };
@@ -158,9 +122,9 @@ fn every_key_refuses_a_value_of_another_type_at_its_own_path() {
 /// Unknown keys anywhere get the closest declared name.
 #[test]
 fn a_misspelt_key_is_offered_its_declared_name() {
-    for info in RECIPES {
-        let base = load_config(tiny_config(info.recipe), &[]).expect("tiny config");
-        for (path, key) in keys_of(info.recipe) {
+    for &info in RECIPES {
+        let base = load_config(tiny_config(info), &[]).expect("tiny config");
+        for (path, key) in keys_of(info) {
             // Only keys whose section the tiny config writes: a misspelt key of an absent
             // section is reported with the section's missing keys.
             let parent = path.rsplit_once('.').map(|(p, _)| p);
@@ -207,22 +171,23 @@ fn the_derived_fingerprint_equals_the_one_earlier_checkpoints_hold() {
     let fixtures = crate::support::fixture("fingerprints");
     let mut compared = 0;
     // The GRPO and PPO recipes came after those checkpoints: they have none to resume.
-    for info in RECIPES
-        .iter()
-        .filter(|r| r.recipe.is_training() && !r.recipe.generates())
-    {
-        let config = tiny_config(info.recipe);
+    for &info in RECIPES.iter().filter(|r| {
+        r.is_training()
+            && matches!(
+                r.data,
+                tune::config::recipes::DataKind::Responses | tune::config::recipes::DataKind::Pairs
+            )
+    }) {
+        let config = tiny_config(info);
         let file = fixtures.join(format!("{}.json", config.trim_start_matches("tiny/")));
         let text = std::fs::read_to_string(&file).expect("fingerprint fixture");
         let saved: tune::training::checkpointing::RunFingerprint =
             serde_json::from_str(&text).expect("fingerprint json");
         let cfg = load_config(config, &[]).unwrap();
         let (typed, _) = validate_with(info.name, &cfg, &NO_PATHS).unwrap();
-        let RecipeConfig::Train(own, train) = typed else {
-            panic!("{config}: not a training config")
-        };
+        let train = typed.as_train().expect("a training config");
         let seed = train.seed.expect("the tiny configs set a seed");
-        let mut derived = tune::setup::run::fingerprint(&train, &own, seed, 1);
+        let mut derived = tune::setup::run::fingerprint(&typed, seed, 1);
         for value in derived.entries.values_mut() {
             normalise(value);
         }
@@ -243,10 +208,7 @@ fn a_changed_fingerprint_key_is_named_and_only_the_learning_rate_may_change() {
     let fingerprint = |overrides: &[&str]| {
         let cfg = load_config("tiny/lora_single_device", &crate::support::args(overrides)).unwrap();
         let (typed, _) = validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap();
-        let RecipeConfig::Train(own, train) = typed else {
-            panic!("not a training config")
-        };
-        tune::setup::run::fingerprint(&train, &own, 42, 1)
+        tune::setup::run::fingerprint(&typed, 42, 1)
     };
     let base = fingerprint(&[]);
     for (over, key) in [

@@ -2,8 +2,9 @@
 //! its paths point at real files.
 
 use crate::support::{args, path_in, temp_dir, touch};
-use tune::config::schema::RecipeConfig;
-use tune::config::{load_config, validate};
+use tune::config::load_config;
+
+use tune::recipes::validate;
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -32,7 +33,7 @@ fn torchtune_config_validates_after_path_overrides() {
         validate("lora_finetune_single_device", &cfg).unwrap_or_else(|e| panic!("{e}"));
     let t = typed.as_train().expect("train config");
     assert_eq!(t.optimizer.lr, 3e-4);
-    assert_eq!(t.model.lora_rank, Some(64));
+    assert_eq!(t.model.lora().map(|l| l.lora_rank), Some(64));
     assert_eq!(
         t.metric_logger
             .as_ref()
@@ -99,55 +100,58 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
             "qwen3_0.6B_lora_single_device.yaml",
             "lora_finetune_single_device",
         ),
+        // Its LoRA teacher gives no rank: torchtune's builder default (commit 3c9fb79).
+        (
+            "qwen2_5_14B_to_7B_KD_lora_single_device.yaml",
+            "knowledge_distillation_single_device",
+        ),
         ("llama2_7B_qlora.yaml", "lora_finetune_distributed"),
         ("llama3_1_405B_qlora.yaml", "lora_finetune_distributed"),
     ] {
         let path = format!("{dir}/{file}");
         assert_eq!(
-            tune::cli::commands::infer_recipe(&path).map(|r| r.name()),
-            tune::config::recipes::find(recipe).ok().map(|r| r.name()),
+            tune::cli::commands::infer_recipe(&path).map(|r| r.name),
+            tune::recipes::find(recipe).ok().map(|r| r.name),
             "{file}"
         );
         let cfg = load_config(&path, &[]).unwrap_or_else(|e| panic!("{file}: {e}"));
-        let (typed, _) = tune::config::validate_with(recipe, &cfg, &no_paths)
+        let (typed, _) = tune::recipes::validate_with(recipe, &cfg, &no_paths)
             .unwrap_or_else(|e| panic!("{file}: {e}"));
         // The `fsdp:` block's `cpu_offload: False` is read as fsdp_cpu_offload.
         let train = typed.as_train().expect("a training config");
-        assert!(!train.cpu_offload(), "{file}");
+        assert!(!train.fsdp_cpu_offload, "{file}");
     }
     let qlora = load_config(&format!("{dir}/llama2_7B_qlora.yaml"), &[]).unwrap();
-    let (typed, _) = tune::config::validate_with("lora_finetune_distributed", &qlora, &no_paths)
+    let (typed, _) = tune::recipes::validate_with("lora_finetune_distributed", &qlora, &no_paths)
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        typed
-            .as_train()
-            .and_then(|t| t.fsdp.as_ref())
-            .is_some_and(|f| f.cpu_offload == Some(false))
+        typed.as_train().and_then(|t| t.fsdp.as_ref()).is_some()
+            && typed.as_train().is_some_and(|t| !t.fsdp_cpu_offload)
     );
 
     // Llama 3.3 70B full: `fsdp_cpu_offload: True` on its `device: cuda` offloads; on the CPU
     // it changes nothing, and says so.
     let full_70b = format!("{dir}/llama3_3_70B_full.yaml");
     assert_eq!(
-        tune::cli::commands::infer_recipe(&full_70b).map(|r| r.name()),
-        tune::config::recipes::find("full_finetune_distributed")
+        tune::cli::commands::infer_recipe(&full_70b).map(|r| r.name),
+        tune::recipes::find("full_finetune_distributed")
             .ok()
-            .map(|r| r.name())
+            .map(|r| r.name)
     );
     let cfg = load_config(&full_70b, &[]).unwrap();
     let (typed, warnings) =
-        tune::config::validate_with("full_finetune_distributed", &cfg, &no_paths)
+        tune::recipes::validate_with("full_finetune_distributed", &cfg, &no_paths)
             .unwrap_or_else(|e| panic!("{e}"));
-    assert!(typed.as_train().is_some_and(|t| t.cpu_offload()));
+    assert!(typed.as_train().is_some_and(|t| t.fsdp_cpu_offload));
     assert!(
         !warnings.iter().any(|w| w.key == "fsdp_cpu_offload"),
         "{warnings:?}"
     );
     let cfg = load_config(&full_70b, &args(&["device=cpu"])).unwrap();
     let (typed, warnings) =
-        tune::config::validate_with("full_finetune_distributed", &cfg, &no_paths)
+        tune::recipes::validate_with("full_finetune_distributed", &cfg, &no_paths)
             .unwrap_or_else(|e| panic!("{e}"));
-    assert!(typed.as_train().is_some_and(|t| t.cpu_offload()));
+    assert!(typed.as_train().is_some_and(|t| t.fsdp_cpu_offload));
     assert_eq!(
         warnings
             .iter()
@@ -160,7 +164,7 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
     // Llama 4: refused as Llama 4, at the model's component (and its tokenizer's).
     let llama4 = load_config(&format!("{dir}/llama4_scout_17B_16E_lora.yaml"), &[]).unwrap();
     let e =
-        tune::config::validate_with("lora_finetune_distributed", &llama4, &no_paths).unwrap_err();
+        tune::recipes::validate_with("lora_finetune_distributed", &llama4, &no_paths).unwrap_err();
     for key in ["model._component_", "tokenizer._component_"] {
         assert!(e.has(key, "Llama 4 is not supported"), "{key}: {e}");
     }
@@ -179,7 +183,7 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
         &[],
     )
     .unwrap();
-    let err = tune::config::validate_with("lora_finetune_single_device", &vision, &no_paths)
+    let err = tune::recipes::validate_with("lora_finetune_single_device", &vision, &no_paths)
         .unwrap_err()
         .to_string();
     assert!(
@@ -195,27 +199,26 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
         let path = format!("{dir}/{file}");
         assert_eq!(
             tune::cli::commands::infer_recipe(&path),
-            Some(tune::config::recipes::Recipe::PpoFull),
+            tune::recipes::find("ppo_full_finetune").ok(),
             "{file}"
         );
         let cfg = load_config(&path, &[]).unwrap();
         let (typed, _) =
-            tune::config::validate_with("ppo_full_finetune_single_device", &cfg, &no_paths)
+            tune::recipes::validate_with("ppo_full_finetune_single_device", &cfg, &no_paths)
                 .unwrap_or_else(|e| panic!("{file}: {e}"));
-        let RecipeConfig::Train(own, _) = typed else {
-            panic!("{file}: a training config")
-        };
-        let ppo = own.ppo().expect("PPO's keys");
+        let ppo = typed
+            .own::<tune::config::schema::PpoKeys>()
+            .expect("PPO's keys");
         assert_eq!(ppo.reward_and_value_model.classes(), Some(1), "{file}");
     }
     let mistral = load_config(&format!("{dir}/mistral_7B_full_ppo_low_memory.yaml"), &[]).unwrap();
     let (typed, _) =
-        tune::config::validate_with("ppo_full_finetune_single_device", &mistral, &no_paths)
+        tune::recipes::validate_with("ppo_full_finetune_single_device", &mistral, &no_paths)
             .unwrap();
-    let RecipeConfig::Train(own, _) = typed else {
-        panic!("a training config")
-    };
-    let scorer = &own.ppo().unwrap().reward_and_value_model;
+    let scorer = &typed
+        .own::<tune::config::schema::PpoKeys>()
+        .expect("PPO's keys")
+        .reward_and_value_model;
     assert_eq!(
         scorer.component.canonical_name(),
         "tune.models.mistral.mistral_classifier"
@@ -225,7 +228,7 @@ fn torchtune_main_configs_validate_or_are_refused_by_name() {
         &args(&["~reward_and_value_model.base_model_path"]),
     )
     .unwrap();
-    let e = tune::config::validate_with("ppo_full_finetune_single_device", &no_base, &no_paths)
+    let e = tune::recipes::validate_with("ppo_full_finetune_single_device", &no_base, &no_paths)
         .unwrap_err();
     assert!(
         e.has("reward_and_value_model.base_model_path", "mistral_7b"),

@@ -1,9 +1,9 @@
 //! Bad inputs: each asserts the message a user sees.
 
 use crate::support::{args, path_in, temp_dir, tiny_assets};
-use tune::config::{
-    ProblemKind, ValidateOptions, ValidationErrors, Warning, load_config, validate, validate_with,
-};
+use tune::config::{ProblemKind, ValidateOptions, ValidationErrors, Warning, load_config};
+
+use tune::recipes::{validate, validate_with};
 
 const NO_PATHS: ValidateOptions = ValidateOptions { check_paths: false };
 
@@ -32,8 +32,8 @@ fn unknown_key_suggests_the_right_one() {
     assert!(
         e.has(
             "model.lora_rnak",
-            "unknown key `lora_rnak` for `model` (did you mean `lora_rank`?)"
-        ),
+            "unknown key `lora_rnak` for `model` (`tune.models.llama3.lora_llama3_tiny`)"
+        ) && e.has("model.lora_rnak", "did you mean `lora_rank`?"),
         "{e}"
     );
     assert!(
@@ -137,17 +137,10 @@ fn missing_required_keys() {
     let e = errors(
         "tiny/lora_single_device",
         "lora_finetune",
-        &["~optimizer.lr", "~model.lora_rank", "~tokenizer"],
+        &["~optimizer.lr", "~tokenizer"],
     );
     assert!(
         e.has("optimizer.lr", "missing required key `lr` (a number)"),
-        "{e}"
-    );
-    assert!(
-        e.has(
-            "model.lora_rank",
-            "missing required key `lora_rank` for LoRA builder"
-        ),
         "{e}"
     );
     assert!(
@@ -227,7 +220,13 @@ fn recipe_level_rules() {
         e.has("dataset._component_", "needs a preference dataset"),
         "{e}"
     );
-    assert!(e.has("loss._component_", "cannot be used as `loss`"), "{e}");
+    assert!(
+        e.has(
+            "loss._component_",
+            "cannot be `loss` for this recipe: it takes tune.loss.DPOLoss"
+        ),
+        "{e}"
+    );
     let e = errors(
         "tiny/lora_single_device",
         "lora_finetune",
@@ -264,7 +263,7 @@ fn recipe_level_rules() {
         "{e}"
     );
     assert!(
-        e.has("kd_loss._component_", "cannot be used as `kd_loss`"),
+        e.has("kd_loss._component_", "cannot be `kd_loss` for this recipe"),
         "{e}"
     );
 }
@@ -279,7 +278,7 @@ fn qlora_is_refused_where_torchtune_has_no_such_combination() {
     assert!(
         e.has(
             "model.quantize_base",
-            "is a full model builder; NF4 base weights"
+            "`quantize_base` is not a setting of `tune.models.llama3.llama3_tiny`: it is a setting of LoRA builders"
         ),
         "{e}"
     );
@@ -603,7 +602,6 @@ fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
     for (over, key, says) in [
         ("max_new_tokens=0", "max_new_tokens", "at least 1"),
         ("temperature=-0.5", "temperature", "0 (greedy) or greater"),
-        ("top_k=0", "top_k", "at least 1"),
         ("top_p=0", "top_p", "greater than 0 and at most 1"),
         ("top_p=1.5", "top_p", "1.5 is out of range"),
     ] {
@@ -614,6 +612,14 @@ fn out_of_range_training_values_are_refused_naming_key_value_and_range() {
         "tiny/generation",
         "generate",
         &["temperature=0", "top_p=1", "top_k=1"],
+    );
+    // top_k 0 is every token, as transformers and TRL read it (the one sampling group of
+    // generation, GRPO and PPO).
+    warnings("tiny/generation", "generate", &["top_k=0"]);
+    warnings(
+        "tiny/ppo_full_single_device",
+        "ppo_full_finetune",
+        &["top_k=0", "top_p=0.9"],
     );
     // The limits themselves are fine.
     warnings(
@@ -965,4 +971,33 @@ fn ranges_setup_used_to_check_and_unbuilt_datasets_are_refused_at_validation() {
             "{builder}: {e}"
         );
     }
+}
+
+/// torchtune's `lora_*` builders default `lora_rank` to 8 and `lora_alpha` to 16, so a LoRA
+/// teacher written with its targets only (torchtune's `qwen2_5/14B_to_7B_KD_lora_single_device`)
+/// validates; a frozen teacher has no routers to train.
+#[test]
+fn a_lora_builder_takes_torchtunes_rank_and_alpha_defaults() {
+    let lora_teacher = [
+        "teacher_model={_component_: torchtune.models.llama3.lora_llama3_tiny, lora_attn_modules: [q_proj, v_proj, output_proj]}",
+    ];
+    let cfg = load_config("tiny/kd_lora_single_device", &args(&lora_teacher)).unwrap();
+    let (typed, _) = validate_with("kd", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{e}"));
+    let student = &typed.as_train().expect("training").model;
+    assert!(student.lora().is_some());
+    let cfg = load_config(
+        "tiny/lora_single_device",
+        &args(&["~model.lora_rank", "~model.lora_alpha"]),
+    )
+    .unwrap();
+    let (typed, _) = validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap();
+    let lora = typed.as_train().and_then(|t| t.model.lora()).cloned();
+    assert_eq!(lora.map(|l| (l.lora_rank, l.lora_alpha)), Some((8, 16.0)));
+    let mut with_router = lora_teacher.to_vec();
+    with_router.push("teacher_model.train_router=True");
+    let e = errors("tiny/kd_lora_single_device", "kd", &with_router);
+    assert!(
+        e.has("teacher_model.train_router", "is not trained by recipe"),
+        "{e}"
+    );
 }

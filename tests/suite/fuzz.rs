@@ -17,7 +17,9 @@ use serde_json::{Value as Json, json};
 
 use tune::checkpoint::safetensors_io::SafetensorsFile;
 use tune::checkpoint::weights::{Weights, checkpoint_files};
-use tune::config::{ValidateOptions, builtin, load_config, validate, validate_with};
+use tune::config::{ValidateOptions, builtin, load_config};
+use tune::recipes::{validate, validate_with};
+
 use tune::data::{Dataset, DatasetKind, DatasetSpec, load_rows};
 use tune::tokenizer::Tokenizer;
 

@@ -432,7 +432,7 @@ fn grpo_configs_refuse_what_they_would_ignore_by_name() {
         (
             LORA,
             &["reward_functions=[{_component_: tune.rewards.length}]"],
-            "`tune.rewards.length` needs `target`",
+            "reward_functions.0.target: missing required key `target`",
         ),
         (
             LORA,
@@ -444,7 +444,7 @@ fn grpo_configs_refuse_what_they_would_ignore_by_name() {
         (
             LORA,
             &["loss._component_=torchtune.rlhf.loss.DPOLoss"],
-            "cannot be used as `loss`",
+            "cannot be `loss` for this recipe",
         ),
         (
             LORA,

@@ -387,17 +387,18 @@ fn train_router_where_it_cannot_work_is_refused_by_key() {
             "model.train_router=True",
             "reference model",
         ),
-        // Full fine-tuning trains the routers whatever the key says.
+        // A full builder takes no LoRA settings: full fine-tuning trains the routers anyway.
         (
             "tiny/full_single_device",
             "model.train_router=False",
-            "full model builder",
+            "it is a setting of LoRA builders",
         ),
-        // A frozen teacher has no routers to train.
+        // The tiny teacher's full builder takes no LoRA settings (a LoRA teacher's is refused
+        // as not trained: config_validation).
         (
             "tiny/kd_lora_single_device",
             "teacher_model.train_router=True",
-            "not trained",
+            "it is a setting of LoRA builders",
         ),
     ] {
         let run = tune(&["validate", config, key]);

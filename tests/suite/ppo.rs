@@ -183,7 +183,9 @@ fn ppo_with_activation_checkpointing_makes_the_same_updates() {
 /// What a PPO config can get wrong, each named by its key with the fix.
 #[test]
 fn ppo_config_mistakes_are_refused_by_name() {
-    use tune::config::{ValidateOptions, load_config, validate_with};
+    use tune::config::{ValidateOptions, load_config};
+    use tune::recipes::validate_with;
+
     let check = |overrides: &[&str]| {
         let cfg = load_config(CONFIG, &args(overrides)).expect("config loads");
         validate_with(PPO, &cfg, &ValidateOptions { check_paths: false })

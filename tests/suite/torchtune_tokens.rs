@@ -221,7 +221,7 @@ fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
     let cfg =
         tune::config::load_config("tiny/lora_single_device", &crate::support::args(&overrides))
             .unwrap();
-    let (typed, _) = tune::config::validate_with(
+    let (typed, _) = tune::recipes::validate_with(
         "lora_finetune_single_device",
         &cfg,
         &tune::config::ValidateOptions { check_paths: false },

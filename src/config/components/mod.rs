@@ -258,6 +258,9 @@ pub trait ComponentOf: Sized {
 
     /// This section's part of a resolved component (`None` for another kind's).
     fn from_component(component: Component) -> Option<Self>;
+
+    /// The resolved component it is.
+    fn into_component(self) -> Component;
 }
 
 /// Each section's component type: its kind, its part of [`Component`], and its serialised form
@@ -271,6 +274,10 @@ macro_rules! component_type {
                     Component::$variant(c) => Some(c),
                     _ => None,
                 }
+            }
+
+            fn into_component(self) -> Component {
+                Component::$variant(self)
             }
         }
 

@@ -10,6 +10,7 @@ use crate::config::components::HfCheckpointer;
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{Checker, ConfigValue, Ty, join, keys, on, optional, required};
 use crate::config::paths;
+use crate::config::values::choices;
 
 /// `max_filename` of torchtune's `{filename_format, max_filename}`: a string (`"00004"`) or a
 /// number.
@@ -86,6 +87,118 @@ impl CheckpointFiles {
     }
 }
 
+/// torchtune's `ModelType` names (and tune's own for the families torchtune lacks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum CheckpointModelType {
+    Gemma,
+    Gemma2,
+    Gemma3,
+    Llama2,
+    Llama3,
+    #[serde(rename = "LLAMA3_2")]
+    Llama3_2,
+    #[serde(rename = "LLAMA3_VISION")]
+    LlamaVision,
+    Llama4,
+    Mistral,
+    Mixtral,
+    Phi3Mini,
+    Phi4,
+    Phi4Mini,
+    Qwen2,
+    Qwen2Moe,
+    Qwen3,
+    Qwen3Moe,
+    Smollm3,
+    GptOss,
+    Reward,
+    ClipText,
+    T5Encoder,
+}
+
+choices!(CheckpointModelType {
+    "GEMMA" => CheckpointModelType::Gemma,
+    "GEMMA2" => CheckpointModelType::Gemma2,
+    "GEMMA3" => CheckpointModelType::Gemma3,
+    "LLAMA2" => CheckpointModelType::Llama2,
+    "LLAMA3" => CheckpointModelType::Llama3,
+    "LLAMA3_2" => CheckpointModelType::Llama3_2,
+    "LLAMA3_VISION" => CheckpointModelType::LlamaVision,
+    "LLAMA4" => CheckpointModelType::Llama4,
+    "MISTRAL" => CheckpointModelType::Mistral,
+    "MIXTRAL" => CheckpointModelType::Mixtral,
+    "PHI3_MINI" => CheckpointModelType::Phi3Mini,
+    "PHI4" => CheckpointModelType::Phi4,
+    "PHI4_MINI" => CheckpointModelType::Phi4Mini,
+    "QWEN2" => CheckpointModelType::Qwen2,
+    "QWEN2_MOE" => CheckpointModelType::Qwen2Moe,
+    "QWEN3" => CheckpointModelType::Qwen3,
+    "QWEN3_MOE" => CheckpointModelType::Qwen3Moe,
+    "SMOLLM3" => CheckpointModelType::Smollm3,
+    "GPT_OSS" => CheckpointModelType::GptOss,
+    "REWARD" => CheckpointModelType::Reward,
+    "CLIP_TEXT" => CheckpointModelType::ClipText,
+    "T5_ENCODER" => CheckpointModelType::T5Encoder,
+});
+
+impl CheckpointModelType {
+    /// The text families (config.json's `model_type`s) a checkpoint of this type has; `None`
+    /// for `REWARD`, a classifier of any family.
+    pub fn families(self) -> Option<&'static [&'static str]> {
+        Some(match self {
+            Self::Gemma => &["gemma"],
+            Self::Gemma2 => &["gemma2"],
+            Self::Gemma3 => &["gemma3_text"],
+            Self::Llama2 | Self::Llama3 | Self::Llama3_2 => &["llama"],
+            Self::Mistral => &["mistral"],
+            Self::Mixtral => &["mixtral"],
+            Self::Phi3Mini | Self::Phi4 | Self::Phi4Mini => &["phi3"],
+            Self::Qwen2 => &["qwen2"],
+            Self::Qwen2Moe => &["qwen2_moe"],
+            Self::Qwen3 => &["qwen3"],
+            Self::Qwen3Moe => &["qwen3_moe"],
+            Self::Smollm3 => &["smollm3"],
+            Self::GptOss => &["gpt_oss"],
+            Self::Reward => return None,
+            Self::LlamaVision | Self::Llama4 | Self::ClipText | Self::T5Encoder => &[],
+        })
+    }
+}
+
+/// CLIP's and T5's text encoders are no language model tune trains or generates with.
+fn a_language_model(t: &Option<CheckpointModelType>, path: &str, cx: &mut Checker) {
+    if let Some(t @ (CheckpointModelType::ClipText | CheckpointModelType::T5Encoder)) = t {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                path,
+                format!(
+                    "{} is a text encoder (of an image model), not a language model tune trains",
+                    serde_json::to_value(t).unwrap_or_default()
+                ),
+            )
+            .with_fix(
+                "point the checkpointer at a language model and set its model_type (e.g. LLAMA3)",
+            ),
+        );
+    }
+}
+
+/// `safe_serialization: False` asks for PyTorch `.bin` files.
+fn safetensors_only(safe: &bool, path: &str, cx: &mut Checker) {
+    if !safe {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                path,
+                "False asks for PyTorch .bin checkpoints; tune writes safetensors only (which transformers, peft and torchtune all load)",
+            )
+            .with_fix("remove `safe_serialization`, or set it to True"),
+        );
+    }
+}
+
 keys! {
     /// A Hugging Face checkpoint (config.json + safetensors) to load, and where a run's
     /// checkpoints go.
@@ -100,16 +213,20 @@ keys! {
     checkpoint_files: Option<CheckpointFiles> = optional(),
     /// A PEFT adapter (directory, or a file in it) applied on top of the model.
     adapter_checkpoint: Option<String> = optional().fingerprint(),
-    /// torchtune's training-state file; tune resumes from its own checkpoints.
-    recipe_checkpoint: Option<String> = optional(),
+    /// torchtune's training-state file (`recipe_state.pt`): only null. tune resumes from the
+    /// latest complete checkpoint in its checkpoint directory (`resume_from_checkpoint: True`).
+    recipe_checkpoint: Option<String> = optional().refuse(
+        "tune cannot read torchtune's recipe state; with `resume_from_checkpoint: True` it resumes from the latest complete checkpoint in its checkpoint directory (each holds its optimizer state and position): set `recipe_checkpoint: null`",
+    ),
     /// Where the run's checkpoints go (default: the top-level `output_dir`).
     output_dir: Option<PathBuf> = optional(),
-    /// Informational: the architecture comes from config.json.
-    model_type: Option<String> = optional(),
-    /// Checkpoints are always safetensors.
-    safe_serialization: bool = on(),
-    /// torchtune main's place for the top-level `keep_last_n_checkpoints`.
-    keep_last_n_checkpoints: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null to keep all"),
+    /// torchtune's name for the checkpoint's architecture: the architecture comes from
+    /// config.json, which must be of this family (a mismatch is refused when the checkpoint
+    /// loads: the checkpointer points at another model than the config says).
+    model_type: Option<CheckpointModelType> = optional().rule(a_language_model),
+    /// Checkpoints are safetensors: True, or left out (False asks for `.bin` files, which tune
+    /// does not write).
+    safe_serialization: bool = on().rule(safetensors_only),
 }
 
 impl CheckpointerConfig {
@@ -119,7 +236,7 @@ impl CheckpointerConfig {
     }
 }
 
-/// Every path the checkpointer reads must exist (the recipe checkpoint only when resuming).
+/// Every path the checkpointer reads must exist.
 fn checkpointer_rules(c: &CheckpointerConfig, path: &str, cx: &mut Checker) {
     if !cx.check_paths {
         return;
@@ -157,24 +274,15 @@ fn checkpointer_rules(c: &CheckpointerConfig, path: &str, cx: &mut Checker) {
             }
         }
     }
-    let resuming = cx.resuming;
-    for (key, file) in [
-        ("adapter_checkpoint", &c.adapter_checkpoint),
-        (
-            "recipe_checkpoint",
-            &c.recipe_checkpoint.clone().filter(|_| resuming),
-        ),
-    ] {
-        if let Some(f) = file {
-            let full = dir.join(Path::new(f));
-            paths::require(
-                full.exists(),
-                cx,
-                &join(path, key),
-                "file",
-                &full.display().to_string(),
-                "a file inside checkpoint_dir",
-            );
-        }
+    if let Some(f) = &c.adapter_checkpoint {
+        let full = dir.join(Path::new(f));
+        paths::require(
+            full.exists(),
+            cx,
+            &join(path, "adapter_checkpoint"),
+            "file",
+            &full.display().to_string(),
+            "a file inside checkpoint_dir",
+        );
     }
 }

@@ -13,7 +13,7 @@ use crate::config::keys::{
     optional,
 };
 use crate::config::paths;
-use crate::config::recipes::Recipe;
+use crate::config::recipes::DataKind;
 use crate::config::values::choices;
 use crate::data::{ConversationStyle, DataFiles, Partition};
 
@@ -99,11 +99,14 @@ fn partition_format(partition: &Option<String>, path: &str, cx: &mut Checker) {
 /// gsm8k's.
 fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
     let builder = &d.component;
-    let reads = |recipe: Recipe| {
-        builder.kind.is_prompt() || (recipe.is_ppo() && builder.kind == DatasetKind::TextCompletion)
+    let data = cx.recipe.map(|r| r.data);
+    let reads = |data: DataKind| {
+        builder.kind.is_prompt()
+            || (data == DataKind::PromptsOrText && builder.kind == DatasetKind::TextCompletion)
     };
-    if let Some(recipe) = cx.recipe.filter(|&r| r.generates() && !reads(r)) {
-        let fix = if recipe.is_ppo() {
+    let generates = |d: &DataKind| matches!(d, DataKind::Prompts | DataKind::PromptsOrText);
+    if let (Some(recipe), Some(data)) = (cx.recipe, data.filter(|d| generates(d) && !reads(*d))) {
+        let fix = if data == DataKind::PromptsOrText {
             "use `torchtune.datasets.text_completion_dataset` (with `column: <prompt column>`, `add_eos: False`) or `tune.datasets.prompt_dataset`"
         } else {
             "use `tune.datasets.prompt_dataset` (with `column_map: {prompt: <column>}`) or `torchtune.dev.grpo.gsm8k.gsm8k_dataset`"
@@ -121,7 +124,9 @@ fn prompt_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
         );
     }
     if builder.kind.is_prompt()
-        && let Some(recipe) = cx.recipe.filter(|r| r.is_training() && !r.generates())
+        && let Some(recipe) = cx
+            .recipe
+            .filter(|r| matches!(r.data, DataKind::Responses | DataKind::Pairs))
     {
         cx.problem(
             Problem::new(
@@ -161,7 +166,7 @@ fn dataset_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
         .recipe
         .filter(|r| r.is_training() && !builder.kind.is_prompt())
     {
-        let wants_pairs = recipe.is_dpo();
+        let wants_pairs = recipe.data == DataKind::Pairs;
         if wants_pairs != builder.kind.is_preference() {
             let (msg, fix) = if wants_pairs {
                 (
@@ -232,35 +237,13 @@ impl Deref for Datasets {
     }
 }
 
-/// Keys added to `dataset` after checkpoints with fingerprints were written, with their
-/// defaults: an entry at its default is left out of the fingerprint, so those checkpoints still
-/// resume (a dataset is one fingerprint entry, compared whole).
-const ADDED_AT_DEFAULT: &[(&str, serde_json::Value)] = &[
-    ("partition", serde_json::Value::Null),
-    ("apply_chat_template", serde_json::Value::Bool(true)),
-];
-
 impl ConfigValue for Datasets {
     const TY: &'static Ty = &Ty::OneOrMany(&DatasetConfig::SECTION);
 
+    /// The whole list, with its entries' declared defaults: a checkpoint written before a key
+    /// was added to `dataset` holds none for it, which is its default.
     fn fingerprint(&self, path: &str, mode: Fingerprint, out: &mut FingerprintEntries) {
-        if mode == Fingerprint::Inherit {
-            return;
-        }
-        let mut value = serde_json::to_value(self).unwrap_or_default();
-        if let serde_json::Value::Array(entries) = &mut value {
-            for entry in entries
-                .iter_mut()
-                .filter_map(serde_json::Value::as_object_mut)
-            {
-                for (key, default) in ADDED_AT_DEFAULT {
-                    if entry.get(*key) == Some(default) {
-                        entry.remove(*key);
-                    }
-                }
-            }
-        }
-        out.insert(path, mode, value);
+        self.0.fingerprint(path, mode, out);
     }
 
     fn read(value: &Value, path: &str, cx: &mut Checker) -> Option<Self> {
@@ -289,7 +272,9 @@ impl ConfigValue for Datasets {
 #[cfg(test)]
 mod tests {
     use crate::config::keys::{Fingerprint, FingerprintEntries};
-    use crate::config::{ValidateOptions, ValidationErrors, load_config, validate_with};
+    use crate::config::{ValidateOptions, ValidationErrors, load_config};
+
+    use crate::recipes::validate_with;
 
     use super::{ConfigValue, Datasets};
 
@@ -332,16 +317,32 @@ mod tests {
 
     #[test]
     fn the_new_keys_at_their_defaults_leave_the_fingerprint_as_it_was() {
+        use crate::training::checkpointing::RunFingerprint;
         let fingerprint = |overrides: &[&str]| {
             let d = validated(overrides).expect("valid");
             let mut out = FingerprintEntries::default();
             d.fingerprint("dataset", Fingerprint::Yes, &mut out);
-            out.entries["dataset"][0].clone()
+            RunFingerprint {
+                entries: out.entries,
+                resume_may_change: out.resume_may_change,
+                defaults: out.defaults,
+            }
         };
-        let plain = fingerprint(&[]);
-        assert!(plain.get("partition").is_none(), "{plain}");
-        assert!(plain.get("apply_chat_template").is_none(), "{plain}");
+        // A checkpoint written before `partition` and `apply_chat_template` existed holds
+        // neither: they had their defaults.
+        let current = fingerprint(&[]);
+        let mut saved = current.clone();
+        for entry in saved.entries["dataset"]
+            .as_array_mut()
+            .expect("a list")
+            .iter_mut()
+        {
+            let entry = entry.as_object_mut().expect("an entry");
+            entry.remove("partition");
+            entry.remove("apply_chat_template");
+        }
+        assert!(saved.differences(&current).is_empty());
         let off = fingerprint(&["dataset.apply_chat_template=False"]);
-        assert_eq!(off["apply_chat_template"], serde_json::json!(false));
+        assert_eq!(saved.differences(&off), ["dataset"]);
     }
 }

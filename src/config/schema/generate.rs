@@ -5,11 +5,14 @@ use std::path::PathBuf;
 use serde::Serialize;
 use serde_yaml::Value;
 
-use super::{CheckpointerConfig, Device, ModelConfig, QuantizerConfig, TokenizerConfig};
+use super::{CheckpointerConfig, Device, ModelConfig, QuantizerConfig, Sampling, TokenizerConfig};
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, ConfigValue, Ty, default, keys, off, on, optional, required};
+use crate::config::keys::{
+    Checker, ConfigValue, Ty, default, group, keys, off, on, optional, required,
+};
 use crate::config::paths;
 use crate::precision::Dtype;
+use crate::verbosity::LogLevel;
 
 keys! {
     /// The prompt's turns.
@@ -56,16 +59,17 @@ keys! {
     checkpointer: CheckpointerConfig = required(),
     /// Its tokenizer.
     tokenizer: TokenizerConfig = required(),
-    /// Unused by generation (torchtune's configs set it).
-    output_dir: Option<PathBuf> = optional(),
+    /// torchtune's generation configs set it (for `${output_dir}` in other keys); generation
+    /// writes no files.
+    output_dir: Option<PathBuf> = optional().validation_only("generation writes no files"),
     /// `cpu`, `cuda` or `wgpu` (null: CUDA in a CUDA build, else the CPU).
     device: Option<Device> = optional(),
     /// The float precision to compute in.
     dtype: Dtype = default(Dtype::default),
     /// Seeds sampling (null: a random seed).
     seed: Option<u64> = optional(),
-    /// torchtune's log level.
-    log_level: Option<String> = optional(),
+    /// How much tune says on stderr: `DEBUG`, `INFO` (null), `WARN` or `ERROR`.
+    log_level: Option<LogLevel> = optional(),
     /// The prompt: the user turn, or `{system, user}`.
     prompt: Prompt = required(),
     /// Format the prompt with the tokenizer's chat template.
@@ -77,13 +81,9 @@ keys! {
         |v| v >= 0.0 && v.is_finite(),
         "0 (greedy) or greater",
     ),
-    /// Sample among the `top_k` most likely tokens.
-    top_k: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null for no top-k"),
-    /// Sample among the most likely tokens whose probabilities sum to `top_p`.
-    top_p: Option<f64> = optional().range(
-        |v| v > 0.0 && v <= 1.0,
-        "greater than 0 and at most 1, or null",
-    ),
+    /// Which tokens it samples among.
+    #[serde(flatten)]
+    sampling: Sampling = group(),
     /// Stop at the end-of-sequence token.
     stop_at_eos: bool = on(),
     /// A PEFT adapter directory applied on top of the checkpoint.

@@ -1,17 +1,15 @@
 //! The GRPO recipes' own keys: the rollouts (completions per prompt, sampling, lengths), the
 //! optimisation passes over them, the reference model and the reward functions. Names and
 //! defaults are torchtune's (`dev/grpo_full_finetune_distributed`, its `dev/*grpo*` configs);
-//! `top_p`, `scale_rewards` and `mask_truncated_completions` are TRL's `GRPOConfig`'s.
+//! `top_p`, `scale_rewards` and `mask_truncated_completions` are TRL's `GRPOConfig`'s. Each
+//! reward function owns its settings ([`RewardConfig`]).
 
 use serde::Serialize;
 
-use super::CheckpointerConfig;
+use super::{CheckpointerConfig, GrpoLoss, Rollout};
 use crate::config::components::RewardKind;
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{
-    Checker, default, join, keys, off, optional, refuse_unread_settings, required,
-};
-use crate::config::recipes::Recipe;
+use crate::config::keys::{Checker, choice, default, group, keys, off, optional, required};
 use crate::config::values::choices;
 use crate::training::grpo_loss::ScaleRewards;
 
@@ -32,103 +30,36 @@ impl Serialize for ScaleRewards {
 }
 
 keys! {
-    /// One reward function of `reward_functions`: its component and that component's
-    /// settings. A setting another component reads is refused by name.
-    pub struct RewardConfig {
-        section: "reward_functions",
-        component: RewardKind,
-        rule: reward_rules,
+    /// What every reward function of `reward_functions` has.
+    pub struct RewardCommon {
+        group: "reward",
     }
     /// Its share of the reward the advantages come from (TRL's `reward_weights`).
     weight: f64 = default(|| 1.0).range(|v| v.is_finite(), "a finite number"),
-    /// The name its rewards are logged under (`rewards/<name>`; default: the function's).
+    /// The name its rewards are logged under (`rewards/<name>`; null: the function's).
     name: Option<String> = optional(),
-    /// `tune.rewards.command`: the program and its arguments, started once per run.
-    command: Option<Vec<String>> = optional(),
-    /// `tune.rewards.command`: seconds one batch may take, from its first line written to its
-    /// last answer read (default 60).
-    timeout: Option<f64> = optional().range(|v| v > 0.0, "a positive number of seconds"),
-    /// `tune.rewards.length`: the completion length, in tokens, that earns the full reward.
-    target: Option<usize> = optional().range(|v| v >= 1.0, "at least 1 token"),
-    /// `tune.rewards.gsm8k_shaped_correctness`: the dataset column with the reference answer
-    /// (default `answer`, as gsm8k_dataset names it).
-    answer_column: Option<String> = optional(),
-    /// `ThinkingAnswerFormattingReward`: the reasoning tag (`think`).
-    think_tag: Option<String> = optional(),
-    /// `ThinkingAnswerFormattingReward`: the answer tag (`answer`).
-    answer_tag: Option<String> = optional(),
-    /// `ThinkingAnswerFormattingReward`: the reward of a well-formatted completion.
-    positive_reward: Option<f64> = optional(),
-    /// `ThinkingAnswerFormattingReward`: the reward otherwise (default 0).
-    negative_reward: Option<f64> = optional(),
 }
 
-impl RewardConfig {
-    /// The settings each component reads (besides `weight` and `name`), and which it needs.
-    fn settings(kind: RewardKind) -> (&'static [&'static str], &'static [&'static str]) {
-        match kind {
-            RewardKind::Command => (&["command", "timeout"], &["command"]),
-            RewardKind::Length => (&["target"], &["target"]),
-            RewardKind::Gsm8kShapedCorrectness => (&["answer_column"], &[]),
-            RewardKind::ThinkingAnswerFormatting => (
-                &[
-                    "think_tag",
-                    "answer_tag",
-                    "positive_reward",
-                    "negative_reward",
-                ],
-                &["think_tag", "answer_tag", "positive_reward"],
-            ),
-            RewardKind::ThinkPresence => (&[], &[]),
-        }
-    }
-
-    /// The settings this entry sets (weight and name aside).
-    fn set(&self) -> Vec<&'static str> {
-        let set = [
-            ("command", self.command.is_some()),
-            ("timeout", self.timeout.is_some()),
-            ("target", self.target.is_some()),
-            ("answer_column", self.answer_column.is_some()),
-            ("think_tag", self.think_tag.is_some()),
-            ("answer_tag", self.answer_tag.is_some()),
-            ("positive_reward", self.positive_reward.is_some()),
-            ("negative_reward", self.negative_reward.is_some()),
-        ];
-        set.into_iter()
-            .filter_map(|(k, on)| on.then_some(k))
-            .collect()
-    }
+keys! {
+    /// `tune.rewards.command`: any program, one JSON line in, one number out per completion.
+    pub struct CommandRewardKeys {}
+    /// Its weight and name.
+    #[serde(flatten)]
+    common: RewardCommon = group(),
+    /// The program and its arguments, started once per run (e.g. `[python3, reward.py]`).
+    command: Vec<String> = required().rule(a_program),
+    /// Seconds one batch may take, from its first line written to its last answer read.
+    timeout: f64 = default(|| crate::rewards::command::DEFAULT_TIMEOUT.as_secs_f64())
+        .range(|v| v > 0.0, "a positive number of seconds"),
 }
 
-/// Each component's settings: the ones it needs are required, the ones it does not read are
-/// refused (a `target` on a command reward would otherwise be silently ignored).
-fn reward_rules(r: &RewardConfig, path: &str, cx: &mut Checker) {
-    let (reads, needs) = RewardConfig::settings(r.component);
-    let name = crate::config::components::Component::Reward(r.component).canonical_name();
-    refuse_unread_settings(cx, path, &name, (&r.set(), reads), |_| None);
-    for key in needs.iter().filter(|k| !r.set().contains(k)) {
-        let example = match *key {
-            "command" => "e.g. `command: [python3, reward.py]`",
-            "target" => "e.g. `target: 64` (tokens)",
-            "think_tag" => "torchtune's configs write `think_tag: think`",
-            "answer_tag" => "torchtune's configs write `answer_tag: answer`",
-            _ => "torchtune's configs write `positive_reward: 1.0`",
-        };
-        cx.problem(
-            Problem::new(
-                ProblemKind::MissingKey,
-                join(path, key),
-                format!("`{name}` needs `{key}`"),
-            )
-            .with_fix(example),
-        );
-    }
-    if r.command.as_ref().is_some_and(Vec::is_empty) {
+#[allow(clippy::ptr_arg)]
+fn a_program(command: &Vec<String>, path: &str, cx: &mut Checker) {
+    if command.is_empty() {
         cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
-                join(path, "command"),
+                path,
                 "is empty: it needs the program to run",
             )
             .with_fix("e.g. `command: [python3, reward.py]`"),
@@ -137,40 +68,105 @@ fn reward_rules(r: &RewardConfig, path: &str, cx: &mut Checker) {
 }
 
 keys! {
-    /// The GRPO recipes' own keys.
-    pub struct GrpoKeys {
-        rule: grpo_rules,
+    /// `tune.rewards.length`: closeness to a target completion length.
+    pub struct LengthRewardKeys {}
+    /// Its weight and name.
+    #[serde(flatten)]
+    common: RewardCommon = group(),
+    /// The completion length, in tokens, that earns the full reward (e.g. 64).
+    target: usize = required().range(|v| v >= 1.0, "at least 1 token"),
+}
+
+keys! {
+    /// `tune.rewards.gsm8k_shaped_correctness`: torchtune's gsm8k shaped correctness.
+    pub struct Gsm8kRewardKeys {}
+    /// Its weight and name.
+    #[serde(flatten)]
+    common: RewardCommon = group(),
+    /// The dataset column with the reference answer (gsm8k_dataset names it `answer`).
+    answer_column: String = default(|| "answer".to_string()),
+}
+
+keys! {
+    /// torchtune's `ThinkingAnswerFormattingReward` (its configs write `think_tag: think`,
+    /// `answer_tag: answer`, `positive_reward: 1.0`).
+    pub struct FormattingRewardKeys {}
+    /// Its weight and name.
+    #[serde(flatten)]
+    common: RewardCommon = group(),
+    /// The reasoning tag.
+    think_tag: String = required(),
+    /// The answer tag.
+    answer_tag: String = required(),
+    /// The reward of a well-formatted completion.
+    positive_reward: f64 = required(),
+    /// The reward otherwise.
+    negative_reward: f64 = default(|| 0.0),
+}
+
+keys! {
+    /// A reward function with no settings of its own.
+    pub struct PlainRewardKeys {}
+    /// Its weight and name.
+    #[serde(flatten)]
+    common: RewardCommon = group(),
+}
+
+choice! {
+    /// One reward function of `reward_functions`: its component and that component's settings.
+    pub struct RewardConfig {
+        section: "reward_functions",
+        component: RewardKind,
+        settings: RewardSettings,
     }
+    "tune.rewards.command": RewardKind::Command => Command(CommandRewardKeys),
+    "tune.rewards.length": RewardKind::Length => Length(LengthRewardKeys),
+    "tune.rewards.gsm8k_shaped_correctness":
+        RewardKind::Gsm8kShapedCorrectness => Gsm8kShapedCorrectness(Gsm8kRewardKeys),
+    "torchtune's ThinkingAnswerFormattingReward":
+        RewardKind::ThinkingAnswerFormatting => ThinkingAnswerFormatting(FormattingRewardKeys),
+    "torchtune's at_least_one_space_between_think_tags":
+        RewardKind::ThinkPresence => ThinkPresence(PlainRewardKeys),
+}
+
+impl RewardConfig {
+    /// Its weight and name.
+    pub fn common(&self) -> &RewardCommon {
+        match &self.settings {
+            RewardSettings::Command(k) => &k.common,
+            RewardSettings::Length(k) => &k.common,
+            RewardSettings::Gsm8kShapedCorrectness(k) => &k.common,
+            RewardSettings::ThinkingAnswerFormatting(k) => &k.common,
+            RewardSettings::ThinkPresence(k) => &k.common,
+        }
+    }
+}
+
+keys! {
+    /// The GRPO recipes' own keys.
+    pub struct GrpoKeys {}
+    /// The policy loss.
+    loss: GrpoLoss = required().fingerprint(),
     /// Completions sampled per prompt (the group whose rewards normalise each other).
     grpo_samples: usize = required().range(|v| v >= 1.0, "at least 1").fingerprint(),
-    /// Prompts scored by the old and reference policies in one forward pass (default
+    /// Prompts scored by the old and reference policies in one forward pass (null:
     /// `batch_size`); each prompt's completions are sampled together, one group at a time.
     forward_batch_size: Option<usize> = optional().range(|v| v >= 1.0, "at least 1"),
-    /// The longest completion, in tokens.
-    max_generated_tokens: usize = required().range(|v| v >= 1.0, "at least 1").fingerprint(),
-    /// Sampling temperature; the log-probabilities are of the tempered distribution, as
-    /// torchtune computes them.
-    temperature: f64 = default(|| 1.0)
-        .range(|v| v.is_finite() && v > 0.0, "a positive number: GRPO samples (at 0 every completion of a group would be the same, every advantage 0)")
-        .fingerprint(),
-    /// Sample among the k most likely tokens only (null: all).
-    top_k: Option<usize> = optional().fingerprint(),
-    /// Nucleus sampling (TRL's `top_p`; null: all).
-    top_p: Option<f64> = optional()
-        .range(|v| v > 0.0 && v <= 1.0, "in (0, 1]")
-        .fingerprint(),
+    /// The completions' length, temperature and sampling.
+    #[serde(flatten)]
+    rollout: Rollout = group(),
+    /// Tokens that end a completion besides the tokenizer's end-of-sequence tokens.
+    stop_token_ids: Option<Vec<u32>> = optional().fingerprint(),
     /// Optimizer steps on each batch of rollouts (PPO's epochs; TRL's `num_iterations`).
     ppo_epochs: usize = default(|| 1).range(|v| v >= 1.0, "at least 1").fingerprint(),
     /// Stop after this many batches of prompts over all epochs (null: run every epoch).
     num_steps: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null"),
     /// Save a checkpoint every this many epochs (and after the last one).
     save_every_n_epochs: usize = default(|| 1).range(|v| v >= 1.0, "at least 1"),
-    /// Tokens that end a completion besides the tokenizer's end-of-sequence tokens.
-    stop_token_ids: Option<Vec<u32>> = optional().fingerprint(),
     /// The frozen reference model of the KL penalty (full GRPO; LoRA's reference is the base
     /// with its adapters disabled).
     ref_checkpointer: Option<CheckpointerConfig> = optional(),
-    /// The rewards, summed with their weights (default: torchtune's recipe's, gsm8k's shaped
+    /// The rewards, summed with their weights (null: torchtune's recipe's, gsm8k's shaped
     /// correctness).
     reward_functions: Option<Vec<RewardConfig>> = optional().fingerprint(),
     /// What centred rewards are divided by: each group's standard deviation (torchtune's),
@@ -178,27 +174,4 @@ keys! {
     scale_rewards: ScaleRewards = default(|| ScaleRewards::Group).fingerprint(),
     /// Completions cut off by `max_generated_tokens` add nothing to the loss (TRL's).
     mask_truncated_completions: bool = off().fingerprint(),
-}
-
-/// Keys whose meaning depends on the recipe.
-fn grpo_rules(k: &GrpoKeys, _: &str, cx: &mut Checker) {
-    match (cx.recipe, &k.ref_checkpointer) {
-        (Some(Recipe::GrpoFull), None) => cx.problem(
-            Problem::new(
-                ProblemKind::MissingKey,
-                "ref_checkpointer",
-                "full GRPO needs the frozen reference model of its KL penalty",
-            )
-            .with_fix("usually the checkpoint being trained: copy the `checkpointer` section (torchtune's configs do)"),
-        ),
-        (Some(Recipe::GrpoLora), Some(_)) => cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                "ref_checkpointer",
-                "LoRA GRPO's reference is the base model with its adapters disabled; a second model would not be read",
-            )
-            .with_fix("remove `ref_checkpointer`"),
-        ),
-        _ => {}
-    }
 }

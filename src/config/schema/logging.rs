@@ -4,6 +4,22 @@ use std::path::PathBuf;
 
 use crate::config::components::{LoggerKind, Profiler};
 use crate::config::keys::{keys, off, on, optional};
+use crate::config::values::choices;
+use crate::verbosity::LogLevel;
+
+// Python's level names, as torchtune's `log_level` takes them.
+choices!(LogLevel {
+    "DEBUG" => LogLevel::Debug,
+    "INFO" => LogLevel::Info,
+    "WARN" => LogLevel::Warn,
+    "WARNING" => LogLevel::Warn,
+    "ERROR" => LogLevel::Error,
+    "debug" => LogLevel::Debug,
+    "info" => LogLevel::Info,
+    "warn" => LogLevel::Warn,
+    "warning" => LogLevel::Warn,
+    "error" => LogLevel::Error,
+});
 
 keys! {
     /// Where metrics go: metrics.jsonl (DiskLogger), the console or TensorBoard event files.

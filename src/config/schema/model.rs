@@ -5,8 +5,8 @@ use serde::Serialize;
 
 use crate::config::components::{ModelBuilder, ModelVariant};
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, default, join, keys, off, optional};
-use crate::config::recipes::Recipe;
+use crate::config::keys::{Checker, choice, default, group, join, keys, off, optional};
+use crate::config::recipes::Trains;
 use crate::config::values::choices;
 
 /// An attention projection LoRA can adapt, by torchtune's name.
@@ -39,38 +39,11 @@ impl LoraModule {
 }
 
 keys! {
-    /// The model: which builder (family, full or LoRA, QLoRA) and its adapters. The
-    /// architecture always comes from the checkpoint's config.json.
-    pub struct ModelConfig {
-        section: "model",
-        component: ModelBuilder,
-        rule: model_rules,
+    /// The architecture arguments a builder may repeat (torchtune's generic builders take
+    /// them): tune builds the model from the checkpoint's config.json, so each must equal it.
+    pub struct ArchKeys {
+        group: "architecture",
     }
-    /// The attention projections that get LoRA adapters.
-    lora_attn_modules: Vec<LoraModule> = default(Vec::new),
-    /// LoRA on the MLP's gate, up and down projections too.
-    apply_lora_to_mlp: bool = off(),
-    /// LoRA on the output projection too (not where it is tied to the embeddings).
-    apply_lora_to_output: bool = off(),
-    /// The adapters' rank (LoRA builders in training recipes need it, as in torchtune).
-    lora_rank: Option<u32> = optional().range(|v| v >= 1.0, "at least 1 (e.g. 8)"),
-    /// The adapters' scale is `lora_alpha / lora_rank` (LoRA builders in training recipes need it).
-    lora_alpha: Option<f64> = optional().range(|v| v > 0.0, "greater than 0 (usually 2 x lora_rank)"),
-    /// Dropout on the adapters' input while training.
-    lora_dropout: f64 = default(|| 0.0).range(
-        |v| (0.0..1.0).contains(&v),
-        "from 0 up to, not including, 1",
-    ),
-    /// DoRA: a trained magnitude per output row over the adapted weight (peft's `use_dora`).
-    use_dora: bool = off(),
-    /// LoRA on a mixture-of-experts model: `True` trains each sparse layer's router in full
-    /// too, saved with the adapter as peft's `modules_to_save`; unset or `False`, the routers
-    /// stay frozen. A dense model has no router: refused at load. (Optional rather than a
-    /// default `False`: unset it leaves the run's fingerprint as checkpoints written before
-    /// the key hold it, so they still resume.)
-    train_router: Option<bool> = optional(),
-    /// QLoRA: the decoder's linear base weights in NF4 (LoRA builders only).
-    quantize_base: bool = off(),
     /// A generic builder's `vocab_size`: must equal config.json's.
     vocab_size: Option<usize> = optional(),
     /// A generic builder's `num_layers`: must equal config.json's `num_hidden_layers`.
@@ -103,15 +76,95 @@ keys! {
     ),
 }
 
+keys! {
+    /// A LoRA builder's adapters, with the defaults of torchtune's `lora_*` builders.
+    pub struct LoraKeys {
+        group: "lora",
+    }
+    /// The attention projections that get LoRA adapters.
+    lora_attn_modules: Vec<LoraModule> = default(Vec::new),
+    /// LoRA on the MLP's gate, up and down projections too.
+    apply_lora_to_mlp: bool = off(),
+    /// LoRA on the output projection too (not where it is tied to the embeddings).
+    apply_lora_to_output: bool = off(),
+    /// The adapters' rank.
+    lora_rank: u32 = default(|| 8).range(|v| v >= 1.0, "at least 1 (e.g. 8)"),
+    /// The adapters' scale is `lora_alpha / lora_rank`.
+    lora_alpha: f64 = default(|| 16.0).range(|v| v > 0.0, "greater than 0 (usually 2 x lora_rank)"),
+    /// Dropout on the adapters' input while training.
+    lora_dropout: f64 = default(|| 0.0).range(
+        |v| (0.0..1.0).contains(&v),
+        "from 0 up to, not including, 1",
+    ),
+    /// DoRA: a trained magnitude per output row over the adapted weight (peft's `use_dora`).
+    use_dora: bool = off(),
+    /// LoRA on a mixture-of-experts model: each sparse layer's router trains in full too,
+    /// saved with the adapter as peft's `modules_to_save`; `False` keeps the routers frozen. A
+    /// dense model has no router: refused at load.
+    train_router: bool = off(),
+    /// QLoRA: the decoder's linear base weights in NF4 (torchtune's `qlora_*` builders set it).
+    quantize_base: bool = off(),
+}
+
+keys! {
+    /// A full builder's keys.
+    pub struct FullModelKeys {}
+    /// The architecture arguments.
+    #[serde(flatten)]
+    arch: ArchKeys = group(),
+}
+
+keys! {
+    /// A LoRA builder's keys.
+    pub struct LoraModelKeys {}
+    /// The architecture arguments.
+    #[serde(flatten)]
+    arch: ArchKeys = group(),
+    /// The adapters.
+    #[serde(flatten)]
+    lora: LoraKeys = group(),
+}
+
+choice! {
+    /// The model: which builder (family, full or LoRA, QLoRA) and, for a LoRA builder, its
+    /// adapters. The architecture always comes from the checkpoint's config.json.
+    pub struct ModelConfig {
+        section: "model",
+        component: ModelBuilder,
+        settings: ModelSettings,
+        rule: model_rules,
+    }
+    "full builders (e.g. `torchtune.models.llama3_2.llama3_2_1b`)":
+        b if !b.is_lora() => Full(FullModelKeys),
+    "LoRA builders (e.g. `torchtune.models.llama3_2.lora_llama3_2_1b`, `qlora_*`)":
+        b if b.is_lora() => Lora(LoraModelKeys),
+}
+
 impl ModelConfig {
+    /// The architecture arguments.
+    pub fn arch(&self) -> &ArchKeys {
+        match &self.settings {
+            ModelSettings::Full(k) => &k.arch,
+            ModelSettings::Lora(k) => &k.arch,
+        }
+    }
+
+    /// A LoRA builder's adapters.
+    pub fn lora(&self) -> Option<&LoraKeys> {
+        match &self.settings {
+            ModelSettings::Lora(k) => Some(&k.lora),
+            ModelSettings::Full(_) => None,
+        }
+    }
+
     /// `train_router: True`: the routers train beside the adapters.
     pub fn trains_router(&self) -> bool {
-        self.train_router == Some(true)
+        self.lora().is_some_and(|l| l.train_router)
     }
 
     /// Adapters train on a frozen base (LoRA, QLoRA, DoRA builders).
     pub fn is_lora(&self) -> bool {
-        self.component.is_lora()
+        self.lora().is_some()
     }
 
     /// A classifier builder (`*_classifier`, torchtune's `*_reward_7b`): a reward or value
@@ -125,7 +178,7 @@ impl ModelConfig {
     /// requires), one for `*_reward_7b`; `None` for a language model.
     pub fn classes(&self) -> Option<usize> {
         match self.component.size.as_str() {
-            "classifier" => self.num_classes,
+            "classifier" => self.arch().num_classes,
             size if size.starts_with("reward") => Some(1),
             _ => None,
         }
@@ -134,40 +187,41 @@ impl ModelConfig {
     /// The base's linear weights are stored in NF4: torchtune's `qlora_*` builders, or
     /// `quantize_base: True`.
     pub fn quantizes_base(&self) -> bool {
-        self.component.variant == ModelVariant::QLora || self.quantize_base
+        self.component.variant == ModelVariant::QLora
+            || self.lora().is_some_and(|l| l.quantize_base)
     }
 }
 
 /// What only makes sense for some builders and recipes: LoRA builders for LoRA recipes and
-/// full ones for full recipes, their adapter keys, and the QLoRA/DoRA combinations torchtune
-/// has.
+/// full ones for full recipes, and a LoRA builder's adapters.
 fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
     let builder = &m.component;
     let name = builder.canonical_name();
     let key = join(path, "_component_");
     let (module, size) = (builder.family.module(), &builder.size);
     let recipe = cx.recipe;
-    match recipe.and_then(Recipe::needs_lora) {
-        Some(true) if !builder.is_lora() => cx.problem(
+    let trained = path == "model" || path == "policy_model";
+    match recipe.map(|r| r.trains).filter(|_| trained) {
+        Some(Trains::Lora) if !builder.is_lora() => cx.problem(
             Problem::new(
                 ProblemKind::WrongComponentKind,
                 &key,
                 format!(
                     "recipe `{}` trains LoRA adapters, but `{name}` is a full model builder",
-                    recipe.map_or("?", Recipe::name)
+                    recipe.map_or("?", |r| r.name)
                 ),
             )
             .with_fix(format!(
                 "use the LoRA builder `tune.models.{module}.lora_{module}_{size}`"
             )),
         ),
-        Some(false) if builder.is_lora() => cx.problem(
+        Some(Trains::Full) if builder.is_lora() => cx.problem(
             Problem::new(
                 ProblemKind::WrongComponentKind,
                 &key,
                 format!(
                     "recipe `{}` trains every weight, but `{name}` is a LoRA builder",
-                    recipe.map_or("?", Recipe::name)
+                    recipe.map_or("?", |r| r.name)
                 ),
             )
             .with_fix(format!(
@@ -177,125 +231,36 @@ fn model_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
         _ => {}
     }
     classifier_rules(m, path, cx);
-    if m.quantize_base && !builder.is_lora() {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                join(path, "quantize_base"),
-                format!("`{name}` is a full model builder; NF4 base weights (QLoRA) are for LoRA builders, as in torchtune"),
-            )
-            .with_fix(format!(
-                "remove `quantize_base`, or use `tune.models.{module}.qlora_{module}_{size}` with a LoRA recipe"
-            )),
-        );
-    }
-    if m.quantizes_base() && recipe == Some(Recipe::QatLora) {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                &key,
-                format!("`{name}` stores the base in NF4 (QLoRA), but QAT fake-quantizes a float base to int4: torchtune and torchao do not combine the two"),
-            )
-            .with_fix(format!(
-                "use `tune.models.{module}.lora_{module}_{size}` without `quantize_base` for QAT + LoRA, or lora_finetune_single_device for QLoRA"
-            )),
-        );
-    }
-    if m.use_dora && recipe == Some(Recipe::QatLora) {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                join(path, "use_dora"),
-                "DoRA under QAT's fake quantization has no reference implementation to match (torchao and torchtune combine QAT with plain LoRA)",
-            )
-            .with_fix("set `use_dora: False`, or train DoRA with lora_finetune_single_device"),
-        );
-    }
-    train_router_rules(m, path, recipe, cx);
-    if builder.is_lora() && recipe.is_some_and(Recipe::is_training) {
-        let no_targets =
-            m.lora_attn_modules.is_empty() && !m.apply_lora_to_mlp && !m.apply_lora_to_output;
-        let missing = [
-            (
-                "lora_attn_modules",
-                no_targets,
-                "e.g. `lora_attn_modules: [q_proj, v_proj]`",
-            ),
-            ("lora_rank", m.lora_rank.is_none(), "e.g. `lora_rank: 8`"),
-            (
-                "lora_alpha",
-                m.lora_alpha.is_none(),
-                "e.g. `lora_alpha: 16` (usually 2 x rank)",
-            ),
-        ];
-        for (k, _, fix) in missing.into_iter().filter(|(_, missing, _)| *missing) {
-            cx.problem(
-                Problem::new(
-                    ProblemKind::MissingKey,
-                    join(path, k),
-                    format!("missing required key `{k}` for LoRA builder `{name}`"),
-                )
-                .with_fix(fix),
-            );
-        }
-    } else if !builder.is_lora() {
-        let set = [
-            ("lora_attn_modules", !m.lora_attn_modules.is_empty()),
-            ("lora_rank", m.lora_rank.is_some()),
-            ("lora_alpha", m.lora_alpha.is_some()),
-            ("apply_lora_to_mlp", m.apply_lora_to_mlp),
-            ("apply_lora_to_output", m.apply_lora_to_output),
-            ("lora_dropout", m.lora_dropout != 0.0),
-            ("train_router", m.trains_router()),
-        ];
-        for (k, _) in set.into_iter().filter(|(_, set)| *set) {
-            cx.warn(
-                join(path, k),
-                format!("ignored: `{name}` is not a LoRA builder"),
-            );
-        }
-    }
-}
-
-/// `train_router` works where a LoRA recipe trains this section's model; elsewhere it is
-/// refused by name, except `True` on a full builder, which trains the routers anyway (the
-/// LoRA keys' warning says so).
-fn train_router_rules(m: &ModelConfig, path: &str, recipe: Option<Recipe>, cx: &mut Checker) {
-    // A section read on its own (no recipe) has no rules to follow.
-    let (Some(asked), Some(recipe)) = (m.train_router, recipe) else {
+    let Some(lora) = m.lora() else {
         return;
     };
-    let key = join(path, "train_router");
-    let recipe_name = recipe.name();
-    let trained_here = path == "model" && recipe.is_training();
-    if !trained_here {
+    // A section read on its own (no recipe) has no rules to follow.
+    let Some(recipe) = recipe else {
+        return;
+    };
+    if lora.train_router && !(path == "model" && recipe.is_training()) {
         cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
-                &key,
-                format!("`{path}` is not trained by recipe `{recipe_name}`, so it has no routers to train or keep frozen"),
+                join(path, "train_router"),
+                format!(
+                    "`{path}` is not trained by recipe `{}`, so it has no routers to train",
+                    recipe.name
+                ),
             )
             .with_fix("remove it; `model.train_router` is for the LoRA training recipes"),
         );
-    } else if !m.component.is_lora() && !asked {
+    }
+    let no_targets =
+        lora.lora_attn_modules.is_empty() && !lora.apply_lora_to_mlp && !lora.apply_lora_to_output;
+    if no_targets && recipe.is_training() {
         cx.problem(
             Problem::new(
-                ProblemKind::InvalidValue,
-                &key,
-                format!("`{}` is a full model builder: full fine-tuning trains every weight, the routers included", m.component.canonical_name()),
+                ProblemKind::MissingKey,
+                join(path, "lora_attn_modules"),
+                format!("missing required key `lora_attn_modules` for LoRA builder `{name}`"),
             )
-            .with_fix("remove it, or use a LoRA builder to keep the routers frozen"),
-        );
-    } else if asked && matches!(recipe, Recipe::LoraDpo | Recipe::GrpoLora) {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                &key,
-                format!(
-                    "recipe `{recipe_name}` takes its reference model from this one with the adapters switched off, where peft (and so TRL) would also switch trained routers back to the base's; tune keeps no frozen copy of the routers for that"
-                ),
-            )
-            .with_fix("set `train_router: False`, which keeps the routers frozen, or train them with lora_finetune_single_device"),
+            .with_fix("e.g. `lora_attn_modules: [q_proj, v_proj]`"),
         );
     }
 }
@@ -344,7 +309,7 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
         ),
         _ => {}
     }
-    if m.num_classes.is_some() && m.component.size != "classifier" {
+    if m.arch().num_classes.is_some() && m.component.size != "classifier" {
         cx.problem(
             Problem::new(
                 ProblemKind::InvalidValue,
@@ -352,6 +317,24 @@ fn classifier_rules(m: &ModelConfig, path: &str, cx: &mut Checker) {
                 format!("`{name}` takes no `num_classes` (only `*_classifier` builders do)"),
             )
             .with_fix("remove it"),
+        );
+    }
+}
+
+/// For the recipes whose reference model is the policy with its adapters switched off (LoRA
+/// DPO, LoRA GRPO): peft's `disable_adapter` (and so TRL) would also switch trained routers
+/// back to the base's, and tune keeps no frozen copy of them, so `train_router` is refused.
+pub fn refuse_router_training(cfg: &super::TrainConfig, recipe: &str, cx: &mut Checker) {
+    if cfg.model.trains_router() {
+        cx.problem(
+            Problem::new(
+                ProblemKind::InvalidValue,
+                "model.train_router",
+                format!(
+                    "recipe `{recipe}` takes its reference model from this one with the adapters switched off, where peft (and so TRL) would also switch trained routers back to the base's; tune keeps no frozen copy of the routers for that"
+                ),
+            )
+            .with_fix("set `train_router: False`, which keeps the routers frozen, or train them with lora_finetune_single_device"),
         );
     }
 }

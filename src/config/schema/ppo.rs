@@ -9,13 +9,15 @@
 
 use serde_yaml::{Mapping, Value};
 
-use super::{CheckpointerConfig, ModelConfig, TrainConfig};
+use super::{CheckpointerConfig, ModelConfig, PpoLoss, Rollout, TrainConfig};
 use crate::config::error::{Problem, ProblemKind};
-use crate::config::keys::{Checker, KeyInfo, keys, on, optional, required};
+use crate::config::keys::{Checker, KeyInfo, group, keys, on, optional, required};
 
 keys! {
     /// PPO's own keys.
     pub struct PpoKeys {}
+    /// The clipped policy and value losses.
+    loss: PpoLoss = required().fingerprint(),
     /// The reward model's architecture, which the value model shares: a classifier builder
     /// (`torchtune.models.llama2.llama2_classifier` with `num_classes: 1`, or a
     /// `*_reward_7b`).
@@ -37,15 +39,9 @@ keys! {
     /// Trajectories generated and scored in one forward pass (`batch_size` must be a
     /// multiple).
     forward_batch_size: usize = required().range(|v| v >= 1.0, "at least 1"),
-    /// The longest response, in tokens.
-    max_generated_tokens: usize = required().range(|v| v >= 1.0, "at least 1").fingerprint(),
-    /// Sampling temperature; the log-probabilities are of the tempered distribution, as
-    /// torchtune computes them.
-    temperature: f64 = required()
-        .range(|v| v.is_finite() && v > 0.0, "a positive number")
-        .fingerprint(),
-    /// Sample among the k most likely tokens only (null: all).
-    top_k: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null").fingerprint(),
+    /// The responses' length, temperature and sampling.
+    #[serde(flatten)]
+    rollout: Rollout = group(),
     /// Responses shorter than this (their last token's index below it, as torchtune counts)
     /// get `reward_penalty` as their score (null: no minimum).
     min_response_length: Option<usize> = optional().fingerprint(),
@@ -66,7 +62,9 @@ keys! {
     kl_coeff: f64 = required().range(|v| v.is_finite() && v >= 0.0, "0 or a positive number").fingerprint(),
     /// torchtune decodes with a KV cache or without; the responses are the same, and tune
     /// always keeps one.
-    enable_kv_cache: bool = on(),
+    enable_kv_cache: bool = on().validation_only(
+        "the responses are the same with or without a KV cache; tune always decodes with one",
+    ),
 }
 
 /// The key PPO's policy has: every other recipe's `model`.
@@ -86,6 +84,7 @@ pub static SHARED_KEYS: std::sync::LazyLock<Vec<KeyInfo>> = std::sync::LazyLock:
             },
             doc: k.doc,
             ty: k.ty,
+            spec: k.spec,
         })
         .collect()
 });

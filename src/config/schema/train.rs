@@ -5,20 +5,19 @@
 use std::path::PathBuf;
 
 use serde::Serialize;
-use serde_yaml::{Mapping, Value};
+use serde_yaml::Value;
 
 use super::{
-    CheckpointerConfig, Datasets, GrpoKeys, LossConfig, LrSchedulerConfig, MetricLoggerConfig,
-    ModelConfig, OptimizerConfig, PpoKeys, ProfilerConfig, QuantizerConfig, TokenizerConfig,
+    CheckpointerConfig, CrossEntropyLoss, Datasets, LrSchedulerConfig, MetricLoggerConfig,
+    ModelConfig, OptimizerConfig, ProfilerConfig, QuantizerConfig, TokenizerConfig,
 };
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::{
-    Checker, ConfigValue, Fingerprint, FingerprintEntries, KeyInfo, SectionInfo, Ty, default, keys,
-    off, on, optional, required,
+    Checker, ConfigValue, SectionInfo, Ty, default, keys, off, on, optional, required,
 };
-use crate::config::recipes::Recipe;
 use crate::config::values::choices;
 use crate::precision::Dtype;
+use crate::verbosity::LogLevel;
 
 /// Where a run computes (also `tune bench --device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -151,8 +150,8 @@ fn activation_offloading(c: &TrainConfig, cx: &mut Checker) {
     }
 }
 
-fn offload_on_device(c: &TrainConfig, offload: Option<bool>, path: &str, cx: &mut Checker) {
-    if offload != Some(true) {
+fn offload_on_device(c: &TrainConfig, offload: bool, path: &str, cx: &mut Checker) {
+    if !offload {
         return;
     }
     match Device::or_default(c.device) {
@@ -174,25 +173,22 @@ fn offload_on_device(c: &TrainConfig, offload: Option<bool>, path: &str, cx: &mu
     }
 }
 
-keys! {
-    /// torchtune's older `fsdp:` block. Its dev recipe `lora_finetune_fsdp2.py` read
-    /// `fsdp.cpu_offload` as FSDP2's `CPUOffloadPolicy`; the recipe's migration into
-    /// `lora_finetune_distributed` (torchtune #1517) renamed it `fsdp_cpu_offload`, and the
-    /// block was never read again (0.6.1 and main ignore it), but main's `llama2/7B_qlora`,
-    /// `llama2/70B_qlora` and `llama3_1/405B_qlora` still carry it. tune reads it with its original meaning, through
-    /// [`TrainConfig::cpu_offload`]; `cpu_offload` is the only key it ever had, so any other is
-    /// refused by name.
-    pub struct FsdpBlock {}
-    /// The older spelling of `fsdp_cpu_offload`, with the same meaning and rule.
-    cpu_offload: Option<bool> = optional(),
-}
+/// torchtune's older `fsdp:` block. Its dev recipe `lora_finetune_fsdp2.py` read
+/// `fsdp.cpu_offload` as FSDP2's `CPUOffloadPolicy`; the recipe's migration into
+/// `lora_finetune_distributed` (torchtune #1517) renamed it `fsdp_cpu_offload`, and the block was
+/// never read again (0.6.1 and main ignore it), but main's `llama2/7B_qlora`, `llama2/70B_qlora`
+/// and `llama3_1/405B_qlora` still carry it. tune reads `fsdp.cpu_offload` with its original
+/// meaning, as an alias of `fsdp_cpu_offload` (declared there); `cpu_offload` is the only key the
+/// block ever had, so any other is refused by name.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FsdpBlock {}
 
-/// The `fsdp` section as `tune validate` sees it; its reader is [`FsdpBlock`]'s own, to say
-/// where each unknown key's setting lives instead.
+/// The `fsdp` section as `tune validate` sees it: its one key is `fsdp_cpu_offload`'s alias.
 const FSDP_SECTION: SectionInfo = SectionInfo {
     name: "fsdp",
+    doc: "torchtune's older FSDP block: `fsdp.cpu_offload` is `fsdp_cpu_offload`.\n",
     component: None,
-    keys: FsdpBlock::KEYS,
+    keys: &[],
     open: false,
 };
 
@@ -201,25 +197,25 @@ impl ConfigValue for FsdpBlock {
 
     fn read(value: &Value, path: &str, cx: &mut Checker) -> Option<Self> {
         let map = value.as_mapping()?;
-        let known = |name: &str| FsdpBlock::KEYS.iter().any(|k| k.name == name);
         for key in map.keys().map(crate::config::yaml::key_str) {
-            if known(&key) {
+            let at = crate::config::keys::join(path, &key);
+            if cx.is_claimed(&at) {
                 continue;
             }
             // torchtune's FSDP settings are top-level `fsdp_*` keys: point at the one this
             // key would be, when tune has it.
             let top = format!("fsdp_{key}");
             let fix = if TrainConfig::KEYS.iter().any(|k| k.name == top) {
-                format!("set the top-level `{top}` instead, and remove `{path}.{key}`")
+                format!("set the top-level `{top}` instead, and remove `{at}`")
             } else {
                 format!(
-                    "remove it (`~{path}.{key}`); FSDP's settings are the top-level keys fsdp_cpu_offload, fsdp_reshard_after_forward, custom_sharded_layers and data_parallel_shard_dim"
+                    "remove it (`~{at}`); FSDP's settings are the top-level keys fsdp_cpu_offload, fsdp_reshard_after_forward, custom_sharded_layers and data_parallel_shard_dim"
                 )
             };
             cx.problem(
                 Problem::new(
                     ProblemKind::UnknownKey,
-                    crate::config::keys::join(path, &key),
+                    at,
                     format!(
                         "unknown key `{key}` for `{path}`: torchtune's `fsdp:` block only ever had `cpu_offload`"
                     ),
@@ -227,7 +223,7 @@ impl ConfigValue for FsdpBlock {
                 .with_fix(fix),
             );
         }
-        Self::read_keys(map, path, cx)
+        Some(Self {})
     }
 }
 
@@ -274,8 +270,6 @@ keys! {
     optimizer: OptimizerConfig = required().fingerprint(),
     /// The learning-rate schedule (none: constant).
     lr_scheduler: Option<LrSchedulerConfig> = optional(),
-    /// The loss.
-    loss: LossConfig = required().fingerprint().rule(super::loss::recipe_loss),
     /// Passes over the data.
     epochs: usize = required().range(|v| v >= 1.0, "at least 1"),
     /// At most this many optimizer steps per epoch.
@@ -304,10 +298,12 @@ keys! {
     compile: bool = off().warn("torch.compile has no equivalent here; running uncompiled"),
     /// Log the metrics every this many steps.
     log_every_n_steps: usize = default(|| 1).range(|v| v >= 1.0, "at least 1"),
-    /// torchtune's flag for memory metrics: tune always logs `peak_memory_bytes`.
-    log_peak_memory_stats: bool = off(),
-    /// torchtune's log level.
-    log_level: Option<String> = optional(),
+    /// Log the memory metrics (`peak_memory_*` and the `*_bytes` of weights, gradients and
+    /// optimizer state) with each step's; torchtune's configs set True (False leaves them out).
+    log_peak_memory_stats: bool = on(),
+    /// How much tune says on stderr: `DEBUG` adds what each stage loaded and wrote, `WARN`
+    /// (or `WARNING`) keeps warnings and errors only, `ERROR` errors only (null: `INFO`).
+    log_level: Option<LogLevel> = optional(),
     /// A fresh run may delete the checkpoints another run left in its checkpoint directory
     /// (without it, such a run is refused).
     overwrite_output_dir: bool = off(),
@@ -317,10 +313,17 @@ keys! {
     save_adapter_weights_only: bool = off(),
     /// Also checkpoint every this many optimizer steps (null: at epoch ends only).
     save_every_n_steps: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null"),
-    /// Keep only this many newest checkpoints (also `checkpointer.keep_last_n_checkpoints`).
-    keep_last_n_checkpoints: Option<usize> = optional().range(|v| v >= 1.0, "at least 1, or null to keep all"),
-    /// torchtune's QLoRA configs: checkpoints always load memory-mapped, one tensor at a time.
-    low_cpu_ram: bool = off(),
+    /// Keep only this many newest checkpoints (torchtune main writes it in `checkpointer`).
+    keep_last_n_checkpoints: Option<usize> = optional()
+        .range(|v| v >= 1.0, "at least 1, or null to keep all")
+        .aliases(&["checkpointer.keep_last_n_checkpoints"]),
+    /// torchtune's QLoRA configs' low-memory loading: tune always reads checkpoints
+    /// memory-mapped, one tensor at a time, so True is what it does anyway; False asks for
+    /// the whole checkpoint in memory first, which would change nothing but the memory, and is
+    /// accepted too.
+    low_cpu_ram: bool = off().validation_only(
+        "tune always loads checkpoints memory-mapped, tensor by tensor: both values load the same weights",
+    ),
     /// torchtune's profiler.
     profiler: Option<ProfilerConfig> = optional(),
     /// torchtune's optimizer-in-backward: not supported (the optimizer steps after backward).
@@ -333,22 +336,24 @@ keys! {
     /// FSDP: free each layer's gathered weights after its forward and gather them again for
     /// its backward (True, the default), or keep them from the forward until the backward
     /// (False: one all-gather per layer per step, the whole layers held meanwhile).
-    fsdp_reshard_after_forward: Option<bool> = optional(),
+    fsdp_reshard_after_forward: bool = on(),
     /// FSDP's CPU offload (null: False): on cuda and wgpu each rank's rows of every weight,
     /// their gradients and their optimizer state live in host memory, the optimizer step runs
     /// there and a unit's rows go up to the device to be gathered (FSDP over one rank too, as
     /// torchtune's FSDP on one GPU). On device cpu they already are (accepted, and said once).
-    /// Read through [`TrainConfig::cpu_offload`].
-    fsdp_cpu_offload: Option<bool> = optional(),
-    /// torchtune's older spelling of `fsdp_cpu_offload` (`fsdp: {cpu_offload: ...}`).
-    fsdp: Option<FsdpBlock> = optional(),
+    fsdp_cpu_offload: bool = off().aliases(&["fsdp.cpu_offload"]),
+    /// torchtune's older block: `fsdp: {cpu_offload: ...}` is `fsdp_cpu_offload`.
+    fsdp: Option<FsdpBlock> = optional().validation_only("its one key is an alias of fsdp_cpu_offload"),
     /// Tensor parallelism: only 1.
     tensor_parallel_dim: Option<usize> = optional().range(
         |v| v == 1.0,
         "1: tune has no tensor parallelism, every rank holds the whole model",
     ),
-    /// A tensor-parallel plan: unused at `tensor_parallel_dim: 1`.
-    tensor_parallel_plan: Option<Value> = optional(),
+    /// A tensor-parallel plan: with `tensor_parallel_dim: 1` there is nothing to parallelize,
+    /// and torchtune does not apply it either (warned about when set).
+    tensor_parallel_plan: Option<Value> = optional().warn(
+        "ignored: tensor_parallel_dim is 1 (tune has no tensor parallelism), so no plan applies, as in torchtune",
+    ),
     /// FSDP: -1 (the default) or the number of ranks shards every decoder layer's weights,
     /// gradients and optimizer state over the ranks; 1 keeps whole weights on every rank
     /// (optimizer state split, ZeRO-1). Only with several ranks.
@@ -386,60 +391,13 @@ impl TrainConfig {
             "output_dir"
         }
     }
-
-    /// FSDP's CPU offload, whichever spelling set it: `fsdp_cpu_offload`, or the older
-    /// `fsdp.cpu_offload` (the one place the two are read; [`train_rules`] refuses them
-    /// disagreeing).
-    pub fn cpu_offload(&self) -> bool {
-        self.fsdp_cpu_offload
-            .or(self.fsdp.as_ref().and_then(|f| f.cpu_offload))
-            .unwrap_or(false)
-    }
-
-    /// `keep_last_n_checkpoints`, at the top level or where torchtune main puts it.
-    pub fn keep_last_n_checkpoints(&self) -> Option<usize> {
-        self.keep_last_n_checkpoints
-            .or(self.checkpointer.keep_last_n_checkpoints)
-    }
 }
 
 /// Keys that only mean something together.
 fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
     activation_offloading(c, cx);
-    offload_on_device(c, c.fsdp_cpu_offload, "fsdp_cpu_offload", cx);
-    let older = c.fsdp.as_ref().and_then(|f| f.cpu_offload);
-    offload_on_device(c, older, "fsdp.cpu_offload", cx);
-    if let (Some(top), Some(nested)) = (
-        c.keep_last_n_checkpoints,
-        c.checkpointer.keep_last_n_checkpoints,
-    ) && top != nested
-    {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                "checkpointer.keep_last_n_checkpoints",
-                format!("is {nested}, but the top-level keep_last_n_checkpoints is {top}"),
-            )
-            .with_fix("keep one of the two"),
-        );
-    }
-    if let (Some(top), Some(older)) = (
-        c.fsdp_cpu_offload,
-        c.fsdp.as_ref().and_then(|f| f.cpu_offload),
-    ) && top != older
-    {
-        cx.problem(
-            Problem::new(
-                ProblemKind::InvalidValue,
-                "fsdp.cpu_offload",
-                format!("is {older}, but fsdp_cpu_offload is {top}"),
-            )
-            .with_fix("keep `fsdp_cpu_offload` (torchtune's current spelling) and remove the `fsdp` block"),
-        );
-    }
-    if cx.recipe.is_some_and(Recipe::is_grpo) {
-        grpo_train_rules(c, cx);
-    }
+    let at = cx.written_at("fsdp_cpu_offload");
+    offload_on_device(c, c.fsdp_cpu_offload, &at, cx);
     if c.run_val_every_n_steps.is_some() && c.dataset_val.is_none() {
         cx.problem(
             Problem::new(
@@ -454,7 +412,7 @@ fn train_rules(c: &TrainConfig, _: &str, cx: &mut Checker) {
 
 /// What the GRPO recipes do not do with the keys every training recipe has: they train on the
 /// rollouts of each batch of prompts at once, and have no validation loss.
-fn grpo_train_rules(c: &TrainConfig, cx: &mut Checker) {
+pub fn grpo_train_rules(c: &TrainConfig, cx: &mut Checker) {
     if c.gradient_accumulation_steps != 1 {
         cx.problem(
             Problem::new(
@@ -491,150 +449,28 @@ fn grpo_train_rules(c: &TrainConfig, cx: &mut Checker) {
 }
 
 keys! {
-    /// Quantization-aware training's own keys.
+    /// The supervised recipes' own key: their loss (full and LoRA fine-tuning).
+    pub struct SftKeys {}
+    /// The token cross-entropy.
+    loss: CrossEntropyLoss = required().fingerprint(),
+}
+
+keys! {
+    /// Quantization-aware training's own keys (QAT, and QAT with LoRA).
     pub struct QatKeys {}
+    /// The token cross-entropy.
+    loss: CrossEntropyLoss = required().fingerprint(),
     /// The fake quantization to train under.
     quantizer: QuantizerConfig = required().fingerprint(),
     /// Train this many steps in float first (null: fake-quantize from the start).
     fake_quant_after_n_steps: Option<usize> = optional(),
 }
 
-keys! {
-    /// Knowledge distillation's own keys.
-    pub struct KdKeys {}
-    /// The teacher's builder (its architecture comes from its config.json).
-    teacher_model: ModelConfig = required(),
-    /// The frozen teacher's checkpoint (optionally with a PEFT adapter).
-    teacher_checkpointer: CheckpointerConfig = required(),
-    /// The divergence between the student's and the teacher's distributions.
-    kd_loss: LossConfig = required().fingerprint().rule(super::loss::kd_loss),
-    /// The loss is `(1 - kd_ratio) * cross_entropy + kd_ratio * kd_loss`.
-    kd_ratio: f64 = default(|| 0.5)
-        .range(|v| (0.0..=1.0).contains(&v), "from 0 to 1")
-        .fingerprint(),
-}
-
-keys! {
-    /// Full DPO's own keys.
-    pub struct FullDpoKeys {}
-    /// The frozen reference model (usually the checkpoint being trained).
-    ref_checkpointer: CheckpointerConfig = required(),
-}
-
-/// A training recipe, with the keys only it reads.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RecipeKeys {
-    FullFinetune,
-    LoraFinetune,
-    LoraDpo,
-    FullDpo(Box<FullDpoKeys>),
-    Qat(Box<QatKeys>),
-    QatLora(Box<QatKeys>),
-    KnowledgeDistillation(Box<KdKeys>),
-    GrpoFull(Box<GrpoKeys>),
-    GrpoLora(Box<GrpoKeys>),
-    PpoFull(Box<PpoKeys>),
-}
-
-impl RecipeKeys {
-    pub fn recipe(&self) -> Recipe {
-        match self {
-            Self::FullFinetune => Recipe::FullFinetune,
-            Self::LoraFinetune => Recipe::LoraFinetune,
-            Self::LoraDpo => Recipe::LoraDpo,
-            Self::FullDpo(_) => Recipe::FullDpo,
-            Self::Qat(_) => Recipe::Qat,
-            Self::QatLora(_) => Recipe::QatLora,
-            Self::KnowledgeDistillation(_) => Recipe::KnowledgeDistillation,
-            Self::GrpoFull(_) => Recipe::GrpoFull,
-            Self::GrpoLora(_) => Recipe::GrpoLora,
-            Self::PpoFull(_) => Recipe::PpoFull,
-        }
-    }
-
-    /// The top-level keys `recipe` reads besides [`TrainConfig`]'s (none for generation,
-    /// whose keys are all its own).
-    pub fn keys_of(recipe: Recipe) -> &'static [KeyInfo] {
-        match recipe {
-            Recipe::Qat | Recipe::QatLora => QatKeys::KEYS,
-            Recipe::KnowledgeDistillation => KdKeys::KEYS,
-            Recipe::FullDpo => FullDpoKeys::KEYS,
-            Recipe::GrpoFull | Recipe::GrpoLora => GrpoKeys::KEYS,
-            Recipe::PpoFull => PpoKeys::KEYS,
-            Recipe::FullFinetune | Recipe::LoraFinetune | Recipe::LoraDpo | Recipe::Generate => &[],
-        }
-    }
-
-    /// The keys every training recipe reads, as `recipe`'s config writes them (PPO's policy
-    /// is `policy_model`, and it has no `epochs`).
-    pub fn shared_keys(recipe: Recipe) -> &'static [KeyInfo] {
-        match recipe {
-            Recipe::PpoFull => &super::ppo::SHARED_KEYS,
-            _ => TrainConfig::KEYS,
-        }
-    }
-
-    /// Reads `recipe`'s own keys from the top-level mapping (`None` for generation, which is
-    /// no training recipe, or after reporting a problem).
-    pub fn read(recipe: Recipe, root: &Mapping, cx: &mut Checker) -> Option<Self> {
-        Some(match recipe {
-            Recipe::FullFinetune => Self::FullFinetune,
-            Recipe::LoraFinetune => Self::LoraFinetune,
-            Recipe::LoraDpo => Self::LoraDpo,
-            Recipe::FullDpo => Self::FullDpo(Box::new(FullDpoKeys::read_keys(root, "", cx)?)),
-            Recipe::Qat => Self::Qat(Box::new(QatKeys::read_keys(root, "", cx)?)),
-            Recipe::QatLora => Self::QatLora(Box::new(QatKeys::read_keys(root, "", cx)?)),
-            Recipe::KnowledgeDistillation => {
-                Self::KnowledgeDistillation(Box::new(KdKeys::read_keys(root, "", cx)?))
-            }
-            Recipe::GrpoFull => Self::GrpoFull(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
-            Recipe::GrpoLora => Self::GrpoLora(Box::new(GrpoKeys::read_keys(root, "", cx)?)),
-            Recipe::PpoFull => Self::PpoFull(Box::new(PpoKeys::read_keys(root, "", cx)?)),
-            Recipe::Generate => return None,
-        })
-    }
-
-    /// Adds the fingerprint entries of the recipe's own keys.
-    pub fn fingerprint_keys(&self, out: &mut FingerprintEntries) {
-        let top = Fingerprint::Inherit;
-        match self {
-            Self::FullFinetune | Self::LoraFinetune | Self::LoraDpo => {}
-            Self::FullDpo(keys) => keys.fingerprint_keys("", top, out),
-            Self::Qat(keys) | Self::QatLora(keys) => keys.fingerprint_keys("", top, out),
-            Self::KnowledgeDistillation(keys) => keys.fingerprint_keys("", top, out),
-            Self::GrpoFull(keys) | Self::GrpoLora(keys) => keys.fingerprint_keys("", top, out),
-            Self::PpoFull(keys) => keys.fingerprint_keys("", top, out),
-        }
-    }
-
-    /// GRPO's keys, for the GRPO recipes.
-    pub fn grpo(&self) -> Option<&GrpoKeys> {
-        match self {
-            Self::GrpoFull(keys) | Self::GrpoLora(keys) => Some(keys),
-            _ => None,
-        }
-    }
-
-    /// PPO's keys, for the PPO recipe.
-    pub fn ppo(&self) -> Option<&PpoKeys> {
-        match self {
-            Self::PpoFull(keys) => Some(keys),
-            _ => None,
-        }
-    }
-
-    /// QAT's keys, for the QAT recipes.
-    pub fn qat(&self) -> Option<&QatKeys> {
-        match self {
-            Self::Qat(keys) | Self::QatLora(keys) => Some(keys),
-            _ => None,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use crate::config::{ValidateOptions, ValidationErrors, Warning, load_config, validate_with};
+    use crate::config::{ValidateOptions, ValidationErrors, Warning, load_config};
+
+    use crate::recipes::validate_with;
 
     use super::TrainConfig;
 
@@ -651,7 +487,7 @@ mod tests {
     fn fsdp_block_cpu_offload_is_fsdp_cpu_offload() {
         // What torchtune's llama2/7B_qlora and llama3_1/405B_qlora write.
         let (c, warnings) = validated(&["fsdp={cpu_offload: False}"]).unwrap();
-        assert!(!c.cpu_offload());
+        assert!(!c.fsdp_cpu_offload);
         assert!(warnings.is_empty(), "{warnings:?}");
         // tiny/full runs on the CPU: offloading is accepted, and said once, at the key set.
         for (over, key) in [
@@ -659,14 +495,14 @@ mod tests {
             ("fsdp_cpu_offload=True", "fsdp_cpu_offload"),
         ] {
             let (c, warnings) = validated(&[over]).unwrap();
-            assert!(c.cpu_offload(), "{over}");
+            assert!(c.fsdp_cpu_offload, "{over}");
             let said: Vec<_> = warnings.iter().filter(|w| w.key == key).collect();
             assert_eq!(said.len(), 1, "{over}: {warnings:?}");
             assert!(said[0].message.contains("changes nothing"), "{said:?}");
             // On a GPU it offloads, silently; with replicated weights there is nothing to
             // offload, and that is refused naming the key and the fix.
             let (c, warnings) = validated(&[over, "device=cuda"]).unwrap();
-            assert!(c.cpu_offload() && warnings.is_empty(), "{warnings:?}");
+            assert!(c.fsdp_cpu_offload && warnings.is_empty(), "{warnings:?}");
             let e = validated(&[over, "device=wgpu", "data_parallel_shard_dim=1"]).unwrap_err();
             assert!(
                 e.has(key, "data_parallel_shard_dim: 1 keeps every weight whole")
@@ -678,7 +514,7 @@ mod tests {
             !validated(&["fsdp_cpu_offload=null"])
                 .unwrap()
                 .0
-                .cpu_offload()
+                .fsdp_cpu_offload
         );
     }
 
@@ -706,10 +542,13 @@ mod tests {
         // The two spellings disagreeing is refused rather than one silently winning.
         let e = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=False"]).unwrap_err();
         assert!(
-            e.has("fsdp.cpu_offload", "is true, but fsdp_cpu_offload is false"),
+            e.has(
+                "fsdp.cpu_offload",
+                "is true, but `fsdp_cpu_offload` is false"
+            ),
             "{e}"
         );
         let (c, _) = validated(&["fsdp={cpu_offload: True}", "fsdp_cpu_offload=True"]).unwrap();
-        assert!(c.cpu_offload());
+        assert!(c.fsdp_cpu_offload);
     }
 }
