@@ -68,10 +68,23 @@ fn dispatch(command: Command) -> Result<(), CliError> {
             Ok(())
         }
         Command::Validate {
+            explain: Some(key),
+            recipe,
+            ..
+        } => commands::explain(&key, recipe.as_deref(), &mut out),
+        Command::Validate {
             config,
             overrides,
             recipe,
-        } => commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out),
+            explain: None,
+        } => match config {
+            Some(config) => {
+                commands::validate_cmd(&config, &overrides, recipe.as_deref(), &mut out)
+            }
+            None => Err(CliError::bad(anyhow!(
+                "tune validate needs a CONFIG (or --explain KEY)"
+            ))),
+        },
         Command::Checkpoints {
             action: Some(CheckpointsAction::Consolidate { dir }),
             ..

@@ -320,6 +320,7 @@ pub fn run<B: AutodiffBackend>(
             seed: 0,
             shard_optimizer: false,
             save_on_preempt: false,
+            log_memory: true,
         },
         model.set_trainable(trainable),
         optimizer,

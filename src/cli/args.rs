@@ -47,12 +47,18 @@ pub enum Command {
     )]
     Validate {
         /// Built-in config name or YAML file.
-        config: String,
+        #[arg(required_unless_present = "explain")]
+        config: Option<String>,
         /// key=value overrides, as for `tune run`.
         overrides: Vec<String>,
         /// The recipe to validate for (default: from the config's header or built-in entry).
         #[arg(long)]
         recipe: Option<String>,
+        /// Print a key's declaration instead (dotted, as a config writes it: `model.lora_rank`):
+        /// its type, default, range, aliases and doc, for each recipe that reads it (with
+        /// --recipe, that recipe's). No config needed.
+        #[arg(long, value_name = "KEY")]
+        explain: Option<String>,
     },
     /// Run a recipe with a config and optional key=value overrides; with --nproc_per_node or
     /// --nnodes, a `*_distributed` recipe on several data-parallel workers.

@@ -195,6 +195,39 @@ pub fn validate_cmd(
     writeln!(out, "Config is well-formed for {script}!").map_err(CliError::failed)
 }
 
+/// `tune validate --explain KEY`: the key's declaration in each recipe that reads it (only
+/// `recipe`'s with `--recipe`).
+pub fn explain(key: &str, recipe: Option<&str>, out: &mut dyn Write) -> Result<(), CliError> {
+    use crate::config::reference;
+    let registry: Vec<&'static RecipeSpec> = match recipe {
+        Some(name) => vec![recipes::find(name).map_err(CliError::bad)?],
+        None => RECIPES.to_vec(),
+    };
+    let found = reference::explain(&registry, key.trim());
+    if found.is_empty() {
+        let paths = reference::all_paths(&registry);
+        let hint = crate::config::suggest::did_you_mean(&crate::config::suggest::similar(
+            key,
+            paths.iter().map(String::as_str),
+        ));
+        let hint = if hint.is_empty() {
+            String::new()
+        } else {
+            format!(" ({hint})")
+        };
+        return Err(CliError::bad(anyhow!(
+            "no recipe reads a key `{key}`{hint}; keys are dotted as a config writes them (`model.lora_rank`), and docs/config-reference.md lists them all"
+        )));
+    }
+    for (i, explained) in found.iter().enumerate() {
+        if i > 0 {
+            writeln!(out).map_err(CliError::failed)?;
+        }
+        write!(out, "{}", reference::describe(explained)).map_err(CliError::failed)?;
+    }
+    Ok(())
+}
+
 pub fn checkpoints(output_dir: &Path, verify: bool, out: &mut dyn Write) -> Result<(), CliError> {
     if !output_dir.is_dir() {
         return Err(CliError::bad(anyhow!(

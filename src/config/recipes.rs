@@ -84,8 +84,7 @@ pub struct OwnKeysSpec {
 
 /// A recipe's reader of its own keys: the top level, the shared keys when they read, and the
 /// walk's state.
-pub type ReadOwnKeys =
-    fn(&Mapping, Option<&TrainConfig>, &mut Checker) -> Option<Box<dyn OwnKeys>>;
+pub type ReadOwnKeys = fn(&Mapping, Option<&TrainConfig>, &mut Checker) -> Option<Box<dyn OwnKeys>>;
 
 impl OwnKeysSpec {
     /// Keys read as `K` declares them, with no rule of the recipe's own.

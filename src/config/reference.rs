@@ -20,6 +20,10 @@ pub struct Entry {
     pub key: &'static KeyInfo,
     /// The choice's variant the key belongs to, in words.
     pub under: Option<&'static str>,
+    /// How many variants that choice has (0 outside a choice).
+    pub variants: usize,
+    /// Whether it is in the run's fingerprint (its own declaration's, or its section's).
+    pub fingerprint: Fingerprint,
 }
 
 /// Every key `recipe` reads, sections entered (a list of sections as its items' keys, a group
@@ -27,7 +31,13 @@ pub struct Entry {
 pub fn entries(recipe: &RecipeSpec) -> Vec<Entry> {
     let mut out = Vec::new();
     for key in recipe.top_keys() {
-        walk("", key, None, &mut Walk::All, &mut out);
+        walk(
+            "",
+            key,
+            (None, 0, Fingerprint::Inherit),
+            &mut Walk::All,
+            &mut out,
+        );
     }
     out
 }
@@ -37,7 +47,13 @@ pub fn entries(recipe: &RecipeSpec) -> Vec<Entry> {
 pub fn entries_for(recipe: &RecipeSpec, root: &Value) -> Vec<Entry> {
     let mut out = Vec::new();
     for key in recipe.top_keys() {
-        walk("", key, None, &mut Walk::Config(root), &mut out);
+        walk(
+            "",
+            key,
+            (None, 0, Fingerprint::Inherit),
+            &mut Walk::Config(root),
+            &mut out,
+        );
     }
     out
 }
@@ -49,16 +65,17 @@ enum Walk<'a> {
     Config(&'a Value),
 }
 
-fn walk(
-    prefix: &str,
-    key: &'static KeyInfo,
-    under: Option<&'static str>,
-    how: &mut Walk,
-    out: &mut Vec<Entry>,
-) {
+/// A variant of a choice, how many the choice has, and the section's fingerprint mode.
+type Under = (Option<&'static str>, usize, Fingerprint);
+
+fn walk(prefix: &str, key: &'static KeyInfo, under: Under, how: &mut Walk, out: &mut Vec<Entry>) {
+    let fingerprint = match key.spec.fingerprint {
+        Fingerprint::Inherit => under.2,
+        own => own,
+    };
     if let Ty::Group(group) = key.ty {
         for inner in group.keys {
-            walk(prefix, inner, under, how, out);
+            walk(prefix, inner, (under.0, under.1, fingerprint), how, out);
         }
         return;
     }
@@ -66,18 +83,25 @@ fn walk(
     out.push(Entry {
         path: path.clone(),
         key,
-        under,
+        under: under.0,
+        variants: under.1,
+        fingerprint,
     });
-    enter(&path, key.ty, under, how, out);
+    enter(&path, key.ty, (under.0, under.1, fingerprint), how, out);
 }
 
-fn enter(
-    path: &str,
-    ty: &'static Ty,
-    under: Option<&'static str>,
-    how: &mut Walk,
-    out: &mut Vec<Entry>,
-) {
+/// Whether two declarations are the same key (a group's keys reached by two paths, PPO's copy
+/// of the shared ones).
+fn same_key(a: &KeyInfo, b: &KeyInfo) -> bool {
+    a.name == b.name
+        && a.doc == b.doc
+        && a.spec.range == b.spec.range
+        && a.spec.note == b.spec.note
+        && a.spec.default_value() == b.spec.default_value()
+        && expected(a.ty) == expected(b.ty)
+}
+
+fn enter(path: &str, ty: &'static Ty, under: Under, how: &mut Walk, out: &mut Vec<Entry>) {
     match ty {
         Ty::Section(s) | Ty::OneOrMany(s) => {
             for inner in s.keys {
@@ -85,6 +109,11 @@ fn enter(
             }
         }
         Ty::Nullable(inner) => enter(path, inner, under, how, out),
+        // A list of sections (`reward_functions`): its items' keys, as `key[].item_key`. A
+        // config walk does not enter it (the items are the config's own to name).
+        Ty::List(inner @ (Ty::Section(_) | Ty::Choice(_))) if matches!(how, Walk::All) => {
+            enter(&format!("{path}[]"), inner, under, how, out)
+        }
         Ty::Either(a, b) => {
             enter(path, a, under, how, out);
             enter(path, b, under, how, out);
@@ -108,7 +137,8 @@ fn enter(
                     continue;
                 }
                 for inner in variant.keys {
-                    walk(path, inner, Some(variant.label), how, out);
+                    let under = (Some(variant.label), choice.variants.len(), under.2);
+                    walk(path, inner, under, how, out);
                 }
             }
         }
@@ -116,19 +146,35 @@ fn enter(
     }
 }
 
-/// The entries of `path` (dotted, as a config writes it) in every recipe of `registry`, each
-/// with the recipes that read it; several when a choice's components or recipes declare it
-/// differently.
-pub fn explain(registry: &[&'static RecipeSpec], path: &str) -> Vec<(Entry, Vec<&'static str>)> {
-    let mut found: Vec<(Entry, Vec<&'static str>)> = Vec::new();
+/// One key at one path as `--explain` shows it: the components of a choice that have it, and
+/// the recipes that read it.
+#[derive(Debug, Clone)]
+pub struct Explained {
+    pub entry: Entry,
+    pub under: Vec<&'static str>,
+    pub recipes: Vec<&'static str>,
+}
+
+/// The entries of `path` (dotted, as a config writes it) in every recipe of `registry`; several
+/// when recipes or components declare it differently.
+pub fn explain(registry: &[&'static RecipeSpec], path: &str) -> Vec<Explained> {
+    let mut found: Vec<Explained> = Vec::new();
     for recipe in registry {
         for entry in entries(recipe).into_iter().filter(|e| e.path == path) {
-            match found
-                .iter_mut()
-                .find(|(e, _)| std::ptr::eq(e.key, entry.key) && e.under == entry.under)
-            {
-                Some((_, recipes)) => recipes.push(recipe.name),
-                None => found.push((entry, vec![recipe.name])),
+            match found.iter_mut().find(|e| same_key(e.entry.key, entry.key)) {
+                Some(known) => {
+                    known
+                        .under
+                        .extend(entry.under.filter(|u| !known.under.contains(u)));
+                    if !known.recipes.contains(&recipe.name) {
+                        known.recipes.push(recipe.name);
+                    }
+                }
+                None => found.push(Explained {
+                    under: entry.under.into_iter().collect(),
+                    recipes: vec![recipe.name],
+                    entry,
+                }),
             }
         }
     }
@@ -147,12 +193,13 @@ pub fn all_paths(registry: &[&'static RecipeSpec]) -> Vec<String> {
 }
 
 /// One entry as `--explain` prints it.
-pub fn describe(entry: &Entry, recipes: &[&str]) -> String {
+pub fn describe(explained: &Explained) -> String {
+    let (entry, recipes) = (&explained.entry, &explained.recipes);
     let key = entry.key;
     let mut s = String::new();
     let _ = writeln!(s, "{}", entry.path);
-    if let Some(under) = entry.under {
-        let _ = writeln!(s, "  of:        {under}");
+    if !explained.under.is_empty() && !all_variants(entry, &explained.under) {
+        let _ = writeln!(s, "  of:        {}", explained.under.join("; "));
     }
     let _ = writeln!(s, "  type:      {}", type_name(key.ty));
     let _ = writeln!(s, "  default:   {}", default_text(key));
@@ -215,13 +262,14 @@ fn note_text(key: &KeyInfo) -> Option<String> {
 
 fn fingerprint_text(f: Fingerprint) -> &'static str {
     match f {
-        Fingerprint::Inherit => "as its section",
+        Fingerprint::Inherit => "no (a resume may change it)",
         Fingerprint::Yes => "yes (a resume must keep it)",
         Fingerprint::ResumeMayChange => "yes, but a resume may change it",
     }
 }
 
-/// The whole reference as Markdown: per recipe, its keys in declaration order.
+/// The whole reference as Markdown: the keys every training recipe reads, once, then each
+/// recipe's own.
 pub fn markdown(registry: &[&'static RecipeSpec]) -> String {
     let mut s = String::new();
     s.push_str("# Config reference\n\n");
@@ -234,13 +282,33 @@ pub fn markdown(registry: &[&'static RecipeSpec]) -> String {
     );
     s.push_str("--explain KEY` prints one key.\n\n");
     s.push_str(
-        "A section picked by a `_component_` lists the keys of each component it takes; a key\n",
+        "A section picked by a `_component_` lists the keys of each component it takes (in\n",
     );
-    s.push_str("of another component is refused by name.\n\n");
+    s.push_str(
+        "parentheses where not all of them have it); a key of another component is refused by\n",
+    );
+    s.push_str("name. `null` for a key with a default is the key left out.\n\n");
+    s.push_str("- [Keys every training recipe reads](#keys-every-training-recipe-reads)\n");
     for recipe in registry {
         let _ = writeln!(s, "- [{}](#{})", recipe.name, recipe.name.replace('_', "-"));
     }
-    s.push('\n');
+    s.push_str("\n## Keys every training recipe reads\n\n");
+    s.push_str("PPO's configs write `policy_model` for `model`, and have no `epochs`.\n\n");
+    let shared: Vec<Entry> = crate::config::schema::TrainConfig::KEYS
+        .iter()
+        .flat_map(|key| {
+            let mut out = Vec::new();
+            walk(
+                "",
+                key,
+                (None, 0, Fingerprint::Inherit),
+                &mut Walk::All,
+                &mut out,
+            );
+            out
+        })
+        .collect();
+    table(&mut s, &shared);
     for recipe in registry {
         let names: Vec<&str> = std::iter::once(recipe.name)
             .chain(recipe.aliases.iter().copied())
@@ -248,37 +316,81 @@ pub fn markdown(registry: &[&'static RecipeSpec]) -> String {
             .collect();
         let _ = writeln!(s, "## {}\n", recipe.name);
         let _ = writeln!(s, "{}. Run as: {}.\n", recipe.description, names.join(", "));
-        s.push_str("| key | type | default | doc |\n| --- | --- | --- | --- |\n");
-        for entry in entries(recipe) {
-            let key = entry.key;
-            let mut doc = key.doc.split_whitespace().collect::<Vec<_>>().join(" ");
-            if let Some(under) = entry.under {
-                doc = format!("({under}) {doc}");
-            }
-            if let Some(range) = key.spec.range {
-                doc.push_str(&format!(" Range: {range}."));
-            }
-            if !key.spec.aliases.is_empty() {
-                doc.push_str(&format!(
-                    " Also read from: {}.",
-                    key.spec.aliases.join(", ")
-                ));
-            }
-            if let Some(note) = note_text(key) {
-                doc.push_str(&format!(" Note: {note}."));
-            }
-            let _ = writeln!(
-                s,
-                "| `{}` | {} | {} | {} |",
-                entry.path,
-                cell(&type_name(key.ty)),
-                cell(&default_text(key)),
-                cell(&doc)
-            );
+        if recipe.is_training() {
+            s.push_str("It reads the [keys every training recipe reads](#keys-every-training-recipe-reads), and its own:\n\n");
         }
-        s.push('\n');
+        let own: Vec<Entry> = recipe
+            .own
+            .keys
+            .iter()
+            .flat_map(|key| {
+                let mut out = Vec::new();
+                walk(
+                    "",
+                    key,
+                    (None, 0, Fingerprint::Inherit),
+                    &mut Walk::All,
+                    &mut out,
+                );
+                out
+            })
+            .collect();
+        table(&mut s, &own);
     }
     s
+}
+
+/// A table of entries, one row per key and path (a key several components of a choice share
+/// is one row naming them).
+fn table(s: &mut String, entries: &[Entry]) {
+    s.push_str("| key | type | default | doc |\n| --- | --- | --- | --- |\n");
+    let mut rows: Vec<(&Entry, Vec<&'static str>)> = Vec::new();
+    for entry in entries {
+        match rows
+            .iter_mut()
+            .find(|(e, _)| e.path == entry.path && same_key(e.key, entry.key))
+        {
+            Some((_, under)) => under.extend(entry.under),
+            None => rows.push((entry, entry.under.into_iter().collect())),
+        }
+    }
+    for (entry, under) in rows {
+        let key = entry.key;
+        let mut doc = key.doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        if !under.is_empty() && !all_variants(entry, &under) {
+            doc = format!("({}) {doc}", under.join("; "));
+        }
+        if let Some(range) = key.spec.range {
+            doc.push_str(&format!(" Range: {range}."));
+        }
+        if !key.spec.aliases.is_empty() {
+            doc.push_str(&format!(
+                " Also read from: {}.",
+                key.spec.aliases.join(", ")
+            ));
+        }
+        if let Some(note) = note_text(key) {
+            doc.push_str(&format!(" Note: {note}."));
+        }
+        let _ = writeln!(
+            s,
+            "| `{}` | {} | {} | {} |",
+            entry.path,
+            cell(&type_name(key.ty)),
+            cell(&default_text(key)),
+            cell(&doc)
+        );
+    }
+    s.push('\n');
+}
+
+/// Whether `under` names every variant of the choice `entry` sits in (its key is then the
+/// section's, whichever component).
+fn all_variants(entry: &Entry, under: &[&str]) -> bool {
+    let mut names = under.to_vec();
+    names.sort_unstable();
+    names.dedup();
+    names.len() == entry.variants
 }
 
 /// Text in a Markdown table cell.

@@ -25,8 +25,71 @@ pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
     if let Some(special) = &cfg.special_tokens_path {
         check_special_tokens(&tokenizer, special)?;
     }
+    let merges = [
+        ("tokenizer.merges_path", &cfg.merges_path),
+        ("tokenizer.merges_file", &cfg.merges_file),
+    ];
+    for (key, merges) in merges
+        .iter()
+        .filter_map(|(k, m)| m.as_ref().map(|m| (*k, m)))
+    {
+        check_merges(&path, merges).map_err(|problem| SetupError::Merges {
+            key,
+            path: merges.clone(),
+            problem,
+        })?;
+    }
     tokenizer.set_format(model_format(cfg))?;
     Ok(tokenizer)
+}
+
+/// torchtune's `merges_path` (a merges.txt beside a vocab.json): tune reads the tokenizer.json,
+/// which holds the merges too; they must be the file's, or tune would tokenize with other ones.
+fn check_merges(tokenizer_json: &Path, merges: &Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(merges).map_err(|e| format!("cannot read it: {e}"))?;
+    let theirs: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
+        .collect();
+    let json = std::fs::read_to_string(tokenizer_json)
+        .map_err(|e| format!("cannot read {}: {e}", tokenizer_json.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&json)
+        .map_err(|e| format!("{} is not JSON: {e}", tokenizer_json.display()))?;
+    let ours: Vec<String> = json
+        .pointer("/model/merges")
+        .and_then(serde_json::Value::as_array)
+        .map(|merges| {
+            merges
+                .iter()
+                .map(|m| match m {
+                    serde_json::Value::String(s) => s.clone(),
+                    pair => pair
+                        .as_array()
+                        .map(|p| {
+                            p.iter()
+                                .filter_map(serde_json::Value::as_str)
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        })
+                        .unwrap_or_default(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(i) = (0..theirs.len().max(ours.len()))
+        .find(|&i| theirs.get(i).map(|t| t.trim_end()) != ours.get(i).map(String::as_str))
+    {
+        return Err(format!(
+            "merge {} is {:?} there, but {} has {:?} (of {} and {} merges): point it at the merges of the tokenizer.json tune reads, or remove it",
+            i + 1,
+            theirs.get(i).copied().unwrap_or("nothing"),
+            tokenizer_json.display(),
+            ours.get(i).map_or("nothing", String::as_str),
+            theirs.len(),
+            ours.len()
+        ));
+    }
+    Ok(())
 }
 
 /// How `tokenizer.special_tokens_path` fails to agree with the model's tokenizer.json.
@@ -327,7 +390,30 @@ pub fn within_positions(max_seq_len: Option<usize>, positions: usize, announce: 
 
 #[cfg(test)]
 mod tests {
-    use super::split_files;
+    use super::{check_merges, split_files};
+
+    /// torchtune's `merges_path` is checked against the tokenizer.json's merges, line by line.
+    #[test]
+    fn a_merges_file_must_be_the_tokenizer_jsons_merges() {
+        let json = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("assets/tiny-llama/tokenizer.json");
+        let parsed: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let mut lines: Vec<String> = parsed["model"]["merges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()))
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let merges = dir.path().join("merges.txt");
+        std::fs::write(&merges, format!("#version: 0.2\n{}\n", lines.join("\n"))).unwrap();
+        check_merges(&json, &merges).expect("the same merges");
+        lines[2] = "x y".into();
+        std::fs::write(&merges, lines.join("\n")).unwrap();
+        let e = check_merges(&json, &merges).unwrap_err();
+        assert!(e.starts_with("merge 3 is \"x y\" there"), "{e}");
+    }
 
     #[test]
     fn a_default_hub_sources_split_picks_its_files_and_keeps_its_slice() {

@@ -41,6 +41,13 @@ pub enum SetupError {
         path: PathBuf,
         problem: data::SpecialTokensError,
     },
+    /// `tokenizer.merges_path` (or `merges_file`) is not the merges of the tokenizer.json read.
+    #[error("{key} {}: {problem}", path.display())]
+    Merges {
+        key: &'static str,
+        path: PathBuf,
+        problem: String,
+    },
     #[error("dataset: {0}")]
     Data(#[from] crate::data::DataError),
     #[error("dataset.source: {0}")]

@@ -57,6 +57,7 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
         // Full-weight training shards AdamW's moments over the ranks; LoRA's are small.
         shard_optimizer: !cfg.model.is_lora(),
         save_on_preempt: cfg.save_on_preempt,
+        log_memory: cfg.log_peak_memory_stats,
     }
 }
 

@@ -7,6 +7,7 @@
 //! reference is the same model with its adapters switched off (no second copy of the weights);
 //! for full DPO it is a frozen model on the non-autodiff backend.
 
+use crate::training::metrics::MetricName;
 use burn::tensor::Tensor;
 use burn::tensor::activation::log_sigmoid;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -347,7 +348,7 @@ impl<B: AutodiffBackend> LossStep<B> for DpoLoss<B> {
         let values: Vec<f64> = Tensor::cat(values, 0).into_data().iter::<f64>().collect();
         let metrics = metrics
             .iter()
-            .map(|(k, _)| *k)
+            .map(|(k, _)| MetricName::Borrowed(*k))
             .zip(values[1..].iter().copied())
             .collect();
         let (loss, metrics) = load_balancing::with_aux(values[0], metrics, aux);

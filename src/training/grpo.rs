@@ -23,6 +23,7 @@
 //! - the schedule runs over every update (`ppo_epochs` per batch); torchtune's counts batches
 //!   but steps once per update, so its schedule ends early when `ppo_epochs` > 1.
 
+use crate::training::metrics::MetricName;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
@@ -403,7 +404,7 @@ pub struct GrpoSteps<'a, B: AutodiffBackend> {
     pub reference: Option<GrpoReference<B>>,
     pub loss: GrpoLoss,
     /// `rewards/<name>` per reward function, in their order.
-    pub reward_metrics: Vec<&'static str>,
+    pub reward_metrics: Vec<MetricName>,
     /// This rank's batches of the epoch being run.
     epoch: crate::data::EpochBatches,
 }
@@ -418,10 +419,9 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         rewards: Vec<Weighted>,
         reference: Option<GrpoReference<B>>,
     ) -> Self {
-        // Metric names live as long as the run's metrics: one leak per reward function.
         let reward_metrics = rewards
             .iter()
-            .map(|w| &*Box::leak(format!("rewards/{}", w.function.name()).into_boxed_str()))
+            .map(|w| MetricName::from(format!("rewards/{}", w.function.name())))
             .collect();
         let loss = GrpoLoss {
             loss: settings.loss,
@@ -802,8 +802,8 @@ impl RolloutStats {
         v: &[f64],
         ranks: usize,
         has_successes: bool,
-        names: &[&'static str],
-    ) -> Vec<(&'static str, f64)> {
+        names: &[MetricName],
+    ) -> Vec<(MetricName, f64)> {
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         let (completions, rewarded, sum, squares) = (v[0], v[1], v[2], v[3]);
         let mean = ratio(sum, rewarded);
@@ -815,20 +815,21 @@ impl RolloutStats {
         } else {
             f64::NAN
         };
-        let mut m = vec![("rewards", mean), ("rewards_std", std)];
+        let mut m: Vec<(MetricName, f64)> =
+            vec![("rewards".into(), mean), ("rewards_std".into(), std)];
         for (i, name) in names.iter().enumerate() {
-            m.push((name, ratio(v[10 + 2 * i], v[11 + 2 * i])));
+            m.push((name.clone(), ratio(v[10 + 2 * i], v[11 + 2 * i])));
         }
         if has_successes {
-            m.push(("successes", ratio(v[4], completions)));
+            m.push(("successes".into(), ratio(v[4], completions)));
         }
         m.extend([
-            ("frac_reward_zero_std", v[5] / ranks as f64),
-            ("response_lengths", ratio(v[6], completions)),
-            ("num_stop_tokens", v[7]),
+            ("frac_reward_zero_std".into(), v[5] / ranks as f64),
+            ("response_lengths".into(), ratio(v[6], completions)),
+            ("num_stop_tokens".into(), v[7]),
             // Each rank samples at the same time: the world's tokens over one rank's seconds.
             (
-                "rollout_tokens_per_second",
+                "rollout_tokens_per_second".into(),
                 ratio(v[8], v[9] / ranks as f64),
             ),
         ]);
@@ -896,12 +897,12 @@ impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
 /// stop signal from any (acted on after the whole step, so a checkpoint never splits one).
 pub(crate) fn combine(updates: Vec<StepDone>) -> StepDone {
     let n = updates.len().max(1) as f64;
-    let mut metrics: Vec<(&'static str, f64)> = Vec::new();
+    let mut metrics: Vec<(MetricName, f64)> = Vec::new();
     for u in &updates {
         for (k, v) in &u.metrics {
             match metrics.iter_mut().find(|(name, _)| name == k) {
                 Some(entry) => entry.1 += v / n,
-                None => metrics.push((k, v / n)),
+                None => metrics.push((k.clone(), v / n)),
             }
         }
     }
@@ -1062,7 +1063,7 @@ mod tests {
     #[test]
     fn the_world_metrics_are_means_over_every_rank_completion() {
         // Two ranks' sums: rewards 1, 3 (rank 0) and 5, 7 (rank 1).
-        let names = ["rewards/a"];
+        let names = [MetricName::from("rewards/a")];
         let rank = |a: f64, b: f64| {
             let mut v = vec![
                 2.0,

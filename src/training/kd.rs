@@ -238,7 +238,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         let kd_loss = self.objective.loss(student, teacher, &batch.labels);
         let (class, kd) = (scalar(&class_loss), scalar(&kd_loss));
         let total = scalar(&total_loss(class_loss, kd_loss, self.kd_ratio));
-        let metrics = vec![("class_loss", class), ("kd_loss", kd)];
+        let metrics = vec![("class_loss".into(), class), ("kd_loss".into(), kd)];
         let (loss, metrics) = load_balancing::with_aux(total, metrics, aux);
         Ok(EvalOutput {
             loss,

@@ -12,6 +12,7 @@
 //! (and the SFT step's chunked form, [`sft::loss_with_aux`](super::sft::loss_with_aux)); the
 //! statistics themselves are [`RouterLoad`](crate::models::moe::RouterLoad)'s.
 
+use crate::training::metrics::MetricName;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
@@ -38,8 +39,8 @@ impl AuxTerm {
     }
 
     /// The term for the log, under transformers' and TRL's name.
-    pub fn metric(self) -> (&'static str, f64) {
-        ("aux_loss", self.aux_loss)
+    pub fn metric(self) -> (MetricName, f64) {
+        ("aux_loss".into(), self.aux_loss)
     }
 }
 
@@ -76,9 +77,9 @@ pub fn forward_with_aux<B: Backend>(
 /// `aux_loss` added.
 pub fn with_aux(
     loss: f64,
-    mut metrics: Vec<(&'static str, f64)>,
+    mut metrics: Vec<(MetricName, f64)>,
     aux: Option<AuxTerm>,
-) -> (f64, Vec<(&'static str, f64)>) {
+) -> (f64, Vec<(MetricName, f64)>) {
     let Some(aux) = aux else {
         return (loss, metrics);
     };

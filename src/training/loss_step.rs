@@ -2,6 +2,7 @@
 //! supplies (its loss on a micro-batch, and optionally the gradients it computed itself), and
 //! what the trainer gives it and checks before it ([`StepInfo`], [`check_vocabulary`]).
 
+use crate::training::metrics::MetricName;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 
@@ -59,7 +60,7 @@ pub struct EvalOutput {
     pub loss: f64,
     pub weight: usize,
     /// The recipe's own metrics, averaged over the validation set by weight.
-    pub metrics: Vec<(&'static str, f64)>,
+    pub metrics: Vec<(MetricName, f64)>,
 }
 
 pub trait LossStep<B: AutodiffBackend> {
@@ -104,8 +105,8 @@ pub fn check_vocabulary(batch: &Batch, vocab_size: usize, step: usize) -> Result
 
 /// Adds a micro-batch's metrics, weighted, into the running sums (by name, in first-seen order).
 pub(crate) fn add_weighted(
-    sums: &mut Vec<(&'static str, f64)>,
-    metrics: Vec<(&'static str, f64)>,
+    sums: &mut Vec<(MetricName, f64)>,
+    metrics: Vec<(MetricName, f64)>,
     weight: f64,
 ) {
     for (k, v) in metrics {

@@ -64,10 +64,17 @@ pub enum MetricsFile {
     ResumeAfter(usize),
 }
 
+/// A metric's name: a fixed one (`loss`), or one a run makes (`rewards/<function>`).
+pub type MetricName = std::borrow::Cow<'static, str>;
+
+/// The metrics file's name unless `metric_logger.filename` gives another.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
 impl JsonlSink {
-    pub fn create(log_dir: &Path, file: MetricsFile) -> std::io::Result<Self> {
+    /// `<log_dir>/<name>`, a new run's or a resumed one's.
+    pub fn create(log_dir: &Path, name: &str, file: MetricsFile) -> std::io::Result<Self> {
         std::fs::create_dir_all(log_dir)?;
-        let path = log_dir.join("metrics.jsonl");
+        let path = log_dir.join(name);
         match file {
             MetricsFile::New => set_aside(&path)?,
             MetricsFile::ResumeAfter(step) => truncate_after(&path, step)?,
@@ -80,7 +87,8 @@ impl JsonlSink {
     }
 }
 
-/// Moves a non-empty `metrics.jsonl` to `metrics.<unix seconds>.jsonl` (a free name).
+/// Moves a non-empty `metrics.jsonl` to `metrics.<unix seconds>.jsonl` (a free name; another
+/// file name's stem and extension likewise).
 fn set_aside(path: &Path) -> std::io::Result<()> {
     match std::fs::metadata(path) {
         Ok(m) if m.len() > 0 => {}
@@ -91,11 +99,17 @@ fn set_aside(path: &Path) -> std::io::Result<()> {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let stem = path
+        .file_stem()
+        .map_or("metrics".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or(String::new(), |e| format!(".{}", e.to_string_lossy()));
     let mut n = 0;
     loop {
         let name = match n {
-            0 => format!("metrics.{secs}.jsonl"),
-            n => format!("metrics.{secs}-{n}.jsonl"),
+            0 => format!("{stem}.{secs}{ext}"),
+            n => format!("{stem}.{secs}-{n}{ext}"),
         };
         let aside = path.with_file_name(name);
         if !aside.exists() {

@@ -6,7 +6,6 @@ pub mod chunked_loss;
 pub mod dpo;
 pub mod error;
 pub mod fsdp;
-pub mod grads;
 pub mod grpo;
 pub mod grpo_loss;
 pub mod kd;

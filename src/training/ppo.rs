@@ -687,11 +687,11 @@ impl<B: AutodiffBackend> PpoSteps<'_, B> {
         // torchtune's throughput figures count the prompts' tokens.
         let tokens = prompt_tokens as f64;
         done.metrics.push((
-            "tokens_per_second_per_gpu_trajectory",
+            "tokens_per_second_per_gpu_trajectory".into(),
             tokens / rollout_seconds.max(1e-9),
         ));
         done.metrics
-            .push(("tokens_per_second_per_gpu_ppo", tokens / ppo_seconds));
+            .push(("tokens_per_second_per_gpu_ppo".into(), tokens / ppo_seconds));
         Ok((trainer, value, done))
     }
 }

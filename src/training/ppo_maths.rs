@@ -12,6 +12,7 @@
 //! TRL's `shift_mean=False` keeps the mean, which is torchtune's `whiten(.., shift_mean=True)`
 //! (the two libraries read the flag the opposite ways round).
 
+use crate::training::metrics::MetricName;
 /// A grid of per-token values, `[rows, width]` row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Grid<T> {
@@ -390,7 +391,7 @@ pub fn trajectory(scored: Scored, stop_ids: &[u32], s: &TrajectorySettings) -> T
 }
 
 /// The recipe's logged statistics of a trajectory (`log_metrics`).
-pub fn trajectory_metrics(t: &Trajectory) -> Vec<(&'static str, f64)> {
+pub fn trajectory_metrics(t: &Trajectory) -> Vec<(MetricName, f64)> {
     let rows = t.scores.len().max(1) as f64;
     let row_sum_mean = |g: &Grid<f32>| {
         (0..g.rows)
@@ -405,12 +406,12 @@ pub fn trajectory_metrics(t: &Trajectory) -> Vec<(&'static str, f64)> {
         .count();
     let lengths = t.last_indices.iter().map(|&n| n as f64).sum::<f64>() / rows;
     vec![
-        ("scores", scores),
-        ("num_stop_tokens", stopped as f64),
-        ("rlhf_reward", scores + kl_reward),
-        ("kl", row_sum_mean(&t.rewards.kl)),
-        ("kl_reward", kl_reward),
-        ("response_lengths", lengths),
+        ("scores".into(), scores),
+        ("num_stop_tokens".into(), stopped as f64),
+        ("rlhf_reward".into(), scores + kl_reward),
+        ("kl".into(), row_sum_mean(&t.rewards.kl)),
+        ("kl_reward".into(), kl_reward),
+        ("response_lengths".into(), lengths),
     ]
 }
 
@@ -694,7 +695,7 @@ mod tests {
             );
             let stats = &case["expected_stats"];
             for (key, value) in trajectory_metrics(&t) {
-                let want = stats[key].as_f64().unwrap_or(f64::NAN);
+                let want = stats[key.as_ref()].as_f64().unwrap_or(f64::NAN);
                 assert!(
                     (value - want).abs() <= 1e-5 * (1.0 + want.abs()),
                     "{name} {key}: {value} against {want}"

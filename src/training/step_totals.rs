@@ -4,6 +4,7 @@
 //! while the micro-batches run ([`DeviceSums`]), read once per step, then summed over the
 //! world in one collective call ([`StepTotals::all_reduce`]).
 
+use crate::training::metrics::MetricName;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
@@ -48,7 +49,7 @@ impl<B: Backend> DeviceSums<B> {
 
     /// The loss sum, the metric sums (by name, in first-seen order) and `extra`'s value (0
     /// without it), in one read from the device.
-    pub fn read(self, extra: Option<Tensor<B, 1>>) -> (f64, Vec<(&'static str, f64)>, f64) {
+    pub fn read(self, extra: Option<Tensor<B, 1>>) -> (f64, Vec<(MetricName, f64)>, f64) {
         let names: Vec<&'static str> = self.metrics.iter().map(|(k, _)| *k).collect();
         let has_extra = extra.is_some();
         let parts: Vec<Tensor<B, 1>> = self
@@ -66,7 +67,11 @@ impl<B: Backend> DeviceSums<B> {
         } else {
             0.0
         };
-        let metrics = names.into_iter().zip(values[1..].iter().copied()).collect();
+        let metrics = names
+            .into_iter()
+            .map(MetricName::Borrowed)
+            .zip(values[1..].iter().copied())
+            .collect();
         (values[0], metrics, extra)
     }
 }
@@ -81,7 +86,7 @@ pub struct StepTotals {
     /// Tokens for throughput (see `StepOutput::tokens`).
     pub tokens: usize,
     /// The recipe's metrics, summed weighted by micro-batch weight, by name.
-    pub metrics: Vec<(&'static str, f64)>,
+    pub metrics: Vec<(MetricName, f64)>,
     /// This worker's loss sum was not finite, or (after the all-reduce) some worker's was.
     pub non_finite: bool,
     /// The stop signal seen on this worker, or (after the all-reduce) on any.
@@ -95,9 +100,12 @@ impl StepTotals {
     }
 
     /// The metrics as means over the step's units.
-    pub fn metric_means(&self) -> Vec<(&'static str, f64)> {
+    pub fn metric_means(&self) -> Vec<(MetricName, f64)> {
         let weight = self.weight.max(1) as f64;
-        self.metrics.iter().map(|(k, v)| (*k, v / weight)).collect()
+        self.metrics
+            .iter()
+            .map(|(k, v)| (k.clone(), v / weight))
+            .collect()
     }
 
     /// The totals of every worker summed, in one collective call: one step over the global
@@ -136,7 +144,7 @@ impl StepTotals {
                 .metrics
                 .iter()
                 .zip(&global[5..])
-                .map(|((k, _), v)| (*k, *v))
+                .map(|((k, _), v)| (k.clone(), *v))
                 .collect(),
             non_finite: non_finite > 0.0,
             stop: self.stop.or((stop > 0.0).then_some(Signal::Terminate)),

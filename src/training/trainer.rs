@@ -15,6 +15,7 @@
 //! clipping (on the global norm), the divergence guard and the optimizer step, which every
 //! worker applies alike. A world of one skips every collective call.
 
+use crate::training::metrics::MetricName;
 use std::time::{Duration, Instant};
 
 use burn::optim::GradientsParams;
@@ -56,6 +57,8 @@ pub struct TrainerSettings {
     pub shard_optimizer: bool,
     /// On a stop signal, save a checkpoint at the step boundary before returning.
     pub save_on_preempt: bool,
+    /// Log the memory metrics with each step's (`log_peak_memory_stats`).
+    pub log_memory: bool,
 }
 
 /// The outcome of `fit`, for the final report.
@@ -90,7 +93,7 @@ pub struct StepDone {
     /// Tokens for throughput (over the world).
     pub tokens: usize,
     /// The recipe's metrics, means over the step's units.
-    pub metrics: Vec<(&'static str, f64)>,
+    pub metrics: Vec<(MetricName, f64)>,
     /// A stop signal came during the step (on any worker): the run ends after it.
     pub stop: Option<Signal>,
     /// With [`Trainer::time_phases`].
@@ -467,7 +470,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(norm) = done.grad_norm {
             m.push(("grad_norm".into(), norm));
         }
-        m.extend(done.metrics.iter().map(|(k, v)| ((*k).into(), *v)));
+        m.extend(done.metrics.iter().map(|(k, v)| (k.to_string(), *v)));
+        if self.settings.log_memory {
+            self.memory_metrics(done, &mut m);
+        }
+        self.loggers.log(self.state.global_step, &m)?;
+        *window = LogWindow::new();
+        Ok(m)
+    }
+
+    /// The step's memory: the process's peak, the device's, and what this rank holds of the
+    /// weights, gradients and optimizer state (and keeps in host memory, when offloading).
+    fn memory_metrics(&self, done: &StepDone, m: &mut Metrics) {
         m.push(("peak_memory_bytes".into(), peak_memory_bytes() as f64));
         // On a GPU, the device's own memory, in GiB under torchtune's names.
         if let Some(device) = done.device_memory {
@@ -509,9 +523,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                 done.gradient_bytes.offloaded as f64,
             ));
         }
-        self.loggers.log(self.state.global_step, &m)?;
-        *window = LogWindow::new();
-        Ok(m)
     }
 
     /// The periodic save, every `save_every_n_steps` steps done (the epoch-end save follows the

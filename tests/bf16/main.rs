@@ -9,9 +9,12 @@
 //! 0.018 (logits reach 14.5), loss 0.0044, gradients 1-3.5% relative (L2). tune's bf16 run
 //! measured logits 0.225 / 0.0195, loss 0.0049, gradients 1.0-3.9% (with the CPU's bf16 GEMM).
 
+#[path = "../suite/grads.rs"]
+mod grads;
 #[allow(dead_code)]
 #[path = "../suite/support.rs"]
 mod support;
+use grads::named_grads;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
@@ -27,7 +30,7 @@ use tune::modules::ForwardMode;
 use tune::modules::nf4::Nf4Dtype;
 use tune::precision::Dtype;
 use tune::precision::{self, Use};
-use tune::training::{grads::named_grads, loss};
+use tune::training::loss;
 
 fn bf16_device() -> burn::tensor::Device<CpuAutodiff> {
     let device = Default::default();

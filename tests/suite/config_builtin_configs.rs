@@ -97,7 +97,7 @@ fn tiny_lora_typed_values() {
     assert_eq!(
         t.metric_logger
             .as_ref()
-            .and_then(|m| m.log_dir.as_ref())
+            .and_then(|m| m.log_dir())
             .and_then(|p| p.to_str()),
         Some("/tmp/tune/tiny/lora_finetune_single_device/logs")
     );

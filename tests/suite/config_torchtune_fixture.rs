@@ -37,7 +37,7 @@ fn torchtune_config_validates_after_path_overrides() {
     assert_eq!(
         t.metric_logger
             .as_ref()
-            .and_then(|m| m.log_dir.clone())
+            .and_then(|m| m.log_dir().cloned())
             .map(|p| p.display().to_string()),
         Some("/tmp/tune-test/llama3_2_1b/logs".into())
     );

@@ -516,7 +516,6 @@ fn kitchen_sink_every_key_deserialises() {
             "loss.num_output_chunks=8",
             "metric_logger.filename=log.txt",
             "metric_logger.project=p",
-            "metric_logger.organize_logs=True",
             "enable_activation_offloading=False",
             "compile=False",
             "profiler={_component_: torchtune.training.setup_torch_profiler, enabled: False, wait_steps: 5}",
@@ -1000,4 +999,35 @@ fn a_lora_builder_takes_torchtunes_rank_and_alpha_defaults() {
         e.has("teacher_model.train_router", "is not trained by recipe"),
         "{e}"
     );
+}
+
+/// Each metric logger takes its own settings (torchtune's classes' arguments): a TensorBoard
+/// logger's `organize_logs` on the DiskLogger is refused by name.
+#[test]
+fn each_metric_logger_reads_its_own_settings() {
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["metric_logger.organize_logs=True"],
+    );
+    assert!(
+        e.has(
+            "metric_logger.organize_logs",
+            "is not a setting of `tune.metric_logging.DiskLogger`: it is a setting of tune.metric_logging.TensorBoardLogger"
+        ),
+        "{e}"
+    );
+    warnings(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "metric_logger={_component_: torchtune.training.metric_logging.TensorBoardLogger, organize_logs: False}",
+        ],
+    );
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &["metric_logger.filename=logs/m.jsonl"],
+    );
+    assert!(e.has("metric_logger.filename", "is not a file name"), "{e}");
 }

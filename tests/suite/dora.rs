@@ -44,7 +44,7 @@ pub fn check_dora<B: AutodiffBackend>(device: &B::Device) {
     let loss = assert_logits_and_loss(&r, logits, &labels);
 
     let grads = loss.backward();
-    let named = tune::training::grads::named_grads(&model, &grads);
+    let named = crate::grads::named_grads(&model, &grads);
     assert_eq!(
         named.len(),
         r.grad_count(),

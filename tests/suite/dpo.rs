@@ -130,7 +130,7 @@ pub fn check_lora_dpo<B: AutodiffBackend>(device: &B::Device) {
     );
 
     let grads = out.loss.backward();
-    let named = tune::training::grads::named_grads(&model, &grads);
+    let named = crate::grads::named_grads(&model, &grads);
     let expected = r.grad_count();
     assert_eq!(
         named.len(),

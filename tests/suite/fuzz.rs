@@ -59,63 +59,41 @@ fn write(path: &Path, bytes: impl AsRef<[u8]>) {
 // Config loader: YAML text, overrides, interpolation, validation.
 // ---------------------------------------------------------------------------------------------
 
-const RECIPES: &[&str] = &[
-    "full_finetune",
-    "lora_finetune",
-    "lora_dpo",
-    "full_dpo",
-    "qat",
-    "qat_lora",
-    "knowledge_distillation",
-    "generate",
-];
+/// Every recipe's name, from the registry.
+static RECIPES: LazyLock<Vec<&'static str>> =
+    LazyLock::new(|| tune::recipes::RECIPES.iter().map(|r| r.name).collect());
 
-/// Keys the schema knows (so generated configs get past "unknown key" into deeper checks) and
-/// a few it does not.
-const KEYS: &[&str] = &[
-    "a",
-    "b",
-    "c",
-    "0",
-    "1",
-    "_component_",
-    "model",
-    "tokenizer",
-    "path",
-    "max_seq_len",
-    "checkpointer",
-    "checkpoint_dir",
-    "checkpoint_files",
-    "dataset",
-    "source",
-    "data_files",
-    "split",
-    "column_map",
-    "packed",
-    "optimizer",
-    "lr",
-    "betas",
-    "loss",
-    "batch_size",
-    "epochs",
-    "output_dir",
-    "seed",
-    "lora_rank",
-    "lora_alpha",
-    "lora_attn_modules",
-    "metric_logger",
-    "log_dir",
-    "device",
-    "dtype",
-    "resume_from_checkpoint",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "prompt",
-    "kd_ratio",
-    "data_parallel_shard_dim",
-    "<<",
-];
+/// Every declared key's dotted path, in every recipe (a list's items as `.0`), so generated
+/// configs reach each key's own checks.
+static PATHS: LazyLock<Vec<String>> = LazyLock::new(|| {
+    let mut paths: Vec<String> = tune::recipes::RECIPES
+        .iter()
+        .flat_map(|r| tune::config::reference::entries(r))
+        .map(|e| e.path.replace("[]", ".0"))
+        .collect();
+    paths.sort();
+    paths.dedup();
+    paths
+});
+
+/// The names the declared keys' paths are made of, and a few no declaration has.
+static KEYS: LazyLock<Vec<String>> = LazyLock::new(|| {
+    let mut keys: Vec<String> = ["a", "b", "c", "0", "1", "_component_", "<<"]
+        .map(String::from)
+        .to_vec();
+    for path in PATHS.iter() {
+        for segment in path.split('.') {
+            if !keys.iter().any(|k| k == segment) {
+                keys.push(segment.to_string());
+            }
+        }
+    }
+    keys
+});
+
+/// Every component name a config may write (tune's and torchtune's).
+static COMPONENTS: LazyLock<Vec<String>> =
+    LazyLock::new(|| tune::config::components::known_names(None));
 
 /// Scalars that parse as plain YAML values in block context.
 const SCALARS: &[&str] = &[
@@ -215,7 +193,7 @@ const RISKY: &[&str] = &[
 
 fn key() -> impl Strategy<Value = String> {
     prop_oneof![
-        6 => select(KEYS).prop_map(String::from),
+        6 => select(KEYS.clone()),
         1 => "[a-z_0-9]{1,6}",
         1 => "\\PC{1,6}",
     ]
@@ -224,7 +202,8 @@ fn key() -> impl Strategy<Value = String> {
 /// A dotted key path, mostly over the known keys.
 fn key_path() -> impl Strategy<Value = String> {
     prop_oneof![
-        4 => prop::collection::vec(select(KEYS), 1..4).prop_map(|k| k.join(".")),
+        4 => select(PATHS.clone()),
+        2 => prop::collection::vec(select(KEYS.clone()), 1..4).prop_map(|k| k.join(".")),
         1 => "[a-z_.0-9]{0,12}",
     ]
 }
@@ -232,6 +211,7 @@ fn key_path() -> impl Strategy<Value = String> {
 fn scalar() -> impl Strategy<Value = String> {
     prop_oneof![
         12 => select(SCALARS).prop_map(String::from),
+        2 => select(COMPONENTS.clone()),
         3 => key_path().prop_map(|k| format!("${{{k}}}")),
         1 => (key_path(), "[a-z/ ]{0,4}").prop_map(|(k, t)| format!("'{t}${{{k}}}{t}'")),
         1 => any::<i64>().prop_map(|i| i.to_string()),
@@ -485,7 +465,7 @@ fn load_and_validate(source: &str, overrides: &[String]) {
     };
     let _ = cfg.to_yaml_string();
     let no_paths = ValidateOptions { check_paths: false };
-    for recipe in RECIPES {
+    for recipe in RECIPES.iter() {
         let _ = validate_with(recipe, &cfg, &no_paths);
     }
     let _ = validate("lora_finetune", &cfg);

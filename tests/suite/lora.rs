@@ -32,7 +32,7 @@ pub fn check_lora_and_adamw_step<B: AutodiffBackend>(device: &B::Device) {
     let loss = assert_logits_and_loss(&r, logits, &labels);
 
     let grads = loss.backward();
-    let named = tune::training::grads::named_grads(&model, &grads);
+    let named = crate::grads::named_grads(&model, &grads);
     let expected = r.grad_count();
     assert_eq!(named.len(), expected, "gradients exist for adapters only");
     for (name, grad) in &named {

@@ -13,6 +13,7 @@ mod config_validation;
 mod data;
 mod dcp;
 mod distributed;
+mod docs;
 mod dora;
 mod dpo;
 mod dpo_recipes;
@@ -21,6 +22,7 @@ mod generate;
 mod generate_cli;
 #[cfg(feature = "wgpu")]
 mod gpu;
+mod grads;
 mod grpo_recipes;
 mod hub_roundtrip;
 mod kd;

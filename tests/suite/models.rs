@@ -2,13 +2,13 @@
 
 use crate::support;
 
+use crate::grads::named_grads;
 use burn::tensor::backend::AutodiffBackend;
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model;
 use tune::models::TokenBatch;
 use tune::modules::ForwardMode;
-use tune::training::grads::named_grads;
 
 fn check_model(dir: &str, reference: &str) {
     check_model_on::<CpuAutodiff>(dir, reference, &Default::default());

@@ -614,7 +614,7 @@ fn assert_loss_and_grads_match(
     loss: burn::tensor::Tensor<CpuAutodiff, 1>,
     r: &Reference,
 ) {
-    use tune::training::grads::named_grads;
+    use crate::grads::named_grads;
     let total = tune::checkpoint::HostTensor::from_tensor(&loss);
     assert_close("loss", &total, &r.f32("loss"), 1e-4);
     let grads = loss.backward();

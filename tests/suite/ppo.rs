@@ -383,11 +383,11 @@ fn ppo_resumes_from_the_newest_step_both_models_saved() {
 /// policy and of the value model.
 #[test]
 fn one_ppo_step_is_torchtunes_from_the_responses_to_every_gradient() {
+    use crate::grads::named_grads;
     use burn::module::AutodiffModule;
     use std::sync::Arc;
     use tune::generation::{GroupSampling, SamplingParams};
     use tune::models::Trainable;
-    use tune::training::grads::named_grads;
     use tune::training::loss_step::{LossStep, StepInfo};
     use tune::training::ppo::{
         PolicyLoss, PpoLossSettings, PpoModels, PpoSettings, ValueLoss, micro_batch,

@@ -4,6 +4,7 @@
 
 use crate::support;
 
+use crate::grads::named_grads;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use support::*;
 use tune::checkpoint::HostTensor;
@@ -11,7 +12,6 @@ use tune::model_io::hf::load_model;
 use tune::modules::ForwardMode;
 use tune::modules::fake_quant::{QuantScheme, fake_quantize_activation, fake_quantize_weight};
 use tune::setup::quant::{QuantError, prepare};
-use tune::training::grads::named_grads;
 
 const SCHEME: QuantScheme = QuantScheme::Int8DynActInt4Weight { group_size: 32 };
 

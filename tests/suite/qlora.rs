@@ -123,7 +123,7 @@ pub fn check_against_torchtune<B: AutodiffBackend>(
     assert_close("loss", &HostTensor::from_tensor(&loss), &want, 1e-5);
 
     let grads = loss.backward();
-    let named = tune::training::grads::named_grads(&model, &grads);
+    let named = crate::grads::named_grads(&model, &grads);
     assert_eq!(named.len(), grad_count, "gradients of the adapters only");
     for (name, grad) in &named {
         let want = r.f32(&format!("{prefix}.grad.{}", to_peft(name)));

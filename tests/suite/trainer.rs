@@ -72,6 +72,7 @@ pub(crate) fn settings(accumulation: usize, clip: Option<f64>, lr: f64) -> Train
         seed: 0,
         shard_optimizer: false,
         save_on_preempt: false,
+        log_memory: true,
     }
 }
 

@@ -226,7 +226,9 @@ keys! {
     model_type: Option<CheckpointModelType> = optional().rule(a_language_model),
     /// Checkpoints are safetensors: True, or left out (False asks for `.bin` files, which tune
     /// does not write).
-    safe_serialization: bool = on().rule(safetensors_only),
+    safe_serialization: bool = on().rule(safetensors_only).validation_only(
+        "True is what tune does; False is refused",
+    ),
 }
 
 impl CheckpointerConfig {

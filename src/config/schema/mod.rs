@@ -23,7 +23,10 @@ pub use grpo::{
     CommandRewardKeys, FormattingRewardKeys, GrpoKeys, Gsm8kRewardKeys, LengthRewardKeys,
     PlainRewardKeys, RewardCommon, RewardConfig, RewardSettings,
 };
-pub use logging::{MetricLoggerConfig, ProfilerConfig};
+pub use logging::{
+    DiskLoggerKeys, MetricLoggerConfig, MetricLoggerSettings, ProfilerConfig, StdoutLoggerKeys,
+    TensorBoardLoggerKeys,
+};
 pub use loss::{
     ChunkedKeys, CrossEntropyLoss, CrossEntropySettings, DpoKeys, DpoLoss, DpoSettings, GrpoLoss,
     GrpoSettings, KdLoss, KdSettings, PpoLoss, PpoLossKeys, PpoSettings, SymmetricKlKeys,

@@ -100,9 +100,10 @@ keys! {
     path: Option<PathBuf> = optional(),
     /// Phi-4's vocab.json (the tokenizer.json beside it is read).
     vocab_path: Option<PathBuf> = optional(),
-    /// Phi-4's merges.txt (the tokenizer.json beside the vocabulary holds the merges).
+    /// Phi-4's (and Qwen's) merges.txt: the tokenizer.json tune reads holds the merges, which
+    /// must be this file's (checked when the tokenizer loads).
     merges_path: Option<PathBuf> = optional(),
-    /// Another spelling of `merges_path` (the tokenizer.json holds the merges).
+    /// Another spelling of `merges_path` (torchtune's Qwen tokenizers').
     merges_file: Option<PathBuf> = optional(),
     /// Samples are cut to this many tokens (null: the model's positions).
     max_seq_len: Option<usize> = optional().range(|v| v >= 2.0, "at least 2, or null for no limit"),

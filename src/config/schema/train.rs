@@ -325,14 +325,18 @@ keys! {
         "tune always loads checkpoints memory-mapped, tensor by tensor: both values load the same weights",
     ),
     /// torchtune's profiler.
-    profiler: Option<ProfilerConfig> = optional(),
+    profiler: Option<ProfilerConfig> = optional().validation_only(
+        "no traces are recorded: `profiler.enabled: True` is warned about",
+    ),
     /// torchtune's optimizer-in-backward: not supported (the optimizer steps after backward).
     optimizer_in_bwd: bool = off().warn(
         "optimizer-in-backward is not supported; the optimizer steps after backward",
     ),
     /// FSDP's units of their own besides the decoder layers (`tok_embeddings`, `output`):
     /// tune always shards both as units of their own.
-    custom_sharded_layers: Option<Vec<String>> = optional().rule(own_units),
+    custom_sharded_layers: Option<Vec<String>> = optional().rule(own_units).validation_only(
+        "tune's FSDP always makes tok_embeddings and output units of their own; another name is refused",
+    ),
     /// FSDP: free each layer's gathered weights after its forward and gather them again for
     /// its backward (True, the default), or keep them from the forward until the backward
     /// (False: one all-gather per layer per step, the whole layers held meanwhile).
@@ -348,7 +352,8 @@ keys! {
     tensor_parallel_dim: Option<usize> = optional().range(
         |v| v == 1.0,
         "1: tune has no tensor parallelism, every rank holds the whole model",
-    ),
+    )
+    .validation_only("only 1 is accepted, which is what tune does"),
     /// A tensor-parallel plan: with `tensor_parallel_dim: 1` there is nothing to parallelize,
     /// and torchtune does not apply it either (warned about when set).
     tensor_parallel_plan: Option<Value> = optional().warn(
@@ -365,7 +370,8 @@ keys! {
     data_parallel_replicate_dim: Option<usize> = optional().range(
         |v| v == 1.0,
         "1: tune has no replication groups (HSDP), all ranks form one data-parallel group",
-    ),
+    )
+    .validation_only("only 1 is accepted, which is what tune does"),
     /// Upload the final checkpoint to the Hub.
     push_to_hub: Option<PushToHub> = optional(),
     /// Score `dataset_val` every this many steps (and at each epoch's end).

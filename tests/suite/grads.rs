@@ -1,11 +1,12 @@
-//! Gradients by parameter name, read out of burn's autodiff gradients.
+//! Gradients by parameter name, read out of burn's autodiff gradients: what the golden
+//! gradient checks compare.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::checkpoint::HostTensor;
-use crate::models::CausalLm;
+use tune::checkpoint::HostTensor;
+use tune::models::CausalLm;
 
 struct GradCollector<'a, B: AutodiffBackend> {
     grads: &'a B::Gradients,
