@@ -16,6 +16,7 @@ use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "full_dpo",
@@ -67,8 +68,7 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         policy,
-        SaveContent::FullModel,
-        loaded.storage_dtype,
+        Plan::new(SaveContent::FullModel, loaded.storage_dtype),
         ctx.recipe_name,
         &ctx.device,
     )?;

@@ -17,6 +17,7 @@ use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "grpo_full_finetune",
@@ -82,8 +83,7 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         policy,
-        SaveContent::FullModel,
-        loaded.storage_dtype,
+        Plan::new(SaveContent::FullModel, loaded.storage_dtype),
         ctx.recipe_name,
         &ctx.device,
     )?;

@@ -15,6 +15,7 @@ use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "grpo_lora_finetune",
@@ -70,8 +71,7 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         policy,
-        content,
-        loaded.storage_dtype,
+        Plan::new(content, loaded.storage_dtype),
         ctx.recipe_name,
         &ctx.device,
     )?;

@@ -18,13 +18,14 @@ use crate::config::schema::{
 use crate::models::Trainable;
 use crate::setup::{data, model, session, teacher};
 use crate::training::checkpointing::SaveContent;
-use crate::training::fsdp;
+use crate::training::parallel::fsdp;
 use crate::training::kd::KdLoss;
 
 use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "knowledge_distillation",
@@ -109,8 +110,7 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         student,
-        content,
-        storage_dtype,
+        Plan::new(content, storage_dtype),
         ctx.recipe_name,
         &ctx.device,
     )?;

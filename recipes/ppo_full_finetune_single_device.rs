@@ -17,11 +17,13 @@ use crate::models::Trainable;
 use crate::setup::{grpo, model, ppo, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::ppo::PpoSteps;
+use crate::training::epoch_steps::steps_per_epoch;
 
 use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains, read_checked};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "ppo_full_finetune",
@@ -98,7 +100,7 @@ pub fn run<B: AutodiffBackend>(
     let settings = ppo::settings(cfg, keys, &data.tokenizer);
 
     let seed = run.seed;
-    let value_saver = crate::setup::run::companion_checkpointer(
+    let value_saver = crate::setup::trainer::companion_checkpointer(
         cfg,
         &value_dir,
         &keys.value_checkpointer.checkpoint_dir,
@@ -107,18 +109,21 @@ pub fn run<B: AutodiffBackend>(
         value_storage,
     )?;
     let value_trainer = ppo::value_trainer(cfg, seed, value_model, run.world.clone(), value_resume);
-    let mut session = session::session(
+    // torchtune's epochs: as many passes over the prompts as `num_steps` needs.
+    let loop_settings = crate::setup::run::trainer_settings(cfg, seed, false);
+    let steps_per_epoch = steps_per_epoch(&loop_settings, &data.loader, run.world.size)?;
+    let epochs = settings.total_steps.div_ceil(steps_per_epoch.max(1));
+    let session = session::session(
         cfg,
         run,
         policy,
-        SaveContent::FullModel,
-        loaded.storage_dtype,
+        Plan {
+            epochs: Some(epochs),
+            ..Plan::new(SaveContent::FullModel, loaded.storage_dtype)
+        },
         ctx.recipe_name,
         &ctx.device,
     )?;
-    // torchtune's epochs: as many passes over the prompts as `num_steps` needs.
-    let steps_per_epoch = session.trainer.steps_per_epoch(&data.loader)?;
-    session.trainer.settings.epochs = settings.total_steps.div_ceil(steps_per_epoch.max(1));
     let value = Rc::new(RefCell::new(Some(value_trainer)));
     let mut value_checkpoints = ppo::ValueCheckpoints {
         value: value.clone(),

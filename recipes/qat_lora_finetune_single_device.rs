@@ -19,6 +19,7 @@ use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "qat_lora",
@@ -88,12 +89,13 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         policy,
-        content,
-        loaded.storage_dtype,
+        Plan {
+            quantized_export: Some(scheme),
+            ..Plan::new(content, loaded.storage_dtype)
+        },
         ctx.recipe_name,
         &ctx.device,
-    )?
-    .with_quantized_export(scheme)?;
+    )?;
     session.announce(|| {
         format!(
             "QAT LoRA fine-tuning {} ({}) with {scheme:?} on {} linear layers{}; {} samples; seed {seed}; metrics in {}",

@@ -17,6 +17,7 @@ use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
 use crate::distributed::WorkerError;
 use crate::setup::run::RunStart;
+use crate::setup::trainer::Plan;
 
 pub static RECIPE: RecipeSpec = RecipeSpec {
     name: "qat",
@@ -50,12 +51,13 @@ pub fn run<B: AutodiffBackend>(
         cfg,
         run,
         policy,
-        SaveContent::FullModel,
-        loaded.storage_dtype,
+        Plan {
+            quantized_export: Some(scheme),
+            ..Plan::new(SaveContent::FullModel, loaded.storage_dtype)
+        },
         ctx.recipe_name,
         &ctx.device,
-    )?
-    .with_quantized_export(scheme)?;
+    )?;
     session.announce(|| {
         format!(
             "QAT full fine-tuning {} ({} parameters) with {scheme:?} on {} linear layers{}; {} samples; seed {seed}; metrics in {}",

@@ -13,7 +13,6 @@ use rand::{Rng, SeedableRng};
 
 use crate::checkpoint::StorageDtype;
 use crate::data::{SftSample, collate_sft};
-use crate::distributed::World;
 use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
 use crate::model_io::peft::attach_lora;
 use crate::models::{BaseWeights, ModelArgs, RandomInit, Trainable, build};
@@ -25,6 +24,7 @@ use crate::training::activation_checkpointing::Checkpointing;
 use crate::training::memory::{enter_training_steady_state, reset_peak_memory};
 use crate::training::metrics::{MetricLoggers, peak_memory_bytes};
 use crate::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
+use crate::training::parallel::Parallelism;
 use crate::training::schedule::Schedule;
 use crate::training::sft::{self, SftLoss};
 use crate::training::{LossStep, StepInfo, StepTimes, TrainState, Trainer, TrainerSettings};
@@ -318,18 +318,17 @@ pub fn run<B: AutodiffBackend>(
             lr: 1e-5,
             schedule: Schedule::Constant,
             seed: 0,
-            shard_optimizer: false,
             save_on_preempt: false,
             log_memory: true,
+            show_progress: false,
+            time_phases: true,
         },
         model.set_trainable(trainable),
         optimizer,
         TrainState::default(),
         MetricLoggers { sinks: Vec::new() },
-        false,
-        World::single(),
+        Parallelism::single(),
     );
-    trainer.time_phases = true;
     let mut loss_step = SftLoss {
         fake_quant_after: None,
         activation_checkpointing: s.checkpointing,

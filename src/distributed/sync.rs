@@ -4,7 +4,7 @@
 //!
 //! - [`all_reduce_grads`]: every trainable parameter's gradient summed over the world.
 //! - [`all_reduce_entries`], [`sum_by_param`]: flat tensors, some of which only some ranks
-//!   hold, summed (a gather, when each has its own: ZeRO-1's, `training::sharded_optimizer`).
+//!   hold, summed (a gather, when each has its own: ZeRO-1's, `training::parallel::sharded_optimizer`).
 //! - [`all_reduce_scalars`], [`check_same`]: per-step counts and the rendezvous checks.
 //!
 //! burn-collective offers all-reduce and broadcast, and its global (multi-node) broadcast is

@@ -786,7 +786,7 @@ impl ParamSource for RowsSource<'_> {
 /// The model as FSDP's rank `rows.rank` keeps it, built from its rows of every weight only:
 /// the whole model never exists on this rank, and only those rows are read from `src`. Its
 /// `shards` record every weight's whole shape and have no collectives yet (the trainer's
-/// setup wires them in: `training::fsdp`); until then nothing may run it. `None` for models
+/// setup wires them in: `training::parallel::fsdp`); until then nothing may run it. `None` for models
 /// whose checkpoint fuses weights a rank's rows cannot be read from (Phi-3's
 /// `qkv_proj`): load those whole and shard them after. gpt-oss's fused experts are read an
 /// expert at a time, each cut to this rank's rows (`Builder::fused_experts_rows`). An NF4 base (`base`) keeps each

@@ -2,6 +2,7 @@
 //! optimizers, schedules and metric loggers. Recipes call these; nothing here knows recipes.
 
 pub mod data;
+pub mod finish;
 pub mod grpo;
 pub mod logging;
 pub mod loss;
@@ -12,6 +13,7 @@ pub mod quant;
 pub mod run;
 pub mod session;
 pub mod teacher;
+pub mod trainer;
 
 use std::path::PathBuf;
 
@@ -146,7 +148,7 @@ impl From<crate::training::TrainError> for SetupError {
 #[cfg(test)]
 mod tests {
     use super::SetupError;
-    use super::session::FinishError;
+    use super::finish::FinishError;
     use crate::distributed::{DistributedError, Ending, WorkerError};
     use crate::interrupt::Signal;
     use crate::training::TrainError;

@@ -389,9 +389,11 @@ pub fn frozen_reference<B: Backend>(
 ) -> Result<CausalLm<B>, SetupError> {
     let reference = load_rows::<B>(cfg, key, run.load_rows(), BaseWeights::Float, device)?.model;
     Ok(match run.fsdp {
-        Some(sharding) => {
-            crate::training::fsdp::shard_frozen(reference, &run.world, sharding.cpu_offload)
-        }
+        Some(sharding) => crate::training::parallel::fsdp::shard_frozen(
+            reference,
+            &run.world,
+            sharding.cpu_offload,
+        ),
         None => reference,
     })
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::SetupError;
+use super::{SetupError, optim};
 use crate::config::schema::{PpoKeys, TrainConfig};
 use crate::distributed::World;
 use crate::generation::{GroupSampling, SamplingParams};
@@ -14,6 +14,7 @@ use crate::tokenizer::Tokenizer;
 use crate::training::checkpointing::Resume;
 use crate::training::metrics::MetricLoggers;
 use crate::training::optimizer::Optimizer;
+use crate::training::parallel::Parallelism;
 use crate::training::ppo::PpoSettings;
 use crate::training::ppo_maths::TrajectorySettings;
 use crate::training::save_hook::TrainState;
@@ -96,20 +97,22 @@ pub fn value_trainer<B: AutodiffBackend>(
     world: World,
     resume: Option<Resume>,
 ) -> Trainer<B> {
-    let mut optimizer = Optimizer::new(super::optim::optimizer(&cfg.optimizer));
+    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
     let mut state = TrainState::default();
     if let Some(r) = resume {
         optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, &model.device());
         state = r.state;
     }
+    // PPO runs on one device: the value model's optimizer is whole, beside the policy's.
+    let settings = optim::optimizer(&cfg.optimizer);
+    let (model, parallel) = Parallelism::new(model, world, None, false, &settings);
     Trainer::new(
-        super::run::trainer_settings(cfg, seed),
+        super::run::trainer_settings(cfg, seed, false),
         model,
         optimizer,
         state,
         MetricLoggers { sinks: Vec::new() },
-        false,
-        world,
+        parallel,
     )
 }
 

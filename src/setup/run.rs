@@ -4,18 +4,16 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 
 use crate::config::schema::{Device, RecipeConfig, TrainConfig};
 use crate::distributed::World;
-use crate::models::CausalLm;
+use crate::training::TrainerSettings;
 use crate::training::activation_checkpointing::Checkpointing;
 use crate::training::checkpointing::{Resume, RunFingerprint, find_resume};
-use crate::training::fsdp::Sharding;
-use crate::training::optimizer::Optimizer;
-use crate::training::{TrainState, Trainer, TrainerSettings};
+use crate::training::parallel::fsdp::Sharding;
 
-use super::{SetupError, logging, optim};
+use super::{SetupError, optim};
 
 /// The run's seed: the config's, or one drawn from the clock (torchtune draws a random one),
 /// reported so the run can be repeated.
@@ -43,7 +41,8 @@ pub fn checkpointing(cfg: &TrainConfig) -> Checkpointing {
     }
 }
 
-pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
+/// The loop's settings as the config gives them (`show_progress`: this rank shows the bar).
+pub fn trainer_settings(cfg: &TrainConfig, seed: u64, show_progress: bool) -> TrainerSettings {
     TrainerSettings {
         epochs: cfg.epochs,
         max_steps_per_epoch: cfg.max_steps_per_epoch,
@@ -54,10 +53,10 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64) -> TrainerSettings {
         lr: cfg.optimizer.lr,
         schedule: optim::schedule(cfg.lr_scheduler.as_ref()),
         seed,
-        // Full-weight training shards AdamW's moments over the ranks; LoRA's are small.
-        shard_optimizer: !cfg.model.is_lora(),
         save_on_preempt: cfg.save_on_preempt,
         log_memory: cfg.log_peak_memory_stats,
+        show_progress,
+        time_phases: false,
     }
 }
 
@@ -231,94 +230,6 @@ pub fn fingerprint(config: &RecipeConfig, seed: u64, world_size: usize) -> RunFi
         resume_may_change: keys.resume_may_change,
         defaults: keys.defaults,
     }
-}
-
-/// The run's one checkpoint client, saving `content` under [`checkpoint_dir`] with the
-/// config's `keep_last_n_checkpoints`, companion files from `checkpointer.checkpoint_dir`.
-pub fn checkpointer(
-    cfg: &TrainConfig,
-    recipe: &str,
-    content: crate::training::checkpointing::SaveContent,
-    fingerprint: RunFingerprint,
-    storage_dtype: crate::checkpoint::StorageDtype,
-) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
-    crate::training::checkpointing::RunCheckpointer::new(
-        cfg.checkpoint_dir().to_path_buf(),
-        cfg.keep_last_n_checkpoints,
-        recipe,
-        content,
-        fingerprint,
-        cfg.checkpointer.checkpoint_dir.clone(),
-        storage_dtype,
-        crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
-    )
-}
-
-/// The checkpoint client of a second model the run saves (PPO's value model): into `dir`,
-/// with the tokenizer files of `source_dir`. Each of its saves is published before the run's
-/// own is requested, and it keeps one checkpoint more than `keep_last_n_checkpoints`: a run
-/// stopped between the two saves of a step resumes from the step before, whose companion is
-/// still there.
-pub fn companion_checkpointer(
-    cfg: &TrainConfig,
-    dir: &std::path::Path,
-    source_dir: &std::path::Path,
-    recipe: &str,
-    fingerprint: RunFingerprint,
-    storage_dtype: crate::checkpoint::StorageDtype,
-) -> Result<crate::training::checkpointing::RunCheckpointer, crate::training::TrainError> {
-    let mut saver = crate::training::checkpointing::RunCheckpointer::new(
-        dir.to_path_buf(),
-        cfg.keep_last_n_checkpoints.map(|n| n + 1),
-        recipe,
-        crate::training::checkpointing::SaveContent::FullModel,
-        fingerprint,
-        source_dir.to_path_buf(),
-        storage_dtype,
-        crate::model_io::hf::DEFAULT_MAX_SHARD_BYTES,
-    )?;
-    saver.always_block = true;
-    Ok(saver)
-}
-
-/// The trainer core for `model` as the config asks: its loop settings, optimizer and metric
-/// loggers (rank 0's; the other ranks log nothing). A resume checkpoint restores the optimizer
-/// moments and the position in the data. Also returns the log directory, for the recipe's
-/// start-up line.
-pub fn trainer<B: AutodiffBackend>(
-    cfg: &TrainConfig,
-    run: &mut RunStart,
-    model: CausalLm<B>,
-    device: &B::Device,
-) -> Result<(Trainer<B>, String), SetupError> {
-    let mut optimizer = Optimizer::new(optim::optimizer(&cfg.optimizer));
-    let mut state = TrainState::default();
-    let metrics_file = match &run.resume {
-        Some(r) => crate::training::metrics::MetricsFile::ResumeAfter(r.state.global_step),
-        None => crate::training::metrics::MetricsFile::New,
-    };
-    if let Some(r) = run.resume.take() {
-        optimizer.load_state_dict(r.optimizer_step, r.optimizer_state, device);
-        state = r.state;
-    }
-    let (loggers, log_dir) = if run.world.is_main() {
-        logging::loggers(cfg.metric_logger.as_ref(), &cfg.output_dir, metrics_file)?
-    } else {
-        (
-            crate::training::metrics::MetricLoggers { sinks: Vec::new() },
-            String::new(),
-        )
-    };
-    let trainer = Trainer::new(
-        trainer_settings(cfg, run.seed),
-        model,
-        optimizer,
-        state,
-        loggers,
-        run.world.is_main(),
-        run.world.clone(),
-    );
-    Ok((trainer, log_dir))
 }
 
 /// The locks that keep one run per directory it writes, held until dropped (and released by

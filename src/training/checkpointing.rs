@@ -19,12 +19,12 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
 use super::error::{CheckpointingError, Divergence, MAX_WEIGHT, TrainError};
-use super::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
-use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
-use super::sharded_checkpoint::{
+use super::parallel::optimizer_shards::{SHARD_TIMEOUT, assemble, checkpoint_name, read_state};
+use super::parallel::sharded_checkpoint::{
     RankShare, SHARE_TIMEOUT, collect_into, consolidates, read_optimizer_state,
     staging_dir as sharded_staging_dir, write_share,
 };
+use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::checkpoint::safetensors_io::write_file;
 use crate::checkpoint::{HostTensor, StorageDtype};
 use crate::checkpoint_client::{
@@ -200,24 +200,29 @@ pub struct RunCheckpointer {
     source_dir: PathBuf,
     storage_dtype: StorageDtype,
     max_shard_bytes: usize,
+    layout: SaveLayout,
     pub last_published: Option<PublishedCheckpoint>,
-    /// Logs "waited for the previous save" and "saved" lines.
-    pub log: Box<dyn Fn(String) + Send>,
-    /// QAT: the final checkpoint also holds the int4 export in `quantized/` (adapters merged).
-    pub quantized_export: Option<QuantScheme>,
+    output_dir: PathBuf,
+}
+
+/// How a run's checkpoints are laid out besides what they hold: decided once, with the run's
+/// parallelism (`parallel::Saves`), and fixed for the run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SaveLayout {
+    /// Data-parallel workers of the run, recorded in every checkpoint.
+    pub world_size: usize,
     /// ZeRO-1 with a shared output directory: every rank writes its optimizer shard and this
     /// (rank 0's) writer gathers them into the checkpoint (`optimizer_shards`).
     pub optimizer_shards: Option<usize>,
-    /// Data-parallel workers of the run, recorded in every checkpoint.
-    pub world_size: usize,
     /// FSDP with an output directory every rank sees: every rank writes its share of each
     /// checkpoint (`sharded_checkpoint`); this writer moves the others' in.
     pub sharded: Option<ShardedRun>,
+    /// QAT: the final checkpoint also holds the int4 export in `quantized/` (adapters merged).
+    pub quantized_export: Option<QuantScheme>,
     /// Every save is published before `save` returns (PPO's value model: its checkpoint is
     /// then durable before the policy's of the same step is even requested, so a published
     /// policy checkpoint always has its value model's beside it).
     pub always_block: bool,
-    output_dir: PathBuf,
 }
 
 /// A run whose ranks write their own shares of each checkpoint.
@@ -228,35 +233,49 @@ pub struct ShardedRun {
     pub world: usize,
 }
 
+/// What a run's checkpoint client writes and where.
+pub struct CheckpointerOptions {
+    pub output_dir: PathBuf,
+    pub keep_last_n: Option<usize>,
+    /// torchtune's script name, recorded in every checkpoint.
+    pub recipe: String,
+    pub content: SaveContent,
+    pub fingerprint: RunFingerprint,
+    /// Where tokenizer and generation files are copied from.
+    pub source_dir: PathBuf,
+    pub storage_dtype: StorageDtype,
+    pub max_shard_bytes: usize,
+    pub layout: SaveLayout,
+}
+
 impl RunCheckpointer {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        output_dir: PathBuf,
-        keep_last_n: Option<usize>,
-        recipe: &str,
-        content: SaveContent,
-        fingerprint: RunFingerprint,
-        source_dir: PathBuf,
-        storage_dtype: StorageDtype,
-        max_shard_bytes: usize,
-    ) -> Result<Self, TrainError> {
-        let client = CheckpointClient::new(output_dir.clone(), ClientOptions { keep_last_n })
-            .map_err(CheckpointingError::from)?;
-        Ok(Self {
-            client,
-            recipe: recipe.to_string(),
+    pub fn new(options: CheckpointerOptions) -> Result<Self, TrainError> {
+        let CheckpointerOptions {
+            output_dir,
+            keep_last_n,
+            recipe,
             content,
             fingerprint,
             source_dir,
             storage_dtype,
             max_shard_bytes,
+            layout,
+        } = options;
+        let client = CheckpointClient::new(output_dir.clone(), ClientOptions { keep_last_n })
+            .map_err(CheckpointingError::from)?;
+        Ok(Self {
+            client,
+            recipe,
+            content,
+            fingerprint,
+            source_dir,
+            storage_dtype,
+            max_shard_bytes,
+            layout: SaveLayout {
+                world_size: layout.world_size.max(1),
+                ..layout
+            },
             last_published: None,
-            log: Box::new(|line| eprintln!("{line}")),
-            quantized_export: None,
-            optimizer_shards: None,
-            world_size: 1,
-            sharded: None,
-            always_block: false,
             output_dir,
         })
     }
@@ -311,7 +330,7 @@ impl RunCheckpointer {
             SaveContent::FullModel => Some(model.hf_state_dict()),
         };
         // Quantizing needs the model's device, so it happens in the blocking part too.
-        let quantized = match self.quantized_export {
+        let quantized = match self.layout.quantized_export {
             Some(scheme) if kind == SaveKind::Final => {
                 let group_size = scheme
                     .group_size()
@@ -341,7 +360,7 @@ impl RunCheckpointer {
             self.max_shard_bytes,
         );
         let (shards, output_dir, checkpoint) = (
-            self.optimizer_shards,
+            self.layout.optimizer_shards,
             self.output_dir.clone(),
             name.to_string(),
         );
@@ -431,7 +450,7 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
         // Everything up to the request is the blocking part: copying state to the host.
         let started = std::time::Instant::now();
         let name = checkpoint_name(kind, state);
-        let writer = match self.sharded {
+        let writer = match self.layout.sharded {
             Some(run) => self.sharded_writer(kind, model, optimizer, &name, run)?,
             None => self.whole_writer(kind, model, optimizer, state, &name)?,
         };
@@ -448,30 +467,30 @@ impl<B: AutodiffBackend> SaveHook<B> for RunCheckpointer {
             state: state.clone(),
             optimizer_step: optimizer.step,
             fingerprint: self.fingerprint.clone(),
-            optimizer_shards: self.optimizer_shards.unwrap_or(1),
-            world_size: self.world_size,
-            optimizer_sharded: self.sharded.is_some(),
+            optimizer_shards: self.layout.optimizer_shards.unwrap_or(1),
+            world_size: self.layout.world_size,
+            optimizer_sharded: self.layout.sharded.is_some(),
         };
         meta.extra = serde_json::to_value(&info).unwrap_or_default();
 
         let request = SaveRequest::new(name.clone(), meta, writer);
-        let report = if kind.blocks() || self.always_block {
+        let report = if kind.blocks() || self.layout.always_block {
             self.client.save_blocking(request)
         } else {
             self.client.save(request)
         }
         .map_err(CheckpointingError::from)?;
         if report.waited.as_millis() > 0 {
-            (self.log)(format!(
+            crate::say!(
                 "checkpoint {name}: waited {:.2}s for the previous save to finish",
                 report.waited.as_secs_f64()
-            ));
+            );
         }
         if !kind.blocks() {
-            (self.log)(format!(
+            crate::say!(
                 "checkpoint {name}: training blocked {:.3}s for the snapshot; writing in the background",
                 snapshot_time.as_secs_f64()
-            ));
+            );
         }
         if let Some(p) = report.published.or(report.previous) {
             self.last_published = Some(p);

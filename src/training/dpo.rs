@@ -178,7 +178,7 @@ impl<B: AutodiffBackend> DpoLoss<B> {
             }
             DpoReference::Frozen(reference) => {
                 let (lp, _) = concatenated_forward(reference, batch, mode)?;
-                super::fsdp::check(reference)?;
+                super::parallel::fsdp::check(reference)?;
                 PairLogProbs {
                     chosen: Tensor::from_inner(lp.chosen),
                     rejected: Tensor::from_inner(lp.rejected),

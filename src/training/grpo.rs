@@ -43,7 +43,9 @@ use super::loss_step::{EvalOutput, LossStep, StepInfo, StepOutput};
 use super::rollout_pack::RolloutInput;
 use super::rollouts::{RolloutRow, Rollouts, collate_rollouts};
 
-use super::trainer::{EpochSteps, StepDone, Trainer};
+use super::epoch_steps::EpochSteps;
+use super::step_done::StepDone;
+use super::trainer::Trainer;
 use crate::checkpoint::HostTensor;
 use crate::data::{Batch, DataLoader, PromptDataset, PromptSample};
 use crate::distributed::{World, sync};
@@ -473,7 +475,7 @@ impl<'a, B: AutodiffBackend> GrpoSteps<'a, B> {
         step_seed: u64,
     ) -> Result<(Rollouts, RolloutStats), TrainError> {
         let policy = trainer.model.valid();
-        let world = &trainer.world;
+        let world = trainer.world();
         let device = trainer.model.device();
         let g = self.settings.samples;
         let samples: Vec<&PromptSample> = prompts
@@ -711,7 +713,7 @@ fn score<B: Backend>(
         let end = (start + rows_per_pass).min(rows);
         let part = rollouts.rows_range(start, end);
         let lp = score_completions(model, &part, mode, temperature);
-        super::fsdp::check(model)?;
+        super::parallel::fsdp::check(model)?;
         out.extend(HostTensor::from_tensor(&lp).data);
         start = end;
     }
@@ -850,7 +852,7 @@ impl<B: AutodiffBackend> EpochSteps<B> for GrpoSteps<'_, B> {
         epoch: usize,
         index: usize,
     ) -> Result<(Trainer<B>, StepDone), TrainError> {
-        let world = trainer.world.clone();
+        let world = trainer.world().clone();
         let prompts = self.prompts_of(&world, epoch, index);
         // Seeded by the run and the step, never the rank (see the module's doc).
         let step_seed = step_seed(trainer.settings.seed, epoch, index);

@@ -185,7 +185,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         let unpadded = padding_free(model, batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher_logits = self.teacher_logits(batch);
-        super::fsdp::check(&self.teacher)?;
+        super::parallel::fsdp::check(&self.teacher)?;
         let weight = batch.num_trained_tokens;
         let mut metrics = Vec::new();
         let loss_of_logits = |logits: Tensor<B, 3>| {
@@ -232,7 +232,7 @@ impl<B: AutodiffBackend> LossStep<B> for KdLoss<B> {
         let unpadded = padding_free(model, batch);
         let batch = unpadded.as_ref().unwrap_or(batch);
         let teacher = self.teacher.forward(token_batch(batch), mode);
-        super::fsdp::check(&self.teacher)?;
+        super::parallel::fsdp::check(&self.teacher)?;
         let (student, aux) = load_balancing::forward_with_aux(model, token_batch(batch), mode);
         let class_loss = loss::cross_entropy(student.clone(), &batch.labels);
         let kd_loss = self.objective.loss(student, teacher, &batch.labels);

@@ -36,6 +36,7 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 use super::activation_checkpointing::{self, Checkpointing};
+use super::epoch_steps::EpochSteps;
 use super::error::{RolloutError, TrainError};
 use super::grpo::combine;
 use super::grpo::{check_prompts, completion_seed, score_completions, window_log_probs};
@@ -47,7 +48,8 @@ use super::ppo_maths::{
 use super::rollout_pack::RolloutInput;
 use super::rollouts::{RolloutRow, Rollouts, collate_rollouts};
 use super::sft::token_batch;
-use super::trainer::{EpochSteps, StepDone, Trainer};
+use super::step_done::StepDone;
+use super::trainer::Trainer;
 use crate::checkpoint::HostTensor;
 use crate::data::{DataLoader, PromptDataset, PromptSample};
 use crate::generation::{GroupPrompt, GroupSampling, sample_groups};

@@ -7,7 +7,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::optimizer::Optimizer;
-use super::sharded_optimizer::OptimizerShard;
+use super::parallel::sharded_optimizer::OptimizerShard;
 use crate::models::CausalLm;
 
 /// Sums gradients over the backward passes of one optimizer step (one per micro-batch, or

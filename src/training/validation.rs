@@ -11,6 +11,7 @@ use burn::tensor::backend::AutodiffBackend;
 use super::error::TrainError;
 use super::loss_step::{LossStep, StepInfo, add_weighted, check_vocabulary};
 use super::metrics::Metrics;
+use super::progress::EpochProgress;
 use super::step_totals::StepTotals;
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::World;
@@ -76,5 +77,46 @@ impl Validation {
                 .map(|(k, v)| (format!("val_{k}"), mean(*v))),
         );
         Ok(metrics)
+    }
+}
+
+impl<B: AutodiffBackend> super::trainer::Trainer<B> {
+    /// Scores the validation set after the current step, logs `val_loss` (and the recipe's
+    /// `val_*` metrics) at this step and prints it.
+    pub(super) fn validate(
+        &mut self,
+        validation: &Validation,
+        loss_step: &mut dyn LossStep<B>,
+        info: StepInfo,
+        progress: &EpochProgress,
+    ) -> Result<(), TrainError> {
+        let metrics = validation.run(&self.model, loss_step, self.world(), info)?;
+        self.check_device(self.state.global_step)?;
+        super::parallel::fsdp::check(&self.model)?;
+        if self.world().is_main() {
+            let line = metrics
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.4}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            let step = self.state.global_step;
+            progress.suspend(|| crate::say!("Validation at step {step}: {line}"));
+        }
+        let mut line: Metrics = vec![
+            ("step".into(), self.state.global_step as f64),
+            ("epoch".into(), info.epoch as f64),
+        ];
+        line.extend(metrics);
+        self.loggers.log(self.state.global_step, &line)?;
+        Ok(())
+    }
+
+    /// Validation after a step of `epoch`: the run's seed, unchanged per step.
+    pub(super) fn validation_info(&self, epoch: usize) -> StepInfo {
+        StepInfo {
+            epoch,
+            global_step: self.state.global_step,
+            seed: self.settings.seed,
+        }
     }
 }

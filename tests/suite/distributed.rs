@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use support::*;
 use tune::checkpoint::HostTensor;
 use tune::checkpoint::safetensors_io::{INDEX_FILE, SafetensorsFile};
-use tune::training::optimizer_shards::read_state;
-use tune::training::sharded_checkpoint::read_optimizer_state;
+use tune::training::parallel::optimizer_shards::read_state;
+use tune::training::parallel::sharded_checkpoint::read_optimizer_state;
 
 const STEPS: &str = "max_steps_per_epoch=10";
 

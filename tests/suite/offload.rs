@@ -8,10 +8,10 @@
 use burn::module::AutodiffModule;
 use tune::distributed::World;
 use tune::models::{CausalLm, Trainable};
-use tune::training::fsdp::{Sharding, shard_model};
 use tune::training::metrics::MetricLoggers;
-use tune::training::offload::Offload;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
+use tune::training::parallel::Parallelism;
+use tune::training::parallel::fsdp::Sharding;
 use tune::training::sft::SftLoss;
 use tune::training::{TrainState, Trainer};
 
@@ -30,6 +30,11 @@ fn adamw() -> OptimizerSettings {
 
 /// Full fine-tuning of tiny-llama, FSDP over one rank, clipping at a norm the steps exceed.
 fn trainer(cpu_offload: bool) -> Trainer<CpuAutodiff> {
+    trainer_from(cpu_offload, Optimizer::new(adamw()))
+}
+
+/// The same, from `optimizer` (a resumed run's restored state).
+fn trainer_from(cpu_offload: bool, optimizer: Optimizer<Cpu>) -> Trainer<CpuAutodiff> {
     let model = tune::model_io::hf::load_model::<CpuAutodiff>(
         &fixture("tiny-llama"),
         None,
@@ -43,18 +48,15 @@ fn trainer(cpu_offload: bool) -> Trainer<CpuAutodiff> {
         reshard_after_forward: true,
         cpu_offload,
     };
-    let model = shard_model(model, &world, sharding);
-    let mut trainer = Trainer::new(
+    let (model, parallel) = Parallelism::new(model, world, Some(sharding), false, &adamw());
+    Trainer::new(
         settings(3, Some(0.5), 1e-3),
         model,
-        Optimizer::new(adamw()),
+        optimizer,
         TrainState::default(),
         MetricLoggers { sinks: Vec::new() },
-        false,
-        world,
-    );
-    trainer.offload = cpu_offload.then(|| Offload::new(adamw()));
-    trainer
+        parallel,
+    )
 }
 
 /// Every weight, whole, by name (an offloaded run's read from host memory).
@@ -104,7 +106,7 @@ fn offloaded_rows_train_bit_for_bit_as_on_the_device_and_leave_none_there() {
     assert_eq!(moved, after.len(), "every weight trained");
     // The AdamW moments of the rows are in host memory, none on the device, and equal.
     let device_state = plain.optimizer.state_bytes();
-    let host = offloaded.offload.as_ref().unwrap();
+    let host = offloaded.parallelism().offload().unwrap();
     assert_eq!(offloaded.optimizer.state_bytes(), 0);
     assert_eq!(host.state_bytes(), device_state);
     let mut want = plain.optimizer.state_dict();
@@ -132,18 +134,14 @@ fn a_resumed_runs_state_moves_to_host_memory_and_steps_alike() {
     // The restored state meets fresh weights here: what is checked is where it goes and
     // that both runs step alike from it.
     let resumed = |cpu_offload: bool| {
-        let mut t = trainer(cpu_offload);
-        t.optimizer
-            .load_state_dict(step, state.clone(), &Default::default());
-        if let Some(offload) = &mut t.offload {
-            offload.adopt_state(&t.model, &mut t.optimizer);
-        }
-        t
+        let mut optimizer = Optimizer::new(adamw());
+        optimizer.load_state_dict(step, state.clone(), &Default::default());
+        trainer_from(cpu_offload, optimizer)
     };
     let (plain, offloaded) = (resumed(false), resumed(true));
     assert_eq!(offloaded.optimizer.state_bytes(), 0);
     assert_eq!(
-        offloaded.offload.as_ref().unwrap().state_bytes(),
+        offloaded.parallelism().offload().unwrap().state_bytes(),
         plain.optimizer.state_bytes()
     );
     let (plain, want) = plain.train_step(&micro, &mut SftLoss::default()).unwrap();

@@ -5,10 +5,10 @@
 
 use burn::module::AutodiffModule;
 use tune::data::{Batch, SftSample, collate_sft};
-use tune::distributed::World;
 use tune::models::{CausalLm, Trainable};
 use tune::training::metrics::MetricLoggers;
 use tune::training::optimizer::{Optimizer, OptimizerKind, OptimizerSettings};
+use tune::training::parallel::Parallelism;
 use tune::training::schedule::Schedule;
 use tune::training::sft::SftLoss;
 use tune::training::{TrainError, TrainState, Trainer, TrainerSettings};
@@ -53,8 +53,7 @@ fn trainer(clip_grad_norm: Option<f64>) -> Trainer<CpuAutodiff> {
         optimizer,
         TrainState::default(),
         MetricLoggers { sinks: Vec::new() },
-        false,
-        World::single(),
+        Parallelism::single(),
     )
 }
 
@@ -70,9 +69,10 @@ pub(crate) fn settings(accumulation: usize, clip: Option<f64>, lr: f64) -> Train
         lr,
         schedule: Schedule::Constant,
         seed: 0,
-        shard_optimizer: false,
         save_on_preempt: false,
         log_memory: true,
+        show_progress: false,
+        time_phases: false,
     }
 }
 

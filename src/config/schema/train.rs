@@ -125,7 +125,7 @@ fn own_units(names: &Option<Vec<String>>, path: &str, cx: &mut Checker) {
 
 /// `fsdp_cpu_offload` (or the older `fsdp.cpu_offload`) on the run's device. On the CPU every
 /// parameter, gradient and optimizer state already lives in host memory, so it changes nothing
-/// and says so. On a GPU it offloads FSDP's shards (`training::offload`), which replicated
+/// and says so. On a GPU it offloads FSDP's shards (`training::parallel::offload`), which replicated
 /// weights (`data_parallel_shard_dim: 1`) do not have: that pair is refused.
 /// Activation offloading moves what checkpointing keeps, so it needs checkpointing (torchtune
 /// refuses it without, too); on the CPU, host memory is the device's.

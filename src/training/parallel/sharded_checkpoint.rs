@@ -41,9 +41,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use super::error::{CheckpointingError, TrainError};
 use super::optimizer_shards::checkpoint_name;
-use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::checkpoint::dcp::{
     DcpCheckpoint, Piece, SHARDED_DIR, consolidate_rank_files, write_index, write_shard,
 };
@@ -51,6 +49,8 @@ use crate::checkpoint::safetensors_io::file_of_each;
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype};
 use crate::checkpoint_client::WriteError;
 use crate::models::CausalLm;
+use crate::training::error::{CheckpointingError, TrainError};
+use crate::training::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 
 /// The folder of a checkpoint holding every rank's optimizer moments, in the layout of the
 /// model's shard files (one file per rank).

@@ -15,10 +15,10 @@
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
-use super::optimizer::{Optimizer, OptimizerSettings};
 use crate::checkpoint::HostTensor;
 use crate::models::CausalLm;
 use crate::models::host_rows::{Host, HostRows, to_device, to_host};
+use crate::training::optimizer::{Optimizer, OptimizerSettings};
 
 /// The optimizer state of the rows an offloading run keeps in host memory.
 #[derive(Debug)]

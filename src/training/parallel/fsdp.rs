@@ -29,13 +29,13 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 
-use super::error::{Divergence, MAX_WEIGHT};
 use super::offload::Offload;
-use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
 use crate::distributed::{DistributedError, World};
 use crate::models::CausalLm;
 use crate::models::shards::{CollectiveFailure, Collectives, LayerShards};
+use crate::training::error::{Divergence, MAX_WEIGHT};
+use crate::training::optimizer::Optimizer;
 
 /// The world's collective calls on backend `X`, as boxed closures for [`LayerShards`].
 fn collectives<X: Backend>(world: &World) -> Collectives<X> {

@@ -15,12 +15,12 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::AutodiffBackend;
 
-use super::error::{CheckpointingError, TrainError};
-use super::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 use crate::checkpoint::safetensors_io::{SafetensorsFile, write_file};
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype};
 use crate::checkpoint_client::WriteError;
 use crate::models::CausalLm;
+use crate::training::error::{CheckpointingError, TrainError};
+use crate::training::save_hook::{OptimizerSnapshot, SaveHook, SaveKind, TrainState};
 
 /// How long rank 0 waits for the other ranks' shards of one checkpoint.
 pub const SHARD_TIMEOUT: Duration = Duration::from_secs(600);

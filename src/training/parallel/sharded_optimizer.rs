@@ -9,12 +9,12 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::optimizer::Optimizer;
 use crate::checkpoint::HostTensor;
 use crate::distributed::sync::BUCKET_ELEMENTS;
 use crate::distributed::sync::{Entry, SetParams, all_reduce_entries, whole_trainable_params};
 use crate::distributed::{DistributedError, World};
 use crate::models::{CausalLm, TrainableParam};
+use crate::training::optimizer::Optimizer;
 
 /// ZeRO-1: which rank updates, and keeps the optimizer state of, each trainable parameter.
 #[derive(Debug, Clone)]
