@@ -7,7 +7,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::keys::{keys, required};
 use crate::config::schema::{CheckpointerConfig, DpoLoss as DpoLossConfig, TrainConfig};
-use crate::models::Trainable;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{data, loss, model, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::dpo::{DpoLoss, DpoReference};
@@ -45,16 +45,17 @@ pub fn run<B: AutodiffBackend>(
     run: RunStart,
 ) -> Result<(), WorkerError> {
     // Policy: from the checkpointer, or from the checkpoint being resumed.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
+    let checkpoint = model::policy(&cfg.checkpointer, &run)?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
     // Reference: frozen, on the backend without autodiff, so it never joins the graph.
     let ref_cfg = &dpo_keys.ref_checkpointer;
     let reference =
-        model::frozen_reference::<B::InnerBackend>(ref_cfg, "ref_checkpointer", &run, &ctx.device)?;
+        model::frozen::<B::InnerBackend>(&model::open(ref_cfg, "ref_checkpointer")?, &run, &ctx.device)?;
 
     // Data: chosen / rejected pairs.
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
 
     // Loss: DPO against the frozen reference.
     let mut dpo = DpoLoss::new(

@@ -5,7 +5,7 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::schema::{SftKeys, TrainConfig};
-use crate::models::Trainable;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{data, model, run as settings, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::sft::SftLoss;
@@ -34,10 +34,11 @@ pub fn run<B: AutodiffBackend>(
     run: RunStart,
 ) -> Result<(), WorkerError> {
     // Model: from the checkpointer, or from the checkpoint being resumed.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
+    let checkpoint = model::policy(&cfg.checkpointer, &run)?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
     let seed = run.seed;
     let session = session::session(
         cfg,

@@ -41,8 +41,9 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     let dtype = precision::generation_dtype::<B::InnerBackend>(cfg.dtype);
     precision::set_device_dtype::<B::InnerBackend>(&ctx.device, dtype, precision::Use::Generation)?;
     let started = Instant::now();
+    let checkpoint = model::open(&cfg.checkpointer, "checkpointer")?;
     let loaded =
-        model::load_base::<B::InnerBackend>(&cfg.model, &cfg.checkpointer, None, &ctx.device)?;
+        model::load_base::<B::InnerBackend>(&checkpoint, &cfg.model, None, &ctx.device)?;
     model::check_architecture("model", &cfg.model, &loaded.model.args)?;
     let mut lm = loaded.model;
     if let Some(dir) = &cfg.adapter_dir {

@@ -8,7 +8,7 @@ use burn::tensor::backend::AutodiffBackend;
 use crate::config::error::{Problem, ProblemKind};
 use crate::config::keys::Checker;
 use crate::config::schema::{GrpoKeys, TrainConfig, grpo_train_rules};
-use crate::models::Trainable;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{grpo, model, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::grpo::{GrpoReference, GrpoSteps};
@@ -59,7 +59,8 @@ pub fn run<B: AutodiffBackend>(
     run: RunStart,
 ) -> Result<(), WorkerError> {
     // Policy: from the checkpointer, or from the checkpoint being resumed.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
+    let checkpoint = model::policy(&cfg.checkpointer, &run)?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
     let policy = loaded.model.set_trainable(Trainable::All);
 
     // Reference: frozen, off the autodiff graph; not loaded when the KL term is off.
@@ -67,7 +68,7 @@ pub fn run<B: AutodiffBackend>(
         Some(ref_cfg) if keys.loss.kl_weight() != 0.0 => {
             let key = "ref_checkpointer";
             let frozen =
-                model::frozen_reference::<B::InnerBackend>(ref_cfg, key, &run, &ctx.device)?;
+                model::frozen::<B::InnerBackend>(&model::open(ref_cfg, key)?, &run, &ctx.device)?;
             Some(GrpoReference::Frozen(Box::new(frozen)))
         }
         _ => None,

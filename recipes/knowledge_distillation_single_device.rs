@@ -15,7 +15,7 @@ use crate::config::keys::{default, keys, required};
 use crate::config::schema::{
     CheckpointerConfig, KdLoss as KdLossConfig, ModelConfig, TrainConfig, WholeCrossEntropyLoss,
 };
-use crate::models::Trainable;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{data, model, session, teacher};
 use crate::training::checkpointing::SaveContent;
 use crate::training::parallel::fsdp;
@@ -68,37 +68,40 @@ pub fn run<B: AutodiffBackend>(
     let teacher_ckpt = &kd.teacher_checkpointer;
     let objective = teacher::kd_objective(&kd.kd_loss);
     let kd_ratio = kd.kd_ratio;
-    // Data first: the teacher is checked against its tokenizer before its weights load.
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
-
-    // Student: LoRA adapters on the frozen base, or the whole model (from the checkpoint
+    // The student's checkpoint: a LoRA student's base, or the whole model (the checkpoint
     // being resumed, which holds every weight).
+    let checkpoint = match cfg.model.is_lora() {
+        true => model::open(&cfg.checkpointer, "checkpointer")?,
+        false => model::policy(&cfg.checkpointer, &run)?,
+    };
+    // Data first: the teacher is checked against its tokenizer before its weights load.
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
+
+    // Student: LoRA adapters on the frozen base, or every weight.
     let (student, storage_dtype, content, shape) = if cfg.model.is_lora() {
         let loaded =
-            model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
+            model::load_base::<B>(&checkpoint, &cfg.model, run.load_rows(), &ctx.device)?;
         let mut student = loaded.model;
         let (plan, content) = model::lora(&mut student, cfg, &run)?;
         let student = student.set_trainable(plan.trainable());
         let shape = format!("LoRA {}", plan.describe());
         (student, loaded.storage_dtype, content, shape)
     } else {
-        let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
+        let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
         let student = loaded.model.set_trainable(Trainable::All);
         let shape = format!("full, {} parameters", student.args.num_params());
         (student, loaded.storage_dtype, SaveContent::FullModel, shape)
     };
 
     // Teacher: frozen, on the inner backend (no autodiff graph, no optimizer state).
-    let teacher_base = model::base_weights::<B::InnerBackend>(&kd.teacher_model, &ctx.device)?;
     let teacher_model = teacher::load::<B::InnerBackend>(
         teacher_ckpt,
-        teacher_base,
+        &kd.teacher_model,
         run.load_rows(),
         &student.args,
         &data.tokenizer,
         &ctx.device,
     )?;
-    model::check_architecture("teacher_model", &kd.teacher_model, &teacher_model.args)?;
     // FSDP: the teacher shards its layers as the student does.
     let teacher_model = match run.fsdp {
         Some(sharding) => fsdp::shard_frozen(teacher_model, &run.world, sharding.cpu_offload),

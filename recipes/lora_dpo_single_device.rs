@@ -54,14 +54,15 @@ pub fn run<B: AutodiffBackend>(
 ) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached. With the
     // adapters switched off it is also the reference model.
+    let checkpoint = model::open(&cfg.checkpointer, "checkpointer")?;
     let loaded =
-        model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
+        model::load_base::<B>(&checkpoint, &cfg.model, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(plan.trainable());
 
     // Data: chosen / rejected pairs.
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
 
     // Loss: DPO against the adapter-free model.
     let mut dpo = DpoLoss::new(loss::dpo(&keys.loss), DpoReference::AdaptersDisabled);

@@ -36,13 +36,14 @@ pub fn run<B: AutodiffBackend>(
 ) -> Result<(), WorkerError> {
     // Model: the base from the checkpointer, frozen, with LoRA adapters attached (a resumed
     // run's adapter weights restored).
+    let checkpoint = model::open(&cfg.checkpointer, "checkpointer")?;
     let loaded =
-        model::load_base::<B>(&cfg.model, &cfg.checkpointer, run.load_rows(), &ctx.device)?;
+        model::load_base::<B>(&checkpoint, &cfg.model, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(plan.trainable());
 
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
     let seed = run.seed;
     let session = session::session(
         cfg,

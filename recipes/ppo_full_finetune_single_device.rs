@@ -13,7 +13,8 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::keys::Checker;
 use crate::config::schema::{PpoKeys, TrainConfig, ppo as ppo_keys};
-use crate::models::Trainable;
+use crate::model_io::source::ModelSource;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{grpo, model, ppo, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::ppo::PpoSteps;
@@ -63,36 +64,34 @@ pub fn run<B: AutodiffBackend>(
     let value_resume = ppo::value_resume(&value_dir, &run)?;
 
     // The models: policy and value train; reference and reward are frozen, off the graph.
-    let loaded = model::load_or_resume(&cfg.checkpointer, &run, &ctx.device)?;
+    let checkpoint = model::policy(&cfg.checkpointer, &run)?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
     model::check_architecture("policy_model", &cfg.model, &loaded.model.args)?;
     let policy = loaded.model.set_trainable(Trainable::All);
-    let reference = model::load::<B::InnerBackend>(
-        &keys.ref_policy_checkpointer,
-        "ref_policy_checkpointer",
-        &ctx.device,
-    )?
-    .model;
+    let reference = model::open(&keys.ref_policy_checkpointer, "ref_policy_checkpointer")?;
+    let reference =
+        model::load::<B::InnerBackend>(&reference, BaseWeights::Float, None, &ctx.device)?.model;
     model::check_architecture("policy_model", &cfg.model, &reference.args)?;
-    let value =
-        match &value_resume {
-            Some(r) => crate::model_io::hf::load_model::<B>(&r.dir, None, &ctx.device).map_err(
-                |source| crate::setup::SetupError::Model {
+    let value = match &value_resume {
+        Some(r) => model::Checkpoint {
+            key: "resume_from_checkpoint",
+            source: ModelSource::open(&r.dir, None).map_err(|source| {
+                crate::setup::SetupError::Model {
                     key: "resume_from_checkpoint",
                     source,
-                },
-            )?,
-            None => model::load::<B>(&keys.value_checkpointer, "value_checkpointer", &ctx.device)?,
-        };
+                }
+            })?,
+        },
+        None => model::open(&keys.value_checkpointer, "value_checkpointer")?,
+    };
+    let value = model::load::<B>(&value, BaseWeights::Float, None, &ctx.device)?;
     let scorer = &keys.reward_and_value_model;
     model::check_architecture("reward_and_value_model", scorer, &value.model.args)?;
     let value_storage = value.storage_dtype;
     let value_model = value.model.set_trainable(Trainable::All);
-    let reward = model::load::<B::InnerBackend>(
-        &keys.reward_checkpointer,
-        "reward_checkpointer",
-        &ctx.device,
-    )?
-    .model;
+    let reward = model::open(&keys.reward_checkpointer, "reward_checkpointer")?;
+    let reward =
+        model::load::<B::InnerBackend>(&reward, BaseWeights::Float, None, &ctx.device)?.model;
     model::check_architecture("reward_and_value_model", scorer, &reward.args)?;
 
     // Prompts and the rollout, trajectory and loss settings.

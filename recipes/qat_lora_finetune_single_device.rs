@@ -15,6 +15,7 @@ use crate::config::schema::{QatKeys, TrainConfig};
 use crate::setup::{data, model, quant, run as settings, session};
 use crate::training::sft::SftLoss;
 
+use crate::models::BaseWeights;
 use super::RunContext;
 use crate::config::recipes::{DataKind, Layout, OwnKeysSpec, RecipeSpec, Trains};
 use crate::distributed::WorkerError;
@@ -77,13 +78,14 @@ pub fn run<B: AutodiffBackend>(
 
     // Model: the frozen base from the checkpointer, fake-quantized, with LoRA adapters (a
     // resumed run's adapter weights restored).
-    let loaded = model::load::<B>(&cfg.checkpointer, "checkpointer", &ctx.device)?;
+    let checkpoint = model::open(&cfg.checkpointer, "checkpointer")?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, None, &ctx.device)?;
     let mut policy = loaded.model;
     let quantized = quant::prepare(&mut policy, scheme)?;
     let (plan, content) = model::lora(&mut policy, cfg, &run)?;
     let policy = policy.set_trainable(plan.trainable());
 
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
     let seed = run.seed;
     let session = session::session(
         cfg,

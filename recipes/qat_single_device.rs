@@ -8,7 +8,7 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::config::schema::{QatKeys, TrainConfig};
-use crate::models::Trainable;
+use crate::models::{BaseWeights, Trainable};
 use crate::setup::{data, model, quant, run as settings, session};
 use crate::training::checkpointing::SaveContent;
 use crate::training::sft::SftLoss;
@@ -40,12 +40,13 @@ pub fn run<B: AutodiffBackend>(
 
     // Model: from the checkpointer, or from the checkpoint being resumed (it holds every
     // float weight); then the quantizer on the decoder's linear layers.
-    let loaded = model::load_or_resume::<B>(&cfg.checkpointer, &run, &ctx.device)?;
+    let checkpoint = model::policy(&cfg.checkpointer, &run)?;
+    let loaded = model::load::<B>(&checkpoint, BaseWeights::Float, run.load_rows(), &ctx.device)?;
     let mut policy = loaded.model;
     let quantized = quant::prepare(&mut policy, scheme)?;
     let policy = policy.set_trainable(Trainable::All);
 
-    let data = data::train_data(cfg, &run, &ctx.base_dir)?;
+    let data = data::train_data(cfg, &checkpoint.args, &run, &ctx.base_dir)?;
     let seed = run.seed;
     let session = session::session(
         cfg,

@@ -35,8 +35,9 @@ pub fn quantize(
     let scheme = quant::scheme(&qat.quantizer);
     type B = burn::backend::Flex;
     let device = Default::default();
-    let loaded =
-        model::load::<B>(&cfg.checkpointer, "checkpointer", &device).map_err(CliError::bad)?;
+    let loaded = model::open(&cfg.checkpointer, "checkpointer")
+        .and_then(|c| model::load::<B>(&c, crate::models::BaseWeights::Float, None, &device))
+        .map_err(CliError::bad)?;
     let mut m = loaded.model;
     model::refuse_quantized_export(&m.args).map_err(|refused| CliError::bad(anyhow!(refused)))?;
     quant::prepare(&mut m, scheme).map_err(CliError::bad)?;

@@ -1,19 +1,21 @@
-//! Hugging Face model directories: load `config.json` + safetensors into a `CausalLm`, and
-//! save a model so `AutoModelForCausalLM.from_pretrained(dir)` loads it unchanged.
+//! Hugging Face model directories: load `config.json` + safetensors into a `CausalLm`
+//! (through [`ModelSource`], which reads the directory once), and save a model so
+//! `AutoModelForCausalLM.from_pretrained(dir)` loads it unchanged.
 
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
 
+use super::source::ModelSource;
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::safetensors_io::{
     SafetensorsFile, StorageDtype, StoredTensor, save_sharded, save_sharded_with,
 };
 use crate::checkpoint::weights::{Weights, checkpoint_files, dcp_source};
 use crate::models::args::Family;
-use crate::models::build::{RowsOf, build_rows, ignorable_tensor};
+use crate::models::build::RowsOf;
 use crate::models::text_tower::{TextTower, TowerLayout};
-use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError, build_with};
+use crate::models::{BaseWeights, CausalLm, ModelArgs, ModelError};
 
 /// Files copied next to saved weights so the output directory is a complete model.
 pub const COMPANION_FILES: &[&str] = &[
@@ -35,17 +37,6 @@ pub struct LoadedModel<B: Backend> {
     pub storage_dtype: StorageDtype,
 }
 
-pub fn load_args(dir: &Path) -> Result<ModelArgs, ModelError> {
-    let config = dir.join("config.json");
-    if !config.is_file() {
-        return Err(ModelError::BadConfig {
-            path: config,
-            message: "missing: a Hugging Face checkpoint directory needs its config.json".into(),
-        });
-    }
-    ModelArgs::from_file(&config)
-}
-
 /// Loads a model; `files` overrides the safetensors files to read (torchtune's
 /// `checkpoint_files`), otherwise the index or `model.safetensors` decides.
 pub fn load_model<B: Backend>(
@@ -64,21 +55,10 @@ pub fn load_model_with<B: Backend>(
     device: &B::Device,
     base: BaseWeights,
 ) -> Result<LoadedModel<B>, ModelError> {
-    let mut args = load_args(dir)?;
-    let mut weights = open_weights(dir, files, &mut args)?;
-    let storage_dtype = weights.storage_dtype;
-    let model = build_with::<B>(&args, &mut weights, device, base)?;
-    weights.finish(|name| ignorable_tensor(&args, name))?;
-    Ok(LoadedModel {
-        model,
-        storage_dtype,
-    })
+    ModelSource::open(dir, files.map(<[String]>::to_vec))?.load(device, base, None)
 }
 
-/// [`load_model`] as FSDP's rank `rows.rank` keeps it: only its rows of every weight are read
-/// and built (`models::build::build_rows`), so no rank holds the whole model; a family whose
-/// checkpoint fuses projections (Phi-3) loads whole, to be sharded after. `base`: the decoder
-/// linears' base weights in float or NF4 (QLoRA: each rank quantizes its rows alone).
+/// [`load_model`] as FSDP's rank `rows.rank` keeps it (see [`ModelSource::load`]).
 pub fn load_model_rows<B: Backend>(
     dir: &Path,
     files: Option<&[String]>,
@@ -86,24 +66,13 @@ pub fn load_model_rows<B: Backend>(
     rows: RowsOf,
     base: BaseWeights,
 ) -> Result<LoadedModel<B>, ModelError> {
-    let mut args = load_args(dir)?;
-    let mut weights = open_weights(dir, files, &mut args)?;
-    let storage_dtype = weights.storage_dtype;
-    let model = match build_rows::<B>(&args, &mut weights, device, rows, base)? {
-        Some(model) => model,
-        None => build_with::<B>(&args, &mut weights, device, base)?,
-    };
-    weights.finish(|name| ignorable_tensor(&args, name))?;
-    Ok(LoadedModel {
-        model,
-        storage_dtype,
-    })
+    ModelSource::open(dir, files.map(<[String]>::to_vec))?.load(device, base, Some(rows))
 }
 
 /// Opens a checkpoint's weights as the model reads them: a multimodal checkpoint's language
 /// model under its text names (its key layout recorded in `args.tower`), the rest set aside for
 /// saves to copy through.
-fn open_weights(
+pub(super) fn open_weights(
     dir: &Path,
     files: Option<&[String]>,
     args: &mut ModelArgs,

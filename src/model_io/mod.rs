@@ -7,3 +7,4 @@ pub mod hf;
 pub mod peft;
 pub mod peft_experts;
 pub mod quantized;
+pub mod source;

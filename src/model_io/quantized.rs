@@ -270,20 +270,30 @@ fn bad(path: &Path, message: impl Into<String>) -> CheckpointError {
     }
 }
 
-/// Whether `dir` holds a tune int4 export (its config.json names tune's quant method).
-/// Unreadable or foreign configs answer false; the normal loader then reports them.
-pub fn is_quantized_export(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json"))
-        .ok()
-        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
-        .and_then(|config| {
-            config
-                .get("quantization_config")?
-                .get("quant_method")?
-                .as_str()
-                .map(|m| m == QUANT_METHOD)
-        })
-        .unwrap_or(false)
+/// Whether a parsed config.json is a tune int4 export's (it names tune's quant method).
+pub fn is_quantized_config(config: &Value) -> bool {
+    config
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(Value::as_str)
+        == Some(QUANT_METHOD)
+}
+
+/// An export's config.json as the float model it loads as: its `quantization_config` checked
+/// and taken out (a checkpoint saved from the loaded model must not claim to be quantized).
+pub fn float_args(
+    mut raw: Value,
+    config_path: &Path,
+) -> Result<(ModelArgs, ExportInfo), ModelError> {
+    let info = read_quantization_config(&raw, config_path)?;
+    if let Some(obj) = raw.as_object_mut() {
+        obj.remove("quantization_config");
+    }
+    let args = ModelArgs::from_json(raw).map_err(|message| ModelError::BadConfig {
+        path: config_path.to_path_buf(),
+        message,
+    })?;
+    Ok((args, info))
 }
 
 /// Reads and checks `quantization_config` from a parsed config.json.
@@ -437,19 +447,21 @@ pub fn load_quantized_model<B: Backend>(
         path: config_path.clone(),
         source,
     })?;
-    let mut raw: Value = serde_json::from_str(&text).map_err(|e| ModelError::BadConfig {
+    let raw: Value = serde_json::from_str(&text).map_err(|e| ModelError::BadConfig {
         path: config_path.clone(),
         message: e.to_string(),
     })?;
-    let info = read_quantization_config(&raw, &config_path)?;
-    // The loaded model is a float model: a checkpoint saved from it must not claim otherwise.
-    if let Some(obj) = raw.as_object_mut() {
-        obj.remove("quantization_config");
-    }
-    let args = ModelArgs::from_json(raw).map_err(|message| ModelError::BadConfig {
-        path: config_path,
-        message,
-    })?;
+    let (args, info) = float_args(raw, &config_path)?;
+    build_export(dir, &args, info, device)
+}
+
+/// The float model of the export in `dir`, whose config `args` and `info` are.
+pub fn build_export<B: Backend>(
+    dir: &Path,
+    args: &ModelArgs,
+    info: ExportInfo,
+    device: &B::Device,
+) -> Result<CausalLm<B>, ModelError> {
     let file = SafetensorsFile::open(&dir.join(SINGLE_FILE))?;
     let names = file.names().into_iter().collect();
     let mut source = QuantizedSource {
@@ -458,11 +470,11 @@ pub fn load_quantized_model<B: Backend>(
         names,
         quantized_modules: Vec::new(),
     };
-    let mut model = build::<B>(&args, &mut source, device)?;
+    let mut model = build::<B>(args, &mut source, device)?;
     let leftover: Vec<String> = source
         .names
         .iter()
-        .filter(|n| !ignorable_tensor(&args, n))
+        .filter(|n| !ignorable_tensor(args, n))
         .cloned()
         .collect();
     if !leftover.is_empty() {

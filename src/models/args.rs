@@ -124,17 +124,22 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        let raw = Self::read_json(path)?;
+        Self::from_json(raw).map_err(|message| ModelError::BadConfig {
+            path: path.to_path_buf(),
+            message,
+        })
+    }
+
+    /// A config.json as JSON.
+    pub fn read_json(path: &Path) -> Result<Value, ModelError> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::Io {
             path: path.to_path_buf(),
             source: e,
         })?;
-        let raw: Value = serde_json::from_str(&text).map_err(|e| ModelError::BadConfig {
+        serde_json::from_str(&text).map_err(|e| ModelError::BadConfig {
             path: path.to_path_buf(),
             message: e.to_string(),
-        })?;
-        Self::from_json(raw).map_err(|message| ModelError::BadConfig {
-            path: path.to_path_buf(),
-            message,
         })
     }
 

@@ -12,9 +12,13 @@ use crate::training::validation::Validation;
 
 /// The model's tokenizer.json with the message format of the component the config names.
 pub fn tokenizer(cfg: &TokenizerConfig) -> Result<Tokenizer, SetupError> {
-    let (key, location) = cfg
-        .location()
-        .expect("validation requires tokenizer.path, tokenizer_json_path or vocab_path");
+    let (key, location) = cfg.location().ok_or_else(|| SetupError::TokenizerFile {
+        key: "tokenizer.path",
+        source: crate::config::paths::PathError::TokenizerNotFound {
+            path: std::path::PathBuf::new(),
+            tried: Vec::new(),
+        },
+    })?;
     let path = resolve_tokenizer_json(location)
         .map_err(|source| SetupError::TokenizerFile { key, source })?;
     let configs = ConfigFiles {
@@ -293,21 +297,17 @@ pub(super) fn fetch_if_hub(spec: &mut DatasetSpec) -> Result<(), SetupError> {
     Ok(())
 }
 
-/// The tokenizer, the dataset and this rank's loader, as every training recipe builds them.
+/// The tokenizer, the dataset and this rank's loader, as every training recipe builds them
+/// for the model `args` describe (the `model` section held against them, the samples cut to
+/// its positions).
 pub fn train_data(
     cfg: &crate::config::schema::TrainConfig,
+    args: &crate::models::ModelArgs,
     run: &super::run::RunStart,
     base_dir: &Path,
 ) -> Result<super::session::TrainData, SetupError> {
     let tokenizer = tokenizer(&cfg.tokenizer)?;
-    let args =
-        crate::model_io::hf::load_args(&cfg.checkpointer.checkpoint_dir).map_err(|source| {
-            SetupError::Model {
-                key: "checkpointer.checkpoint_dir",
-                source,
-            }
-        })?;
-    super::model::check_architecture("model", &cfg.model, &args)?;
+    super::model::check_architecture("model", &cfg.model, args)?;
     let positions = args.max_position_embeddings;
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;

@@ -1,12 +1,15 @@
 //! Turns validated config sections into library objects: models, tokenizers, datasets,
 //! optimizers, schedules and metric loggers. Recipes call these; nothing here knows recipes.
 
+pub mod adapters;
+pub mod architecture;
 pub mod data;
 pub mod finish;
 pub mod grpo;
 pub mod logging;
 pub mod loss;
 pub mod model;
+pub mod model_error;
 pub mod optim;
 pub mod ppo;
 pub mod quant;
@@ -63,7 +66,7 @@ pub enum SetupError {
         world_size: usize,
     },
     #[error(transparent)]
-    ModelConfig(#[from] model::ModelConfigError),
+    ModelConfig(#[from] model_error::ModelConfigError),
     #[error(transparent)]
     Teacher(#[from] teacher::TeacherError),
     #[error(transparent)]

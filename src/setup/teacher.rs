@@ -6,15 +6,13 @@
 //! teacher's config.json (and its tokenizer.json when it ships one) *before* its weights are
 //! read, so a wrong teacher fails in milliseconds with a message saying what differs.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn::tensor::backend::Backend;
 
 use super::SetupError;
-use super::model::load_adapter_checkpoint;
-use crate::config::schema::{CheckpointerConfig, KdLoss, KdSettings};
-use crate::model_io::hf::{load_args, load_model_rows, load_model_with};
-use crate::models::BaseWeights;
+use super::model::Checkpoint;
+use crate::config::schema::{CheckpointerConfig, KdLoss, KdSettings, ModelConfig};
 use crate::models::build::RowsOf;
 use crate::models::{CausalLm, ModelArgs, Trainable};
 use crate::tokenizer::Tokenizer;
@@ -52,24 +50,22 @@ pub fn kd_objective(loss: &KdLoss) -> KdObjective {
     }
 }
 
-/// Checks that the teacher in `teacher_dir` can teach a student with `student` args and
+/// Checks that the teacher `teacher` can teach a student with `student` args and
 /// `tokenizer`: the same vocabulary size, and (if the teacher ships a tokenizer.json) the same
-/// token for every id. Returns the teacher's args.
+/// token for every id.
 pub fn check_compatible(
     student: &ModelArgs,
     tokenizer: &Tokenizer,
-    teacher_dir: &Path,
-) -> Result<ModelArgs, SetupError> {
-    let teacher =
-        load_args(teacher_dir).map_err(|source| SetupError::Model { key: KEY, source })?;
-    if teacher.vocab_size != student.vocab_size {
+    teacher: &Checkpoint,
+) -> Result<(), SetupError> {
+    if teacher.args.vocab_size != student.vocab_size {
         return Err(TeacherError::VocabSize {
-            teacher: teacher.vocab_size,
+            teacher: teacher.args.vocab_size,
             student: student.vocab_size,
         }
         .into());
     }
-    let teacher_tokenizer_path = teacher_dir.join("tokenizer.json");
+    let teacher_tokenizer_path = teacher.dir.join("tokenizer.json");
     if teacher_tokenizer_path.is_file() {
         let theirs = Tokenizer::from_path(&teacher_tokenizer_path)?;
         if let Some(difference) = tokenizer_difference(tokenizer, &theirs) {
@@ -81,7 +77,7 @@ pub fn check_compatible(
             .into());
         }
     }
-    Ok(teacher)
+    Ok(())
 }
 
 /// The first way two tokenizers map ids differently, if any.
@@ -100,27 +96,27 @@ fn tokenizer_difference(student: &Tokenizer, teacher: &Tokenizer) -> Option<Stri
     })
 }
 
-/// Loads the frozen teacher on a plain (non-autodiff) backend, after checking it against
-/// the student; with `teacher_checkpointer.adapter_checkpoint`, its PEFT adapter applies.
+/// Loads the frozen teacher on a plain (non-autodiff) backend, after checking it against the
+/// student (from its config.json and tokenizer, before its weights are read); with
+/// `teacher_checkpointer.adapter_checkpoint`, its PEFT adapter applies. With FSDP (`rows`) it
+/// is read as this rank's rows only (an NF4 one's quantized alone).
 pub fn load<B: Backend>(
     cfg: &CheckpointerConfig,
-    base: BaseWeights,
+    model: &ModelConfig,
     rows: Option<RowsOf>,
     student: &ModelArgs,
     tokenizer: &Tokenizer,
     device: &B::Device,
 ) -> Result<CausalLm<B>, SetupError> {
-    check_compatible(student, tokenizer, &cfg.checkpoint_dir)?;
-    let files = cfg.files();
-    let (dir, files) = (&cfg.checkpoint_dir, files.as_deref());
-    // FSDP: the teacher is read as this rank's rows only (an NF4 one's quantized alone).
-    let loaded = match rows {
-        Some(rows) => load_model_rows::<B>(dir, files, device, rows, base),
-        None => load_model_with::<B>(dir, files, device, base),
-    };
-    let mut teacher = loaded
-        .map_err(|source| SetupError::Model { key: KEY, source })?
-        .model;
-    load_adapter_checkpoint(&mut teacher, cfg, "teacher_checkpointer.adapter_checkpoint")?;
+    let teacher = super::model::open(cfg, KEY)?;
+    check_compatible(student, tokenizer, &teacher)?;
+    let base = super::model::base_weights::<B>(model, device)?;
+    let mut teacher = super::model::load::<B>(&teacher, base, rows, device)?.model;
+    super::adapters::load_adapter_checkpoint(
+        &mut teacher,
+        cfg,
+        "teacher_checkpointer.adapter_checkpoint",
+    )?;
+    super::model::check_architecture("teacher_model", model, &teacher.args)?;
     Ok(teacher.set_trainable(Trainable::Nothing))
 }

@@ -204,3 +204,30 @@ fn missing_directory_and_weights() {
     let gone = t.path().join("nope");
     assert_has(&load_err(&gone), &["config.json"]);
 }
+
+/// torchtune's `checkpointer.model_type` names the checkpoint's architecture: a family other
+/// than config.json's means the checkpointer points at another model than the config was
+/// written for, and is refused by key before any weight is read; the right one (or a
+/// classifier's REWARD on a reward model) opens.
+#[test]
+fn a_model_type_of_another_family_is_refused_naming_both() {
+    let checkpointer = |model_type: &str, dir: &str| {
+        let yaml = format!(
+            "_component_: torchtune.training.FullModelHFCheckpointer\ncheckpoint_dir: {}\nmodel_type: {model_type}\n",
+            crate::support::fixture(dir).display()
+        );
+        let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
+        tune::setup::model::open(&cfg, "checkpointer")
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let e = checkpointer("QWEN2", "tiny-llama").unwrap_err();
+    assert!(
+        e.starts_with("checkpointer.model_type: is QWEN2, but checkpoint_dir holds a llama model"),
+        "{e}"
+    );
+    checkpointer("LLAMA3_2", "tiny-llama").expect("a llama checkpoint");
+    checkpointer("REWARD", "tiny-llama-reward").expect("a reward model");
+    let e = checkpointer("REWARD", "tiny-llama").unwrap_err();
+    assert!(e.contains("llama language model (no `score` head)"), "{e}");
+}

@@ -261,22 +261,24 @@ fn teacher_dir(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> TempDir 
     dir
 }
 
+/// A teacher's directory, opened as `teacher_checkpointer` opens it (config.json only).
+fn teacher_checkpoint(dir: &std::path::Path) -> tune::setup::model::Checkpoint {
+    tune::setup::model::Checkpoint {
+        key: "teacher_checkpointer",
+        source: tune::model_io::source::ModelSource::open(dir, None).expect("a config.json"),
+    }
+}
+
 #[test]
 fn teacher_with_another_vocabulary_is_refused_before_loading() {
-    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
-    let ok = check_compatible(
-        &student_args,
-        &student_tokenizer(),
-        &fixture("tiny-llama-teacher"),
-    );
-    assert_eq!(
-        ok.unwrap().num_layers,
-        3,
-        "the shipped teacher is compatible"
-    );
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
+    let shipped = teacher_checkpoint(&fixture("tiny-llama-teacher"));
+    assert_eq!(shipped.args.num_layers, 3);
+    check_compatible(&student_args, &student_tokenizer(), &shipped)
+        .expect("the shipped teacher is compatible");
 
     let dir = teacher_dir("vocab", |c| c["vocab_size"] = 32000.into());
-    let err = check_compatible(&student_args, &student_tokenizer(), dir.path())
+    let err = check_compatible(&student_args, &student_tokenizer(), &teacher_checkpoint(dir.path()))
         .unwrap_err()
         .to_string();
     assert!(err.contains("teacher_checkpointer.checkpoint_dir"), "{err}");
@@ -288,7 +290,7 @@ fn teacher_with_another_vocabulary_is_refused_before_loading() {
 
 #[test]
 fn teacher_with_another_tokenizer_is_refused() {
-    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
     // Same vocab_size, but Qwen2's tokenizer.
     let dir = teacher_dir("tokenizer", |_| {});
     std::fs::copy(
@@ -296,7 +298,7 @@ fn teacher_with_another_tokenizer_is_refused() {
         dir.path().join("tokenizer.json"),
     )
     .unwrap();
-    let err = check_compatible(&student_args, &student_tokenizer(), dir.path())
+    let err = check_compatible(&student_args, &student_tokenizer(), &teacher_checkpoint(dir.path()))
         .unwrap_err()
         .to_string();
     assert!(err.contains("the teacher's tokenizer"), "{err}");
@@ -316,13 +318,14 @@ fn teacher_with_a_peft_adapter_loads_it() {
         fixture("tiny-llama-lora").display()
     );
     let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
-    let student_args = tune::model_io::hf::load_args(&fixture("tiny-llama")).unwrap();
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
     let device = Default::default();
+    let model: tune::config::schema::ModelConfig =
+        serde_yaml::from_str("_component_: tune.models.llama3.llama3_tiny").unwrap();
     let load = |cfg: &tune::config::schema::CheckpointerConfig| {
-        let base = tune::models::BaseWeights::Float;
         tune::setup::teacher::load::<Cpu>(
             cfg,
-            base,
+            &model,
             None,
             &student_args,
             &student_tokenizer(),

@@ -16,7 +16,9 @@ mod sampling;
 mod tokenizer;
 mod train;
 
-pub use checkpointer::{CheckpointFiles, CheckpointFilesFormat, CheckpointerConfig, StrOrInt};
+pub use checkpointer::{
+    CheckpointFiles, CheckpointFilesFormat, CheckpointModelType, CheckpointerConfig, StrOrInt,
+};
 pub use dataset::{DatasetConfig, Datasets};
 pub use generate::{GenerateConfig, Prompt, PromptTurns};
 pub use grpo::{
