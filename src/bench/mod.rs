@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use crate::checkpoint::StorageDtype;
 use crate::data::{SftSample, collate_sft};
 use crate::model_io::hf::{DEFAULT_MAX_SHARD_BYTES, load_model_with, save_model};
-use crate::model_io::peft::attach_lora;
+use crate::models::adapters::attach_lora;
 use crate::models::{BaseWeights, ModelArgs, RandomInit, Trainable, build};
 use crate::modules::LoraSettings;
 use crate::modules::nf4::Nf4Dtype;
@@ -292,7 +292,7 @@ pub fn run<B: AutodiffBackend>(
             // gpt-oss: its fused experts, as the LoRA recipes adapt them for these MLP targets
             // (DoRA there is refused by the recipes, and left off here).
             if !settings.dora {
-                crate::model_io::peft::attach_fused_expert_lora(&mut model, &settings, 0);
+                crate::models::adapters::attach_fused_expert_lora(&mut model, &settings, 0);
             }
             Trainable::AdaptersOnly
         }

@@ -1,6 +1,7 @@
-//! PEFT LoRA adapters: attach fresh adapters to a model, load `adapter_model.safetensors` +
-//! `adapter_config.json` as `peft` saves them, and save them back in the same layout so
-//! `PeftModel.from_pretrained(base, dir)` loads what tune writes.
+//! PEFT LoRA adapters on disk: load `adapter_model.safetensors` + `adapter_config.json` as
+//! `peft` saves them into a model's adapters, and save them back in the same layout so
+//! `PeftModel.from_pretrained(base, dir)` loads what tune writes. Attaching fresh adapters and
+//! merging them is `models::adapters`'s.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,10 +13,11 @@ use super::peft_experts::{self, FusedParam};
 use crate::checkpoint::error::CheckpointError;
 use crate::checkpoint::host::HostTensor;
 use crate::checkpoint::safetensors_io::{SafetensorsFile, StorageDtype, write_file};
+use crate::models::adapters::{experts_are_fused, fused_expert_linear, fused_experts_mut};
 use crate::models::args::ExpertNaming;
 use crate::models::mlp::Mlp;
 use crate::models::{CausalLm, ModelArgs};
-use crate::modules::{Lora, LoraSettings, lora};
+use crate::modules::{Lora, LoraSettings};
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
@@ -246,89 +248,6 @@ pub fn peft_key(module_path: &str, which: char) -> String {
 /// `.weight` of its module dropped): `...q_proj.lora_magnitude_vector`.
 pub fn magnitude_key(module_path: &str) -> String {
     format!("{PEFT_PREFIX}{module_path}.lora_magnitude_vector")
-}
-
-/// Attaches fresh adapters to the linear layers named in `targets` (leaf names: `q_proj`,
-/// `down_proj`, `lm_head`, ...). Returns the module paths that got one.
-pub fn attach_lora<B: Backend>(
-    model: &mut CausalLm<B>,
-    targets: &[String],
-    settings: &LoraSettings,
-    seed: u64,
-) -> Vec<String> {
-    let device = model.device();
-    let mut rng = lora::init_rng(seed);
-    let mut attached = Vec::new();
-    let args = model.args.clone();
-    for (path, linear) in model.linears_mut() {
-        let leaf = path.rsplit('.').next().unwrap_or(&path);
-        if targets.iter().any(|t| t == leaf) && args.lora_adapts(&path) {
-            let (out, inp) = (linear.out_features(), linear.in_features());
-            let mut lora = Lora::init(inp, out, settings, &mut rng, &device);
-            if settings.dora {
-                lora = lora.with_magnitude(linear.base_weight_on(&device), None);
-            }
-            linear.lora = Some(lora);
-            attached.push(path);
-        }
-    }
-    attached
-}
-
-/// Whether `args`' experts are fused parameters on disk (gpt-oss), which peft adapts through
-/// `target_parameters` ([`peft_experts`]) and never by module name.
-pub fn experts_are_fused(args: &ModelArgs) -> bool {
-    args.moe
-        .as_ref()
-        .is_some_and(|m| m.naming == ExpertNaming::GptOss)
-}
-
-/// Whether the linear `path` is one of a fused-experts model's experts (their adapters are
-/// read and written through [`peft_experts`]).
-fn fused_expert_linear(args: &ModelArgs, path: &str) -> bool {
-    experts_are_fused(args) && path.contains(".experts.")
-}
-
-/// Each layer index with its experts, when they are fused on disk.
-fn fused_experts_mut<B: Backend>(model: &mut CausalLm<B>) -> Vec<(usize, &mut Vec<Mlp<B>>)> {
-    if !experts_are_fused(&model.args) {
-        return Vec::new();
-    }
-    model
-        .model
-        .layers
-        .iter_mut()
-        .enumerate()
-        .filter_map(|(i, layer)| layer.moe.as_mut().map(|moe| (i, &mut moe.experts)))
-        .collect()
-}
-
-/// Attaches fresh adapters to every layer's fused experts, both parameters (peft's
-/// `target_parameters` [`FusedParam::ALL`]): per expert, one over `gate_up_proj` and one over
-/// `down_proj`. Returns the `target_parameters` to save them with (empty for a model whose
-/// experts are not fused).
-pub fn attach_fused_expert_lora<B: Backend>(
-    model: &mut CausalLm<B>,
-    settings: &LoraSettings,
-    seed: u64,
-) -> Vec<String> {
-    let device = model.device();
-    // Another stream than the linears' adapters, so adding these changes none of theirs.
-    let mut rng = lora::init_rng(seed ^ 0x0065_7870_6572_7473);
-    let layers = fused_experts_mut(model);
-    if layers.is_empty() {
-        return Vec::new();
-    }
-    for (_, experts) in layers {
-        for mlp in experts.iter_mut() {
-            let (width, hidden) = (mlp.gate_proj.out_features(), mlp.gate_proj.in_features());
-            mlp.lora = Some(Lora::init(hidden, 2 * width, settings, &mut rng, &device));
-            let down = &mut mlp.down_proj;
-            let (out, inp) = (down.out_features(), down.in_features());
-            down.lora = Some(Lora::init(inp, out, settings, &mut rng, &device));
-        }
-    }
-    FusedParam::ALL.iter().map(|p| p.target()).collect()
 }
 
 /// The adapter of `param` on `mlp`, when it has one.
@@ -686,20 +605,4 @@ pub fn write_adapter(
     write_file(&dir.join(ADAPTER_WEIGHTS), tensors, StorageDtype::F32)?;
     config.write(dir)?;
     Ok(vec![ADAPTER_WEIGHTS.into(), ADAPTER_CONFIG.into()])
-}
-
-/// Folds every adapter into its base weight and drops it (for exporting a merged model).
-pub fn merge_adapters<B: Backend>(model: &mut CausalLm<B>) {
-    for (_, experts) in fused_experts_mut(model) {
-        for mlp in experts.iter_mut() {
-            mlp.merge_fused_lora();
-        }
-    }
-    for (_, linear) in model.linears_mut() {
-        if linear.lora.is_some() {
-            let merged = linear.merged_weight();
-            linear.set_weight(merged);
-            linear.lora = None;
-        }
-    }
 }

@@ -79,18 +79,6 @@ impl<B: Backend> Mlp<B> {
         };
         Some((merged(&self.gate_proj, 0), merged(&self.up_proj, 1)))
     }
-
-    /// Folds the fused gate/up adapter into the gate and up weights and drops it.
-    pub fn merge_fused_lora(&mut self) {
-        let Some((gate, up)) = self.merged_gate_up() else {
-            return;
-        };
-        self.lora = None;
-        for (linear, weight) in [(&mut self.gate_proj, gate), (&mut self.up_proj, up)] {
-            linear.set_weight(weight);
-            linear.lora = None;
-        }
-    }
 }
 
 /// gpt-oss's gate: `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with

@@ -1,6 +1,7 @@
 //! The decoder-only transformer and its configuration. One model for every family; family
 //! differences are fields of `ModelArgs`.
 
+pub mod adapters;
 pub mod args;
 pub mod build;
 pub mod cache;

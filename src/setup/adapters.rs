@@ -10,6 +10,8 @@ use super::SetupError;
 use super::model_error::ModelConfigError;
 use crate::config::schema::{CheckpointerConfig, ModelConfig, TrainConfig};
 use crate::model_io::peft;
+use crate::model_io::peft_experts::FusedParam;
+use crate::models::adapters;
 use crate::models::{CausalLm, Trainable};
 use crate::modules::LoraSettings;
 
@@ -87,19 +89,20 @@ pub fn attach_adapters<B: Backend>(
     }
     // gpt-oss: the MLP targets mean its fused experts, adapted as peft's `target_parameters`
     // adapts them (one adapter per expert over gate_up_proj, one over down_proj).
-    let fused = peft::experts_are_fused(&model.args) && adapts_experts;
+    let fused = adapters::experts_are_fused(&model.args) && adapts_experts;
     if fused && plan.settings.dropout != 0.0 {
         return Err(ModelConfigError::DropoutOnFusedExperts {
             model_type: model.args.family.model_type(),
         }
         .into());
     }
-    let mut attached = peft::attach_lora(model, &targets, &plan.settings, seed);
-    let target_parameters = if fused {
-        peft::attach_fused_expert_lora(model, &plan.settings, seed)
-    } else {
-        Vec::new()
-    };
+    let mut attached = adapters::attach_lora(model, &targets, &plan.settings, seed);
+    let target_parameters: Vec<String> =
+        if fused && adapters::attach_fused_expert_lora(model, &plan.settings, seed) {
+            FusedParam::ALL.iter().map(|p| p.target()).collect()
+        } else {
+            Vec::new()
+        };
     attached.extend(target_parameters.iter().cloned());
     if attached.is_empty() {
         return Err(ModelConfigError::NoTargets { targets }.into());

@@ -728,7 +728,7 @@ fn the_load_balancing_loss_is_the_same_in_chunks() {
         dora: false,
     };
     let targets = ["q_proj", "v_proj", "gate_proj"].map(String::from);
-    assert!(!tune::model_io::peft::attach_lora(&mut model, &targets, &settings, 5).is_empty());
+    assert!(!tune::models::adapters::attach_lora(&mut model, &targets, &settings, 5).is_empty());
     let model = model.set_trainable(tune::models::Trainable::AdaptersOnly);
     let sum = |parts| summed_grads(&model, parts);
     let weight = 3.0;
