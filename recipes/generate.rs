@@ -50,9 +50,9 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         peft::load_adapter(&mut lm, dir).with_context(|| {
             format!("adapter_dir: loading the PEFT adapter in {}", dir.display())
         })?;
-        eprintln!("Applied the LoRA adapter in {}", dir.display());
+        crate::say!("Applied the LoRA adapter in {}", dir.display());
     }
-    eprintln!(
+    crate::say!(
         "Loaded {} ({} model, {:.1}M parameters, {}) in {:.2}s",
         cfg.checkpointer.checkpoint_dir.display(),
         lm.args.family.model_type(),
@@ -77,8 +77,8 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     }
     let room = positions - prompt.len();
     let max_new_tokens = if cfg.max_new_tokens > room {
-        eprintln!(
-            "warning: max_new_tokens={} would run past the model's {positions} positions after a {}-token prompt: generating at most {room}",
+        crate::say_warn!(
+            "max_new_tokens={} would run past the model's {positions} positions after a {}-token prompt: generating at most {room}",
             cfg.max_new_tokens,
             prompt.len()
         );
@@ -113,7 +113,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
     } else {
         format!("sampling, seed {seed}")
     };
-    eprintln!(
+    crate::say!(
         "Generating up to {} tokens after a {}-token prompt ({how})",
         max_new_tokens,
         prompt.len()
@@ -130,7 +130,7 @@ pub fn run<B: AutodiffBackend>(cfg: &GenerateConfig, ctx: &RunContext<B>) -> any
         StopReason::StopToken(id) => format!("stop token {id}"),
         StopReason::MaxNewTokens => "max_new_tokens".to_string(),
     };
-    eprintln!(
+    crate::say!(
         "Prefill: {} tokens in {:.3}s ({:.1} tokens/s); generated {} tokens in {:.3}s, {} tokens/s after the first; stopped at {stop}",
         out.prompt_len,
         out.prefill.as_secs_f64(),

@@ -156,6 +156,12 @@ pub fn run<B: AutodiffBackend>(
     config: &RecipeConfig,
     ctx: &RunContext<B>,
 ) -> Result<(), WorkerError> {
+    // The checkpoint client's lines follow `log_level` as tune's own do.
+    crate::checkpoint_client::set_notify(|notice, line| match notice {
+        crate::checkpoint_client::Notice::Info => crate::say!("{line}"),
+        crate::checkpoint_client::Notice::Warning => crate::say_warn!("{line}"),
+        crate::checkpoint_client::Notice::Error => eprintln!("{line}"),
+    });
     let Some(cfg) = config.as_train() else {
         // Generation runs on one worker, with no stop handler: any failure is just that.
         return alone(config.recipe, config.own.as_ref(), ctx);

@@ -149,7 +149,7 @@ pub fn f32_tensor<B: Backend, const D: usize>(
 pub fn generation_dtype<B: Backend + 'static>(requested: Dtype) -> Dtype {
     let on_flex = std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>();
     if on_flex && requested == Dtype::Fp16 {
-        eprintln!(
+        crate::say_warn!(
             "dtype: generation on the CPU computes in fp32, not fp16 (the CPU backend converts fp16 through fp32 on every op, about 10x slower); the fp16 weights are upcast exactly. Set dtype=bf16 or dtype=fp32 to silence this"
         );
         return Dtype::Fp32;

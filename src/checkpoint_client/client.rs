@@ -1,6 +1,7 @@
 //! [`CheckpointClient`]: at most one background save in flight, failures
 //! surfaced at the next call, nothing lost on drop.
 
+use super::notice::Notice;
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -177,8 +178,11 @@ impl CheckpointClient {
         });
         let waited = start.elapsed();
         if was_running {
-            eprintln!(
-                "checkpoint: waited {waited:.1?} for the background save of {name} to finish"
+            super::notice::notify(
+                Notice::Info,
+                &format!(
+                    "checkpoint: waited {waited:.1?} for the background save of {name} to finish"
+                ),
             );
         }
         let published = self.absorb(&name, outcome, true)?;
@@ -236,13 +240,16 @@ impl Drop for CheckpointClient {
         if let Some(in_flight) = &self.in_flight
             && !in_flight.handle.is_finished()
         {
-            eprintln!(
-                "checkpoint: waiting for the background save of {} before exiting",
-                in_flight.name
+            super::notice::notify(
+                Notice::Info,
+                &format!(
+                    "checkpoint: waiting for the background save of {} before exiting",
+                    in_flight.name
+                ),
             );
         }
         if let Err(e) = self.finish_in_flight() {
-            eprintln!("checkpoint: error: {e}");
+            super::notice::notify(Notice::Error, &format!("checkpoint: error: {e}"));
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Finding checkpoints in an output directory: listing, the latest complete one
 //! to resume from, and cleaning up what crashed saves left behind.
 
+use super::notice::Notice;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -108,14 +109,17 @@ pub fn latest_verified(output_dir: &Path) -> Result<Option<PublishedCheckpoint>,
                     manifest: *manifest,
                 }));
             }
-            other => eprintln!(
-                "checkpoint: skipping {}: {}",
-                entry.dir.display(),
-                match other {
-                    CheckpointStatus::Corrupt { reason }
-                    | CheckpointStatus::Incomplete { reason } => reason,
-                    _ => "not usable".to_string(),
-                }
+            other => super::notice::notify(
+                Notice::Warning,
+                &format!(
+                    "checkpoint: skipping {}: {}",
+                    entry.dir.display(),
+                    match other {
+                        CheckpointStatus::Corrupt { reason }
+                        | CheckpointStatus::Incomplete { reason } => reason,
+                        _ => "not usable".to_string(),
+                    }
+                ),
             ),
         }
     }
@@ -165,10 +169,13 @@ pub fn clean_partial(output_dir: &Path) -> Result<Vec<CleanedDir>, ClientError> 
         if let Some(to) = restore_target(output_dir, &entry) {
             fs::rename(&entry.dir, &to)
                 .map_err(|e| ClientError::io("restore the complete checkpoint", &entry.dir, e))?;
-            eprintln!(
-                "checkpoint: restored {} to {} (its save was interrupted just before publishing)",
-                entry.dir.display(),
-                to.display()
+            super::notice::notify(
+                Notice::Info,
+                &format!(
+                    "checkpoint: restored {} to {} (its save was interrupted just before publishing)",
+                    entry.dir.display(),
+                    to.display()
+                ),
             );
             cleaned.push(CleanedDir {
                 path: entry.dir,

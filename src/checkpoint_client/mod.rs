@@ -30,6 +30,7 @@ mod discovery;
 mod error;
 mod fsutil;
 mod meta;
+mod notice;
 mod prune;
 mod report;
 mod verify;
@@ -49,6 +50,7 @@ pub use meta::{
     CheckpointManifest, CheckpointMeta, CheckpointName, FORMAT_VERSION, FileRecord, METADATA_FILE,
     NameKind, PublishedCheckpoint,
 };
+pub use notice::{Notice, Notify, set_notify};
 pub use report::{format_report, human_size};
 pub use verify::{CheckpointStatus, inspect, verify};
 pub use writer::WriterFn;

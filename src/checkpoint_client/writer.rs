@@ -2,6 +2,7 @@
 //! metadata last, atomic rename, prune. Runs on the background thread (or inline
 //! for `save_blocking`).
 
+use super::notice::Notice;
 use std::fs::{self, File};
 use std::io::{self, Write};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -73,12 +74,15 @@ pub(crate) fn run_job(job: Job) -> JobOutcome {
             };
         }
     };
-    eprintln!(
-        "checkpoint: saved {} to {} ({} in {:.1?})",
-        name,
-        published.published.dir.display(),
-        human_size(published.published.manifest.total_size()),
-        started.elapsed()
+    super::notice::notify(
+        Notice::Info,
+        &format!(
+            "checkpoint: saved {} to {} ({} in {:.1?})",
+            name,
+            published.published.dir.display(),
+            human_size(published.published.manifest.total_size()),
+            started.elapsed()
+        ),
     );
     let mut cleanup_error = None;
     if let Some(aside) = &published.replaced
@@ -92,9 +96,12 @@ pub(crate) fn run_job(job: Job) -> JobOutcome {
         match prune(&output_dir, keep, &name) {
             Ok(removed) => {
                 for dir in removed {
-                    eprintln!(
-                        "checkpoint: removed {} (keep_last_n = {keep})",
-                        dir.display()
+                    super::notice::notify(
+                        Notice::Info,
+                        &format!(
+                            "checkpoint: removed {} (keep_last_n = {keep})",
+                            dir.display()
+                        ),
                     );
                 }
             }
@@ -249,10 +256,13 @@ fn publish(temp: &Path, final_dir: &Path, aside: &Path) -> Result<Option<PathBuf
         if let Some(aside) = &replaced
             && let Err(back) = fs::rename(aside, final_dir)
         {
-            eprintln!(
-                "checkpoint: could not move {} back to {}: {back}; rename it by hand",
-                aside.display(),
-                final_dir.display()
+            super::notice::notify(
+                Notice::Warning,
+                &format!(
+                    "checkpoint: could not move {} back to {}: {back}; rename it by hand",
+                    aside.display(),
+                    final_dir.display()
+                ),
             );
         }
         return Err(SaveFailure::io("publish the checkpoint as", final_dir, e));
@@ -267,9 +277,12 @@ fn remove_temp(temp: &Path) {
     match fs::remove_dir_all(temp) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => eprintln!(
-            "checkpoint: could not remove the temporary directory {}: {e}; remove it by hand",
-            temp.display()
+        Err(e) => super::notice::notify(
+            Notice::Warning,
+            &format!(
+                "checkpoint: could not remove the temporary directory {}: {e}; remove it by hand",
+                temp.display()
+            ),
         ),
     }
 }

@@ -319,6 +319,12 @@ pub fn train_data(
         cfg.shuffle,
         TORCHTUNE_SAMPLER_SEED,
     )?;
+    crate::say_debug!(
+        "dataset: {} samples of at most {max_seq_len} tokens, {} batches of {} per rank",
+        dataset.len(),
+        loader.num_batches_per_rank(run.world.size),
+        cfg.batch_size
+    );
     let validation = match &cfg.dataset_val {
         Some(entries) => Some(validation(
             entries,
@@ -377,8 +383,8 @@ pub fn within_positions(max_seq_len: Option<usize>, positions: usize, announce: 
     match max_seq_len {
         Some(len) if len > positions => {
             if announce {
-                eprintln!(
-                    "warning: tokenizer.max_seq_len={len} is more than the model's {positions} positions (max_position_embeddings in its config.json): samples are truncated to {positions} tokens"
+                crate::say_warn!(
+                    "tokenizer.max_seq_len={len} is more than the model's {positions} positions (max_position_embeddings in its config.json): samples are truncated to {positions} tokens"
                 );
             }
             positions

@@ -76,12 +76,30 @@ pub fn load<B: Backend>(
             checkpoint.dir.display()
         );
     }
-    checkpoint
+    let started = std::time::Instant::now();
+    let loaded = checkpoint
         .load(device, base, rows)
         .map_err(|source| SetupError::Model {
             key: checkpoint.key,
             source,
-        })
+        })?;
+    crate::say_debug!(
+        "{}: loaded {} ({:?}, a {} model, {} base{}) in {:.2}s",
+        checkpoint.key,
+        checkpoint.dir.display(),
+        checkpoint.kind,
+        checkpoint.args.family.model_type(),
+        match base {
+            BaseWeights::Float => "float",
+            BaseWeights::Nf4(_) => "NF4",
+        },
+        rows.map_or(String::new(), |r| format!(
+            ", rank {}'s rows of {}",
+            r.rank, r.world
+        )),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(loaded)
 }
 
 /// The model a LoRA recipe trains adapters on (or generation runs), its base stored as the

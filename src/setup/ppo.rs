@@ -35,8 +35,8 @@ pub fn stop_ids(keys: &PpoKeys, tokenizer: &Tokenizer) -> Vec<u32> {
             if let Some(eos) = tokenizer.stop_ids().first()
                 && !ids.contains(eos)
             {
-                eprintln!(
-                    "warning: stop_token_ids {ids:?} leave out the tokenizer's end-of-sequence token {eos}: a response that ends with it runs on to max_generated_tokens (as in torchtune)"
+                crate::say_warn!(
+                    "stop_token_ids {ids:?} leave out the tokenizer's end-of-sequence token {eos}: a response that ends with it runs on to max_generated_tokens (as in torchtune)"
                 );
             }
             ids.clone()

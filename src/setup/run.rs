@@ -87,7 +87,7 @@ impl RunStart {
     /// Prints on rank 0 only: one line per run, not one per worker.
     pub fn announce(&self, line: impl FnOnce() -> String) {
         if self.world.is_main() {
-            eprintln!("{}", line());
+            crate::say!("{}", line());
         }
     }
 }
@@ -122,6 +122,11 @@ pub fn start<B: Backend>(
     }
     let checkpoint_dir = cfg.checkpoint_dir().to_path_buf();
     let fingerprint = fingerprint(config, seed, world.size);
+    crate::say_debug!(
+        "fingerprint {} over {} keys (seed {seed})",
+        fingerprint.hash(),
+        fingerprint.entries.len()
+    );
     check_same::<B>(
         &world,
         device,
@@ -206,7 +211,7 @@ fn claim_checkpoint_dir(
         });
     }
     let removed = remove_checkpoints(dir)?;
-    eprintln!(
+    crate::say!(
         "overwrite_output_dir: deleted the other run's checkpoints in {}: {}",
         dir.display(),
         removed.join(", ")
@@ -271,7 +276,7 @@ pub fn claim_companion_dir(
             crate::training::TrainError::from(crate::training::error::CheckpointingError::from(e))
         })?;
         for c in cleaned {
-            eprintln!(
+            crate::say!(
                 "removed the partial checkpoint {} left by an interrupted run",
                 c.path.display()
             );

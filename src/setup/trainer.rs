@@ -95,6 +95,13 @@ pub fn build<B: AutodiffBackend>(
             && model.args.tower.is_none()
             && plan.quantized_export.is_none(),
     });
+    crate::say_debug!(
+        "parallelism: {} worker(s), FSDP {}, ZeRO-1 {}, CPU offload {}; checkpoints: {saves:?}",
+        world.size,
+        run.fsdp.is_some(),
+        parallel.shards_optimizer(),
+        parallel.offload().is_some()
+    );
     let parallel = parallel.with_saves(saves);
     let saver = if world.is_main() {
         let layout = SaveLayout {

@@ -576,7 +576,7 @@ pub fn find_resume(
         Vec::new()
     };
     for cleaned in cleaned {
-        eprintln!(
+        crate::say!(
             "removed the partial checkpoint {} left by an interrupted run",
             cleaned.path.display()
         );
@@ -591,8 +591,8 @@ pub fn find_resume(
             Some(older) => older,
             None => {
                 if tidy {
-                    eprintln!(
-                        "warning: no checkpoint in {} verifies: training starts from the beginning (the damaged ones are kept; `tune checkpoints` lists them)",
+                    crate::say_warn!(
+                        "no checkpoint in {} verifies: training starts from the beginning (the damaged ones are kept; `tune checkpoints` lists them)",
                         output_dir.display()
                     );
                 }
@@ -638,7 +638,7 @@ fn resume_of(
     changed.retain(|key| {
         let may_change = fingerprint.resume_may_change.contains(key);
         if may_change && report {
-            eprintln!(
+            crate::say!(
                 "{key} changed since {} was saved ({} -> {}); resuming with the new value",
                 dir.display(),
                 info.fingerprint.get(key),

@@ -271,16 +271,22 @@ fn teacher_checkpoint(dir: &std::path::Path) -> tune::setup::model::Checkpoint {
 
 #[test]
 fn teacher_with_another_vocabulary_is_refused_before_loading() {
-    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None)
+        .unwrap()
+        .args;
     let shipped = teacher_checkpoint(&fixture("tiny-llama-teacher"));
     assert_eq!(shipped.args.num_layers, 3);
     check_compatible(&student_args, &student_tokenizer(), &shipped)
         .expect("the shipped teacher is compatible");
 
     let dir = teacher_dir("vocab", |c| c["vocab_size"] = 32000.into());
-    let err = check_compatible(&student_args, &student_tokenizer(), &teacher_checkpoint(dir.path()))
-        .unwrap_err()
-        .to_string();
+    let err = check_compatible(
+        &student_args,
+        &student_tokenizer(),
+        &teacher_checkpoint(dir.path()),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("teacher_checkpointer.checkpoint_dir"), "{err}");
     assert!(
         err.contains("teacher vocab_size 32000 != student vocab_size 2048: the teacher must share the student's tokenizer"),
@@ -290,7 +296,9 @@ fn teacher_with_another_vocabulary_is_refused_before_loading() {
 
 #[test]
 fn teacher_with_another_tokenizer_is_refused() {
-    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None)
+        .unwrap()
+        .args;
     // Same vocab_size, but Qwen2's tokenizer.
     let dir = teacher_dir("tokenizer", |_| {});
     std::fs::copy(
@@ -298,9 +306,13 @@ fn teacher_with_another_tokenizer_is_refused() {
         dir.path().join("tokenizer.json"),
     )
     .unwrap();
-    let err = check_compatible(&student_args, &student_tokenizer(), &teacher_checkpoint(dir.path()))
-        .unwrap_err()
-        .to_string();
+    let err = check_compatible(
+        &student_args,
+        &student_tokenizer(),
+        &teacher_checkpoint(dir.path()),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("the teacher's tokenizer"), "{err}");
     assert!(err.contains("differs from the student's"), "{err}");
     assert!(
@@ -318,7 +330,9 @@ fn teacher_with_a_peft_adapter_loads_it() {
         fixture("tiny-llama-lora").display()
     );
     let cfg: tune::config::schema::CheckpointerConfig = serde_yaml::from_str(&yaml).unwrap();
-    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None).unwrap().args;
+    let student_args = tune::model_io::source::ModelSource::open(&fixture("tiny-llama"), None)
+        .unwrap()
+        .args;
     let device = Default::default();
     let model: tune::config::schema::ModelConfig =
         serde_yaml::from_str("_component_: tune.models.llama3.llama3_tiny").unwrap();

@@ -444,3 +444,67 @@ fn composed_attention_trains_as_the_fused_kernel() {
     }
     assert_ne!(fused, composed, "the two paths round differently");
 }
+
+/// torchtune's `log_level`: `WARN` keeps warnings only (no start-up, save or report lines),
+/// `DEBUG` adds what each stage loaded and decided; `log_peak_memory_stats: False` leaves the
+/// memory metrics out of metrics.jsonl.
+#[test]
+fn log_level_and_log_peak_memory_stats_shape_what_a_run_says() {
+    let run = |tag: &str, extra: &[&str]| {
+        let out = temp_dir(tag);
+        let output_dir = format!("output_dir={}", out.path().display());
+        let mut args = vec![
+            "run",
+            "lora_finetune_single_device",
+            "--config",
+            "tiny/lora_single_device",
+            output_dir.as_str(),
+            "max_steps_per_epoch=2",
+        ];
+        args.extend_from_slice(extra);
+        let done = tune_ok(&args);
+        let metrics = read_metrics(&out.path().join("logs/metrics.jsonl"));
+        (String::from_utf8_lossy(&done.stderr).into_owned(), metrics)
+    };
+    let (info, metrics) = run("log-info", &[]);
+    assert!(
+        info.contains("LoRA fine-tuning") && info.contains("checkpoint: saved"),
+        "{info}"
+    );
+    assert!(!info.contains("debug:"), "{info}");
+    assert!(
+        metrics[0].get("peak_memory_bytes").is_some(),
+        "{}",
+        metrics[0]
+    );
+    let (quiet, metrics) = run(
+        "log-warn",
+        &["log_level=WARN", "log_peak_memory_stats=False"],
+    );
+    for line in ["LoRA fine-tuning", "checkpoint: saved", "Trained 2 steps"] {
+        assert!(
+            !quiet.contains(line),
+            "{line:?} with log_level=WARN:\n{quiet}"
+        );
+    }
+    for key in [
+        "peak_memory_bytes",
+        "parameter_bytes",
+        "optimizer_state_bytes",
+    ] {
+        assert!(metrics[0].get(key).is_none(), "{key}: {}", metrics[0]);
+    }
+    assert!(metrics[0].get("loss").is_some());
+    let (debug, _) = run("log-debug", &["log_level=DEBUG"]);
+    for line in [
+        "debug: checkpointer: loaded",
+        "debug: parallelism: 1 worker(s)",
+        "debug: dataset:",
+        "debug: fingerprint",
+    ] {
+        assert!(
+            debug.contains(line),
+            "{line:?} with log_level=DEBUG:\n{debug}"
+        );
+    }
+}
