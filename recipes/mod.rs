@@ -208,3 +208,81 @@ pub fn run<B: AutodiffBackend>(
     }
     outcome
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str) -> &'static str {
+        find(name).map(|r| r.name).unwrap_or("none")
+    }
+
+    /// tune's names, torchtune's script names (`.py` or not) and its `*_distributed` names
+    /// all find their recipe; torchtune's GRPO is a dev recipe, distributed by name.
+    #[test]
+    fn aliases_and_py_suffix() {
+        assert_eq!(named("lora_finetune"), "lora_finetune");
+        assert_eq!(named("lora_finetune_single_device"), "lora_finetune");
+        assert_eq!(named("lora_finetune_single_device.py"), "lora_finetune");
+        assert_eq!(named("lora_finetune_distributed"), "lora_finetune");
+        assert_eq!(
+            named("knowledge_distillation_single_device"),
+            "knowledge_distillation"
+        );
+        assert_eq!(
+            named("knowledge_distillation_distributed.py"),
+            "knowledge_distillation"
+        );
+        assert_eq!(
+            qat_lora_finetune_single_device::RECIPE.torchtune_name(),
+            "qat_lora_finetune_single_device"
+        );
+        assert!(is_distributed_name("full_dpo_distributed"));
+        assert!(!is_distributed_name("full_dpo_single_device"));
+        assert_eq!(
+            qat_single_device::RECIPE.script_name(true),
+            "qat_distributed"
+        );
+        assert_eq!(generate::RECIPE.script_name(true), "generate");
+        assert_eq!(
+            named("dev/grpo_full_finetune_distributed"),
+            "grpo_full_finetune"
+        );
+        assert!(is_distributed_name("dev/grpo_full_finetune_distributed.py"));
+        assert!(!is_distributed_name("grpo_full_finetune_single_device"));
+    }
+
+    #[test]
+    fn unknown_lists_known() {
+        let err = find("lora_finetun")
+            .map(|r| r.name)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("unknown recipe `lora_finetun` (did you mean"),
+            "{err}"
+        );
+        assert!(
+            err.contains("known recipes: full_finetune, lora_finetune"),
+            "{err}"
+        );
+    }
+
+    /// Every name of every recipe finds that recipe and no other.
+    #[test]
+    fn no_two_recipes_answer_to_one_name() {
+        for recipe in RECIPES {
+            let names = std::iter::once(recipe.name)
+                .chain(recipe.aliases.iter().copied())
+                .chain(recipe.distributed);
+            for name in names {
+                let found: Vec<&str> = RECIPES
+                    .iter()
+                    .filter(|r| r.answers_to(name))
+                    .map(|r| r.name)
+                    .collect();
+                assert_eq!(found, vec![recipe.name], "{name}");
+            }
+        }
+    }
+}

@@ -294,20 +294,7 @@ pub fn markdown(registry: &[&'static RecipeSpec]) -> String {
     }
     s.push_str("\n## Keys every training recipe reads\n\n");
     s.push_str("PPO's configs write `policy_model` for `model`, and have no `epochs`.\n\n");
-    let shared: Vec<Entry> = crate::config::schema::TrainConfig::KEYS
-        .iter()
-        .flat_map(|key| {
-            let mut out = Vec::new();
-            walk(
-                "",
-                key,
-                (None, 0, Fingerprint::Inherit),
-                &mut Walk::All,
-                &mut out,
-            );
-            out
-        })
-        .collect();
+    let shared = every_entry(crate::config::schema::TrainConfig::KEYS);
     table(&mut s, &shared);
     for recipe in registry {
         let names: Vec<&str> = std::iter::once(recipe.name)
@@ -319,25 +306,25 @@ pub fn markdown(registry: &[&'static RecipeSpec]) -> String {
         if recipe.is_training() {
             s.push_str("It reads the [keys every training recipe reads](#keys-every-training-recipe-reads), and its own:\n\n");
         }
-        let own: Vec<Entry> = recipe
-            .own
-            .keys
-            .iter()
-            .flat_map(|key| {
-                let mut out = Vec::new();
-                walk(
-                    "",
-                    key,
-                    (None, 0, Fingerprint::Inherit),
-                    &mut Walk::All,
-                    &mut out,
-                );
-                out
-            })
-            .collect();
+        let own = every_entry(recipe.own.keys);
         table(&mut s, &own);
     }
     s
+}
+
+/// Every key below `keys`, nested sections' included, as the reference's rows.
+fn every_entry(keys: &'static [KeyInfo]) -> Vec<Entry> {
+    let mut out = Vec::new();
+    for key in keys {
+        walk(
+            "",
+            key,
+            (None, 0, Fingerprint::Inherit),
+            &mut Walk::All,
+            &mut out,
+        );
+    }
+    out
 }
 
 /// A table of entries, one row per key and path (a key several components of a choice share

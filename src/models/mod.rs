@@ -12,6 +12,7 @@ pub mod mask;
 pub mod mlp;
 pub mod moe;
 mod moe_args;
+pub mod param_source;
 pub mod params;
 pub mod rope;
 pub mod shards;
