@@ -31,15 +31,6 @@ pub struct DpoSettings {
     pub label_smoothing: f64,
 }
 
-impl Default for DpoSettings {
-    fn default() -> Self {
-        Self {
-            beta: 0.1,
-            label_smoothing: 0.0,
-        }
-    }
-}
-
 /// Per-pair results of the DPO loss, each `[pairs]`.
 pub struct DpoTerms<B: Backend> {
     pub losses: Tensor<B, 1>,

@@ -94,16 +94,6 @@ pub struct TorchtuneGrpoSettings {
     pub kl_coeff: f64,
 }
 
-impl Default for TorchtuneGrpoSettings {
-    fn default() -> Self {
-        Self {
-            loss: TorchtuneGrpoLoss::Simple,
-            epsilon: 0.1,
-            kl_coeff: 0.1,
-        }
-    }
-}
-
 /// The GRPO recipes' policy loss, as `loss._component_` names it: one of torchtune's classes
 /// or TRL's `GRPOTrainer` loss.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,12 +109,6 @@ impl GrpoObjective {
             Self::Torchtune(s) => s.kl_coeff,
             Self::Trl(s) => s.beta,
         }
-    }
-}
-
-impl Default for GrpoObjective {
-    fn default() -> Self {
-        Self::Torchtune(TorchtuneGrpoSettings::default())
     }
 }
 
@@ -318,20 +302,6 @@ pub struct TrlGrpoSettings {
     pub use_bias_correction_kl: bool,
     /// dr_grpo's normaliser (`max_completion_length`, TRL's default 512).
     pub max_completion_length: usize,
-}
-
-impl Default for TrlGrpoSettings {
-    fn default() -> Self {
-        Self {
-            loss_type: TrlLossType::Dapo,
-            importance_sampling_level: ImportanceSamplingLevel::Token,
-            epsilon_low: 0.2,
-            epsilon_high: 0.2,
-            beta: 0.0,
-            use_bias_correction_kl: true,
-            max_completion_length: 512,
-        }
-    }
 }
 
 /// Where this micro-batch sits in TRL's generation batch, for the normalisers (training mode).
@@ -1236,7 +1206,6 @@ mod tests {
                 "{name}"
             );
         }
-        assert!(TrlGrpoSettings::default().use_bias_correction_kl);
     }
 
     #[test]
@@ -1396,7 +1365,11 @@ mod tests {
     fn shapes_are_checked() {
         let shape = [2, 3];
         let err = torchtune_grpo_loss(
-            TorchtuneGrpoSettings::default(),
+            TorchtuneGrpoSettings {
+                loss: TorchtuneGrpoLoss::Simple,
+                epsilon: 0.1,
+                kl_coeff: 0.1,
+            },
             t2(vec![0.0; 6], shape),
             t2(vec![0.0; 6], shape),
             t2(vec![0.0; 4], [2, 2]),
@@ -1415,7 +1388,7 @@ mod tests {
             "{err:?}"
         );
         let err = trl_grpo_loss(
-            TrlGrpoSettings::default(),
+            trl_settings(case("trl", "grpo_token_beta0")).0,
             TrlAccumulation::single(6.0),
             TrlGrpoInputs {
                 per_token_logps: t2(vec![0.0; 6], shape),

@@ -47,6 +47,13 @@ fn scalar<B: Backend>(t: &Tensor<B, 1>) -> HostTensor {
     HostTensor::from_tensor(t)
 }
 
+/// `DPOLoss()` as the fixture script builds it: torchtune's defaults (the fixture records its
+/// beta; the defaults themselves are checked against torchtune's source in setup::loss).
+const FIXTURE_SETTINGS: DpoSettings = DpoSettings {
+    beta: 0.1,
+    label_smoothing: 0.0,
+};
+
 #[test]
 fn lora_dpo_matches_torch() {
     check_lora_dpo::<CpuAutodiff>(&Default::default());
@@ -58,7 +65,7 @@ pub fn check_lora_dpo<B: AutodiffBackend>(device: &B::Device) {
     assert_eq!(r.f32("beta").data, vec![0.1]);
     let batch = fixture_batch(&r);
     let model = lora_model_on::<B>(device);
-    let dpo = DpoLoss::<B>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
+    let dpo = DpoLoss::<B>::new(FIXTURE_SETTINGS, DpoReference::AdaptersDisabled);
 
     let out = dpo.forward(&model, &batch).unwrap();
     assert_close(
@@ -152,10 +159,8 @@ fn frozen_reference_model_matches_adapters_disabled() {
     let reference = load_model::<Cpu>(&fixture("tiny-llama"), None, &device)
         .unwrap()
         .model;
-    let dpo = DpoLoss::<CpuAutodiff>::new(
-        DpoSettings::default(),
-        DpoReference::Frozen(Box::new(reference)),
-    );
+    let dpo =
+        DpoLoss::<CpuAutodiff>::new(FIXTURE_SETTINGS, DpoReference::Frozen(Box::new(reference)));
     let out = dpo.forward(&lora_model(), &batch).unwrap();
     assert_close(
         "reference_chosen_logps",
@@ -216,7 +221,7 @@ fn odd_batch_is_an_error() {
     batch.labels.truncate(seq);
     batch.position_ids.truncate(seq);
     batch.batch_size = 1;
-    let dpo = DpoLoss::<CpuAutodiff>::new(DpoSettings::default(), DpoReference::AdaptersDisabled);
+    let dpo = DpoLoss::<CpuAutodiff>::new(FIXTURE_SETTINGS, DpoReference::AdaptersDisabled);
     let err = dpo
         .forward(&lora_model(), &batch)
         .err()
@@ -301,7 +306,7 @@ fn dpo_step_with_activation_checkpointing_matches_the_plain_step() {
         let mut step = DpoLoss::new(
             DpoSettings {
                 beta: 0.1,
-                ..DpoSettings::default()
+                ..FIXTURE_SETTINGS
             },
             DpoReference::AdaptersDisabled,
         );

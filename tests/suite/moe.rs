@@ -806,7 +806,11 @@ fn dpo_adds_the_load_balancing_loss_as_trl_does() {
     };
     let step = |checkpointing| {
         let reference = DpoReference::Frozen(Box::new(burn::module::AutodiffModule::valid(&model)));
-        let mut dpo = DpoLoss::new(DpoSettings::default(), reference);
+        let settings = DpoSettings {
+            beta: 0.1,
+            label_smoothing: 0.0,
+        };
+        let mut dpo = DpoLoss::new(settings, reference);
         dpo.activation_checkpointing = checkpointing;
         dpo.step(&model, &batch, info).unwrap()
     };
