@@ -1,17 +1,25 @@
 //! Optimizer settings and learning-rate schedule from `optimizer` and `lr_scheduler`.
 
-use crate::config::components::SchedulerKind;
-use crate::config::schema::{LrSchedulerConfig, OptimizerConfig};
-use crate::training::optimizer::OptimizerSettings;
+use crate::config::schema::{
+    LrSchedulerConfig, OptimizerConfig, OptimizerSettings as Keys, SchedulerSettings,
+};
+use crate::training::optimizer::{OptimizerKind, OptimizerSettings};
 use crate::training::schedule::Schedule;
 
 pub fn optimizer(cfg: &OptimizerConfig) -> OptimizerSettings {
+    // Adam's moments are unused by SGD, SGD's momentum by Adam: the training side's settings
+    // are one struct for every update rule.
+    let (kind, weight_decay, moments, momentum) = match &cfg.settings {
+        Keys::AdamW(k) => (OptimizerKind::AdamW, k.weight_decay, Some(&k.moments), 0.0),
+        Keys::Adam(k) => (OptimizerKind::Adam, k.weight_decay, Some(&k.moments), 0.0),
+        Keys::Sgd(k) => (OptimizerKind::Sgd, k.weight_decay, None, k.momentum),
+    };
     OptimizerSettings {
-        kind: cfg.component,
-        weight_decay: cfg.weight_decay(),
-        betas: cfg.betas,
-        eps: cfg.eps,
-        momentum: cfg.momentum,
+        kind,
+        weight_decay,
+        betas: moments.map_or((0.0, 0.0), |m| m.betas),
+        eps: moments.map_or(0.0, |m| m.eps),
+        momentum,
     }
 }
 
@@ -19,13 +27,16 @@ pub fn schedule(cfg: Option<&LrSchedulerConfig>) -> Schedule {
     let Some(c) = cfg else {
         return Schedule::Constant;
     };
-    let warmup = c.num_warmup_steps;
-    match c.component {
-        SchedulerKind::CosineWithWarmup => Schedule::CosineWithWarmup {
-            warmup,
-            num_cycles: c.num_cycles,
+    match &c.settings {
+        SchedulerSettings::Cosine(k) => Schedule::CosineWithWarmup {
+            warmup: k.warmup.num_warmup_steps,
+            num_cycles: k.num_cycles,
         },
-        SchedulerKind::LinearWithWarmup => Schedule::LinearWithWarmup { warmup },
-        SchedulerKind::ConstantWithWarmup => Schedule::ConstantWithWarmup { warmup },
+        SchedulerSettings::Linear(k) => Schedule::LinearWithWarmup {
+            warmup: k.warmup.num_warmup_steps,
+        },
+        SchedulerSettings::Constant(k) => Schedule::ConstantWithWarmup {
+            warmup: k.warmup.num_warmup_steps,
+        },
     }
 }

@@ -50,7 +50,7 @@ pub fn trainer_settings(cfg: &TrainConfig, seed: u64, show_progress: bool) -> Tr
         clip_grad_norm: cfg.clip_grad_norm,
         log_every_n_steps: cfg.log_every_n_steps,
         save_every_n_steps: cfg.save_every_n_steps,
-        lr: cfg.optimizer.lr,
+        lr: cfg.optimizer.lr(),
         schedule: optim::schedule(cfg.lr_scheduler.as_ref()),
         seed,
         save_on_preempt: cfg.save_on_preempt,

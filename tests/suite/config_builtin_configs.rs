@@ -89,7 +89,7 @@ fn tiny_lora_typed_values() {
         Some("/tmp/tune/tiny/lora_finetune_single_device")
     );
     assert_eq!(t.model.lora().map(|l| l.lora_rank), Some(8));
-    assert_eq!(t.optimizer.lr, 1e-3);
+    assert_eq!(t.optimizer.lr(), 1e-3);
     assert_eq!(t.seed, Some(42));
     assert_eq!(t.batch_size, 4);
     assert_eq!(t.max_steps_per_epoch, Some(60));

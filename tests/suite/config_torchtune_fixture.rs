@@ -32,7 +32,7 @@ fn torchtune_config_validates_after_path_overrides() {
     let (typed, warnings) =
         validate("lora_finetune_single_device", &cfg).unwrap_or_else(|e| panic!("{e}"));
     let t = typed.as_train().expect("train config");
-    assert_eq!(t.optimizer.lr, 3e-4);
+    assert_eq!(t.optimizer.lr(), 3e-4);
     assert_eq!(t.model.lora().map(|l| l.lora_rank), Some(64));
     assert_eq!(
         t.metric_logger

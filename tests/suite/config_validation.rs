@@ -247,6 +247,52 @@ fn recipe_level_rules() {
         ),
         "{e}"
     );
+    // Each optimizer and schedule owns its keys: another one's is refused, saying whose.
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "optimizer._component_=torch.optim.SGD",
+            "optimizer.momentum=0.9",
+            "optimizer.betas=[0.9,0.95]",
+            "optimizer.eps=1e-6",
+        ],
+    );
+    for (key, owner) in [
+        (
+            "optimizer.betas",
+            "it is a setting of tune.optim.AdamW, tune.optim.Adam",
+        ),
+        (
+            "optimizer.eps",
+            "it is a setting of tune.optim.AdamW, tune.optim.Adam",
+        ),
+    ] {
+        assert!(
+            e.has(key, "is not a setting of `tune.optim.SGD`") && e.has(key, owner),
+            "{e}"
+        );
+    }
+    let e = errors(
+        "tiny/lora_single_device",
+        "lora_finetune",
+        &[
+            "optimizer.momentum=0.9",
+            "lr_scheduler._component_=torchtune.training.lr_schedulers.get_linear_schedule_with_warmup",
+            "lr_scheduler.num_cycles=0.5",
+        ],
+    );
+    assert!(
+        e.has("optimizer.momentum", "it is a setting of tune.optim.SGD"),
+        "{e}"
+    );
+    assert!(
+        e.has(
+            "lr_scheduler.num_cycles",
+            "it is a setting of tune.lr_schedulers.cosine_with_warmup"
+        ),
+        "{e}"
+    );
     let e = errors(
         "tiny/kd_lora_single_device",
         "kd",
@@ -509,7 +555,6 @@ fn kitchen_sink_every_key_deserialises() {
             "dataset.filter_fn=null",
             "optimizer.betas=[0.9,0.95]",
             "optimizer.eps=1e-6",
-            "optimizer.momentum=0.0",
             "optimizer.fused=True",
             "optimizer.amsgrad=False",
             "lr_scheduler.num_cycles=0.5",
@@ -525,8 +570,11 @@ fn kitchen_sink_every_key_deserialises() {
     let (typed, _) =
         validate_with("lora_finetune", &cfg, &NO_PATHS).unwrap_or_else(|e| panic!("{e}"));
     let t = typed.as_train().expect("train");
-    assert_eq!(t.optimizer.betas, (0.9, 0.95));
-    assert_eq!(t.optimizer.eps, 1e-6);
+    let tune::config::schema::OptimizerSettings::AdamW(adamw) = &t.optimizer.settings else {
+        panic!("tiny/lora_single_device's optimizer is AdamW");
+    };
+    assert_eq!(adamw.moments.betas, (0.9, 0.95));
+    assert_eq!(adamw.moments.eps, 1e-6);
     assert_eq!(t.push_to_hub.as_ref().map(|p| p.private), Some(true));
     assert_eq!(t.dataset_val.as_ref().map(|d| d.len()), Some(1));
     assert_eq!(t.profiler.as_ref().map(|p| p.enabled), Some(false));

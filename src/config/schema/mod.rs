@@ -39,7 +39,10 @@ pub use model::{
     ArchKeys, FullModelKeys, LoraKeys, LoraModelKeys, LoraModule, ModelConfig, ModelSettings,
     refuse_router_training,
 };
-pub use optimizer::{LrSchedulerConfig, OptimizerConfig};
+pub use optimizer::{
+    AdamKeys, AdamMoments, AdamWKeys, CosineKeys, LrSchedulerConfig, OptimizerCommon,
+    OptimizerConfig, OptimizerSettings, SchedulerSettings, SgdKeys, Warmup, WarmupKeys,
+};
 pub use ppo::PpoKeys;
 pub use quantizer::QuantizerConfig;
 pub use sampling::{Rollout, Sampling};
