@@ -24,6 +24,7 @@ pub mod setup;
 pub mod tokenizer;
 pub mod training;
 pub mod verbosity;
+pub mod vision;
 
 /// The recipes: one file each (`recipes/`), and their registry.
 #[path = "../recipes/mod.rs"]

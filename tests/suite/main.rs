@@ -50,3 +50,4 @@ mod towers;
 mod trainer;
 mod unpad;
 mod validation;
+mod vision;
