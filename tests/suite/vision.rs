@@ -206,3 +206,59 @@ fn a_bad_image_is_an_error_naming_it() {
     let err = RgbImage::open(&missing).unwrap_err().to_string();
     assert!(err.contains("missing.jpg"), "{err}");
 }
+
+#[test]
+fn gemma3_pixels_and_pan_and_scan_crops_are_transformers() {
+    use tune::vision::gemma3::{Gemma3ImageProcessor, PanAndScan};
+    let cases = reference().1["gemma3"]["cases"]
+        .as_array()
+        .expect("gemma3 cases");
+    assert!(cases.len() >= 7);
+    for case in cases {
+        let name = case["case"].as_str().expect("case");
+        let settings = &case["settings"];
+        let size = settings["size"]["height"].as_u64().expect("size") as usize;
+        let pan_and_scan = (settings["do_pan_and_scan"] == true).then(|| PanAndScan {
+            min_crop_size: settings["pan_and_scan_min_crop_size"]
+                .as_u64()
+                .expect("min") as usize,
+            max_num_crops: settings["pan_and_scan_max_num_crops"]
+                .as_u64()
+                .expect("max") as usize,
+            min_ratio_to_activate: settings["pan_and_scan_min_ratio_to_activate"]
+                .as_f64()
+                .expect("ratio"),
+        });
+        let processor = Gemma3ImageProcessor {
+            size,
+            pan_and_scan,
+            image_mean: [0.5; 3],
+            image_std: [0.5; 3],
+        };
+        let path = image_file(case);
+        let image = DecodedImage::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let out = processor
+            .process(&image, &path.display().to_string())
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            out.num_crops as u64,
+            case["num_crops"].as_u64().expect("crops"),
+            "{name}"
+        );
+        let (_, shape, want) = tensor(&format!("{name}.pixel_values"));
+        assert_eq!(shape, vec![1 + out.num_crops, 3, size, size], "{name}");
+        let want = f32s(&want);
+        let differ: Vec<usize> = (0..want.len())
+            .filter(|&i| out.pixel_values[i] != want[i])
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "{name}: {} of {} pixel values differ, the first at {:?} ({} vs {})",
+            differ.len(),
+            want.len(),
+            differ.first(),
+            differ.first().map_or(0.0, |&i| out.pixel_values[i]),
+            differ.first().map_or(0.0, |&i| want[i]),
+        );
+    }
+}
