@@ -3,6 +3,7 @@
 //! image besides the whole), each resized with Pillow's BILINEAR to the square SigLIP takes,
 //! rescaled by 1/255 and normalised with mean and std 0.5.
 
+use super::normalize::channels_first;
 use super::resize::{Filter, resize};
 use super::{DecodedImage, RgbImage, VisionError};
 
@@ -20,6 +21,10 @@ pub struct Gemma3ImageProcessor {
     /// The square side every image and crop is resized to (896 on the Hub).
     pub size: usize,
     pub pan_and_scan: Option<PanAndScan>,
+    /// Pillow's filter (`resample`: 2, BILINEAR, on the Hub).
+    pub resample: Filter,
+    /// `rescale_factor` (1/255).
+    pub rescale_factor: f64,
     pub image_mean: [f32; 3],
     pub image_std: [f32; 3],
 }
@@ -41,27 +46,19 @@ impl Gemma3ImageProcessor {
         };
         let mut pixel_values = Vec::with_capacity((1 + crops.len()) * 3 * self.size * self.size);
         for part in std::iter::once(&image).chain(&crops) {
-            let resized = resize(part, self.size, self.size, Filter::Bilinear, what)?;
-            pixel_values.extend(normalize(&resized, &self.image_mean, &self.image_std));
+            let resized = resize(part, self.size, self.size, self.resample, what)?;
+            pixel_values.extend(channels_first(
+                &resized,
+                self.rescale_factor,
+                &self.image_mean,
+                &self.image_std,
+            ));
         }
         Ok(Gemma3Pixels {
             pixel_values,
             num_crops: crops.len(),
         })
     }
-}
-
-/// Channels first, `(v * (1/255) - mean) / std` (the scaling in f64, then f32, as numpy).
-fn normalize(image: &RgbImage, mean: &[f32; 3], std: &[f32; 3]) -> Vec<f32> {
-    let plane = image.width * image.height;
-    let mut out = vec![0.0f32; 3 * plane];
-    for (i, pixel) in image.data.chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            let v = (pixel[c] as f64 * (1.0 / 255.0)) as f32;
-            out[c * plane + i] = (v - mean[c]) / std[c];
-        }
-    }
-    out
 }
 
 /// transformers' `pan_and_scan`: a wide (or tall) enough image cut into 2 to

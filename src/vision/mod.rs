@@ -9,6 +9,8 @@
 pub mod error;
 pub mod gemma3;
 pub mod image;
+mod normalize;
+pub mod preprocessor;
 pub mod qwen2_vl;
 pub mod resize;
 

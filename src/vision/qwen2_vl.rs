@@ -3,8 +3,9 @@
 //! `[min_pixels, max_pixels]`, Pillow's BICUBIC, rescale by 1/255, CLIP's mean and std, then
 //! 14px patches, each repeated over the temporal patch of 2, ordered 2x2 merge block by block.
 
+use super::normalize::channels_first;
 use super::resize::{Filter, resize};
-use super::{DecodedImage, RgbImage, VisionError};
+use super::{DecodedImage, VisionError};
 
 /// CLIP's channel means and deviations (transformers' `OPENAI_CLIP_MEAN` / `_STD`), written
 /// as transformers writes them; f32 rounds them as numpy's `np.array(mean, dtype=float32)`.
@@ -23,6 +24,10 @@ pub struct Qwen2VlImageProcessor {
     pub patch_size: usize,
     pub temporal_patch_size: usize,
     pub merge_size: usize,
+    /// Pillow's filter (`resample`: 3, BICUBIC).
+    pub resample: Filter,
+    /// `rescale_factor` (1/255).
+    pub rescale_factor: f64,
     pub image_mean: [f32; 3],
     pub image_std: [f32; 3],
 }
@@ -35,6 +40,8 @@ impl Default for Qwen2VlImageProcessor {
             patch_size: 14,
             temporal_patch_size: 2,
             merge_size: 2,
+            resample: Filter::Bicubic,
+            rescale_factor: 1.0 / 255.0,
             image_mean: CLIP_MEAN,
             image_std: CLIP_STD,
         }
@@ -91,24 +98,14 @@ impl Qwen2VlImageProcessor {
             (self.min_pixels, self.max_pixels),
             what,
         )?;
-        let resized = resize(&image, w, h, Filter::Bicubic, what)?;
-        let normalized = self.normalize(&resized);
+        let resized = resize(&image, w, h, self.resample, what)?;
+        let normalized = channels_first(
+            &resized,
+            self.rescale_factor,
+            &self.image_mean,
+            &self.image_std,
+        );
         Ok(self.patchify(&normalized, h, w))
-    }
-
-    /// Channels first, `(v * (1/255) - mean) / std`: the scaling in f64 then cast to f32, the
-    /// rest in f32, as numpy runs transformers' `rescale` and `normalize`.
-    fn normalize(&self, image: &RgbImage) -> Vec<f32> {
-        let plane = image.width * image.height;
-        let mut out = vec![0.0f32; 3 * plane];
-        let scale = 1.0f64 / 255.0;
-        for (i, pixel) in image.data.chunks_exact(3).enumerate() {
-            for c in 0..3 {
-                let v = (pixel[c] as f64 * scale) as f32;
-                out[c * plane + i] = (v - self.image_mean[c]) / self.image_std[c];
-            }
-        }
-        out
     }
 
     /// transformers' `patchify`: `[C, H, W]` viewed as `[C, gh/m, m, P, gw/m, m, P]`,

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
-use tune::vision::qwen2_vl::Qwen2VlImageProcessor;
+use tune::vision::preprocessor::{ImageProcessor, PREPROCESSOR_CONFIG};
 use tune::vision::resize::{Filter, resize};
 use tune::vision::{DecodedImage, RgbImage, VisionError};
 
@@ -43,6 +43,14 @@ fn cases() -> &'static [Value] {
     reference().1["qwen2_vl"]["cases"]
         .as_array()
         .expect("cases")
+}
+
+/// The case's processor, read from the preprocessor_config.json transformers saved for it.
+fn saved_processor(case: &Value) -> ImageProcessor {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = serde_json::to_string(&case["preprocessor_config"]).expect("json");
+    std::fs::write(dir.path().join(PREPROCESSOR_CONFIG), config).expect("write");
+    ImageProcessor::read(dir.path()).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn image_file(case: &Value) -> std::path::PathBuf {
@@ -135,11 +143,17 @@ fn the_resize_is_pillows_bicubic() {
 fn qwen2_vl_pixels_grids_and_token_counts_are_transformers() {
     for case in cases() {
         let name = case["case"].as_str().expect("case");
-        let processor = Qwen2VlImageProcessor {
-            min_pixels: case["min_pixels"].as_u64().expect("min") as usize,
-            max_pixels: case["max_pixels"].as_u64().expect("max") as usize,
-            ..Qwen2VlImageProcessor::default()
+        let ImageProcessor::Qwen2Vl(processor) = saved_processor(case) else {
+            panic!("{name}: not read as Qwen2-VL's processor");
         };
+        assert_eq!(
+            (processor.min_pixels as u64, processor.max_pixels as u64),
+            (
+                case["min_pixels"].as_u64().expect("min"),
+                case["max_pixels"].as_u64().expect("max")
+            ),
+            "{name}"
+        );
         let path = image_file(case);
         let image = DecodedImage::open(&path).unwrap_or_else(|e| panic!("{e}"));
         let what = path.display().to_string();
@@ -209,32 +223,16 @@ fn a_bad_image_is_an_error_naming_it() {
 
 #[test]
 fn gemma3_pixels_and_pan_and_scan_crops_are_transformers() {
-    use tune::vision::gemma3::{Gemma3ImageProcessor, PanAndScan};
     let cases = reference().1["gemma3"]["cases"]
         .as_array()
         .expect("gemma3 cases");
     assert!(cases.len() >= 7);
     for case in cases {
         let name = case["case"].as_str().expect("case");
-        let settings = &case["settings"];
-        let size = settings["size"]["height"].as_u64().expect("size") as usize;
-        let pan_and_scan = (settings["do_pan_and_scan"] == true).then(|| PanAndScan {
-            min_crop_size: settings["pan_and_scan_min_crop_size"]
-                .as_u64()
-                .expect("min") as usize,
-            max_num_crops: settings["pan_and_scan_max_num_crops"]
-                .as_u64()
-                .expect("max") as usize,
-            min_ratio_to_activate: settings["pan_and_scan_min_ratio_to_activate"]
-                .as_f64()
-                .expect("ratio"),
-        });
-        let processor = Gemma3ImageProcessor {
-            size,
-            pan_and_scan,
-            image_mean: [0.5; 3],
-            image_std: [0.5; 3],
+        let ImageProcessor::Gemma3(processor) = saved_processor(case) else {
+            panic!("{name}: not read as Gemma 3's processor");
         };
+        let size = processor.size;
         let path = image_file(case);
         let image = DecodedImage::open(&path).unwrap_or_else(|e| panic!("{e}"));
         let out = processor
@@ -259,6 +257,89 @@ fn gemma3_pixels_and_pan_and_scan_crops_are_transformers() {
             differ.first(),
             differ.first().map_or(0.0, |&i| out.pixel_values[i]),
             differ.first().map_or(0.0, |&i| want[i]),
+        );
+    }
+}
+
+/// The Hub's files as they are: Qwen2-VL's `min_pixels`/`max_pixels` at the top level and no
+/// size, Gemma 3's nulls for what it leaves to the defaults.
+#[test]
+fn hub_preprocessor_configs_read_with_transformers_defaults() {
+    let read = |json: &str| {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(PREPROCESSOR_CONFIG), json).expect("write");
+        ImageProcessor::read(dir.path())
+    };
+    let qwen = read(
+        r#"{"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+            "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}"#,
+    )
+    .unwrap();
+    let ImageProcessor::Qwen2Vl(q) = qwen else {
+        panic!("{qwen:?}")
+    };
+    assert_eq!(
+        (q.min_pixels, q.max_pixels, q.patch_size, q.merge_size),
+        (3136, 12845056, 14, 2)
+    );
+    assert_eq!(q.resample, Filter::Bicubic);
+    assert_eq!(q.rescale_factor, 1.0 / 255.0);
+
+    let gemma = read(
+        r#"{"do_convert_rgb": null, "do_normalize": true, "do_pan_and_scan": null, "do_rescale": true,
+            "do_resize": true, "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "Gemma3ImageProcessor",
+            "image_seq_length": 256, "image_std": [0.5, 0.5, 0.5], "pan_and_scan_max_num_crops": null,
+            "pan_and_scan_min_crop_size": null, "pan_and_scan_min_ratio_to_activate": null,
+            "processor_class": "Gemma3Processor", "resample": 2, "rescale_factor": 0.00392156862745098,
+            "size": {"height": 896, "width": 896}}"#,
+    )
+    .unwrap();
+    let ImageProcessor::Gemma3(g) = gemma else {
+        panic!("{gemma:?}")
+    };
+    assert_eq!(
+        (g.size, g.pan_and_scan, g.resample),
+        (896, None, Filter::Bilinear)
+    );
+}
+
+#[test]
+fn preprocessor_settings_tune_does_not_carry_out_are_refused_by_name() {
+    let read = |json: &str| {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(PREPROCESSOR_CONFIG), json).expect("write");
+        ImageProcessor::read(dir.path()).unwrap_err().to_string()
+    };
+    let cases = [
+        (
+            r#"{"image_processor_type": "MllamaImageProcessor"}"#,
+            "image_processor_type: MllamaImageProcessor",
+        ),
+        (
+            r#"{"image_processor_type": "Qwen2VLImageProcessor", "resample": 1}"#,
+            "resample: 1",
+        ),
+        (
+            r#"{"image_processor_type": "Qwen2VLImageProcessor", "do_normalize": false}"#,
+            "do_normalize: false",
+        ),
+        (
+            r#"{"image_processor_type": "Qwen2VLImageProcessor", "patch_size": "14"}"#,
+            "`patch_size` is \"14\"",
+        ),
+        (
+            r#"{"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 896, "width": 448}}"#,
+            "takes a square",
+        ),
+        ("{not json", "not valid JSON"),
+    ];
+    for (json, needle) in cases {
+        let err = read(json);
+        assert!(
+            err.contains(PREPROCESSOR_CONFIG) && err.contains(needle),
+            "{json}: {err}"
         );
     }
 }
