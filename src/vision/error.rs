@@ -35,6 +35,18 @@ pub enum VisionError {
         height: usize,
         ratio: f64,
     },
+    #[error(
+        "{tokens} image tokens at position {at}{}",
+        match expected {
+            Some(n) => format!(" but their image's grid has {n} merged patches: the placeholders were not expanded for this image"),
+            None => " but no image is left for them: the row has more images' tokens than images".to_string(),
+        }
+    )]
+    ImageTokens {
+        at: usize,
+        tokens: usize,
+        expected: Option<usize>,
+    },
     #[error("image {what}: resizing to {width}x{height} failed: {message}")]
     Resize {
         what: String,

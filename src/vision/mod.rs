@@ -9,6 +9,7 @@
 pub mod error;
 pub mod gemma3;
 pub mod image;
+pub mod mrope;
 mod normalize;
 pub mod preprocessor;
 pub mod qwen2_vl;

@@ -343,3 +343,74 @@ fn preprocessor_settings_tune_does_not_carry_out_are_refused_by_name() {
         );
     }
 }
+
+#[test]
+fn qwen2_vl_mrope_positions_are_transformers_get_rope_index() {
+    use tune::vision::mrope::{TokenKind, rope_index};
+    let r = &reference().1["qwen2_vl"]["rope_index"];
+    let ints = |v: &Value| -> Vec<i64> {
+        v.as_array()
+            .expect("list")
+            .iter()
+            .map(|x| x.as_i64().expect("int"))
+            .collect()
+    };
+    let merge = r["spatial_merge_size"].as_u64().expect("merge") as usize;
+    let grids: Vec<[usize; 3]> = r["image_grid_thw"]
+        .as_array()
+        .expect("grids")
+        .iter()
+        .map(|g| {
+            let g = ints(g);
+            [g[0] as usize, g[1] as usize, g[2] as usize]
+        })
+        .collect();
+    let mut grids = grids.into_iter();
+    let rows = r["token_types"].as_array().expect("rows");
+    for (b, row) in rows.iter().enumerate() {
+        let mask = ints(&r["attention_mask"][b]);
+        let kinds: Vec<TokenKind> = ints(row)
+            .iter()
+            .zip(&mask)
+            .filter(|(_, m)| **m == 1)
+            .map(|(&t, _)| {
+                if t == 1 {
+                    TokenKind::Image
+                } else {
+                    TokenKind::Text
+                }
+            })
+            .collect();
+        let index =
+            rope_index(&kinds, &mut grids, merge).unwrap_or_else(|e| panic!("row {b}: {e}"));
+        for (section, ours) in index.positions.iter().enumerate() {
+            let want: Vec<i64> = ints(&r["position_ids"][section][b])[..kinds.len()].to_vec();
+            assert_eq!(ours, &want, "row {b}, section {section}");
+        }
+        assert_eq!(
+            index.delta,
+            r["rope_deltas"][b].as_i64().expect("delta"),
+            "row {b}"
+        );
+    }
+    assert!(grids.next().is_none(), "every grid used");
+
+    // Placeholders not expanded to the image's size, or more images' tokens than images.
+    let kinds = [
+        TokenKind::Text,
+        TokenKind::Image,
+        TokenKind::Image,
+        TokenKind::Text,
+    ];
+    let err = rope_index(&kinds, &mut [[1, 4, 6]].into_iter(), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("2 image tokens at position 1") && err.contains("6 merged patches"),
+        "{err}"
+    );
+    let err = rope_index(&kinds, &mut std::iter::empty(), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no image is left"), "{err}");
+}
