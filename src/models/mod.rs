@@ -14,6 +14,7 @@ pub mod moe;
 mod moe_args;
 pub mod param_source;
 pub mod params;
+pub mod qwen2_vl_vision;
 pub mod rope;
 pub mod shards;
 pub mod text_tower;

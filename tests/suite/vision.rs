@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
+use tune::checkpoint::HostTensor;
 use tune::vision::preprocessor::{ImageProcessor, PREPROCESSOR_CONFIG};
 use tune::vision::resize::{Filter, resize};
 use tune::vision::{DecodedImage, RgbImage, VisionError};
@@ -413,4 +414,38 @@ fn qwen2_vl_mrope_positions_are_transformers_get_rope_index() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("no image is left"), "{err}");
+}
+
+/// Qwen2-VL's vision tower against transformers' on two images of other sizes (a 4x6 and a
+/// 22x2 grid): every patch's last hidden state and the merged tokens.
+#[test]
+fn qwen2_vl_vision_tower_is_transformers() {
+    use tune::checkpoint::weights::Weights;
+    use tune::models::qwen2_vl_vision::{Qwen2VlVision, Qwen2VlVisionArgs};
+
+    use crate::support::{Cpu, Reference, assert_close};
+
+    let dir = fixture("qwen2_vl_vision");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    let args = Qwen2VlVisionArgs::from_config(&config).unwrap_or_else(|e| panic!("{e}"));
+    let mut weights = Weights::open(&dir, None).unwrap_or_else(|e| panic!("{e}"));
+    let device = Default::default();
+    let tower = Qwen2VlVision::<Cpu>::load(&mut weights, "model.visual", args, &device)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let r = Reference::open("qwen2_vl_vision.safetensors");
+    let grid = r.i64("image_grid_thw");
+    let grids: Vec<[usize; 3]> = grid
+        .chunks_exact(3)
+        .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
+        .collect();
+    let pixels = r.f32("pixel_values");
+    let out = tower.forward(pixels.to_tensor::<Cpu, 2>(&device), &grids);
+    let got = HostTensor::from_tensor(&out.last_hidden_state);
+    assert_close("last_hidden_state", &got, &r.f32("last_hidden_state"), 2e-5);
+    let merged = HostTensor::from_tensor(&out.merged);
+    assert_eq!(merged.shape, vec![17, 48]);
+    assert_close("pooler_output", &merged, &r.f32("pooler_output"), 2e-5);
 }
