@@ -5,8 +5,8 @@
 //! attention within each image, then the patch merger: LayerNorm, each 2x2 block's four patches
 //! side by side, an MLP to the language model's width.
 //!
-//! Parameters keep transformers 5's names under `model.visual.` (the Hub's older
-//! `visual.` checkpoints are renamed on load by the checkpoint reader).
+//! Parameters keep transformers' names under the prefix `load` is given (`model.visual` as
+//! transformers 5 saves the model; the Hub's older checkpoints write `visual`).
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{gelu, sigmoid, softmax};

@@ -449,3 +449,78 @@ fn qwen2_vl_vision_tower_is_transformers() {
     assert_eq!(merged.shape, vec![17, 48]);
     assert_close("pooler_output", &merged, &r.f32("pooler_output"), 2e-5);
 }
+
+/// Every parameter's gradient of `sum(merged * probe)`, against torch autograd's (31
+/// parameters: the patch embedding, 12 per block, the merger's 6).
+#[test]
+fn qwen2_vl_vision_tower_gradients_are_torchs() {
+    use burn::module::Param;
+    use burn::tensor::Tensor;
+    use tune::checkpoint::weights::Weights;
+    use tune::models::qwen2_vl_vision::{Qwen2VlVision, Qwen2VlVisionArgs};
+    use tune::modules::linear::Linear;
+
+    use crate::support::{CpuAutodiff, Reference, assert_close};
+    type B = CpuAutodiff;
+
+    let dir = fixture("qwen2_vl_vision");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    let args = Qwen2VlVisionArgs::from_config(&config).unwrap_or_else(|e| panic!("{e}"));
+    let mut weights = Weights::open(&dir, None).unwrap_or_else(|e| panic!("{e}"));
+    let device = Default::default();
+    let tower = Qwen2VlVision::<B>::load(&mut weights, "model.visual", args, &device)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let r = Reference::open("qwen2_vl_vision.safetensors");
+    let grids: Vec<[usize; 3]> = r
+        .i64("image_grid_thw")
+        .chunks_exact(3)
+        .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
+        .collect();
+    let out = tower.forward(r.f32("pixel_values").to_tensor::<B, 2>(&device), &grids);
+    let probe: Tensor<B, 2> = r.f32("probe").to_tensor(&device);
+    let grads = (out.merged * probe).sum().backward();
+
+    let mut checked = 0;
+    let mut check = |name: String, got: HostTensor| {
+        let want = r.f32(&format!("grad.model.visual.{name}"));
+        let got = got.reshaped(want.shape.clone());
+        assert_close(&name, &got, &want, 1e-4);
+        checked += 1;
+    };
+    let grad1 =
+        |p: &Param<Tensor<B, 1>>| HostTensor::from_tensor(&p.grad(&grads).expect("a gradient"));
+    let grad2 =
+        |p: &Param<Tensor<B, 2>>| HostTensor::from_tensor(&p.grad(&grads).expect("a gradient"));
+    let weight = |l: &Linear<B>| grad2(l.weight_param().expect("a float weight"));
+    let bias = |l: &Linear<B>| grad1(l.bias.as_ref().expect("a bias"));
+    check("patch_embed.proj.weight".into(), weight(&tower.patch_embed));
+    for (i, b) in tower.blocks.iter().enumerate() {
+        let p = format!("blocks.{i}");
+        for (part, norm) in [("norm1", &b.norm1), ("norm2", &b.norm2)] {
+            check(format!("{p}.{part}.weight"), grad1(&norm.weight));
+            check(format!("{p}.{part}.bias"), grad1(&norm.bias));
+        }
+        for (part, linear) in [
+            ("attn.qkv", &b.qkv),
+            ("attn.proj", &b.proj),
+            ("mlp.fc1", &b.fc1),
+            ("mlp.fc2", &b.fc2),
+        ] {
+            check(format!("{p}.{part}.weight"), weight(linear));
+            check(format!("{p}.{part}.bias"), bias(linear));
+        }
+    }
+    check("merger.ln_q.weight".into(), grad1(&tower.ln_q.weight));
+    check("merger.ln_q.bias".into(), grad1(&tower.ln_q.bias));
+    for (part, linear) in [
+        ("merger.mlp.0", &tower.merger_fc1),
+        ("merger.mlp.2", &tower.merger_fc2),
+    ] {
+        check(format!("{part}.weight"), weight(linear));
+        check(format!("{part}.bias"), bias(linear));
+    }
+    assert_eq!(checked, 31, "every parameter's gradient");
+}
