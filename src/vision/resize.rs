@@ -6,8 +6,9 @@
 //! Why tune's own: the reference processors resize with upstream Pillow, and the one
 //! Pillow-derived crate, fast_image_resize 6.1, keeps Pillow-SIMD's 15-bit weights instead:
 //! on the fixture images its BICUBIC differed from Pillow 13 on 0.2% to 1.0% of the values, by
-//! one level, two on the 5x7 and RGBA images (tests/suite/vision.rs measured it). These ~100
-//! lines give Pillow 13's bytes (its libImaging/Resample.c), and the tests hold them to it.
+//! one level, two on the 5x7 and RGBA images (measured by tests/suite/vision.rs's resize test
+//! while it ran on the crate). This module gives Pillow 13's bytes (a port of its
+//! libImaging/Resample.c), and the tests hold it to them.
 
 use rayon::prelude::*;
 
