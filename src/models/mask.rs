@@ -60,6 +60,21 @@ pub fn causal<B: Backend>(
     causal_window(batch, q_len, offset, separations, None, device)
 }
 
+/// Bidirectional attention within each span of `lengths` consecutive positions and none
+/// across (a vision tower's images, each attending to its own patches only).
+pub fn within_spans<B: Backend>(lengths: &[usize], device: &B::Device) -> AttentionMask<B> {
+    let n: usize = lengths.iter().sum();
+    let mut mask = vec![MASKED; n * n];
+    let mut start = 0;
+    for &len in lengths {
+        for i in start..start + len {
+            mask[i * n + start..i * n + start + len].fill(0.0);
+        }
+        start += len;
+    }
+    AttentionMask::new(mask, [1, n, n], device)
+}
+
 /// As [`causal`], with any [`Separations`], and with a `window` query `i` sees only the last
 /// `window` positions up to its own (`offset + i - window < j`), as transformers'
 /// sliding-window layers do.

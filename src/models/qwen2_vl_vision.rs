@@ -9,14 +9,16 @@
 //! transformers 5 saves the model; the Hub's older checkpoints write `visual`).
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{gelu, sigmoid, softmax};
+use burn::tensor::activation::{gelu, sigmoid};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde_json::Value;
 
 use crate::checkpoint::CheckpointError;
-use crate::kernels::matmul;
+use crate::kernels::{attention_by_position, permute};
+use crate::models::mask::{self, AttentionMask};
 use crate::models::param_source::ParamSource;
+use crate::models::rope::{self, RopeTables};
 use crate::modules::linear::{ForwardMode, Linear};
 
 /// The tower's shape, from config.json's `vision_config`.
@@ -249,16 +251,12 @@ impl<B: Backend> Qwen2VlVision<B> {
     pub fn forward(&self, pixels: Tensor<B, 2>, grids: &[[usize; 3]]) -> VisionOutput<B> {
         let mode = ForwardMode::default();
         let device = pixels.device();
-        let (cos, sin) = self.rotary(grids, &device);
+        let rope = self.rotary(grids, &device);
         let lengths: Vec<usize> = grids.iter().map(|[t, h, w]| t * h * w).collect();
+        let mask = mask::within_spans(&lengths, &device);
         let mut x = self.patch_embed.forward(pixels, mode);
         for block in &self.blocks {
-            let attn = self.attention(
-                block,
-                block.norm1.forward(x.clone()),
-                (&cos, &sin),
-                &lengths,
-            );
+            let attn = self.attention(block, block.norm1.forward(x.clone()), &rope, &mask);
             x = x + block.proj.forward(attn, mode);
             let h = block.fc1.forward(block.norm2.forward(x.clone()), mode);
             let h = match self.args.act {
@@ -282,49 +280,34 @@ impl<B: Backend> Qwen2VlVision<B> {
         }
     }
 
-    /// Attention within each image (`lengths` patches each), with the 2D rotary positions.
+    /// Attention within each image (the mask), with the 2D rotary positions, through the
+    /// decoder's rope and attention kernels.
     fn attention(
         &self,
         block: &VisionBlock<B>,
         x: Tensor<B, 2>,
-        (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
-        lengths: &[usize],
+        rope: &RopeTables<B>,
+        mask: &AttentionMask<B>,
     ) -> Tensor<B, 2> {
         let (heads, hd) = (self.args.num_heads, self.args.head_dim());
         let n = x.dims()[0];
         let qkv = block
             .qkv
             .forward(x, ForwardMode::default())
-            .reshape([n, 3, heads, hd]);
-        let part = |i: usize| qkv.clone().narrow(1, i, 1).reshape([n, heads, hd]);
-        let rotate = |t: Tensor<B, 3>| {
-            let c = cos.clone().unsqueeze_dim::<3>(1);
-            let s = sin.clone().unsqueeze_dim::<3>(1);
-            let half = hd / 2;
-            let x1 = t.clone().narrow(2, 0, half);
-            let x2 = t.clone().narrow(2, half, half);
-            let rotated = Tensor::cat(vec![x2.neg(), x1], 2);
-            t * c + rotated * s
-        };
-        let (q, k, v) = (rotate(part(0)), rotate(part(1)), part(2));
+            .reshape([1, n, 3, heads, hd]);
+        let part = |i: usize| qkv.clone().narrow(2, i, 1).reshape([1, n, heads, hd]);
         let scale = (hd as f64).powf(-0.5);
-        let mut outputs = Vec::with_capacity(lengths.len());
-        let mut start = 0;
-        for &len in lengths {
-            let take = |t: &Tensor<B, 3>| t.clone().narrow(0, start, len).swap_dims(0, 1);
-            let (qi, ki, vi) = (take(&q), take(&k), take(&v));
-            let scores = matmul(qi, ki.swap_dims(1, 2)) * scale;
-            let out = matmul(softmax(scores, 2), vi);
-            outputs.push(out.swap_dims(0, 1).reshape([len, heads * hd]));
-            start += len;
-        }
-        Tensor::cat(outputs, 0)
+        let q = rope::apply(part(0), rope) * scale;
+        let k = permute(rope::apply(part(1), rope), [0, 2, 1, 3]);
+        let v = permute(part(2), [0, 2, 1, 3]);
+        let q = permute(q, [0, 2, 1, 3]);
+        attention_by_position(q, k, v, mask, None, None).reshape([n, heads * hd])
     }
 
-    /// Each patch's rotary cos and sin (`[patches, head_dim]`): its row and column, in the
+    /// Each patch's rotary cos and sin (`[1, patches, heads, head_dim]`): its row and column, in the
     /// processor's 2x2-block order, times `head_dim / 4` frequencies each, the row's then the
     /// column's, repeated for both halves of the head (transformers' axial rope, in f32).
-    fn rotary(&self, grids: &[[usize; 3]], device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    fn rotary(&self, grids: &[[usize; 3]], device: &B::Device) -> RopeTables<B> {
         let hd = self.args.head_dim();
         let spatial = hd / 2;
         let inv_freq: Vec<f32> = (0..spatial)
@@ -345,7 +328,7 @@ impl<B: Backend> Qwen2VlVision<B> {
                                     .map(|f| row * f)
                                     .chain(inv_freq.iter().map(|f| col * f))
                                     .collect();
-                                for _ in 0..2 {
+                                for _ in 0..self.args.num_heads * 2 {
                                     cos.extend(freqs.iter().map(|f| f.cos()));
                                     sin.extend(freqs.iter().map(|f| f.sin()));
                                 }
@@ -355,9 +338,10 @@ impl<B: Backend> Qwen2VlVision<B> {
                 }
             }
         }
-        let n = cos.len() / hd;
-        let tensor = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [n, hd]), device);
-        (tensor(cos), tensor(sin))
+        let heads = self.args.num_heads;
+        let n = cos.len() / (heads * hd);
+        let tensor = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [1, n, heads, hd]), device);
+        RopeTables::new(tensor(cos), tensor(sin), device)
     }
 }
 

@@ -161,6 +161,19 @@ pub struct RopeTables<B: Backend> {
     pub rotate_half: Tensor<B, 2>,
 }
 
+impl<B: Backend> RopeTables<B> {
+    /// Tables of cos and sin computed elsewhere (`[batch, seq, heads, head_dim]`: a vision
+    /// tower's 2D positions).
+    pub fn new(cos: Tensor<B, 4>, sin: Tensor<B, 4>, device: &B::Device) -> Self {
+        let dim = cos.dims()[3];
+        Self {
+            cos,
+            sin,
+            rotate_half: rotate_half_matrix(dim, device),
+        }
+    }
+}
+
 /// The signed permutation matrix of `rotate_half`. One small matmul on contiguous rows is
 /// exact (each output is one `±x` plus zeros) and far cheaper on Flex than narrowing the
 /// last axis into strided halves and concatenating them.

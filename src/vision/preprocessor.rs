@@ -119,6 +119,9 @@ impl ImageProcessor {
                         why: "Gemma 3's SigLIP takes a square",
                     });
                 }
+                // Pan and scan's defaults are Gemma3Processor's `images_kwargs` (its image
+                // processor alone has none and fails without them); the size's, 224, the
+                // image processor's (the Hub's files say 896).
                 let pan_and_scan = match map.get("do_pan_and_scan") {
                     Some(Value::Bool(true)) => Some(PanAndScan {
                         min_crop_size: f.usize("pan_and_scan_min_crop_size")?.unwrap_or(256),

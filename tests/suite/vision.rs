@@ -416,14 +416,14 @@ fn qwen2_vl_mrope_positions_are_transformers_get_rope_index() {
     assert!(err.contains("no image is left"), "{err}");
 }
 
-/// Qwen2-VL's vision tower against transformers' on two images of other sizes (a 4x6 and a
-/// 22x2 grid): every patch's last hidden state and the merged tokens.
-#[test]
-fn qwen2_vl_vision_tower_is_transformers() {
+/// The fixture's tower on `B`, its golden file, and the images' grids.
+fn qwen2_vl_tower<B: burn::tensor::backend::Backend>() -> (
+    tune::models::qwen2_vl_vision::Qwen2VlVision<B>,
+    crate::support::Reference,
+    Vec<[usize; 3]>,
+) {
     use tune::checkpoint::weights::Weights;
     use tune::models::qwen2_vl_vision::{Qwen2VlVision, Qwen2VlVisionArgs};
-
-    use crate::support::{Cpu, Reference, assert_close};
 
     let dir = fixture("qwen2_vl_vision");
     let config: Value = serde_json::from_str(
@@ -432,15 +432,25 @@ fn qwen2_vl_vision_tower_is_transformers() {
     .expect("json");
     let args = Qwen2VlVisionArgs::from_config(&config).unwrap_or_else(|e| panic!("{e}"));
     let mut weights = Weights::open(&dir, None).unwrap_or_else(|e| panic!("{e}"));
-    let device = Default::default();
-    let tower = Qwen2VlVision::<Cpu>::load(&mut weights, "model.visual", args, &device)
+    let tower = Qwen2VlVision::<B>::load(&mut weights, "model.visual", args, &Default::default())
         .unwrap_or_else(|e| panic!("{e}"));
-    let r = Reference::open("qwen2_vl_vision.safetensors");
-    let grid = r.i64("image_grid_thw");
-    let grids: Vec<[usize; 3]> = grid
+    let r = crate::support::Reference::open("qwen2_vl_vision.safetensors");
+    let grids = r
+        .i64("image_grid_thw")
         .chunks_exact(3)
         .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
         .collect();
+    (tower, r, grids)
+}
+
+/// Qwen2-VL's vision tower against transformers' on two images of other sizes (a 4x6 and a
+/// 22x2 grid): every patch's last hidden state and the merged tokens.
+#[test]
+fn qwen2_vl_vision_tower_is_transformers() {
+    use crate::support::{Cpu, assert_close};
+
+    let (tower, r, grids) = qwen2_vl_tower::<Cpu>();
+    let device = Default::default();
     let pixels = r.f32("pixel_values");
     let out = tower.forward(pixels.to_tensor::<Cpu, 2>(&device), &grids);
     let got = HostTensor::from_tensor(&out.last_hidden_state);
@@ -456,29 +466,13 @@ fn qwen2_vl_vision_tower_is_transformers() {
 fn qwen2_vl_vision_tower_gradients_are_torchs() {
     use burn::module::Param;
     use burn::tensor::Tensor;
-    use tune::checkpoint::weights::Weights;
-    use tune::models::qwen2_vl_vision::{Qwen2VlVision, Qwen2VlVisionArgs};
     use tune::modules::linear::Linear;
 
-    use crate::support::{CpuAutodiff, Reference, assert_close};
+    use crate::support::{CpuAutodiff, assert_close};
     type B = CpuAutodiff;
 
-    let dir = fixture("qwen2_vl_vision");
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
-    )
-    .expect("json");
-    let args = Qwen2VlVisionArgs::from_config(&config).unwrap_or_else(|e| panic!("{e}"));
-    let mut weights = Weights::open(&dir, None).unwrap_or_else(|e| panic!("{e}"));
+    let (tower, r, grids) = qwen2_vl_tower::<B>();
     let device = Default::default();
-    let tower = Qwen2VlVision::<B>::load(&mut weights, "model.visual", args, &device)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let r = Reference::open("qwen2_vl_vision.safetensors");
-    let grids: Vec<[usize; 3]> = r
-        .i64("image_grid_thw")
-        .chunks_exact(3)
-        .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
-        .collect();
     let out = tower.forward(r.f32("pixel_values").to_tensor::<B, 2>(&device), &grids);
     let probe: Tensor<B, 2> = r.f32("probe").to_tensor(&device);
     let grads = (out.merged * probe).sum().backward();
