@@ -62,6 +62,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     continued_documents: None,
                     left_padding: None,
                     padding: None,
+                    images: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, Some(cache))
@@ -75,6 +76,7 @@ impl<'m, B: Backend> Decoder<'m, B> {
                     continued_documents: None,
                     left_padding: None,
                     padding: None,
+                    images: None,
                     batch: 1,
                 };
                 self.model.hidden(input, self.mode, None)

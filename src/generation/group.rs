@@ -135,6 +135,7 @@ pub fn sample_groups<B: Backend>(
         continued_documents: None,
         left_padding: padded.then_some(padding.as_slice()),
         padding: None,
+        images: None,
         batch: prompts.len(),
     };
     let hidden = model.hidden(input, mode, Some(&mut cache));
@@ -177,6 +178,7 @@ pub fn sample_groups<B: Backend>(
             continued_documents: None,
             left_padding: padded.then_some(row_padding.as_slice()),
             padding: None,
+            images: None,
             batch: rows,
         };
         let hidden = model.hidden(input, mode, Some(&mut cache));

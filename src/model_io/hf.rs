@@ -27,6 +27,11 @@ pub const COMPANION_FILES: &[&str] = &[
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    // A vision-language model's processor (AutoProcessor reads these beside the model).
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "video_preprocessor_config.json",
 ];
 
 /// Default shard size, as transformers' `max_shard_size="5GB"`.
@@ -96,7 +101,7 @@ pub(super) fn open_weights(
     if let Some(tower) = args.tower.as_mut() {
         tower.layout = TowerLayout::detect(weights.names());
         let tower = tower.clone();
-        weights.rename(|name| tower.text_name(name));
+        weights.rename(|name| tower.model_name(name));
         // A stored output projection is the model's own, whatever the config says of tying.
         if weights.contains("lm_head.weight") {
             args.tie_word_embeddings = false;
@@ -197,7 +202,7 @@ fn not_the_language_model<'a>(
     let mut copied = Vec::new();
     for file in sources {
         for name in file.names() {
-            if tower.text_name(&name).is_none() {
+            if tower.model_name(&name).is_none() {
                 let (dtype, shape, bytes) = file.raw(&name)?;
                 copied.push((name, dtype, shape, bytes));
             }

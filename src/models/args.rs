@@ -9,6 +9,7 @@ use serde_json::Value;
 use super::ModelError;
 pub use super::family::Family;
 pub use super::moe_args::{ExpertNaming, MoeArgs};
+use super::multimodal::VisionArgs;
 use super::text_tower::{self, TextTower};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -114,9 +115,15 @@ pub struct ModelArgs {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// The language model of a multimodal checkpoint (Gemma 3 4B+, Mistral 3), built from its
-    /// `text_config` and trained text-only; `None` for a text checkpoint.
+    /// The language model of a multimodal checkpoint (Gemma 3 4B+, Mistral 3, Qwen2-VL), built
+    /// from its `text_config`; `None` for a text checkpoint.
     pub tower: Option<TextTower>,
+    /// Qwen2-VL's M-RoPE: how many of each head's rotary frequencies take the temporal, height
+    /// and width position (`mrope_section`, summing to `head_dim / 2`); `None`: one position.
+    pub mrope_section: Option<[usize; 3]>,
+    /// The vision encoder tune reads with the language model (Qwen2-VL's), and the tokens that
+    /// stand for its images.
+    pub vision: Option<VisionArgs>,
     /// The `config.json` object as read (a multimodal checkpoint's whole one), written back
     /// unchanged when saving.
     pub raw: Value,
@@ -151,6 +158,15 @@ impl ModelArgs {
                 let (tower, text) = tower?;
                 let mut args =
                     Self::from_text_json(text).map_err(|e| format!("text_config: {e}"))?;
+                if tower.reads_vision() {
+                    args.vision = Some(VisionArgs::from_config(&raw)?);
+                    if args.mrope_section.is_none() {
+                        return Err(format!(
+                            "text_config: a \"{}\" checkpoint's language model needs its M-RoPE sections (rope_parameters.mrope_section)",
+                            tower.wrapper
+                        ));
+                    }
+                }
                 args.tower = Some(tower);
                 args.raw = raw;
                 Ok(args)
@@ -236,6 +252,10 @@ impl ModelArgs {
         let rope_scaling = match scaling {
             None => RopeScaling::None,
             Some(s) => parse_rope_scaling(s, max_position_embeddings)?,
+        };
+        let mrope_section = match scaling.and_then(|s| s.get("mrope_section")) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(parse_mrope_section(v, head_dim)?),
         };
         let activation = match raw
             .get("hidden_activation")
@@ -345,6 +365,8 @@ impl ModelArgs {
             eos_token_ids: ids("eos_token_id"),
             pad_token_id: ids("pad_token_id").first().copied(),
             tower: None,
+            mrope_section,
+            vision: None,
             raw,
         })
     }
@@ -582,6 +604,21 @@ fn classifier_labels(raw: &Value) -> Option<usize> {
     Some(labels.unwrap_or(2))
 }
 
+/// `mrope_section`: three counts of rotary frequencies summing to half the head size.
+fn parse_mrope_section(v: &Value, head_dim: usize) -> Result<[usize; 3], String> {
+    let counts: Option<Vec<usize>> = v
+        .as_array()
+        .map(|a| a.iter().map(|n| n.as_u64().map(|n| n as usize)).collect())
+        .unwrap_or(None);
+    match counts.as_deref() {
+        Some(&[t, h, w]) if t + h + w == head_dim / 2 => Ok([t, h, w]),
+        _ => Err(format!(
+            "mrope_section {v}: needs three counts of rotary frequencies summing to head_dim / 2 ({})",
+            head_dim / 2
+        )),
+    }
+}
+
 fn parse_rope_scaling(s: &Value, max_position_embeddings: usize) -> Result<RopeScaling, String> {
     let kind = s
         .get("rope_type")
@@ -594,7 +631,8 @@ fn parse_rope_scaling(s: &Value, max_position_embeddings: usize) -> Result<RopeS
             .ok_or_else(|| format!("rope scaling \"{kind}\" needs \"{key}\""))
     };
     Ok(match kind {
-        "default" => RopeScaling::None,
+        // Qwen2-VL's older files say `mrope`: default frequencies, the sections read beside.
+        "default" | "mrope" => RopeScaling::None,
         "llama3" => RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,

@@ -8,6 +8,7 @@ use super::args::{ExpertNaming, MoeArgs};
 use super::args::{Family, ModelArgs};
 use super::decoder::{Attention, CausalLm, DecoderBody, DecoderLayer, Embedding, Mlp};
 use super::moe::SparseMoe;
+use super::qwen2_vl_vision::Qwen2VlVision;
 use super::rope::Rope;
 use crate::checkpoint::{CheckpointError, HostTensor, StorageDtype, mxfp4};
 use crate::modules::frozen_nf4::{FrozenNf4, Nf4Rows, RowOrder};
@@ -531,6 +532,15 @@ impl<B: Backend> Builder<'_, B> {
             });
         }
         let norm = self.norm("model.norm", a.hidden_size)?;
+        let visual = match &a.vision {
+            Some(vision) => Some(Qwen2VlVision::load(
+                self.src,
+                "visual",
+                vision.encoder.clone(),
+                self.device,
+            )?),
+            None => None,
+        };
         let lm_head = if a.tie_word_embeddings {
             None
         } else {
@@ -548,6 +558,7 @@ impl<B: Backend> Builder<'_, B> {
             args: a.clone(),
             rope: Rope::new(a),
             rope_local: Rope::local(a),
+            visual,
             shards: None,
         })
     }

@@ -10,6 +10,8 @@ use super::args::ModelArgs;
 use super::cache::{KvCache, LayerCache};
 use super::mask;
 pub use super::mlp::Mlp;
+use super::multimodal::{ImageInput, place_image_tokens};
+use super::qwen2_vl_vision::Qwen2VlVision;
 use super::moe::{RouterLoad, SparseMoe};
 use super::rope::{self, RopeTables};
 use super::shards::LayerShards;
@@ -400,6 +402,9 @@ pub struct TokenBatch<'a> {
     /// Per position, whether it is padding (a right-padded row's tail, a pack's filler): the
     /// load-balancing loss leaves it out, as transformers' `attention_mask` does. `None`: none is.
     pub padding: Option<&'a [bool]>,
+    /// A vision-language model's images for this pass (their placeholders among `tokens`) and
+    /// its M-RoPE positions; `None` for text.
+    pub images: Option<&'a ImageInput>,
     pub batch: usize,
 }
 
@@ -427,6 +432,9 @@ pub struct CausalLm<B: Backend> {
     pub rope: rope::Rope,
     /// Gemma 3's sliding layers' RoPE.
     pub rope_local: Option<rope::Rope>,
+    /// A vision-language model's vision tower (Qwen2-VL's), whose merged tokens take the image
+    /// placeholders' places in the embedded sequence; held whole on every rank.
+    pub visual: Option<Qwen2VlVision<B>>,
     /// FSDP: this rank keeps only its rows of every weight (decoder layers, embeddings, final
     /// norm, output), gathered per use ([`Self::layer`], [`Self::embedding`], [`Self::head`]);
     /// `None` holds every weight whole.
@@ -585,17 +593,27 @@ impl<B: Backend> CausalLm<B> {
         self.embed_with(&self.embedding(), input)
     }
 
-    /// [`Self::embed`] with `embedding`, the whole embeddings ([`Self::embedding`]).
+    /// [`Self::embed`] with `embedding`, the whole embeddings ([`Self::embedding`]); a
+    /// vision-language model's images go through its tower into their placeholders' rows.
     pub fn embed_with(&self, embedding: &Embedding<B>, input: TokenBatch<'_>) -> Tensor<B, 3> {
         let device = self.device();
         let (batch, seq) = (input.batch, input.seq_len());
         let ids: Vec<i32> = input.tokens.iter().map(|&t| t as i32).collect();
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [batch * seq]), &device);
-        let x = embedding
-            .weight
-            .val()
-            .select(0, ids)
-            .reshape([batch, seq, self.args.hidden_size]);
+        let mut rows = embedding.weight.val().select(0, ids);
+        if let (Some(images), Some(visual), Some(vision)) =
+            (input.images, &self.visual, &self.args.vision)
+            && !images.grids.is_empty()
+        {
+            let patch_dim = vision.encoder.patch_dim();
+            let pixels = Tensor::<B, 2>::from_data(
+                TensorData::new(images.pixels.clone(), [images.patches(), patch_dim]),
+                &device,
+            );
+            let merged = visual.forward(pixels, &images.grids).merged;
+            rows = place_image_tokens(rows, input.tokens, vision.image_token_id, merged);
+        }
+        let x = rows.reshape([batch, seq, self.args.hidden_size]);
         if self.args.scale_embeddings {
             // Gemma rounds the normaliser to the activation dtype; fp32 here.
             x * (self.args.hidden_size as f32).sqrt() as f64
@@ -616,13 +634,18 @@ impl<B: Backend> CausalLm<B> {
     ) -> PassContext<B2> {
         let (batch, seq) = (input.batch, input.seq_len());
         let (heads, kv_heads) = (self.args.num_heads, self.args.num_kv_heads);
-        PassContext {
-            rope_q: self
+        // M-RoPE's three positions where the pass has images; a text pass's are all its one.
+        let tables = |heads| match input.images.filter(|_| self.rope.is_3d()) {
+            Some(images) => self
+                .rope
+                .tables_3d::<B2>(&images.positions, batch, heads, device),
+            None => self
                 .rope
                 .tables::<B2>(input.positions, batch, heads, device),
-            rope_k: self
-                .rope
-                .tables::<B2>(input.positions, batch, kv_heads, device),
+        };
+        PassContext {
+            rope_q: tables(heads),
+            rope_k: tables(kv_heads),
             mask: mask::causal_window::<B2>(batch, seq, offset, input.separations(), None, device),
             mask_sliding: self.args.sliding_window.map(|w| {
                 mask::causal_window::<B2>(batch, seq, offset, input.separations(), Some(w), device)

@@ -11,6 +11,7 @@ pub mod host_rows;
 pub mod mask;
 pub mod mlp;
 pub mod moe;
+pub mod multimodal;
 mod moe_args;
 pub mod param_source;
 pub mod params;

@@ -204,8 +204,9 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// Names and tensors (weights or their gradients) in the on-disk layout of the model's family
-    /// (and of the multimodal checkpoint it came from: the vision tower is not the model's, so
-    /// not here; `model_io::hf::save_hf_dir` copies it through).
+    /// (and of the multimodal checkpoint it came from: a vision tower tune reads, Qwen2-VL's, by
+    /// its names there; one it does not read is not the model's, so not here, and
+    /// `model_io::hf::save_hf_dir` copies it through).
     pub fn to_hf_layout(&self, params: Vec<(String, HostTensor)>) -> Vec<(String, HostTensor)> {
         // A classifier's head is the module `lm_head` here and `score` on disk.
         let params = match self.args.head_name() {
@@ -233,6 +234,25 @@ impl<B: Backend> CausalLm<B> {
                 fuse_experts(params, moe.num_experts)
             }
             _ => params,
+        };
+        // The vision tower's two modules whose names or shapes differ on disk.
+        let params = match &self.args.vision {
+            Some(vision) => params
+                .into_iter()
+                .map(|(name, value)| match name.strip_prefix("visual.") {
+                    Some(rest) => {
+                        let disk = super::qwen2_vl_vision::hf_name(rest);
+                        let value = if disk == "patch_embed.proj.weight" {
+                            value.reshaped(super::qwen2_vl_vision::hf_shape(&vision.encoder))
+                        } else {
+                            value
+                        };
+                        (format!("visual.{disk}"), value)
+                    }
+                    None => (name, value),
+                })
+                .collect(),
+            None => params,
         };
         // A multimodal checkpoint's language model, named as that checkpoint nests it.
         match &self.args.tower {

@@ -151,26 +151,73 @@ impl<B: Backend> LayerNorm<B> {
     }
 }
 
+/// Module paths are the checkpoint's names (`blocks.0.attn.qkv.weight`) but for two, which
+/// [`hf_name`] translates: the merger's MLP (`merger.fc1` is `merger.mlp.0`, `fc2` is
+/// `mlp.2`), and the patch embedding's weight, a Conv3d kernel on disk.
 #[derive(Module, Debug)]
 pub struct VisionBlock<B: Backend> {
     pub norm1: LayerNorm<B>,
+    pub attn: VisionAttention<B>,
+    pub norm2: LayerNorm<B>,
+    pub mlp: VisionMlp<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct VisionAttention<B: Backend> {
     pub qkv: Linear<B>,
     pub proj: Linear<B>,
-    pub norm2: LayerNorm<B>,
+}
+
+#[derive(Module, Debug)]
+pub struct VisionMlp<B: Backend> {
+    pub fc1: Linear<B>,
+    pub fc2: Linear<B>,
+}
+
+/// The Conv3d patch embedding as a linear map of each patch row (no bias).
+#[derive(Module, Debug)]
+pub struct PatchEmbed<B: Backend> {
+    pub proj: Linear<B>,
+}
+
+/// LayerNorm, each 2x2 block's four patches side by side, an MLP to the language model's width.
+#[derive(Module, Debug)]
+pub struct PatchMerger<B: Backend> {
+    pub ln_q: LayerNorm<B>,
     pub fc1: Linear<B>,
     pub fc2: Linear<B>,
 }
 
 #[derive(Module, Debug)]
 pub struct Qwen2VlVision<B: Backend> {
-    /// The Conv3d patch embedding as a linear map of each patch row (no bias).
-    pub patch_embed: Linear<B>,
+    pub patch_embed: PatchEmbed<B>,
     pub blocks: Vec<VisionBlock<B>>,
-    pub ln_q: LayerNorm<B>,
-    pub merger_fc1: Linear<B>,
-    pub merger_fc2: Linear<B>,
+    pub merger: PatchMerger<B>,
     #[module(skip)]
     pub args: Qwen2VlVisionArgs,
+}
+
+/// The checkpoint's name for the tower's module path `path` (relative to the tower).
+pub fn hf_name(path: &str) -> String {
+    for (module, disk) in [("merger.fc1.", "merger.mlp.0."), ("merger.fc2.", "merger.mlp.2.")] {
+        if let Some(rest) = path.strip_prefix(module) {
+            return format!("{disk}{rest}");
+        }
+    }
+    path.to_string()
+}
+
+/// The patch embedding's weight as the checkpoint stores it: the Conv3d kernel
+/// `[embed_dim, channels, temporal_patch, patch, patch]` (the model holds it flattened to
+/// `[embed_dim, patch_dim]`, the same values in the same order).
+pub fn hf_shape(args: &Qwen2VlVisionArgs) -> Vec<usize> {
+    vec![
+        args.embed_dim,
+        args.in_channels,
+        args.temporal_patch_size,
+        args.patch_size,
+        args.patch_size,
+    ]
 }
 
 /// What the tower returns: every patch's last hidden state, and the merged tokens the
@@ -202,7 +249,9 @@ impl<B: Backend> Qwen2VlVision<B> {
         let patch_weight = src
             .take(&patch, &kernel)?
             .reshaped(vec![a.embed_dim, a.patch_dim()]);
-        let patch_embed = Linear::new(patch_weight.to_tensor(device), None);
+        let patch_embed = PatchEmbed {
+            proj: Linear::new(patch_weight.to_tensor(device), None),
+        };
         let mut blocks = Vec::with_capacity(a.depth);
         for i in 0..a.depth {
             let p = format!("{prefix}.blocks.{i}");
@@ -213,23 +262,21 @@ impl<B: Backend> Qwen2VlVision<B> {
             let fc2 = linear(src, &format!("{p}.mlp.fc2"), e, m, device)?;
             blocks.push(VisionBlock {
                 norm1: layer_norm(src, &format!("{p}.norm1"), e, device)?,
-                qkv,
-                proj,
+                attn: VisionAttention { qkv, proj },
                 norm2: layer_norm(src, &format!("{p}.norm2"), e, device)?,
-                fc1,
-                fc2,
+                mlp: VisionMlp { fc1, fc2 },
             });
         }
         let merged = a.embed_dim * a.spatial_merge_size * a.spatial_merge_size;
         let ln_q = layer_norm(src, &format!("{prefix}.merger.ln_q"), a.embed_dim, device)?;
-        let merger_fc1 = linear(
+        let fc1 = linear(
             src,
             &format!("{prefix}.merger.mlp.0"),
             merged,
             merged,
             device,
         )?;
-        let merger_fc2 = linear(
+        let fc2 = linear(
             src,
             &format!("{prefix}.merger.mlp.2"),
             a.hidden_size,
@@ -239,9 +286,7 @@ impl<B: Backend> Qwen2VlVision<B> {
         Ok(Self {
             patch_embed,
             blocks,
-            ln_q,
-            merger_fc1,
-            merger_fc2,
+            merger: PatchMerger { ln_q, fc1, fc2 },
             args,
         })
     }
@@ -254,26 +299,27 @@ impl<B: Backend> Qwen2VlVision<B> {
         let rope = self.rotary(grids, &device);
         let lengths: Vec<usize> = grids.iter().map(|[t, h, w]| t * h * w).collect();
         let mask = mask::within_spans(&lengths, &device);
-        let mut x = self.patch_embed.forward(pixels, mode);
+        let mut x = self.patch_embed.proj.forward(pixels, mode);
         for block in &self.blocks {
             let attn = self.attention(block, block.norm1.forward(x.clone()), &rope, &mask);
-            x = x + block.proj.forward(attn, mode);
-            let h = block.fc1.forward(block.norm2.forward(x.clone()), mode);
+            x = x + block.attn.proj.forward(attn, mode);
+            let h = block.mlp.fc1.forward(block.norm2.forward(x.clone()), mode);
             let h = match self.args.act {
                 VisionAct::QuickGelu => h.clone() * sigmoid(h * 1.702),
                 VisionAct::Gelu => gelu(h),
             };
-            x = x + block.fc2.forward(h, mode);
+            x = x + block.mlp.fc2.forward(h, mode);
         }
         let m2 = self.args.spatial_merge_size * self.args.spatial_merge_size;
         let [patches, embed] = x.dims();
-        let grouped = self
+        let merger = &self.merger;
+        let grouped = merger
             .ln_q
             .forward(x.clone())
             .reshape([patches / m2, embed * m2]);
-        let merged = self
-            .merger_fc2
-            .forward(gelu(self.merger_fc1.forward(grouped, mode)), mode);
+        let merged = merger
+            .fc2
+            .forward(gelu(merger.fc1.forward(grouped, mode)), mode);
         VisionOutput {
             last_hidden_state: x,
             merged,
@@ -292,6 +338,7 @@ impl<B: Backend> Qwen2VlVision<B> {
         let (heads, hd) = (self.args.num_heads, self.args.head_dim());
         let n = x.dims()[0];
         let qkv = block
+            .attn
             .qkv
             .forward(x, ForwardMode::default())
             .reshape([1, n, 3, heads, hd]);

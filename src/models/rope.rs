@@ -11,11 +11,15 @@ pub struct Rope {
     inv_freq: Vec<f32>,
     /// YaRN's `attention_factor`: cos and sin are multiplied by it (1 otherwise).
     attention_scaling: f32,
+    /// Qwen2-VL's M-RoPE: how many frequencies take each of three positions.
+    sections: Option<[usize; 3]>,
 }
 
 impl Rope {
     pub fn new(args: &ModelArgs) -> Self {
-        Self::with_base(args.head_dim, args.rope_theta, &args.rope_scaling)
+        let mut rope = Self::with_base(args.head_dim, args.rope_theta, &args.rope_scaling);
+        rope.sections = args.mrope_section;
+        rope
     }
 
     /// Gemma 3's sliding layers: their own base, no scaling.
@@ -88,6 +92,7 @@ impl Rope {
         Self {
             inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
             attention_scaling,
+            sections: None,
         }
     }
 
@@ -102,17 +107,60 @@ impl Rope {
         heads: usize,
         device: &B::Device,
     ) -> RopeTables<B> {
+        self.tables_by(positions.len(), batch, heads, device, |token, _| {
+            positions[token]
+        })
+    }
+
+    /// M-RoPE's tables (Qwen2-VL, transformers' `apply_multimodal_rotary_pos_emb`): frequency
+    /// `f` of each half of the head turns by the temporal, height or width position as
+    /// `mrope_section` assigns it. `positions` holds the three sections one after another,
+    /// each `[batch * seq]`. Without sections (a text model) the first section is the position.
+    pub fn tables_3d<B: Backend>(
+        &self,
+        positions: &[u32],
+        batch: usize,
+        heads: usize,
+        device: &B::Device,
+    ) -> RopeTables<B> {
+        let tokens = positions.len() / 3;
+        let [t, h, _] = self.sections.unwrap_or([self.inv_freq.len(), 0, 0]);
+        self.tables_by(tokens, batch, heads, device, |token, f| {
+            let section = usize::from(f >= t) + usize::from(f >= t + h);
+            positions[section * tokens + token]
+        })
+    }
+
+    /// Whether this is M-RoPE (positions come in three sections).
+    pub fn is_3d(&self) -> bool {
+        self.sections.is_some()
+    }
+
+    /// The tables of `tokens` positions, frequency `f` of token `i` turning by
+    /// `position(i, f)`.
+    fn tables_by<B: Backend>(
+        &self,
+        tokens: usize,
+        batch: usize,
+        heads: usize,
+        device: &B::Device,
+        position: impl Fn(usize, usize) -> u32,
+    ) -> RopeTables<B> {
         let half = self.inv_freq.len();
         let dim = half * 2;
-        let seq = positions.len() / batch.max(1);
-        let mut cos = Vec::with_capacity(positions.len() * heads * dim);
+        let seq = tokens / batch.max(1);
+        let mut cos = Vec::with_capacity(tokens * heads * dim);
         let mut sin = Vec::with_capacity(cos.capacity());
-        for &p in positions {
-            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
-            let scale = self.attention_scaling;
-            let (c, s): (Vec<f32>, Vec<f32>) = angles
+        let scale = self.attention_scaling;
+        for token in 0..tokens {
+            let (c, s): (Vec<f32>, Vec<f32>) = self
+                .inv_freq
                 .iter()
-                .map(|a| (a.cos() * scale, a.sin() * scale))
+                .enumerate()
+                .map(|(f, inv)| {
+                    let a = position(token, f) as f32 * inv;
+                    (a.cos() * scale, a.sin() * scale)
+                })
                 .unzip();
             for _ in 0..heads {
                 for _ in 0..2 {

@@ -88,6 +88,7 @@ impl RolloutInput {
             continued_documents: self.documents.as_ref().map(|(_, c)| c.as_slice()),
             left_padding: None,
             padding: self.padding.as_deref(),
+            images: None,
             batch: self.sequences,
         }
     }

@@ -21,6 +21,7 @@ fn compare_with_plain_backward(model: CausalLm<CpuAutodiff>, expected_params: us
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch,
     };
     let mode = ForwardMode {

@@ -112,6 +112,7 @@ fn logits(lm: &CausalLm<Cpu>) -> HostTensor {
             continued_documents: None,
             left_padding: None,
             padding: None,
+            images: None,
             batch: 2,
         },
         ForwardMode::default(),

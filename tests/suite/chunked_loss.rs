@@ -44,6 +44,7 @@ fn chunked_cross_entropy_gives_the_plain_loss_and_gradients() {
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch,
     };
     let model = lora_model();

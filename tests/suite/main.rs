@@ -39,6 +39,7 @@ mod ppo;
 mod precision;
 mod qat;
 mod qat_recipes;
+mod qwen2_vl;
 mod qlora;
 mod qlora_recipes;
 mod resume;

@@ -83,6 +83,7 @@ fn packed_samples_do_not_attend_to_each_other() {
             continued_documents: None,
             left_padding: None,
             padding: None,
+            images: None,
             batch: 1,
         };
         HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))
@@ -99,6 +100,7 @@ fn packed_samples_do_not_attend_to_each_other() {
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch: 1,
     };
     let both = HostTensor::from_tensor(&model.forward(input, ForwardMode::default()));

@@ -545,6 +545,7 @@ impl AuxFixture {
             continued_documents: None,
             left_padding: None,
             padding: None,
+            images: None,
             batch: self.batch,
         }
     }
@@ -645,6 +646,7 @@ fn the_load_balancing_loss_leaves_padding_out_as_transformers_does() {
         continued_documents: None,
         left_padding: None,
         padding,
+        images: None,
         batch,
     };
     let run = |padding| {
@@ -1153,6 +1155,7 @@ fn a_peft_adapter_on_gpt_oss_fused_experts_computes_as_peft_does() {
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch,
     };
     let logits = model.forward(input, TRAIN);

@@ -49,6 +49,7 @@ fn logits(model: &CausalLm<Cpu>, tokens: &[u32]) -> HostTensor {
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch: 1,
     };
     HostTensor::from_tensor(&model.forward(input, ForwardMode::default()))

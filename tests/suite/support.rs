@@ -300,6 +300,7 @@ pub fn forward_rows<B: burn::tensor::backend::Backend>(
         continued_documents: None,
         left_padding: None,
         padding: None,
+        images: None,
         batch,
     };
     model.forward(input, mode)
