@@ -361,7 +361,11 @@ pub fn run<B: AutodiffBackend>(
                     .map(|_| rng.random_range(0..args.vocab_size as u32))
                     .collect();
                 let labels = tokens.iter().map(|&t| t as i64).collect();
-                SftSample { tokens, labels }
+                SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    }
             })
             .collect();
         let batch = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);

@@ -10,7 +10,7 @@ pub struct PreferenceSample {
 }
 
 /// A batch of `batch_size` rows of `seq_len` tokens, row-major.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     pub tokens: Vec<u32>,
     /// Unshifted: the loss compares logits at t with labels at t + 1.
@@ -27,6 +27,9 @@ pub struct Batch {
     /// Tokens the shifted loss counts: labels at positions 1.. of each row that are not -100
     /// (torchtune's `num_tokens` after shifting labels).
     pub num_trained_tokens: usize,
+    /// The rows' images, processed, and their M-RoPE positions (a vision-language model's
+    /// batch); `None` for text.
+    pub images: Option<crate::models::multimodal::ImageInput>,
 }
 
 impl Batch {
@@ -57,6 +60,7 @@ impl Batch {
             batch_size: rows.len(),
             seq_len: seq,
             num_trained_tokens: 0,
+            images: None,
         }
     }
 }
@@ -97,6 +101,7 @@ pub fn collate_sft(samples: &[&SftSample], pad_id: u32) -> Batch {
         padding: padding.contains(&true).then_some(padding),
         batch_size: samples.len(),
         seq_len,
+        images: None,
     }
 }
 
@@ -112,6 +117,7 @@ pub fn collate_packed(samples: &[&PackedSample], pad_id: u32) -> Batch {
         batch_size: samples.len(),
         seq_len,
         num_trained_tokens: 0,
+        images: None,
     };
     let mut docs = Vec::with_capacity(samples.len() * seq_len);
     let mut padding = Vec::with_capacity(samples.len() * seq_len);

@@ -1,6 +1,8 @@
 //! Builds a tokenized (and optionally packed) dataset from a [`DatasetSpec`].
 use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 use super::error::{DataError, Result};
+use super::images::{ImagePlan, ImagesError, batch_images};
+use super::transform::LabeledMessage;
 use super::packing::{PackedSample, pack};
 use super::prompts::Partition;
 use super::sample::SftSample;
@@ -26,6 +28,8 @@ pub enum Samples {
 pub struct Dataset {
     samples: Samples,
     pad_id: u32,
+    /// How a batch's images become pixels, when any sample has images.
+    images: Option<ImagePlan>,
 }
 
 impl Dataset {
@@ -100,6 +104,31 @@ impl Dataset {
                     tokenize_prompt_response(tokenizer, &prompt, &response, max_seq_len)
                         .map_err(tok_err(row))?,
                 ),
+                RowContent::Messages(m, inputs) if has_images(&m) => {
+                    let image_err = |source| DataError::RowImages {
+                        path: (*row.file).clone(),
+                        row: row.index,
+                        source,
+                    };
+                    let plan = spec.images.as_ref().ok_or_else(|| {
+                        image_err(ImagesError::NoVisionModel {
+                            model: "a text model".into(),
+                        })
+                    })?;
+                    // Rendered whole (an image is never cut), then expanded and measured.
+                    let sample = tokenize_conversation(tokenizer, &m, &inputs, None)
+                        .map_err(tok_err(row))?;
+                    let images = m
+                        .iter()
+                        .flat_map(|m| m.images.iter().cloned())
+                        .map(|source| plan.sample_image(source))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map_err(image_err)?;
+                    sft.push(
+                        plan.expand(sample, &images, max_seq_len)
+                            .map_err(image_err)?,
+                    );
+                }
                 RowContent::Messages(m, inputs) => sft.push(
                     tokenize_conversation(tokenizer, &m, &inputs, max_seq_len)
                         .map_err(tok_err(row))?,
@@ -107,6 +136,15 @@ impl Dataset {
                 RowContent::Text(t) => sft.push(
                     tokenize_text(tokenizer, &t, add_eos, max_seq_len).map_err(tok_err(row))?,
                 ),
+                RowContent::Pair { chosen, rejected } if has_images(&chosen) || has_images(&rejected) => {
+                    return Err(DataError::Spec {
+                        message: format!(
+                            "{}: row {}: preference rows with images are not supported yet (their images would be dropped); train DPO on text rows",
+                            row.file.display(),
+                            row.index
+                        ),
+                    });
+                }
                 RowContent::Pair { chosen, rejected } => pairs.push(PreferenceSample {
                     chosen: tokenize_messages(tokenizer, &chosen, max_seq_len)
                         .map_err(tok_err(row))?,
@@ -116,6 +154,12 @@ impl Dataset {
             }
         }
         let pad_id = tokenizer.pad_id().unwrap_or(0);
+        let with_images = sft.iter().any(|s| !s.images.is_empty());
+        if with_images && packed {
+            return Err(DataError::Spec {
+                message: "`packed: true` with images is not supported (a pack's M-RoPE positions would mix documents); set `packed: false`".into(),
+            });
+        }
         let samples = if kind.is_preference() {
             Samples::Preference(pairs)
         } else if let Some(n) = pack_len {
@@ -126,7 +170,11 @@ impl Dataset {
         } else {
             Samples::Sft(sft)
         };
-        Ok(Dataset { samples, pad_id })
+        Ok(Dataset {
+            samples,
+            pad_id,
+            images: spec.images.clone().filter(|_| with_images),
+        })
     }
 
     /// Joins datasets listed together in a config (torchtune's `ConcatDataset`); they must all
@@ -139,6 +187,7 @@ impl Dataset {
             });
         };
         for next in iter {
+            first.images = first.images.or(next.images);
             match (&mut first.samples, next.samples) {
                 (Samples::Sft(a), Samples::Sft(b)) => a.extend(b),
                 (Samples::Packed(a), Samples::Packed(b)) => a.extend(b),
@@ -188,9 +237,31 @@ impl Dataset {
                 .collect()
         }
         Ok(match &self.samples {
-            Samples::Sft(v) => collate_sft(&pick(v, indices)?, self.pad_id),
+            Samples::Sft(v) => {
+                let rows = pick(v, indices)?;
+                let mut batch = collate_sft(&rows, self.pad_id);
+                if let Some(plan) = &self.images
+                    && rows.iter().any(|s| !s.images.is_empty())
+                {
+                    let real: Vec<usize> = rows.iter().map(|s| s.len()).collect();
+                    let images: Vec<_> = rows.iter().flat_map(|s| s.images.iter()).collect();
+                    batch.images = Some(batch_images(
+                        plan,
+                        &batch.tokens,
+                        batch.batch_size,
+                        &real,
+                        &images,
+                    )?);
+                }
+                batch
+            }
             Samples::Packed(v) => collate_packed(&pick(v, indices)?, self.pad_id),
             Samples::Preference(v) => collate_preference(&pick(v, indices)?, self.pad_id),
         })
     }
+}
+
+/// Whether any message of a conversation has images.
+fn has_images(messages: &[LabeledMessage]) -> bool {
+    messages.iter().any(|m| !m.images.is_empty())
 }

@@ -85,6 +85,15 @@ pub enum DataError {
     },
     #[error("dataset {path} has no rows")]
     Empty { path: PathBuf },
+    #[error("{path}: row {row}: {source}")]
+    RowImages {
+        path: PathBuf,
+        row: usize,
+        #[source]
+        source: super::images::ImagesError,
+    },
+    #[error("a batch's images: {0}")]
+    BatchImages(#[from] super::images::ImagesError),
 }
 
 /// Errors turning messages into tokens (wrapped in [`DataError::Tokenize`] with the row).

@@ -83,7 +83,11 @@ fn to_sample(tokens: Vec<u32>, mask: Vec<bool>) -> SftSample {
         .zip(&mask)
         .map(|(&t, &m)| if m { IGNORE_INDEX } else { i64::from(t) })
         .collect();
-    SftSample { tokens, labels }
+    SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    }
 }
 
 /// torchtune's `truncate`: keep the first `max` items (the last ones with `Truncation::Left`);

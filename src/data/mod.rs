@@ -4,6 +4,7 @@ mod dataset;
 mod error;
 mod formats;
 mod gsm8k;
+pub mod images;
 mod loader;
 mod packing;
 mod prompts;

@@ -160,7 +160,11 @@ mod tests {
     fn s(n: usize, base: u32) -> SftSample {
         let tokens: Vec<u32> = (0..n as u32).map(|i| base + i).collect();
         let labels = tokens.iter().map(|&t| i64::from(t)).collect();
-        SftSample { tokens, labels }
+        SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    }
     }
 
     #[test]

@@ -8,6 +8,9 @@ pub const IGNORE_INDEX: i64 = -100;
 pub struct SftSample {
     pub tokens: Vec<u32>,
     pub labels: Vec<i64>,
+    /// The images whose placeholders the tokens hold, in order (a vision-language model's
+    /// sample; see `data::images`).
+    pub images: Vec<super::images::SampleImage>,
 }
 
 impl SftSample {

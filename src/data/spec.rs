@@ -65,6 +65,11 @@ pub struct DatasetSpec {
     /// Prompt datasets: format the prompt as a user turn in the tokenizer's chat format (else
     /// plain text after BOS).
     pub apply_chat_template: bool,
+    /// Where relative image paths start (else each data file's directory).
+    pub image_dir: Option<std::path::PathBuf>,
+    /// A vision-language model's processor and vision config, for rows with images; `None`:
+    /// the model reads no images (a row with one is refused).
+    pub images: Option<super::images::ImagePlan>,
 }
 
 impl DatasetSpec {
@@ -86,6 +91,8 @@ impl DatasetSpec {
             add_eos: true,
             partition: None,
             apply_chat_template: true,
+            image_dir: None,
+            images: None,
         }
     }
 }

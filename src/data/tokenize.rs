@@ -134,7 +134,11 @@ pub fn tokenize_prompt_response(
             }
         })
         .collect();
-    Ok(SftSample { tokens, labels })
+    Ok(SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    })
 }
 
 pub fn tokenize_text(
@@ -154,7 +158,11 @@ pub fn tokenize_text(
             tokens.truncate(max - 1);
         }
         let labels = tokens.iter().map(|&t| i64::from(t)).collect();
-        return Ok(SftSample { tokens, labels });
+        return Ok(SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    });
     }
     let mut tokens = tok.encode(text, true)?;
     if let (true, Some(eos)) = (add_eos, tok.eos_id())
@@ -166,7 +174,11 @@ pub fn tokenize_text(
         tokens.truncate(max - 1);
     }
     let labels = tokens.iter().map(|&t| i64::from(t)).collect();
-    Ok(SftSample { tokens, labels })
+    Ok(SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    })
 }
 
 fn plain(tok: &Tokenizer, messages: &[LabeledMessage]) -> Result<SftSample> {

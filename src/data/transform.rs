@@ -2,7 +2,8 @@
 use super::error::{DataError, Result};
 use super::source::{Row, kind_name};
 use super::spec::{ConversationStyle, DatasetKind, DatasetSpec};
-use crate::tokenizer::{Message, Role, TemplateInputs};
+use crate::tokenizer::{ContentPart, Message, Role, TemplateInputs};
+use crate::vision::ImageSource;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
@@ -11,6 +12,8 @@ use std::collections::BTreeMap;
 pub struct LabeledMessage {
     pub message: Message,
     pub masked: bool,
+    /// The images of its `{"type": "image"}` parts, in order.
+    pub images: Vec<ImageSource>,
 }
 
 impl LabeledMessage {
@@ -18,6 +21,7 @@ impl LabeledMessage {
         LabeledMessage {
             message: Message::new(role, content),
             masked,
+            images: Vec::new(),
         }
     }
 }
@@ -54,6 +58,8 @@ pub struct RowTransform {
     conversation_column: Option<String>,
     style: ConversationStyle,
     text_column: Option<String>,
+    /// Where relative image paths start (`image_dir`; else each data file's directory).
+    image_dir: Option<std::path::PathBuf>,
 }
 
 /// Column access for one row, carrying what error messages need.
@@ -128,6 +134,7 @@ impl RowTransform {
             conversation_column: spec.conversation_column.clone(),
             style: spec.conversation_style,
             text_column: spec.column.clone(),
+            image_dir: spec.image_dir.clone(),
         }
     }
 
@@ -245,13 +252,28 @@ impl RowTransform {
             ConversationStyle::Sharegpt => "conversations",
             ConversationStyle::Openai => "messages",
         };
+        let mut column_images = self.column_images(cols)?;
         let messages = match &self.conversation_column {
             Some(col) => {
-                let map: BTreeMap<String, String> = [(default.to_string(), col.clone())].into();
-                self.message_list(&Cols { map: &map, ..*cols }, default, self.style)?
+                let mut map = cols.map.clone();
+                map.insert(default.to_string(), col.clone());
+                let c = Cols { map: &map, ..*cols };
+                self.message_list_with(&c, default, self.style, &mut column_images)?
             }
-            None => self.message_list(cols, default, self.style)?,
+            None => self.message_list_with(cols, default, self.style, &mut column_images)?,
         };
+        if !column_images.is_empty() {
+            let taken = messages.iter().map(|m| m.images.len()).sum::<usize>();
+            return Err(DataError::RowImages {
+                path: (*cols.row.file).clone(),
+                row: cols.row.index,
+                source: super::images::ImagesError::Unused {
+                    column: cols.name("images"),
+                    images: taken + column_images.len(),
+                    parts: taken,
+                },
+            });
+        }
         Ok(RowContent::Messages(
             self.with_system(messages),
             match self.style {
@@ -275,6 +297,55 @@ impl RowTransform {
         cols: &Cols<'_>,
         key: &str,
         style: ConversationStyle,
+    ) -> Result<Vec<LabeledMessage>> {
+        let mut none = std::collections::VecDeque::new();
+        self.message_list_with(cols, key, style, &mut none)
+    }
+
+    /// The row's `images` column (or `image`, one), as sources in order: what image parts
+    /// without their own path take, one each.
+    fn column_images(&self, cols: &Cols<'_>) -> Result<std::collections::VecDeque<ImageSource>> {
+        let mut out = std::collections::VecDeque::new();
+        for key in ["images", "image"] {
+            let column = cols.name(key);
+            let values = match cols.obj.get(&column) {
+                None | Some(Value::Null) => continue,
+                Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
+                Some(one) => vec![one],
+            };
+            for (i, value) in values.into_iter().enumerate() {
+                let what = format!(
+                    "{}: row {}, column `{column}`, image {i}",
+                    cols.row.file.display(),
+                    cols.row.index
+                );
+                let source = super::images::image_source(value, &self.image_base(cols.row), &what)
+                    .map_err(|problem| cols.bad_message(&column, i, problem))?;
+                out.push_back(source);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where a row's relative image paths start.
+    fn image_base(&self, row: &Row) -> std::path::PathBuf {
+        match &self.image_dir {
+            Some(dir) => dir.clone(),
+            None => row
+                .file
+                .parent()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default(),
+        }
+    }
+
+    /// [`Self::message_list`], image parts without a path taking `column_images` in order.
+    fn message_list_with(
+        &self,
+        cols: &Cols<'_>,
+        key: &str,
+        style: ConversationStyle,
+        column_images: &mut std::collections::VecDeque<ImageSource>,
     ) -> Result<Vec<LabeledMessage>> {
         let (value, column) = cols.value(key)?;
         let expected = match style {
@@ -318,17 +389,46 @@ impl RowTransform {
                     .get("tool_calls")
                     .and_then(Value::as_array)
                     .is_some_and(|calls| !calls.is_empty());
+            let mut parts_in_order = Vec::new();
+            let mut images = Vec::new();
             let content = match obj.get(content_key) {
                 Some(Value::String(s)) => s.clone(),
                 None | Some(Value::Null) if calls_tools => String::new(),
                 Some(Value::Array(parts)) => {
                     let mut text = String::new();
-                    for part in parts {
+                    for (p, part) in parts.iter().enumerate() {
                         match (part.get("type").and_then(Value::as_str), part.get("text")) {
-                            (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                            (Some("text"), Some(Value::String(t))) => {
+                                text.push_str(t);
+                                parts_in_order.push(ContentPart::Text(t.clone()));
+                            }
+                            (Some("image" | "image_url"), _) => {
+                                let what = format!(
+                                    "{}: row {}, message {i}, part {p}",
+                                    cols.row.file.display(),
+                                    cols.row.index
+                                );
+                                let own = ["path", "image", "url"]
+                                    .iter()
+                                    .find_map(|k| part.get(*k).filter(|v| !v.is_null()))
+                                    .or_else(|| part.get("image_url").and_then(|u| u.get("url")));
+                                let source = match own {
+                                    Some(v) => super::images::image_source(
+                                        v,
+                                        &self.image_base(cols.row),
+                                        &what,
+                                    )
+                                    .map_err(&bad)?,
+                                    None => column_images.pop_front().ok_or_else(|| {
+                                        bad(format!("part {p} is an image without a `path`, and the row's `images` column has no image left for it"))
+                                    })?,
+                                };
+                                images.push(source);
+                                parts_in_order.push(ContentPart::Image);
+                            }
                             (ty, _) => {
                                 return Err(bad(format!(
-                                    "content part of type {ty:?} is not supported; only {{\"type\": \"text\", \"text\": ...}} parts are"
+                                    "content part {p} of type {ty:?} is not supported; parts are {{\"type\": \"text\", \"text\": ...}} or {{\"type\": \"image\", \"path\": ...}}"
                                 )));
                             }
                         }
@@ -347,6 +447,10 @@ impl RowTransform {
             }
             let masked = role != Role::Assistant && !self.train_on_input;
             let mut message = LabeledMessage::new(role, content, masked);
+            if !images.is_empty() {
+                message.message.parts = parts_in_order;
+                message.images = images;
+            }
             if style == ConversationStyle::Openai {
                 // Every other key (gpt-oss's `thinking`, Qwen3's `reasoning_content`, ...) reaches the chat
                 // template as transformers passes it.

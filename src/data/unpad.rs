@@ -58,7 +58,8 @@ pub enum Keep {
 
 /// [`unpad`], each row keeping what `keep` says.
 pub fn unpad_keeping(batch: &Batch, max_pack_len: usize, keep: Keep) -> Option<Batch> {
-    if batch.document_ids.is_some() || batch.seq_len == 0 {
+    // A batch with images keeps its rows: their M-RoPE positions are laid out per row.
+    if batch.document_ids.is_some() || batch.seq_len == 0 || batch.images.is_some() {
         return None;
     }
     let capacity = max_pack_len.max(batch.seq_len);
@@ -99,6 +100,7 @@ pub fn unpad_keeping(batch: &Batch, max_pack_len: usize, keep: Keep) -> Option<B
         batch_size: packs.len(),
         seq_len: pack_len,
         num_trained_tokens: batch.num_trained_tokens,
+        images: None,
     };
     let mut documents = Vec::with_capacity(cells);
     let mut padding = Vec::with_capacity(cells);
@@ -158,6 +160,7 @@ mod tests {
         SftSample {
             tokens: tokens.to_vec(),
             labels: labels.to_vec(),
+            images: Vec::new(),
         }
     }
 

@@ -6,6 +6,7 @@ use super::SetupError;
 use crate::config::components::TokenizerKind;
 use crate::config::paths::resolve_tokenizer_json;
 use crate::config::schema::{DatasetConfig, TokenizerConfig, TruncationType};
+use crate::data::images::ImagePlan;
 use crate::data::{DataLoader, Dataset, DatasetSpec, LoaderConfig};
 use crate::tokenizer::{ConfigFiles, MessageFormat, ModelFormat, Tokenizer, Truncation};
 use crate::training::validation::Validation;
@@ -223,16 +224,20 @@ fn split_files(pattern: &str, split: &str) -> (Vec<String>, String) {
     )
 }
 
-/// Builds every dataset entry (torchtune concatenates a list of them) and joins them.
+/// Builds every dataset entry (torchtune concatenates a list of them) and joins them; rows
+/// with images become `images`' tokens and pixels (a vision-language model's plan).
 pub fn dataset(
     entries: &[DatasetConfig],
     tokenizer: &Tokenizer,
     max_seq_len: Option<usize>,
     base_dir: &Path,
+    images: Option<&ImagePlan>,
 ) -> Result<Dataset, SetupError> {
     let mut parts = Vec::with_capacity(entries.len());
     for entry in entries {
         let mut spec = spec(entry);
+        spec.image_dir = entry.image_dir.as_ref().map(|d| base_dir.join(d));
+        spec.images = images.cloned();
         fetch_if_hub(&mut spec)?;
         parts.push(Dataset::build(&spec, tokenizer, max_seq_len, base_dir)?);
     }
@@ -310,7 +315,9 @@ pub fn train_data(
     super::model::check_architecture("model", &cfg.model, args)?;
     let positions = args.max_position_embeddings;
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
-    let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir)?;
+    let images = image_plan(&cfg.checkpointer.checkpoint_dir, args)?;
+    let images = images.as_ref();
+    let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir, images)?;
     // torchtune's recipes give their sampler seed 0 whatever the config's `seed` (which seeds
     // initialisation and dropout), so the epochs visit the samples in torchtune's order.
     let loader = loader(
@@ -329,7 +336,7 @@ pub fn train_data(
         Some(entries) => Some(validation(
             entries,
             cfg,
-            &tokenizer,
+            (&tokenizer, images),
             max_seq_len,
             run.world.size,
             base_dir,
@@ -344,6 +351,50 @@ pub fn train_data(
     })
 }
 
+/// How a vision-language checkpoint's rows with images become tokens and pixels: its processor
+/// (`preprocessor_config.json` in `checkpoint_dir`) and vision config; `None` for a model that
+/// reads no images.
+pub fn image_plan(
+    checkpoint_dir: &Path,
+    args: &crate::models::ModelArgs,
+) -> Result<Option<ImagePlan>, SetupError> {
+    let Some(vision) = &args.vision else {
+        return Ok(None);
+    };
+    match crate::vision::preprocessor::ImageProcessor::read(checkpoint_dir)? {
+        crate::vision::preprocessor::ImageProcessor::Qwen2Vl(processor) => {
+            if processor.merge_size != vision.encoder.spatial_merge_size
+                || processor.patch_size != vision.encoder.patch_size
+                || processor.temporal_patch_size != vision.encoder.temporal_patch_size
+            {
+                return Err(SetupError::Processor {
+                    dir: checkpoint_dir.to_path_buf(),
+                    message: format!(
+                        "preprocessor_config.json's patch_size {}, temporal_patch_size {} and merge_size {} must be config.json's vision_config patch_size {}, temporal_patch_size {} and spatial_merge_size {}",
+                        processor.patch_size,
+                        processor.temporal_patch_size,
+                        processor.merge_size,
+                        vision.encoder.patch_size,
+                        vision.encoder.temporal_patch_size,
+                        vision.encoder.spatial_merge_size
+                    ),
+                });
+            }
+            Ok(Some(ImagePlan {
+                processor,
+                vision: vision.clone(),
+            }))
+        }
+        other => Err(SetupError::Processor {
+            dir: checkpoint_dir.to_path_buf(),
+            message: format!(
+                "preprocessor_config.json is {}'s processor, but config.json is a Qwen2-VL model",
+                other.name()
+            ),
+        }),
+    }
+}
+
 /// The seed torchtune's recipes pass their `StatefulDistributedSampler`.
 pub const TORCHTUNE_SAMPLER_SEED: u64 = 0;
 
@@ -353,12 +404,12 @@ pub const TORCHTUNE_SAMPLER_SEED: u64 = 0;
 fn validation(
     entries: &[DatasetConfig],
     cfg: &crate::config::schema::TrainConfig,
-    tokenizer: &Tokenizer,
+    (tokenizer, images): (&Tokenizer, Option<&ImagePlan>),
     max_seq_len: usize,
     world_size: usize,
     base_dir: &Path,
 ) -> Result<Validation, SetupError> {
-    let dataset = dataset(entries, tokenizer, Some(max_seq_len), base_dir)?;
+    let dataset = dataset(entries, tokenizer, Some(max_seq_len), base_dir, images)?;
     let batch_size = cfg.batch_size_val.unwrap_or(cfg.batch_size);
     let loader = loader(&dataset, batch_size, false, 0)?;
     if loader.num_batches_per_rank(world_size) == 0 {

@@ -55,6 +55,11 @@ pub enum SetupError {
     },
     #[error("dataset: {0}")]
     Data(#[from] crate::data::DataError),
+    /// A vision-language checkpoint's processor settings (preprocessor_config.json).
+    #[error("checkpointer.checkpoint_dir: {0}")]
+    Preprocessor(#[from] crate::vision::preprocessor::PreprocessorError),
+    #[error("checkpointer.checkpoint_dir {}: {message}", dir.display())]
+    Processor { dir: PathBuf, message: String },
     #[error("dataset.source: {0}")]
     DatasetFetch(crate::hub::HubError),
     #[error(

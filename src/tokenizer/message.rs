@@ -57,13 +57,18 @@ impl<'de> Deserialize<'de> for Role {
 }
 
 /// One chat message: `{"role": ..., "content": ...}` in the template, with every other key
-/// the dataset's message has (`extra`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// the dataset's message has (`extra`). A message with images reaches the template as
+/// transformers passes it, its `content` a list of `{"type": "text", "text": ...}` and
+/// `{"type": "image"}` parts (`parts`); `content` then holds its text parts joined.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct Message {
     pub role: Role,
     /// Empty for a tool call without text.
     #[serde(default, deserialize_with = "text_or_null")]
     pub content: String,
+    /// The content's parts in order when it has images; empty for text content.
+    #[serde(skip)]
+    pub parts: Vec<ContentPart>,
     /// The message's other keys, passed to a chat template unchanged, as transformers'
     /// `apply_chat_template` passes each message: gpt-oss's template renders an assistant's
     /// `thinking` as its analysis channel (the OpenAI cookbook's fine-tuning data has it), and
@@ -71,6 +76,56 @@ pub struct Message {
     /// components) read the role and content only, as torchtune's own do.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentPart {
+    Text(String),
+    /// The row's next image (the data layer holds the images themselves, in order).
+    Image,
+}
+
+impl Serialize for ContentPart {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(if matches!(self, Self::Text(_)) { 2 } else { 1 }))?;
+        match self {
+            Self::Text(text) => {
+                map.serialize_entry("type", "text")?;
+                map.serialize_entry("text", text)?;
+            }
+            Self::Image => map.serialize_entry("type", "image")?,
+        }
+        map.end()
+    }
+}
+
+impl Serialize for Message {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
+        map.serialize_entry("role", &self.role)?;
+        if self.parts.is_empty() {
+            map.serialize_entry("content", &self.content)?;
+        } else {
+            map.serialize_entry("content", &self.parts)?;
+        }
+        for (key, value) in &self.extra {
+            map.serialize_entry(key, value)?;
+        }
+        map.end()
+    }
+}
+
+impl Message {
+    /// How many images the message holds.
+    pub fn images(&self) -> usize {
+        self.parts
+            .iter()
+            .filter(|p| matches!(p, ContentPart::Image))
+            .count()
+    }
 }
 
 /// A message's `content`: its text, or `null` read as none (a tool call's).
@@ -83,6 +138,7 @@ impl Message {
         Message {
             role,
             content: content.into(),
+            parts: Vec::new(),
             extra: serde_json::Map::new(),
         }
     }

@@ -7,7 +7,7 @@ mod template;
 
 pub use error::{Result, TokenizerError};
 pub use format::{MessageFormat, ModelFormat, PromptTemplate, Truncation};
-pub use message::{Message, Role};
+pub use message::{ContentPart, Message, Role};
 pub use special::SpecialToken;
 pub use template::{ChatTemplate, TemplateInputs, TemplateVars};
 

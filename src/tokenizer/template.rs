@@ -71,8 +71,10 @@ impl ChatTemplate {
     }
 
     /// Finds the template of a checkpoint folder: `chat_template.jinja` beside the tokenizer
-    /// (what transformers >= 4.43 saves) wins over `chat_template` in tokenizer_config.json
-    /// (a string, or a list of `{name, template}` of which "default" is taken).
+    /// (what transformers >= 4.43 saves), then a processor's `chat_template.json` (the Hub's
+    /// vision-language repos: what `AutoProcessor.apply_chat_template`, and TRL with it, renders),
+    /// then `chat_template` in tokenizer_config.json (a string, or a list of `{name, template}`
+    /// of which "default" is taken).
     pub(crate) fn discover(
         dir: &Path,
         tokenizer_config: Option<&JsonFile>,
@@ -84,6 +86,27 @@ impl ChatTemplate {
                 source,
             })?;
             return Self::new(source, jinja.display().to_string()).map(Some);
+        }
+        let processor = dir.join("chat_template.json");
+        if processor.is_file() {
+            let bad = |found: String| TokenizerError::BadConfigValue {
+                path: processor.clone(),
+                key: "chat_template".into(),
+                expected: "a string",
+                found,
+            };
+            let text = std::fs::read_to_string(&processor).map_err(|source| TokenizerError::Io {
+                path: processor.clone(),
+                source,
+            })?;
+            let value: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+            let source = value
+                .get("chat_template")
+                .and_then(serde_json::Value::as_str)
+                .ok_or_else(|| bad(value.to_string().chars().take(80).collect()))?;
+            let origin = format!("{} (key chat_template)", processor.display());
+            return Self::new(source.to_string(), origin).map(Some);
         }
         let Some(cfg) = tokenizer_config else {
             return Ok(None);

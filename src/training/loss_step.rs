@@ -132,6 +132,7 @@ mod tests {
             seq_len: n,
             num_trained_tokens: n - 1,
             padding: None,
+            images: None,
         }
     }
 

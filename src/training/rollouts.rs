@@ -151,6 +151,7 @@ pub fn collate_rollouts(rows: &[RolloutRow<'_>], pad_id: u32) -> Rollouts {
             seq_len: seq,
             num_trained_tokens: trained,
             padding: padding.contains(&true).then_some(padding),
+            images: None,
         },
         rows.iter().map(|r| r.prompt.len()).collect(),
         width,

@@ -225,7 +225,7 @@ pub fn token_batch(batch: &Batch) -> TokenBatch<'_> {
         continued_documents: None,
         left_padding: None,
         padding: batch.padding.as_deref(),
-        images: None,
+        images: batch.images.as_ref(),
         batch: batch.batch_size,
     }
 }

@@ -12,6 +12,35 @@ use ::image::{DynamicImage, ImageReader};
 
 use super::VisionError;
 
+/// Where an image of a dataset row is: a file, or bytes held in the row (a parquet cell's,
+/// as the_cauldron stores them), named for errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageSource {
+    Path(std::path::PathBuf),
+    Bytes {
+        bytes: std::sync::Arc<[u8]>,
+        /// What errors call it (the cell's `path`, or its file, row and column).
+        name: String,
+    },
+}
+
+impl ImageSource {
+    pub fn decode(&self) -> Result<DecodedImage, VisionError> {
+        match self {
+            Self::Path(path) => DecodedImage::open(path),
+            Self::Bytes { bytes, name } => DecodedImage::decode(bytes, name),
+        }
+    }
+
+    /// What errors call it.
+    pub fn name(&self) -> String {
+        match self {
+            Self::Path(path) => path.display().to_string(),
+            Self::Bytes { name, .. } => name.clone(),
+        }
+    }
+}
+
 /// An 8-bit RGB image, rows top to bottom, each pixel `[r, g, b]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RgbImage {

@@ -16,4 +16,4 @@ pub mod qwen2_vl;
 pub mod resize;
 
 pub use error::VisionError;
-pub use image::{DecodedImage, RgbImage};
+pub use image::{DecodedImage, ImageSource, RgbImage};

@@ -51,6 +51,14 @@ pub enum ImageProcessor {
 }
 
 impl ImageProcessor {
+    /// The transformers class it is.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Qwen2Vl(_) => "Qwen2VLImageProcessor",
+            Self::Gemma3(_) => "Gemma3ImageProcessor",
+        }
+    }
+
     /// Reads `dir/preprocessor_config.json`.
     pub fn read(dir: &Path) -> Result<Self, PreprocessorError> {
         let path = dir.join(PREPROCESSOR_CONFIG);

@@ -40,6 +40,7 @@ fn fixture_batch(r: &Reference) -> Batch {
         batch_size: batch,
         seq_len,
         num_trained_tokens,
+        images: None,
     }
 }
 

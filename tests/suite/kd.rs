@@ -45,6 +45,7 @@ fn reference_batch(r: &Reference) -> Batch {
         batch_size: batch,
         seq_len: seq,
         num_trained_tokens,
+        images: None,
     }
 }
 

@@ -52,3 +52,4 @@ mod trainer;
 mod unpad;
 mod validation;
 mod vision;
+mod vision_data;

@@ -606,6 +606,7 @@ fn padded_batch(r: &Reference, edit: impl FnOnce(&mut Vec<i64>, usize)) -> tune:
         batch_size: rows,
         seq_len: seq,
         padding: Some(padding),
+        images: None,
     }
 }
 

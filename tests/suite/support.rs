@@ -367,7 +367,11 @@ pub fn masked_row(n: usize, prompt: usize, seed: u32) -> tune::data::SftSample {
         .enumerate()
         .map(|(t, &tok)| if t < prompt { -100 } else { tok as i64 })
         .collect();
-    tune::data::SftSample { tokens, labels }
+    tune::data::SftSample {
+        tokens,
+        labels,
+        images: Vec::new(),
+    }
 }
 
 /// Every tensor of the model's safetensors files in `dir`, as stored: name -> (dtype, shape,

@@ -273,6 +273,7 @@ fn rendered_and_tokenized(
         .map(|m| tune::data::LabeledMessage {
             masked: m.role != Role::Assistant,
             message: m.clone(),
+            images: Vec::new(),
         })
         .collect();
     let sample = tune::data::tokenize_conversation(tok, &labeled, &inputs, None).expect("tokenize");

@@ -82,6 +82,7 @@ fn every_torchtune_case_gives_the_same_tokens_and_labels() {
             &tok,
             tok_cfg.max_seq_len,
             &crate::support::fixture(""),
+            None,
         );
         // torchtune refused this case (e.g. a system prompt under MistralChatTemplate): tune
         // must refuse it too, not train on something else.
@@ -229,7 +230,7 @@ fn the_first_batch_and_its_loss_equal_torchtunes_and_pytorchs() {
     .unwrap();
     let train = typed.as_train().expect("a training config");
     let tok = setup_data::tokenizer(&train.tokenizer).unwrap();
-    let ds = setup_data::dataset(&train.dataset, &tok, Some(256), &fixture("")).unwrap();
+    let ds = setup_data::dataset(&train.dataset, &tok, Some(256), &fixture(""), None).unwrap();
     let batch = ds.collate(&[0, 1, 2, 3]).unwrap();
     let rows = |key: &str| -> Vec<i64> {
         want[key]

@@ -31,6 +31,9 @@ pub enum ModelFamily {
     Mixtral,
     /// Not a torchtune module: `tune.models.gpt_oss.*`.
     GptOss,
+    /// Not a torchtune module (torchtune has no Qwen2-VL): `tune.models.qwen2_vl.*`, the
+    /// language model with its vision tower.
+    Qwen2Vl,
 }
 
 /// (family, module name, sizes torchtune ships — used only for suggestions).
@@ -81,6 +84,7 @@ const FAMILIES: &[(ModelFamily, &str, &[&str])] = &[
     (ModelFamily::Qwen2Moe, "qwen2_moe", &["a2_7b", "57b_a14b"]),
     (ModelFamily::Mixtral, "mixtral", &["8x7b", "8x22b"]),
     (ModelFamily::GptOss, "gpt_oss", &["20b", "120b"]),
+    (ModelFamily::Qwen2Vl, "qwen2_vl", &["2b", "7b", "72b"]),
 ];
 
 impl ModelFamily {

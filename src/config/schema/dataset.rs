@@ -77,6 +77,9 @@ keys! {
     /// prompt_dataset: format the prompt as a user turn in the tokenizer's chat format, ending
     /// at the assistant's header (false: the text as it is, after BOS).
     apply_chat_template: bool = on(),
+    /// Chat datasets with images: where relative image paths start (torchtune's
+    /// `image_dir`; default: the directory of the data file that names them).
+    image_dir: Option<String> = optional(),
     /// A Python filter: only null (filter the file beforehand).
     filter_fn: Option<String> = optional().refuse(
         "dataset filter functions are Python callables, which tune cannot run, and training on the unfiltered rows would change the data; filter the data file beforehand and set `filter_fn: null`",

@@ -1,0 +1,232 @@
+//! Rows with images for a vision-language model (the tiny Qwen2-VL in assets/): messages with
+//! image parts rendered by the checkpoint's chat template as transformers renders them, each
+//! placeholder expanded to its image's tokens and never trained, batches of images of other
+//! sizes with their M-RoPE positions, refusals that name the row and file, and the built-in
+//! `tiny/vision_lora_single_device` training.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use tune::data::images::{ImagePlan, ImagesError};
+use tune::data::{ConversationStyle, DataError, Dataset, DatasetKind, DatasetSpec, IGNORE_INDEX, Row, Samples};
+use tune::tokenizer::Tokenizer;
+
+use crate::support::{first_and_last_mean, run_recipe, temp_dir};
+
+const IMAGE_PAD: u32 = 2010;
+
+fn asset(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("assets").join(rel)
+}
+
+fn plan() -> ImagePlan {
+    let args = tune::models::ModelArgs::from_file(&asset("tiny-qwen2-vl/config.json")).unwrap();
+    tune::setup::data::image_plan(&asset("tiny-qwen2-vl"), &args)
+        .unwrap()
+        .expect("Qwen2-VL reads images")
+}
+
+fn tokenizer() -> Tokenizer {
+    Tokenizer::from_path(asset("tiny-qwen2-vl/tokenizer.json")).unwrap()
+}
+
+fn chat_spec(images: Option<ImagePlan>) -> DatasetSpec {
+    let mut spec = DatasetSpec::new(DatasetKind::Chat);
+    spec.conversation_style = ConversationStyle::Openai;
+    spec.images = images;
+    spec
+}
+
+/// A row as if read from assets/data/rows.json (so `../images/...` resolves to the shipped images).
+fn rows(values: Vec<Value>) -> Vec<Row> {
+    Row::inline(&asset("data/rows.json").display().to_string(), values)
+}
+
+fn question(image: Value, answer: &str) -> Value {
+    json!({"messages": [
+        {"role": "user", "content": [image, {"type": "text", "text": "What colour is the shape?"}]},
+        {"role": "assistant", "content": answer},
+    ]})
+}
+
+fn build(values: Vec<Value>, max_seq_len: Option<usize>) -> Result<Dataset, DataError> {
+    Dataset::from_rows(&rows(values), &chat_spec(Some(plan())), &tokenizer(), max_seq_len)
+}
+
+fn sft(ds: &Dataset) -> &[tune::data::SftSample] {
+    match ds.samples() {
+        Samples::Sft(v) => v,
+        _ => panic!("SFT samples"),
+    }
+}
+
+/// transformers' `apply_chat_template` on this row, tokenized (tests/fixtures's tiny Qwen2-VL
+/// template, printed by transformers 5.25): the placeholder once, before the text.
+const RENDERED: &[u32] = &[
+    2006, 115, 121, 322, 398, 10, 1539, 470, 258, 1444, 933, 1940, 511, 446, 46, 2007, 10, 2006,
+    477, 273, 10, 2008, 2010, 2009, 1532, 665, 108, 711, 351, 262, 768, 706, 63, 2007, 10, 2006,
+    520, 511, 446, 10, 1806, 351, 1090, 46, 2007, 10,
+];
+
+#[test]
+fn an_image_part_becomes_its_tokens_none_of_them_trained() {
+    let image = json!({"type": "image", "path": "../images/red_circle.png"});
+    let ds = build(vec![question(image, "It is red.")], Some(128)).unwrap();
+    let sample = &sft(&ds)[0];
+    let plan = plan();
+    let decoded = tune::vision::DecodedImage::open(&asset("images/red_circle.png")).unwrap();
+    let patches = plan.processor.process(&decoded, "red_circle").unwrap();
+    let n = patches.patches() / 4;
+    assert!(n > 1, "the test needs an image of several tokens");
+    let expected: Vec<u32> = RENDERED
+        .iter()
+        .flat_map(|&t| std::iter::repeat_n(t, if t == IMAGE_PAD { n } else { 1 }))
+        .collect();
+    assert_eq!(sample.tokens, expected);
+    let trained: Vec<u32> = sample
+        .tokens
+        .iter()
+        .zip(&sample.labels)
+        .filter(|(_, l)| **l != IGNORE_INDEX)
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(trained, [1806, 351, 1090, 46, 2007, 10], "only the answer trains");
+    assert_eq!(sample.images.len(), 1);
+    assert_eq!(sample.images[0].tokens, n);
+}
+
+/// Two rows of other image sizes and a text-only row in one batch: every image's pixels in
+/// row order, each row's M-RoPE positions, and the model runs on it.
+#[test]
+fn a_batch_holds_each_rows_images_and_positions() {
+    let ds = build(
+        vec![
+            question(json!({"type": "image", "path": "../images/red_circle.png"}), "It is red."),
+            json!({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}),
+            json!({"messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+                {"role": "assistant", "content": "Blue."}],
+                "images": ["../images/blue_square.png"]}),
+        ],
+        Some(128),
+    )
+    .unwrap();
+    let batch = ds.collate(&[0, 1, 2]).unwrap();
+    let images = batch.images.as_ref().expect("the batch has images");
+    let plan = plan();
+    let grid = |name: &str| {
+        let d = tune::vision::DecodedImage::open(&asset(&format!("images/{name}"))).unwrap();
+        plan.processor.process(&d, name).unwrap().grid_thw
+    };
+    assert_eq!(images.grids, vec![grid("red_circle.png"), grid("blue_square.png")]);
+    assert_ne!(images.grids[0], images.grids[1], "images of other sizes");
+    assert_eq!(images.pixels.len(), images.patches() * 1176);
+    assert_eq!(images.positions.len(), 3 * batch.tokens.len());
+    // The text-only row's three sections are its plain positions.
+    let seq = batch.seq_len;
+    for section in 0..3 {
+        let at = section * batch.tokens.len() + seq;
+        let real = sft(&ds)[1].len();
+        let want: Vec<u32> = (0..real as u32).collect();
+        assert_eq!(images.positions[at..at + real], want[..]);
+    }
+    let model = tune::model_io::hf::load_model::<crate::support::Cpu>(
+        &asset("tiny-qwen2-vl"),
+        None,
+        &Default::default(),
+    )
+    .unwrap()
+    .model;
+    let logits = model.forward(
+        tune::training::sft::token_batch(&batch),
+        tune::modules::ForwardMode::default(),
+    );
+    let loss = tune::training::loss::cross_entropy(logits, &batch.labels);
+    let value = loss.into_scalar();
+    assert!(value.is_finite() && value > 0.0, "loss {value}");
+}
+
+fn refusal(values: Vec<Value>, max_seq_len: Option<usize>) -> String {
+    build(values, max_seq_len)
+        .expect_err("refused")
+        .to_string()
+}
+
+#[test]
+fn bad_images_are_refused_naming_row_and_file() {
+    // A corrupt image: its file named, and the row.
+    let dir = temp_dir("bad-image");
+    let corrupt = dir.path().join("corrupt.png");
+    std::fs::write(&corrupt, b"\x89PNG\r\n\x1a\nnot really").unwrap();
+    let msg = refusal(
+        vec![question(json!({"type": "image", "path": corrupt.display().to_string()}), "x")],
+        Some(128),
+    );
+    assert!(msg.contains("rows.json: row 0") && msg.contains("corrupt.png"), "{msg}");
+    // A missing file.
+    let msg = refusal(
+        vec![question(json!({"type": "image", "path": "../images/nowhere.png"}), "x")],
+        Some(128),
+    );
+    assert!(msg.contains("row 0") && msg.contains("nowhere.png"), "{msg}");
+    // An image part with no path and no `images` column left for it.
+    let msg = refusal(vec![question(json!({"type": "image"}), "x")], Some(128));
+    assert!(msg.contains("no image left"), "{msg}");
+    // More images in the column than parts.
+    let mut row = question(json!({"type": "image"}), "x");
+    row["images"] = json!(["../images/red_circle.png", "../images/red_square.png"]);
+    let msg = refusal(vec![row], Some(128));
+    assert!(msg.contains("`images` holds 2 images") && msg.contains("for 1 of them"), "{msg}");
+    // A URL: tune reads local files.
+    let msg = refusal(
+        vec![question(json!({"type": "image", "path": "https://example.com/a.png"}), "x")],
+        Some(128),
+    );
+    assert!(msg.contains("is a URL"), "{msg}");
+}
+
+/// An image is never cut: a sample that its image makes longer than max_seq_len is refused,
+/// naming the row, where a text sample would be truncated.
+#[test]
+fn a_sample_its_image_makes_too_long_is_refused() {
+    let image = json!({"type": "image", "path": "../images/yellow_square.png"});
+    let err = build(vec![question(image, "Yellow.")], Some(40)).expect_err("refused");
+    assert!(
+        matches!(&err, DataError::RowImages { row: 0, source: ImagesError::TooLong { max_seq_len: 40, .. }, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("an image is never cut"), "{err}");
+}
+
+#[test]
+fn images_for_a_text_model_or_packing_are_refused() {
+    let image = json!({"type": "image", "path": "../images/red_circle.png"});
+    let text_model =
+        Dataset::from_rows(&rows(vec![question(image.clone(), "x")]), &chat_spec(None), &tokenizer(), Some(128))
+            .expect_err("refused")
+            .to_string();
+    assert!(text_model.contains("the model (a text model) reads none"), "{text_model}");
+    let mut spec = chat_spec(Some(plan()));
+    spec.packed = true;
+    let packed = Dataset::from_rows(&rows(vec![question(image, "x")]), &spec, &tokenizer(), Some(128))
+        .expect_err("refused")
+        .to_string();
+    assert!(packed.contains("`packed: true` with images"), "{packed}");
+}
+
+/// The built-in config trains the tiny Qwen2-VL on the tiny images: the loss falls.
+#[test]
+fn tiny_vision_lora_trains() {
+    let out = temp_dir("vision-lora");
+    let metrics = run_recipe(
+        "lora_finetune_single_device",
+        "tiny/vision_lora_single_device",
+        &out,
+        &[],
+    );
+    let losses = crate::support::column(&metrics, "loss");
+    let (first, last) = first_and_last_mean(&losses);
+    assert!(last < first - 1.0, "loss {first} -> {last}");
+    assert!(out.path().join("epoch_4/adapter_model.safetensors").is_file());
+    assert!(out.path().join("epoch_4/preprocessor_config.json").is_file());
+}
