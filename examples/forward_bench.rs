@@ -67,6 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             continued_documents: None,
             left_padding: None,
             padding: None,
+            images: None,
             batch: 1,
         };
         let logits = model.forward(input, ForwardMode::default());

@@ -362,10 +362,10 @@ pub fn run<B: AutodiffBackend>(
                     .collect();
                 let labels = tokens.iter().map(|&t| t as i64).collect();
                 SftSample {
-        tokens,
-        labels,
-        images: Vec::new(),
-    }
+                    tokens,
+                    labels,
+                    images: Vec::new(),
+                }
             })
             .collect();
         let batch = collate_sft(&rows.iter().collect::<Vec<_>>(), 0);

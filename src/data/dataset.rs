@@ -2,7 +2,6 @@
 use super::collate::{Batch, PreferenceSample, collate_packed, collate_preference, collate_sft};
 use super::error::{DataError, Result};
 use super::images::{ImagePlan, ImagesError, batch_images};
-use super::transform::LabeledMessage;
 use super::packing::{PackedSample, pack};
 use super::prompts::Partition;
 use super::sample::SftSample;
@@ -11,6 +10,7 @@ use super::spec::{DatasetKind, DatasetSpec};
 use super::tokenize::{
     tokenize_conversation, tokenize_messages, tokenize_prompt_response, tokenize_text,
 };
+use super::transform::LabeledMessage;
 use super::transform::{RowContent, RowTransform};
 use crate::tokenizer::Tokenizer;
 use std::path::Path;
@@ -108,7 +108,7 @@ impl Dataset {
                     let image_err = |source| DataError::RowImages {
                         path: (*row.file).clone(),
                         row: row.index,
-                        source,
+                        source: Box::new(source),
                     };
                     let plan = spec.images.as_ref().ok_or_else(|| {
                         image_err(ImagesError::NoVisionModel {
@@ -136,7 +136,9 @@ impl Dataset {
                 RowContent::Text(t) => sft.push(
                     tokenize_text(tokenizer, &t, add_eos, max_seq_len).map_err(tok_err(row))?,
                 ),
-                RowContent::Pair { chosen, rejected } if has_images(&chosen) || has_images(&rejected) => {
+                RowContent::Pair { chosen, rejected }
+                    if has_images(&chosen) || has_images(&rejected) =>
+                {
                     return Err(DataError::Spec {
                         message: format!(
                             "{}: row {}: preference rows with images are not supported yet (their images would be dropped); train DPO on text rows",

@@ -90,10 +90,16 @@ pub enum DataError {
         path: PathBuf,
         row: usize,
         #[source]
-        source: super::images::ImagesError,
+        source: Box<super::images::ImagesError>,
     },
     #[error("a batch's images: {0}")]
-    BatchImages(#[from] super::images::ImagesError),
+    BatchImages(Box<super::images::ImagesError>),
+}
+
+impl From<super::images::ImagesError> for DataError {
+    fn from(e: super::images::ImagesError) -> Self {
+        Self::BatchImages(Box::new(e))
+    }
 }
 
 /// Errors turning messages into tokens (wrapped in [`DataError::Tokenize`] with the row).

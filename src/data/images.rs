@@ -44,7 +44,9 @@ pub enum ImagesError {
         "with its images the sample is {tokens} tokens, more than max_seq_len {max_seq_len}, and an image is never cut; raise tokenizer.max_seq_len, lower the processor's max_pixels (preprocessor_config.json), or drop the row"
     )]
     TooLong { tokens: usize, max_seq_len: usize },
-    #[error("the row has images, but the model ({model}) reads none; train a vision-language checkpoint (Qwen2-VL) or drop the images")]
+    #[error(
+        "the row has images, but the model ({model}) reads none; train a vision-language checkpoint (Qwen2-VL) or drop the images"
+    )]
     NoVisionModel { model: String },
     #[error(transparent)]
     Input(#[from] ImageInputError),
@@ -181,9 +183,9 @@ pub fn image_source(
     use serde_json::Value;
     let path = |p: &str| -> Result<ImageSource, String> {
         if let Some(data) = p.strip_prefix("data:") {
-            let (_, encoded) = data
-                .split_once(";base64,")
-                .ok_or_else(|| format!("{what}: a data: URL must be base64 (`data:image/png;base64,...`)"))?;
+            let (_, encoded) = data.split_once(";base64,").ok_or_else(|| {
+                format!("{what}: a data: URL must be base64 (`data:image/png;base64,...`)")
+            })?;
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(encoded.trim())
                 .map_err(|e| format!("{what}: the data: URL is not valid base64: {e}"))?;
@@ -201,25 +203,25 @@ pub fn image_source(
     };
     match value {
         Value::String(p) => path(p),
-        Value::Object(cell) => match (cell.get("bytes"), cell.get("path")) {
-            (Some(Value::String(b)), name) => {
-                let bytes = base64::engine::general_purpose::STANDARD
+        Value::Object(cell) => {
+            match (cell.get("bytes"), cell.get("path")) {
+                (Some(Value::String(b)), name) => {
+                    let bytes = base64::engine::general_purpose::STANDARD
                     .decode(b)
                     .map_err(|e| format!("{what}: its `bytes` are not base64 as tune reads parquet bytes: {e}"))?;
-                let name = match name {
-                    Some(Value::String(n)) if !n.is_empty() => format!("{what} ({n})"),
-                    _ => what.to_string(),
-                };
-                Ok(ImageSource::Bytes {
-                    bytes: bytes.into(),
-                    name,
-                })
+                    let name = match name {
+                        Some(Value::String(n)) if !n.is_empty() => format!("{what} ({n})"),
+                        _ => what.to_string(),
+                    };
+                    Ok(ImageSource::Bytes {
+                        bytes: bytes.into(),
+                        name,
+                    })
+                }
+                (_, Some(Value::String(p))) => path(p),
+                _ => Err(format!("{what}: an image object needs `bytes` or `path`")),
             }
-            (_, Some(Value::String(p))) => path(p),
-            _ => Err(format!(
-                "{what}: an image object needs `bytes` or `path`"
-            )),
-        },
+        }
         other => Err(format!(
             "{what}: expected an image path or {{\"bytes\": ..., \"path\": ...}}, found {}",
             super::source::kind_name(other)

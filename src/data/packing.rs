@@ -161,10 +161,10 @@ mod tests {
         let tokens: Vec<u32> = (0..n as u32).map(|i| base + i).collect();
         let labels = tokens.iter().map(|&t| i64::from(t)).collect();
         SftSample {
-        tokens,
-        labels,
-        images: Vec::new(),
-    }
+            tokens,
+            labels,
+            images: Vec::new(),
+        }
     }
 
     #[test]

@@ -159,10 +159,10 @@ pub fn tokenize_text(
         }
         let labels = tokens.iter().map(|&t| i64::from(t)).collect();
         return Ok(SftSample {
-        tokens,
-        labels,
-        images: Vec::new(),
-    });
+            tokens,
+            labels,
+            images: Vec::new(),
+        });
     }
     let mut tokens = tok.encode(text, true)?;
     if let (true, Some(eos)) = (add_eos, tok.eos_id())

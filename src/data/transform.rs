@@ -267,11 +267,11 @@ impl RowTransform {
             return Err(DataError::RowImages {
                 path: (*cols.row.file).clone(),
                 row: cols.row.index,
-                source: super::images::ImagesError::Unused {
+                source: Box::new(super::images::ImagesError::Unused {
                     column: cols.name("images"),
                     images: taken + column_images.len(),
                     parts: taken,
-                },
+                }),
             });
         }
         Ok(RowContent::Messages(

@@ -68,7 +68,9 @@ pub enum ImageInputError {
         "the batch has {placeholders} image placeholder tokens and its images make {tokens} vision tokens"
     )]
     Count { placeholders: usize, tokens: usize },
-    #[error("{values} pixel values are not whole patch rows of {patch_dim}, or not the grids' {patches} patches")]
+    #[error(
+        "{values} pixel values are not whole patch rows of {patch_dim}, or not the grids' {patches} patches"
+    )]
     Pixels {
         values: usize,
         patch_dim: usize,

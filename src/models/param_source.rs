@@ -172,7 +172,9 @@ struct RowsSource<'a> {
 
 impl ParamSource for RowsSource<'_> {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor, CheckpointError> {
-        let Some(&first) = shape.first() else {
+        // A vision tower is held whole on every rank (`CausalLm::visual`; its gradients are
+        // summed over the world as replicated weights' are), so it is read whole.
+        let (Some(&first), false) = (shape.first(), name.starts_with("visual.")) else {
             return self.inner.take(name, shape);
         };
         let rows = row_range(first, self.rows.rank, self.rows.world);

@@ -199,7 +199,10 @@ pub struct Qwen2VlVision<B: Backend> {
 
 /// The checkpoint's name for the tower's module path `path` (relative to the tower).
 pub fn hf_name(path: &str) -> String {
-    for (module, disk) in [("merger.fc1.", "merger.mlp.0."), ("merger.fc2.", "merger.mlp.2.")] {
+    for (module, disk) in [
+        ("merger.fc1.", "merger.mlp.0."),
+        ("merger.fc2.", "merger.mlp.2."),
+    ] {
         if let Some(rest) = path.strip_prefix(module) {
             return format!("{disk}{rest}");
         }

@@ -194,8 +194,7 @@ fn text_config_of(wrapper: &'static str, raw: &Value) -> Result<Value, String> {
     let flag = |v: &Value| v.get("tie_word_embeddings").and_then(Value::as_bool);
     let tie = match wrapper {
         "qwen2_vl" => {
-            flag(raw).unwrap_or(false)
-                || raw.get("text_config").and_then(flag).unwrap_or(false)
+            flag(raw).unwrap_or(false) || raw.get("text_config").and_then(flag).unwrap_or(false)
         }
         _ => flag(raw).unwrap_or(true),
     };
@@ -335,7 +334,10 @@ mod tests {
     fn the_layout_is_read_from_the_tensor_names() {
         let nested = ["language_model.model.norm.weight".to_string()];
         let prefixed = ["model.language_model.norm.weight".to_string()];
-        let flat = ["model.norm.weight".to_string(), "visual.merger.ln_q.weight".to_string()];
+        let flat = [
+            "model.norm.weight".to_string(),
+            "visual.merger.ln_q.weight".to_string(),
+        ];
         assert_eq!(TowerLayout::detect(nested.iter()), TowerLayout::Nested);
         assert_eq!(TowerLayout::detect(prefixed.iter()), TowerLayout::Prefixed);
         assert_eq!(TowerLayout::detect(flat.iter()), TowerLayout::Flat);
@@ -367,11 +369,20 @@ mod tests {
             let own = "visual.blocks.0.attn.qkv.weight";
             assert_eq!(t.model_name(visual).as_deref(), Some(own));
             assert_eq!(t.checkpoint_name(own), visual);
-            assert_eq!(t.model_name("lm_head.weight").as_deref(), Some("lm_head.weight"));
-            assert_eq!(t.module_path("visual.blocks.0.attn.qkv"), "model.visual.blocks.0.attn.qkv");
+            assert_eq!(
+                t.model_name("lm_head.weight").as_deref(),
+                Some("lm_head.weight")
+            );
+            assert_eq!(
+                t.module_path("visual.blocks.0.attn.qkv"),
+                "model.visual.blocks.0.attn.qkv"
+            );
         }
         // Gemma 3's tower is copied through, not read.
-        assert_eq!(tower(TowerLayout::Nested).model_name("vision_tower.x.weight"), None);
+        assert_eq!(
+            tower(TowerLayout::Nested).model_name("vision_tower.x.weight"),
+            None
+        );
     }
 
     /// The Hub's flat Qwen2-VL config.json: the language model's keys at the top level,

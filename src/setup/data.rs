@@ -317,7 +317,13 @@ pub fn train_data(
     let max_seq_len = within_positions(cfg.tokenizer.max_seq_len, positions, run.world.is_main());
     let images = image_plan(&cfg.checkpointer.checkpoint_dir, args)?;
     let images = images.as_ref();
-    let dataset = dataset(&cfg.dataset, &tokenizer, Some(max_seq_len), base_dir, images)?;
+    let dataset = dataset(
+        &cfg.dataset,
+        &tokenizer,
+        Some(max_seq_len),
+        base_dir,
+        images,
+    )?;
     // torchtune's recipes give their sampler seed 0 whatever the config's `seed` (which seeds
     // initialisation and dropout), so the epochs visit the samples in torchtune's order.
     let loader = loader(

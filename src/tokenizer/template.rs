@@ -95,10 +95,11 @@ impl ChatTemplate {
                 expected: "a string",
                 found,
             };
-            let text = std::fs::read_to_string(&processor).map_err(|source| TokenizerError::Io {
-                path: processor.clone(),
-                source,
-            })?;
+            let text =
+                std::fs::read_to_string(&processor).map_err(|source| TokenizerError::Io {
+                    path: processor.clone(),
+                    source,
+                })?;
             let value: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
             let source = value

@@ -590,6 +590,44 @@ fn fsdp_shards_an_untied_output_layer_like_one_device() {
     assert_same_run(two.path(), one.path());
 }
 
+/// A vision-language model under FSDP: the decoder's layers shard, the vision tower stays
+/// whole on every rank (read whole, its gradients summed over the world) and trains; the run
+/// is one device's (losses, every weight, the tower's included).
+#[test]
+fn fsdp_trains_qwen2_vl_with_its_vision_tower_like_one_device() {
+    let full: &[&str] = &[
+        "model._component_=tune.models.qwen2_vl.qwen2_vl_tiny",
+        "~model.lora_attn_modules",
+        "~model.apply_lora_to_mlp",
+        "~model.apply_lora_to_output",
+        "~model.lora_rank",
+        "~model.lora_alpha",
+        "~model.lora_dropout",
+        "~save_adapter_weights_only",
+        "optimizer.lr=1e-3",
+        "epochs=1",
+        "max_steps_per_epoch=2",
+    ];
+    let config = "tiny/vision_lora_single_device";
+    let (one, two) = (temp_dir("fsdp-vl-1"), temp_dir("fsdp-vl-2"));
+    train(1, "full_finetune_single_device", config, &one, 4, full);
+    train(2, "full_finetune_distributed", config, &two, 2, full);
+    let model = model_of(&one.path().join("epoch_0"));
+    let base = model_of(&Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl"));
+    let moved = |name: &str| {
+        let (a, b) = (
+            model.iter().find(|(n, _)| n == name).map(|(_, t)| &t.data),
+            base.iter().find(|(n, _)| n == name).map(|(_, t)| &t.data),
+        );
+        a.is_some() && a != b
+    };
+    assert!(
+        moved("visual.blocks.0.attn.qkv.weight"),
+        "the vision tower trains"
+    );
+    assert_same_run(two.path(), one.path());
+}
+
 /// DPO (policy and, for LoRA, the reference as the base without adapters) and knowledge
 /// distillation shard their layers too and take one device's steps.
 #[test]

@@ -6,9 +6,7 @@
 use burn::tensor::backend::Backend;
 
 use crate::grads::named_grads;
-use crate::support::{
-    CpuAutodiff, Reference, assert_close, assert_grad_close, fixture, positions,
-};
+use crate::support::{CpuAutodiff, Reference, assert_close, assert_grad_close, fixture, positions};
 use tune::checkpoint::HostTensor;
 use tune::model_io::hf::load_model;
 use tune::models::multimodal::ImageInput;
@@ -32,9 +30,19 @@ fn reference_batch<B: Backend>(r: &Reference, model: &CausalLm<B>) -> Batch {
         .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
         .collect();
     let positions: Vec<u32> = r.i64("position_ids").iter().map(|&p| p as u32).collect();
-    let vision = model.args.vision.as_ref().expect("Qwen2-VL reads its vision config");
-    let images = ImageInput::new(r.f32("pixel_values").data, grids, positions, &tokens, vision)
-        .expect("the fixture's placeholders match its images");
+    let vision = model
+        .args
+        .vision
+        .as_ref()
+        .expect("Qwen2-VL reads its vision config");
+    let images = ImageInput::new(
+        r.f32("pixel_values").data,
+        grids,
+        positions,
+        &tokens,
+        vision,
+    )
+    .expect("the fixture's placeholders match its images");
     Batch {
         tokens,
         labels,
@@ -63,7 +71,9 @@ fn qwen2_vl_matches_transformers() {
     type B = CpuAutodiff;
     let r = Reference::open("qwen2_vl.safetensors");
     let device = Default::default();
-    let model = load_model::<B>(&fixture("qwen2_vl"), None, &device).unwrap().model;
+    let model = load_model::<B>(&fixture("qwen2_vl"), None, &device)
+        .unwrap()
+        .model;
     assert!(model.visual.is_some(), "the vision tower is the model's");
     let b = reference_batch(&r, &model);
     let seq = b.tokens.len() / b.batch;
@@ -83,12 +93,21 @@ fn qwen2_vl_matches_transformers() {
     let want = real_positions(&r.f32("logits"), &b.mask);
     assert_close("logits", &got, &want, 1e-4);
     let loss = tune::training::loss::cross_entropy(logits, &b.labels);
-    assert_close("loss", &HostTensor::from_tensor(&loss), &r.f32("loss"), 1e-5);
+    assert_close(
+        "loss",
+        &HostTensor::from_tensor(&loss),
+        &r.f32("loss"),
+        1e-5,
+    );
 
     let grads = loss.backward();
     let named = model.to_hf_layout(named_grads(&model, &grads));
     assert_eq!(named.len(), r.grad_count(), "one gradient per parameter");
-    assert!(named.iter().any(|(n, _)| n == "visual.patch_embed.proj.weight"));
+    assert!(
+        named
+            .iter()
+            .any(|(n, _)| n == "visual.patch_embed.proj.weight")
+    );
     for (name, grad) in named {
         assert_grad_close(&name, &grad, &r.f32(&format!("grad.{name}")));
     }
@@ -101,7 +120,9 @@ fn qwen2_vl_images_change_the_logits() {
     type B = crate::support::Cpu;
     let r = Reference::open("qwen2_vl.safetensors");
     let device = Default::default();
-    let model = load_model::<B>(&fixture("qwen2_vl"), None, &device).unwrap().model;
+    let model = load_model::<B>(&fixture("qwen2_vl"), None, &device)
+        .unwrap()
+        .model;
     let b = reference_batch(&r, &model);
     let seq = b.tokens.len() / b.batch;
     let text_positions = positions(b.batch, seq);
@@ -125,7 +146,11 @@ fn qwen2_vl_images_change_the_logits() {
     // The text-only row (2) is the same either way.
     let row = |t: &HostTensor| t.data[2 * t.data.len() / 3..].to_vec();
     let (a, w) = (row(&without), row(&want));
-    let most = a.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let most = a
+        .iter()
+        .zip(&w)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
     assert!(most < 1e-4, "the text-only row moved by {most}");
 }
 
@@ -144,15 +169,28 @@ fn qwen2_vl_positions_are_get_rope_index() {
         .collect::<Vec<_>>()
         .into_iter();
     for row in 0..batch {
-        let real = mask[row * seq..(row + 1) * seq].iter().filter(|&&m| m == 1).count();
+        let real = mask[row * seq..(row + 1) * seq]
+            .iter()
+            .filter(|&&m| m == 1)
+            .count();
         let kinds: Vec<TokenKind> = tokens[row * seq..row * seq + real]
             .iter()
-            .map(|&t| if t == 120 { TokenKind::Image } else { TokenKind::Text })
+            .map(|&t| {
+                if t == 120 {
+                    TokenKind::Image
+                } else {
+                    TokenKind::Text
+                }
+            })
             .collect();
         let got = rope_index(&kinds, &mut grids, 2).unwrap();
         for section in 0..3 {
             let start = (section * batch + row) * seq;
-            assert_eq!(got.positions[section], want[start..start + real], "row {row} section {section}");
+            assert_eq!(
+                got.positions[section],
+                want[start..start + real],
+                "row {row} section {section}"
+            );
         }
     }
 }

@@ -490,7 +490,10 @@ fn qwen2_vl_vision_tower_gradients_are_torchs() {
         |p: &Param<Tensor<B, 2>>| HostTensor::from_tensor(&p.grad(&grads).expect("a gradient"));
     let weight = |l: &Linear<B>| grad2(l.weight_param().expect("a float weight"));
     let bias = |l: &Linear<B>| grad1(l.bias.as_ref().expect("a bias"));
-    check("patch_embed.proj.weight".into(), weight(&tower.patch_embed.proj));
+    check(
+        "patch_embed.proj.weight".into(),
+        weight(&tower.patch_embed.proj),
+    );
     for (i, b) in tower.blocks.iter().enumerate() {
         let p = format!("blocks.{i}");
         for (part, norm) in [("norm1", &b.norm1), ("norm2", &b.norm2)] {
@@ -507,7 +510,10 @@ fn qwen2_vl_vision_tower_gradients_are_torchs() {
             check(format!("{p}.{part}.bias"), bias(linear));
         }
     }
-    check("merger.ln_q.weight".into(), grad1(&tower.merger.ln_q.weight));
+    check(
+        "merger.ln_q.weight".into(),
+        grad1(&tower.merger.ln_q.weight),
+    );
     check("merger.ln_q.bias".into(), grad1(&tower.merger.ln_q.bias));
     for (part, linear) in [
         ("merger.mlp.0", &tower.merger.fc1),

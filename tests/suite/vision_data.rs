@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 use tune::data::images::{ImagePlan, ImagesError};
-use tune::data::{ConversationStyle, DataError, Dataset, DatasetKind, DatasetSpec, IGNORE_INDEX, Row, Samples};
+use tune::data::{
+    ConversationStyle, DataError, Dataset, DatasetKind, DatasetSpec, IGNORE_INDEX, Row, Samples,
+};
 use tune::tokenizer::Tokenizer;
 
 use crate::support::{first_and_last_mean, run_recipe, temp_dir};
@@ -16,7 +18,9 @@ use crate::support::{first_and_last_mean, run_recipe, temp_dir};
 const IMAGE_PAD: u32 = 2010;
 
 fn asset(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("assets").join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets")
+        .join(rel)
 }
 
 fn plan() -> ImagePlan {
@@ -50,7 +54,12 @@ fn question(image: Value, answer: &str) -> Value {
 }
 
 fn build(values: Vec<Value>, max_seq_len: Option<usize>) -> Result<Dataset, DataError> {
-    Dataset::from_rows(&rows(values), &chat_spec(Some(plan())), &tokenizer(), max_seq_len)
+    Dataset::from_rows(
+        &rows(values),
+        &chat_spec(Some(plan())),
+        &tokenizer(),
+        max_seq_len,
+    )
 }
 
 fn sft(ds: &Dataset) -> &[tune::data::SftSample] {
@@ -90,7 +99,11 @@ fn an_image_part_becomes_its_tokens_none_of_them_trained() {
         .filter(|(_, l)| **l != IGNORE_INDEX)
         .map(|(t, _)| *t)
         .collect();
-    assert_eq!(trained, [1806, 351, 1090, 46, 2007, 10], "only the answer trains");
+    assert_eq!(
+        trained,
+        [1806, 351, 1090, 46, 2007, 10],
+        "only the answer trains"
+    );
     assert_eq!(sample.images.len(), 1);
     assert_eq!(sample.images[0].tokens, n);
 }
@@ -118,7 +131,10 @@ fn a_batch_holds_each_rows_images_and_positions() {
         let d = tune::vision::DecodedImage::open(&asset(&format!("images/{name}"))).unwrap();
         plan.processor.process(&d, name).unwrap().grid_thw
     };
-    assert_eq!(images.grids, vec![grid("red_circle.png"), grid("blue_square.png")]);
+    assert_eq!(
+        images.grids,
+        vec![grid("red_circle.png"), grid("blue_square.png")]
+    );
     assert_ne!(images.grids[0], images.grids[1], "images of other sizes");
     assert_eq!(images.pixels.len(), images.patches() * 1176);
     assert_eq!(images.positions.len(), 3 * batch.tokens.len());
@@ -147,9 +163,7 @@ fn a_batch_holds_each_rows_images_and_positions() {
 }
 
 fn refusal(values: Vec<Value>, max_seq_len: Option<usize>) -> String {
-    build(values, max_seq_len)
-        .expect_err("refused")
-        .to_string()
+    build(values, max_seq_len).expect_err("refused").to_string()
 }
 
 #[test]
@@ -159,16 +173,28 @@ fn bad_images_are_refused_naming_row_and_file() {
     let corrupt = dir.path().join("corrupt.png");
     std::fs::write(&corrupt, b"\x89PNG\r\n\x1a\nnot really").unwrap();
     let msg = refusal(
-        vec![question(json!({"type": "image", "path": corrupt.display().to_string()}), "x")],
+        vec![question(
+            json!({"type": "image", "path": corrupt.display().to_string()}),
+            "x",
+        )],
         Some(128),
     );
-    assert!(msg.contains("rows.json: row 0") && msg.contains("corrupt.png"), "{msg}");
+    assert!(
+        msg.contains("rows.json: row 0") && msg.contains("corrupt.png"),
+        "{msg}"
+    );
     // A missing file.
     let msg = refusal(
-        vec![question(json!({"type": "image", "path": "../images/nowhere.png"}), "x")],
+        vec![question(
+            json!({"type": "image", "path": "../images/nowhere.png"}),
+            "x",
+        )],
         Some(128),
     );
-    assert!(msg.contains("row 0") && msg.contains("nowhere.png"), "{msg}");
+    assert!(
+        msg.contains("row 0") && msg.contains("nowhere.png"),
+        "{msg}"
+    );
     // An image part with no path and no `images` column left for it.
     let msg = refusal(vec![question(json!({"type": "image"}), "x")], Some(128));
     assert!(msg.contains("no image left"), "{msg}");
@@ -176,10 +202,16 @@ fn bad_images_are_refused_naming_row_and_file() {
     let mut row = question(json!({"type": "image"}), "x");
     row["images"] = json!(["../images/red_circle.png", "../images/red_square.png"]);
     let msg = refusal(vec![row], Some(128));
-    assert!(msg.contains("`images` holds 2 images") && msg.contains("for 1 of them"), "{msg}");
+    assert!(
+        msg.contains("`images` holds 2 images") && msg.contains("for 1 of them"),
+        "{msg}"
+    );
     // A URL: tune reads local files.
     let msg = refusal(
-        vec![question(json!({"type": "image", "path": "https://example.com/a.png"}), "x")],
+        vec![question(
+            json!({"type": "image", "path": "https://example.com/a.png"}),
+            "x",
+        )],
         Some(128),
     );
     assert!(msg.contains("is a URL"), "{msg}");
@@ -191,8 +223,18 @@ fn bad_images_are_refused_naming_row_and_file() {
 fn a_sample_its_image_makes_too_long_is_refused() {
     let image = json!({"type": "image", "path": "../images/yellow_square.png"});
     let err = build(vec![question(image, "Yellow.")], Some(40)).expect_err("refused");
+    let DataError::RowImages { row, source, .. } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(*row, 0);
     assert!(
-        matches!(&err, DataError::RowImages { row: 0, source: ImagesError::TooLong { max_seq_len: 40, .. }, .. }),
+        matches!(
+            **source,
+            ImagesError::TooLong {
+                max_seq_len: 40,
+                ..
+            }
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("an image is never cut"), "{err}");
@@ -201,16 +243,28 @@ fn a_sample_its_image_makes_too_long_is_refused() {
 #[test]
 fn images_for_a_text_model_or_packing_are_refused() {
     let image = json!({"type": "image", "path": "../images/red_circle.png"});
-    let text_model =
-        Dataset::from_rows(&rows(vec![question(image.clone(), "x")]), &chat_spec(None), &tokenizer(), Some(128))
-            .expect_err("refused")
-            .to_string();
-    assert!(text_model.contains("the model (a text model) reads none"), "{text_model}");
+    let text_model = Dataset::from_rows(
+        &rows(vec![question(image.clone(), "x")]),
+        &chat_spec(None),
+        &tokenizer(),
+        Some(128),
+    )
+    .expect_err("refused")
+    .to_string();
+    assert!(
+        text_model.contains("the model (a text model) reads none"),
+        "{text_model}"
+    );
     let mut spec = chat_spec(Some(plan()));
     spec.packed = true;
-    let packed = Dataset::from_rows(&rows(vec![question(image, "x")]), &spec, &tokenizer(), Some(128))
-        .expect_err("refused")
-        .to_string();
+    let packed = Dataset::from_rows(
+        &rows(vec![question(image, "x")]),
+        &spec,
+        &tokenizer(),
+        Some(128),
+    )
+    .expect_err("refused")
+    .to_string();
     assert!(packed.contains("`packed: true` with images"), "{packed}");
 }
 
@@ -227,6 +281,14 @@ fn tiny_vision_lora_trains() {
     let losses = crate::support::column(&metrics, "loss");
     let (first, last) = first_and_last_mean(&losses);
     assert!(last < first - 1.0, "loss {first} -> {last}");
-    assert!(out.path().join("epoch_4/adapter_model.safetensors").is_file());
-    assert!(out.path().join("epoch_4/preprocessor_config.json").is_file());
+    assert!(
+        out.path()
+            .join("epoch_4/adapter_model.safetensors")
+            .is_file()
+    );
+    assert!(
+        out.path()
+            .join("epoch_4/preprocessor_config.json")
+            .is_file()
+    );
 }
