@@ -57,8 +57,13 @@ fn tiny_configs_validate_with_path_checks_on_shipped_assets() {
         .into_iter()
         .filter(|b| b.name.starts_with("tiny/"))
         .collect();
-    // One per torchtune script: 11 single-device (generate and PPO included) and 9 distributed.
-    assert_eq!(tiny.len(), 20, "one tiny config per recipe script");
+    // One per torchtune script: 11 single-device (generate and PPO included) and 9 distributed,
+    // and the vision-language LoRA (lora_finetune_single_device's second).
+    assert_eq!(
+        tiny.len(),
+        21,
+        "one tiny config per recipe script, and the vision one"
+    );
     let mut scripts: Vec<&str> = tiny.iter().map(script).collect();
     scripts.sort_unstable();
     scripts.dedup();

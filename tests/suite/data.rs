@@ -236,12 +236,13 @@ fn openai_chat_from_rows() {
             .contains("Hi there")
     );
 
+    // A part of a type tune does not read (images are read: tests/suite/vision_data.rs).
     let bad = rows_of(vec![
-        json!({"msgs": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        json!({"msgs": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]}),
     ]);
-    let err = Dataset::from_rows(&bad, &s.of(DatasetKind::Chat), &q, None).expect_err("image");
+    let err = Dataset::from_rows(&bad, &s.of(DatasetKind::Chat), &q, None).expect_err("audio");
     assert!(
-        err.to_string().contains("image_url") && err.to_string().contains("row 0"),
+        err.to_string().contains("input_audio") && err.to_string().contains("row 0"),
         "{err}"
     );
 }

@@ -16,10 +16,28 @@ use tune::vision::mrope::{TokenKind, rope_index};
 
 struct Batch {
     tokens: Vec<u32>,
+    /// Each row's plain positions (what M-RoPE's sections replace where the pass has images).
+    positions: Vec<u32>,
     labels: Vec<i64>,
     mask: Vec<i64>,
     batch: usize,
     images: ImageInput,
+}
+
+impl Batch {
+    /// The pass over the batch, with its images or without.
+    fn input(&self, with_images: bool) -> TokenBatch<'_> {
+        TokenBatch {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            document_ids: None,
+            continued_documents: None,
+            left_padding: None,
+            padding: None,
+            images: with_images.then_some(&self.images),
+            batch: self.batch,
+        }
+    }
 }
 
 fn reference_batch<B: Backend>(r: &Reference, model: &CausalLm<B>) -> Batch {
@@ -29,7 +47,7 @@ fn reference_batch<B: Backend>(r: &Reference, model: &CausalLm<B>) -> Batch {
         .chunks_exact(3)
         .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
         .collect();
-    let positions: Vec<u32> = r.i64("position_ids").iter().map(|&p| p as u32).collect();
+    let mrope: Vec<u32> = r.i64("position_ids").iter().map(|&p| p as u32).collect();
     let vision = model
         .args
         .vision
@@ -38,12 +56,13 @@ fn reference_batch<B: Backend>(r: &Reference, model: &CausalLm<B>) -> Batch {
     let images = ImageInput::new(
         r.f32("pixel_values").data,
         grids,
-        positions,
+        mrope,
         &tokens,
         vision,
     )
     .expect("the fixture's placeholders match its images");
     Batch {
+        positions: positions(batch, tokens.len() / batch),
         tokens,
         labels,
         mask: r.i64("attention_mask"),
@@ -76,18 +95,7 @@ fn qwen2_vl_matches_transformers() {
         .model;
     assert!(model.visual.is_some(), "the vision tower is the model's");
     let b = reference_batch(&r, &model);
-    let seq = b.tokens.len() / b.batch;
-    let text_positions = positions(b.batch, seq);
-    let input = TokenBatch {
-        tokens: &b.tokens,
-        positions: &text_positions,
-        document_ids: None,
-        continued_documents: None,
-        left_padding: None,
-        padding: None,
-        images: Some(&b.images),
-        batch: b.batch,
-    };
+    let input = b.input(true);
     let logits = model.forward(input, ForwardMode::default());
     let got = real_positions(&HostTensor::from_tensor(&logits), &b.mask);
     let want = real_positions(&r.f32("logits"), &b.mask);
@@ -124,18 +132,7 @@ fn qwen2_vl_images_change_the_logits() {
         .unwrap()
         .model;
     let b = reference_batch(&r, &model);
-    let seq = b.tokens.len() / b.batch;
-    let text_positions = positions(b.batch, seq);
-    let input = TokenBatch {
-        tokens: &b.tokens,
-        positions: &text_positions,
-        document_ids: None,
-        continued_documents: None,
-        left_padding: None,
-        padding: None,
-        images: None,
-        batch: b.batch,
-    };
+    let input = b.input(false);
     let without = real_positions(
         &HostTensor::from_tensor(&model.forward(input, ForwardMode::default())),
         &b.mask,

@@ -110,7 +110,12 @@ pub fn path_in(dir: &Path, rel: &str) -> String {
 /// A temp root holding the files the tiny configs name under `assets/`.
 pub fn tiny_assets() -> TempDir {
     let t = temp_dir("assets");
-    for model in ["tiny-llama", "tiny-llama-teacher", "tiny-llama-reward"] {
+    for model in [
+        "tiny-llama",
+        "tiny-llama-teacher",
+        "tiny-llama-reward",
+        "tiny-qwen2-vl",
+    ] {
         for f in [
             "config.json",
             "model.safetensors",
@@ -126,6 +131,7 @@ pub fn tiny_assets() -> TempDir {
         "hh_rlhf_tiny.json",
         "stack_exchange_paired_tiny.json",
         "alpaca_pairs_tiny.json",
+        "vision_tiny.json",
     ] {
         touch(t.path(), &format!("assets/data/{f}"));
     }
