@@ -53,14 +53,8 @@ fn reference_batch<B: Backend>(r: &Reference, model: &CausalLm<B>) -> Batch {
         .vision
         .as_ref()
         .expect("Qwen2-VL reads its vision config");
-    let images = ImageInput::new(
-        r.f32("pixel_values").data,
-        grids,
-        mrope,
-        &tokens,
-        vision,
-    )
-    .expect("the fixture's placeholders match its images");
+    let images = ImageInput::new(r.f32("pixel_values").data, grids, mrope, &tokens, vision)
+        .expect("the fixture's placeholders match its images");
     Batch {
         positions: positions(batch, tokens.len() / batch),
         tokens,
