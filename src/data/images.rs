@@ -10,6 +10,7 @@
 //! - A dataset keeps each image's source and token count, not its pixels: a batch decodes and
 //!   processes its images again ([`batch_images`]), so memory does not grow with the dataset.
 
+pub use super::sample::SampleImage;
 use super::sample::{IGNORE_INDEX, SftSample};
 use crate::models::multimodal::{ImageInput, ImageInputError, VisionArgs};
 use crate::vision::mrope::{TokenKind, rope_index};
@@ -22,13 +23,6 @@ use crate::vision::{ImageSource, VisionError};
 pub struct ImagePlan {
     pub processor: Qwen2VlImageProcessor,
     pub vision: VisionArgs,
-}
-
-/// One image of a sample: where it is and how many tokens it takes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SampleImage {
-    pub source: ImageSource,
-    pub tokens: usize,
 }
 
 /// What is wrong with a row's images.
@@ -223,8 +217,7 @@ pub fn image_source(
             }
         }
         other => Err(format!(
-            "{what}: expected an image path or {{\"bytes\": ..., \"path\": ...}}, found {}",
-            super::source::kind_name(other)
+            "{what}: expected an image path or {{\"bytes\": ..., \"path\": ...}}, found {other}"
         )),
     }
 }

@@ -10,7 +10,14 @@ pub struct SftSample {
     pub labels: Vec<i64>,
     /// The images whose placeholders the tokens hold, in order (a vision-language model's
     /// sample; see `data::images`).
-    pub images: Vec<super::images::SampleImage>,
+    pub images: Vec<SampleImage>,
+}
+
+/// One image of a sample: where it is and how many tokens it takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SampleImage {
+    pub source: crate::vision::ImageSource,
+    pub tokens: usize,
 }
 
 impl SftSample {
