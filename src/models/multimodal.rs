@@ -20,31 +20,23 @@ pub struct VisionArgs {
     pub encoder: Qwen2VlVisionArgs,
     /// The placeholder each merged vision token replaces (`image_token_id`).
     pub image_token_id: u32,
-    pub video_token_id: u32,
-    pub vision_start_token_id: u32,
-    pub vision_end_token_id: u32,
 }
 
 impl VisionArgs {
-    /// From a Qwen2-VL config.json (transformers' `Qwen2VLConfig` defaults for the ids).
+    /// From a Qwen2-VL config.json (transformers' `Qwen2VLConfig` default for the id).
     pub fn from_config(raw: &Value) -> Result<Self, String> {
         let vision = raw.get("vision_config").cloned().unwrap_or(Value::Null);
         let encoder = Qwen2VlVisionArgs::from_config(&vision).map_err(|e| e.to_string())?;
-        let id = |key: &str, default: u32| -> Result<u32, String> {
-            match raw.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("{key}: {v} is not a token id")),
-            }
+        let image_token_id = match raw.get("image_token_id") {
+            None | Some(Value::Null) => 151_655,
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| format!("image_token_id: {v} is not a token id"))?,
         };
         Ok(Self {
             encoder,
-            image_token_id: id("image_token_id", 151_655)?,
-            video_token_id: id("video_token_id", 151_656)?,
-            vision_start_token_id: id("vision_start_token_id", 151_652)?,
-            vision_end_token_id: id("vision_end_token_id", 151_653)?,
+            image_token_id,
         })
     }
 }
@@ -91,7 +83,7 @@ impl ImageInput {
         args: &VisionArgs,
     ) -> Result<Self, ImageInputError> {
         let patch_dim = args.encoder.patch_dim();
-        let patches: usize = grids.iter().map(|[t, h, w]| t * h * w).sum();
+        let patches = patches_of(&grids);
         if pixels.len() != patches * patch_dim {
             return Err(ImageInputError::Pixels {
                 values: pixels.len(),
@@ -122,8 +114,13 @@ impl ImageInput {
     }
 
     pub fn patches(&self) -> usize {
-        self.grids.iter().map(|[t, h, w]| t * h * w).sum()
+        patches_of(&self.grids)
     }
+}
+
+/// The patches of images of these grids.
+fn patches_of(grids: &[[usize; 3]]) -> usize {
+    grids.iter().map(|[t, h, w]| t * h * w).sum()
 }
 
 /// `embeddings` (`[batch * seq, hidden]`) with each `image_token_id` row replaced by the next

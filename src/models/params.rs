@@ -235,18 +235,14 @@ impl<B: Backend> CausalLm<B> {
             }
             _ => params,
         };
-        // The vision tower's two modules whose names or shapes differ on disk.
+        // The vision tower's tensors as its checkpoint names and shapes them.
         let params = match &self.args.vision {
             Some(vision) => params
                 .into_iter()
                 .map(|(name, value)| match name.strip_prefix("visual.") {
                     Some(rest) => {
-                        let disk = super::qwen2_vl_vision::hf_name(rest);
-                        let value = if disk == "patch_embed.proj.weight" {
-                            value.reshaped(super::qwen2_vl_vision::hf_shape(&vision.encoder))
-                        } else {
-                            value
-                        };
+                        let (disk, value) =
+                            super::qwen2_vl_vision::on_disk(rest, value, &vision.encoder);
                         (format!("visual.{disk}"), value)
                     }
                     None => (name, value),

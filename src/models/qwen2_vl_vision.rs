@@ -14,7 +14,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde_json::Value;
 
-use crate::checkpoint::CheckpointError;
+use crate::checkpoint::{CheckpointError, HostTensor};
 use crate::kernels::{attention_by_position, permute};
 use crate::models::mask::{self, AttentionMask};
 use crate::models::param_source::ParamSource;
@@ -152,7 +152,7 @@ impl<B: Backend> LayerNorm<B> {
 }
 
 /// Module paths are the checkpoint's names (`blocks.0.attn.qkv.weight`) but for two, which
-/// [`hf_name`] translates: the merger's MLP (`merger.fc1` is `merger.mlp.0`, `fc2` is
+/// [`on_disk`] translates: the merger's MLP (`merger.fc1` is `merger.mlp.0`, `fc2` is
 /// `mlp.2`), and the patch embedding's weight, a Conv3d kernel on disk.
 #[derive(Module, Debug)]
 pub struct VisionBlock<B: Backend> {
@@ -197,29 +197,36 @@ pub struct Qwen2VlVision<B: Backend> {
     pub args: Qwen2VlVisionArgs,
 }
 
-/// The checkpoint's name for the tower's module path `path` (relative to the tower).
-pub fn hf_name(path: &str) -> String {
+/// The checkpoint's name and shape for the tower's tensor at module path `path` (relative to
+/// the tower): the merger's MLP is `mlp.0`/`mlp.2` there, and the patch embedding's weight the
+/// Conv3d kernel `[embed_dim, channels, temporal_patch, patch, patch]` (the model holds it
+/// flattened to `[embed_dim, patch_dim]`, the same values in the same order).
+pub fn on_disk(path: &str, value: HostTensor, args: &Qwen2VlVisionArgs) -> (String, HostTensor) {
+    if path == "patch_embed.proj.weight" {
+        return (
+            path.to_string(),
+            value.reshaped(kernel_shape(args).to_vec()),
+        );
+    }
     for (module, disk) in [
         ("merger.fc1.", "merger.mlp.0."),
         ("merger.fc2.", "merger.mlp.2."),
     ] {
         if let Some(rest) = path.strip_prefix(module) {
-            return format!("{disk}{rest}");
+            return (format!("{disk}{rest}"), value);
         }
     }
-    path.to_string()
+    (path.to_string(), value)
 }
 
-/// The patch embedding's weight as the checkpoint stores it: the Conv3d kernel
-/// `[embed_dim, channels, temporal_patch, patch, patch]` (the model holds it flattened to
-/// `[embed_dim, patch_dim]`, the same values in the same order).
-pub fn hf_shape(args: &Qwen2VlVisionArgs) -> Vec<usize> {
-    vec![
-        args.embed_dim,
-        args.in_channels,
-        args.temporal_patch_size,
-        args.patch_size,
-        args.patch_size,
+/// The patch embedding's Conv3d kernel shape, as stored.
+fn kernel_shape(a: &Qwen2VlVisionArgs) -> [usize; 5] {
+    [
+        a.embed_dim,
+        a.in_channels,
+        a.temporal_patch_size,
+        a.patch_size,
+        a.patch_size,
     ]
 }
 
@@ -242,13 +249,7 @@ impl<B: Backend> Qwen2VlVision<B> {
     ) -> Result<Self, CheckpointError> {
         let a = &args;
         let patch = format!("{prefix}.patch_embed.proj.weight");
-        let kernel = [
-            a.embed_dim,
-            a.in_channels,
-            a.temporal_patch_size,
-            a.patch_size,
-            a.patch_size,
-        ];
+        let kernel = kernel_shape(a);
         let patch_weight = src
             .take(&patch, &kernel)?
             .reshaped(vec![a.embed_dim, a.patch_dim()]);

@@ -118,16 +118,6 @@ impl Serialize for Message {
     }
 }
 
-impl Message {
-    /// How many images the message holds.
-    pub fn images(&self) -> usize {
-        self.parts
-            .iter()
-            .filter(|p| matches!(p, ContentPart::Image))
-            .count()
-    }
-}
-
 /// A message's `content`: its text, or `null` read as none (a tool call's).
 fn text_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     Ok(Option::<String>::deserialize(d)?.unwrap_or_default())

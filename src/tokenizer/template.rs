@@ -87,29 +87,15 @@ impl ChatTemplate {
             })?;
             return Self::new(source, jinja.display().to_string()).map(Some);
         }
+        // The processor's file, read as tokenizer_config.json's `chat_template` key is.
         let processor = dir.join("chat_template.json");
-        if processor.is_file() {
-            let bad = |found: String| TokenizerError::BadConfigValue {
-                path: processor.clone(),
-                key: "chat_template".into(),
-                expected: "a string",
-                found,
-            };
-            let text =
-                std::fs::read_to_string(&processor).map_err(|source| TokenizerError::Io {
-                    path: processor.clone(),
-                    source,
-                })?;
-            let value: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-            let source = value
-                .get("chat_template")
-                .and_then(serde_json::Value::as_str)
-                .ok_or_else(|| bad(value.to_string().chars().take(80).collect()))?;
-            let origin = format!("{} (key chat_template)", processor.display());
-            return Self::new(source.to_string(), origin).map(Some);
-        }
-        let Some(cfg) = tokenizer_config else {
+        let processor = if processor.is_file() {
+            Some(JsonFile::read(&processor)?)
+        } else {
+            None
+        };
+        let stated = |cfg: &&JsonFile| cfg.value.get("chat_template").is_some_and(|t| !t.is_null());
+        let Some(cfg) = processor.as_ref().filter(stated).or(tokenizer_config) else {
             return Ok(None);
         };
         let origin = format!("{} (key chat_template)", cfg.path.display());

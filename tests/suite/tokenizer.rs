@@ -97,7 +97,7 @@ fn special_tokens() {
 #[test]
 fn config_variants() {
     // AddedToken objects, eos list in generation_config, no pad (falls back to eos),
-    // named template list, and chat_template.jinja taking precedence.
+    // named template list, chat_template.json and chat_template.jinja taking precedence.
     let dir = temp_checkpoint(
         "variants",
         &[
@@ -122,6 +122,19 @@ fn config_variants() {
         .apply_chat_template(&[Message::user("x")], false)
         .expect("render");
     assert_eq!(out, "<|begin_of_text|>user:x");
+    // A processor's chat_template.json (the Hub's vision-language repos) wins over
+    // tokenizer_config.json's key; chat_template.jinja wins over both.
+    std::fs::write(
+        dir.path().join("chat_template.json"),
+        r#"{"chat_template": "P{{ messages | length }}"}"#,
+    )
+    .expect("write");
+    let tok = Tokenizer::from_path(dir.path()).expect("load");
+    assert_eq!(
+        tok.apply_chat_template(&[Message::user("x")], false)
+            .expect("render"),
+        "P1"
+    );
     std::fs::write(
         dir.path().join("chat_template.jinja"),
         "J{{ messages | length }}\n",
