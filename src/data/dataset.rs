@@ -110,11 +110,10 @@ impl Dataset {
                         row: row.index,
                         source: Box::new(source),
                     };
-                    let plan = spec.images.as_ref().ok_or_else(|| {
-                        image_err(ImagesError::NoVisionModel {
-                            model: "a text model".into(),
-                        })
-                    })?;
+                    let plan = spec
+                        .images
+                        .as_ref()
+                        .ok_or_else(|| image_err(ImagesError::NoVisionModel))?;
                     // Rendered whole (an image is never cut), then expanded and measured.
                     let sample = tokenize_conversation(tokenizer, &m, &inputs, None)
                         .map_err(tok_err(row))?;

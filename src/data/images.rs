@@ -39,13 +39,19 @@ pub enum ImagesError {
     )]
     TooLong { tokens: usize, max_seq_len: usize },
     #[error(
-        "the row has images, but the model ({model}) reads none; train a vision-language checkpoint (Qwen2-VL) or drop the images"
+        "the row has images, but the model reads none; train a vision-language checkpoint (Qwen2-VL) or drop the images"
     )]
-    NoVisionModel { model: String },
+    NoVisionModel,
+    #[error("{at}: {problem}")]
+    Source { at: String, problem: String },
+    #[error(
+        "its `{column}` column holds images, which ShareGPT rows (`conversation_style: sharegpt`) do not place yet (torchtune's multimodal_chat_dataset and its `<image>` tags are not supported); write the rows as OpenAI messages with `{{\"type\": \"image\"}}` parts, or drop the column"
+    )]
+    ShareGptImages { column: String },
     #[error(transparent)]
     Input(#[from] ImageInputError),
     #[error(
-        "column `{column}` holds {images} images but the messages have image parts for {parts} of them (one `{{\"type\": \"image\"}}` part without a path per image); add the parts or drop the extra images"
+        "column {column} holds {images} images but the messages have image parts for {parts} of them (one `{{\"type\": \"image\"}}` part without a path per image); add the parts or drop the extra images"
     )]
     Unused {
         column: String,
@@ -167,7 +173,8 @@ pub fn batch_images(
 
 /// Where a message part's or an `images` cell's image is: a path (relative to `base`), a
 /// `data:` URL, or `{"bytes": ..., "path": ...}` as Hugging Face datasets store images (the bytes
-/// base64 in a parquet row as tune reads it). `None` when the value names no image.
+/// base64 in a parquet row as tune reads it). `what` names bytes held in the row, for the errors
+/// decoding them later; the error here is the problem alone, for the caller to place.
 pub fn image_source(
     value: &serde_json::Value,
     base: &std::path::Path,
@@ -178,11 +185,11 @@ pub fn image_source(
     let path = |p: &str| -> Result<ImageSource, String> {
         if let Some(data) = p.strip_prefix("data:") {
             let (_, encoded) = data.split_once(";base64,").ok_or_else(|| {
-                format!("{what}: a data: URL must be base64 (`data:image/png;base64,...`)")
+                "a data: URL must be base64 (`data:image/png;base64,...`)".to_string()
             })?;
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(encoded.trim())
-                .map_err(|e| format!("{what}: the data: URL is not valid base64: {e}"))?;
+                .map_err(|e| format!("the data: URL is not valid base64: {e}"))?;
             return Ok(ImageSource::Bytes {
                 bytes: bytes.into(),
                 name: what.to_string(),
@@ -190,34 +197,34 @@ pub fn image_source(
         }
         if p.starts_with("http://") || p.starts_with("https://") {
             return Err(format!(
-                "{what}: {p} is a URL; tune reads images from local files or the dataset's own bytes (download them, and give their paths)"
+                "{p} is a URL; tune reads images from local files or the dataset's own bytes (download them, and give their paths)"
             ));
         }
         Ok(ImageSource::Path(base.join(p)))
     };
     match value {
         Value::String(p) => path(p),
-        Value::Object(cell) => {
-            match (cell.get("bytes"), cell.get("path")) {
-                (Some(Value::String(b)), name) => {
-                    let bytes = base64::engine::general_purpose::STANDARD
+        Value::Object(cell) => match (cell.get("bytes"), cell.get("path")) {
+            (Some(Value::String(b)), name) => {
+                let bytes = base64::engine::general_purpose::STANDARD
                     .decode(b)
-                    .map_err(|e| format!("{what}: its `bytes` are not base64 as tune reads parquet bytes: {e}"))?;
-                    let name = match name {
-                        Some(Value::String(n)) if !n.is_empty() => format!("{what} ({n})"),
-                        _ => what.to_string(),
-                    };
-                    Ok(ImageSource::Bytes {
-                        bytes: bytes.into(),
-                        name,
-                    })
-                }
-                (_, Some(Value::String(p))) => path(p),
-                _ => Err(format!("{what}: an image object needs `bytes` or `path`")),
+                    .map_err(|e| {
+                        format!("its `bytes` are not base64 as tune reads parquet bytes: {e}")
+                    })?;
+                let name = match name {
+                    Some(Value::String(n)) if !n.is_empty() => format!("{what} ({n})"),
+                    _ => what.to_string(),
+                };
+                Ok(ImageSource::Bytes {
+                    bytes: bytes.into(),
+                    name,
+                })
             }
-        }
+            (_, Some(Value::String(p))) => path(p),
+            _ => Err("an image object needs `bytes` or `path`".to_string()),
+        },
         other => Err(format!(
-            "{what}: expected an image path or {{\"bytes\": ..., \"path\": ...}}, found {other}"
+            "expected an image path or {{\"bytes\": ..., \"path\": ...}}, found {other}"
         )),
     }
 }

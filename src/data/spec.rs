@@ -65,7 +65,8 @@ pub struct DatasetSpec {
     /// Prompt datasets: format the prompt as a user turn in the tokenizer's chat format (else
     /// plain text after BOS).
     pub apply_chat_template: bool,
-    /// Where relative image paths start (else each data file's directory).
+    /// Where relative image paths start (else the working directory, as torchtune's
+    /// `image_dir`).
     pub image_dir: Option<std::path::PathBuf>,
     /// A vision-language model's processor and vision config, for rows with images; `None`:
     /// the model reads no images (a row with one is refused).

@@ -58,7 +58,8 @@ pub struct RowTransform {
     conversation_column: Option<String>,
     style: ConversationStyle,
     text_column: Option<String>,
-    /// Where relative image paths start (`image_dir`; else each data file's directory).
+    /// Where relative image paths start (`image_dir`; else the working directory, as
+    /// torchtune's and TRL's `load_image` read them).
     image_dir: Option<std::path::PathBuf>,
 }
 
@@ -252,7 +253,7 @@ impl RowTransform {
             ConversationStyle::Sharegpt => "conversations",
             ConversationStyle::Openai => "messages",
         };
-        let mut column_images = self.column_images(cols)?;
+        let (mut column_images, columns) = self.column_images(cols)?;
         let messages = match &self.conversation_column {
             Some(col) => {
                 let mut map = cols.map.clone();
@@ -264,15 +265,14 @@ impl RowTransform {
         };
         if !column_images.is_empty() {
             let taken = messages.iter().map(|m| m.images.len()).sum::<usize>();
-            return Err(DataError::RowImages {
-                path: (*cols.row.file).clone(),
-                row: cols.row.index,
-                source: Box::new(super::images::ImagesError::Unused {
-                    column: cols.name("images"),
+            return Err(row_images(
+                cols.row,
+                super::images::ImagesError::Unused {
+                    column: columns,
                     images: taken + column_images.len(),
                     parts: taken,
-                }),
-            });
+                },
+            ));
         }
         Ok(RowContent::Messages(
             self.with_system(messages),
@@ -302,10 +302,15 @@ impl RowTransform {
         self.message_list_with(cols, key, style, &mut none)
     }
 
-    /// The row's `images` column (or `image`, one), as sources in order: what image parts
-    /// without their own path take, one each.
-    fn column_images(&self, cols: &Cols<'_>) -> Result<std::collections::VecDeque<ImageSource>> {
+    /// The row's `images` column (or `image`, one), as sources in order: what OpenAI-style
+    /// image parts without their own path take, one each; and the columns' names. A ShareGPT
+    /// row's images are refused (torchtune places them by `<image>` tags, which tune does not).
+    fn column_images(
+        &self,
+        cols: &Cols<'_>,
+    ) -> Result<(std::collections::VecDeque<ImageSource>, String)> {
         let mut out = std::collections::VecDeque::new();
+        let mut columns = Vec::new();
         for key in ["images", "image"] {
             let column = cols.name(key);
             let values = match cols.obj.get(&column) {
@@ -313,30 +318,27 @@ impl RowTransform {
                 Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
                 Some(one) => vec![one],
             };
+            if self.style == ConversationStyle::Sharegpt {
+                let refused = super::images::ImagesError::ShareGptImages { column };
+                return Err(row_images(cols.row, refused));
+            }
             for (i, value) in values.into_iter().enumerate() {
-                let what = format!(
-                    "{}: row {}, column `{column}`, image {i}",
-                    cols.row.file.display(),
-                    cols.row.index
-                );
-                let source = super::images::image_source(value, &self.image_base(cols.row), &what)
-                    .map_err(|problem| cols.bad_message(&column, i, problem))?;
+                let at = format!("column `{column}`, image {i}");
+                let name = format!("{}: row {}, {at}", cols.row.file.display(), cols.row.index);
+                let source = super::images::image_source(value, &self.image_base(), &name)
+                    .map_err(|problem| {
+                        row_images(cols.row, super::images::ImagesError::Source { at, problem })
+                    })?;
                 out.push_back(source);
             }
+            columns.push(format!("`{column}`"));
         }
-        Ok(out)
+        Ok((out, columns.join(" and ")))
     }
 
-    /// Where a row's relative image paths start.
-    fn image_base(&self, row: &Row) -> std::path::PathBuf {
-        match &self.image_dir {
-            Some(dir) => dir.clone(),
-            None => row
-                .file
-                .parent()
-                .map(std::path::Path::to_path_buf)
-                .unwrap_or_default(),
-        }
+    /// Where relative image paths start.
+    fn image_base(&self) -> std::path::PathBuf {
+        self.image_dir.clone().unwrap_or_default()
     }
 
     /// [`Self::message_list`], image parts without a path taking `column_images` in order.
@@ -415,10 +417,10 @@ impl RowTransform {
                                 let source = match own {
                                     Some(v) => super::images::image_source(
                                         v,
-                                        &self.image_base(cols.row),
+                                        &self.image_base(),
                                         &what,
                                     )
-                                    .map_err(&bad)?,
+                                    .map_err(|problem| bad(format!("part {p}: {problem}")))?,
                                     None => column_images.pop_front().ok_or_else(|| {
                                         bad(format!("part {p} is an image without a `path`, and the row's `images` column has no image left for it"))
                                     })?,
@@ -470,6 +472,15 @@ impl RowTransform {
             ));
         }
         Ok(out)
+    }
+}
+
+/// What is wrong with `row`'s images, naming its file and row.
+fn row_images(row: &Row, source: super::images::ImagesError) -> DataError {
+    DataError::RowImages {
+        path: (*row.file).clone(),
+        row: row.index,
+        source: Box::new(source),
     }
 }
 

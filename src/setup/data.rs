@@ -236,7 +236,8 @@ pub fn dataset(
     let mut parts = Vec::with_capacity(entries.len());
     for entry in entries {
         let mut spec = spec(entry);
-        spec.image_dir = entry.image_dir.as_ref().map(|d| base_dir.join(d));
+        // torchtune prepends `image_dir` to relative paths, which are the working directory's.
+        spec.image_dir = Some(base_dir.join(entry.image_dir.as_deref().unwrap_or("")));
         spec.images = images.cloned();
         fetch_if_hub(&mut spec)?;
         parts.push(Dataset::build(&spec, tokenizer, max_seq_len, base_dir)?);

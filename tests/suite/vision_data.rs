@@ -38,10 +38,12 @@ fn chat_spec(images: Option<ImagePlan>) -> DatasetSpec {
     let mut spec = DatasetSpec::new(DatasetKind::Chat);
     spec.conversation_style = ConversationStyle::Openai;
     spec.images = images;
+    spec.image_dir = Some(asset("images"));
     spec
 }
 
-/// A row as if read from assets/data/rows.json (so `../images/...` resolves to the shipped images).
+/// Rows as if read from assets/data/rows.json (their image paths are relative to `image_dir`,
+/// the shipped images).
 fn rows(values: Vec<Value>) -> Vec<Row> {
     Row::inline(&asset("data/rows.json").display().to_string(), values)
 }
@@ -79,7 +81,7 @@ const RENDERED: &[u32] = &[
 
 #[test]
 fn an_image_part_becomes_its_tokens_none_of_them_trained() {
-    let image = json!({"type": "image", "path": "../images/red_circle.png"});
+    let image = json!({"type": "image", "path": "red_circle.png"});
     let ds = build(vec![question(image, "It is red.")], Some(128)).unwrap();
     let sample = &sft(&ds)[0];
     let plan = plan();
@@ -106,6 +108,18 @@ fn an_image_part_becomes_its_tokens_none_of_them_trained() {
     );
     assert_eq!(sample.images.len(), 1);
     assert_eq!(sample.images[0].tokens, n);
+    // Without `image_dir` a relative path is the working directory's, as torchtune reads it.
+    let mut spec = chat_spec(Some(plan.clone()));
+    spec.image_dir = None;
+    let rel = json!({"type": "image", "path": "assets/images/red_circle.png"});
+    let ds = Dataset::from_rows(
+        &rows(vec![question(rel, "It is red.")]),
+        &spec,
+        &tokenizer(),
+        Some(128),
+    )
+    .unwrap();
+    assert_eq!(sft(&ds)[0].tokens, sample.tokens);
 }
 
 /// Two rows of other image sizes and a text-only row in one batch: every image's pixels in
@@ -114,12 +128,12 @@ fn an_image_part_becomes_its_tokens_none_of_them_trained() {
 fn a_batch_holds_each_rows_images_and_positions() {
     let ds = build(
         vec![
-            question(json!({"type": "image", "path": "../images/red_circle.png"}), "It is red."),
+            question(json!({"type": "image", "path": "red_circle.png"}), "It is red."),
             json!({"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}),
             json!({"messages": [
                 {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
                 {"role": "assistant", "content": "Blue."}],
-                "images": ["../images/blue_square.png"]}),
+                "images": ["blue_square.png"]}),
         ],
         Some(128),
     )
@@ -186,7 +200,7 @@ fn bad_images_are_refused_naming_row_and_file() {
     // A missing file.
     let msg = refusal(
         vec![question(
-            json!({"type": "image", "path": "../images/nowhere.png"}),
+            json!({"type": "image", "path": "nowhere.png"}),
             "x",
         )],
         Some(128),
@@ -200,10 +214,33 @@ fn bad_images_are_refused_naming_row_and_file() {
     assert!(msg.contains("no image left"), "{msg}");
     // More images in the column than parts.
     let mut row = question(json!({"type": "image"}), "x");
-    row["images"] = json!(["../images/red_circle.png", "../images/red_square.png"]);
+    row["images"] = json!(["red_circle.png", "red_square.png"]);
     let msg = refusal(vec![row], Some(128));
     assert!(
         msg.contains("`images` holds 2 images") && msg.contains("for 1 of them"),
+        "{msg}"
+    );
+    // A bad cell of the `images` column, placed once: file, row, column and image.
+    let mut row = question(json!({"type": "image"}), "x");
+    row["images"] = json!([42]);
+    let msg = refusal(vec![row], Some(128));
+    assert!(
+        msg.contains("rows.json: row 0: column `images`, image 0: expected an image path"),
+        "{msg}"
+    );
+    // ShareGPT rows with an image (torchtune places it by `<image>` tags): refused by name, not
+    // trained text-only.
+    let mut spec = chat_spec(Some(plan()));
+    spec.conversation_style = ConversationStyle::Sharegpt;
+    let sharegpt = json!({"image": "red_circle.png", "conversations": [
+        {"from": "human", "value": "<image>What colour?"}, {"from": "gpt", "value": "Red."}]});
+    let msg = Dataset::from_rows(&rows(vec![sharegpt]), &spec, &tokenizer(), Some(128))
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        msg.contains("row 0")
+            && msg.contains("`image` column")
+            && msg.contains("multimodal_chat_dataset"),
         "{msg}"
     );
     // A URL: tune reads local files.
@@ -221,7 +258,7 @@ fn bad_images_are_refused_naming_row_and_file() {
 /// naming the row, where a text sample would be truncated.
 #[test]
 fn a_sample_its_image_makes_too_long_is_refused() {
-    let image = json!({"type": "image", "path": "../images/yellow_square.png"});
+    let image = json!({"type": "image", "path": "yellow_square.png"});
     let err = build(vec![question(image, "Yellow.")], Some(40)).expect_err("refused");
     let DataError::RowImages { row, source, .. } = &err else {
         panic!("{err}");
@@ -242,7 +279,7 @@ fn a_sample_its_image_makes_too_long_is_refused() {
 
 #[test]
 fn images_for_a_text_model_or_packing_are_refused() {
-    let image = json!({"type": "image", "path": "../images/red_circle.png"});
+    let image = json!({"type": "image", "path": "red_circle.png"});
     let text_model = Dataset::from_rows(
         &rows(vec![question(image.clone(), "x")]),
         &chat_spec(None),
@@ -251,10 +288,7 @@ fn images_for_a_text_model_or_packing_are_refused() {
     )
     .expect_err("refused")
     .to_string();
-    assert!(
-        text_model.contains("the model (a text model) reads none"),
-        "{text_model}"
-    );
+    assert!(text_model.contains("the model reads none"), "{text_model}");
     let mut spec = chat_spec(Some(plan()));
     spec.packed = true;
     let packed = Dataset::from_rows(

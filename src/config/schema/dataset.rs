@@ -77,8 +77,8 @@ keys! {
     /// prompt_dataset: format the prompt as a user turn in the tokenizer's chat format, ending
     /// at the assistant's header (false: the text as it is, after BOS).
     apply_chat_template: bool = on(),
-    /// Chat datasets with images: where relative image paths start (torchtune's
-    /// `image_dir`; default: the directory of the data file that names them).
+    /// Chat datasets with images: the directory relative image paths start at (torchtune's
+    /// `image_dir`, prepended to them; default: the working directory).
     image_dir: Option<String> = optional(),
     /// A Python filter: only null (filter the file beforehand).
     filter_fn: Option<String> = optional().refuse(
