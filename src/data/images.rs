@@ -45,9 +45,23 @@ pub enum ImagesError {
     #[error("{at}: {problem}")]
     Source { at: String, problem: String },
     #[error(
-        "its `{column}` column holds images, which ShareGPT rows (`conversation_style: sharegpt`) do not place yet (torchtune's multimodal_chat_dataset and its `<image>` tags are not supported); write the rows as OpenAI messages with `{{\"type\": \"image\"}}` parts, or drop the column"
+        "its `{column}` column holds images, but ShareGPT rows take theirs from the `image` column (torchtune's ShareGPTToMessages); point it there with `column_map: {{image: {column}}}`, or write the rows as OpenAI messages (`conversation_style: openai`)"
     )]
     ShareGptImages { column: String },
+    #[error(
+        "its first user message has {tags} `{tag}` tags for the row's {images} images; torchtune's image_tag puts one image at each tag, so write one tag per image, or set `image_tag: null` to put the images before the message's text"
+    )]
+    Tags {
+        tag: String,
+        tags: usize,
+        images: usize,
+    },
+    #[error("the row has images but no user message to put them in")]
+    NoUserMessage,
+    #[error(
+        "`train_on_input: true` does not apply to ShareGPT rows with images: torchtune masks their prompts whatever it says; set `train_on_input: false`"
+    )]
+    TrainOnInput,
     #[error(transparent)]
     Input(#[from] ImageInputError),
     #[error(

@@ -33,6 +33,10 @@ pub enum ConversationStyle {
     Openai,
 }
 
+/// Where torchtune's `ShareGPTToMessages` places a row's image unless told otherwise (what
+/// `chat_dataset` uses).
+pub const DEFAULT_IMAGE_TAG: &str = "<image>";
+
 /// One dataset to build.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DatasetSpec {
@@ -68,6 +72,11 @@ pub struct DatasetSpec {
     /// Where relative image paths start (else the working directory, as torchtune's
     /// `image_dir`).
     pub image_dir: Option<std::path::PathBuf>,
+    /// ShareGPT rows with images: the tag in the first user message's text that each of the
+    /// row's images replaces, in order (`None`: the images go before its text). torchtune's
+    /// `chat_dataset` places them at `<image>`, its `multimodal_chat_dataset` at its `image_tag`
+    /// (default none).
+    pub image_tag: Option<String>,
     /// A vision-language model's processor and vision config, for rows with images; `None`:
     /// the model reads no images (a row with one is refused).
     pub images: Option<super::images::ImagePlan>,
@@ -93,6 +102,7 @@ impl DatasetSpec {
             partition: None,
             apply_chat_template: true,
             image_dir: None,
+            image_tag: (kind == DatasetKind::Chat).then(|| DEFAULT_IMAGE_TAG.to_string()),
             images: None,
         }
     }
@@ -110,6 +120,10 @@ pub enum DatasetKind {
     Instruct,
     /// `chat_dataset`: sharegpt or openai conversations; train_on_input defaults to false.
     Chat,
+    /// `multimodal_chat_dataset`: ShareGPT conversations whose `image` column goes into the
+    /// first user message, at its `image_tag`s or before its text; prompts of rows with images
+    /// are never trained (torchtune's `ShareGPTToMessages`).
+    MultimodalChat,
     /// `text_completion_dataset`: one text column, everything trained.
     TextCompletion,
     /// `preference_dataset` / `hh_rlhf_helpful_dataset`: `chosen` and `rejected` message lists.

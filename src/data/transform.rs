@@ -61,6 +61,8 @@ pub struct RowTransform {
     /// Where relative image paths start (`image_dir`; else the working directory, as
     /// torchtune's and TRL's `load_image` read them).
     image_dir: Option<std::path::PathBuf>,
+    /// ShareGPT rows: where the first user message's images go (`None`: before its text).
+    image_tag: Option<String>,
 }
 
 /// Column access for one row, carrying what error messages need.
@@ -136,6 +138,7 @@ impl RowTransform {
             style: spec.conversation_style,
             text_column: spec.column.clone(),
             image_dir: spec.image_dir.clone(),
+            image_tag: spec.image_tag.clone(),
         }
     }
 
@@ -170,7 +173,7 @@ impl RowTransform {
                     TemplateInputs::default(),
                 ))
             }
-            DatasetKind::Chat => self.chat(&cols),
+            DatasetKind::Chat | DatasetKind::MultimodalChat => self.chat(&cols),
             DatasetKind::TextCompletion => {
                 let key = self.text_column.as_deref().unwrap_or("text");
                 Ok(RowContent::Text(cols.non_empty(key)?.to_string()))
@@ -254,7 +257,11 @@ impl RowTransform {
             ConversationStyle::Openai => "messages",
         };
         let (mut column_images, columns) = self.column_images(cols)?;
-        let messages = match &self.conversation_column {
+        let sharegpt_images = match self.style {
+            ConversationStyle::Sharegpt => self.sharegpt_images(cols)?,
+            ConversationStyle::Openai => Vec::new(),
+        };
+        let mut messages = match &self.conversation_column {
             Some(col) => {
                 let mut map = cols.map.clone();
                 map.insert(default.to_string(), col.clone());
@@ -274,6 +281,10 @@ impl RowTransform {
                 },
             ));
         }
+        if !sharegpt_images.is_empty() {
+            self.place_sharegpt_images(&mut messages, sharegpt_images)
+                .map_err(|e| row_images(cols.row, e))?;
+        }
         Ok(RowContent::Messages(
             self.with_system(messages),
             match self.style {
@@ -281,6 +292,85 @@ impl RowTransform {
                 ConversationStyle::Sharegpt => TemplateInputs::default(),
             },
         ))
+    }
+
+    /// A ShareGPT row's images: its `image` column (one image, or a list), as torchtune's
+    /// `ShareGPTToMessages` reads it; a null or empty cell is a text-only row. An `images`
+    /// column, which torchtune would skip, is refused.
+    fn sharegpt_images(&self, cols: &Cols<'_>) -> Result<Vec<ImageSource>> {
+        let column = cols.name("image");
+        let others = cols.name("images");
+        if others != column && cols.obj.get(&others).is_some_and(|v| !v.is_null()) {
+            let refused = super::images::ImagesError::ShareGptImages { column: others };
+            return Err(row_images(cols.row, refused));
+        }
+        let values = match cols.obj.get(&column) {
+            None | Some(Value::Null) => return Ok(Vec::new()),
+            Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
+            Some(one) => vec![one],
+        };
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, value)| {
+                let at = format!("column `{column}`, image {i}");
+                let name = format!("{}: row {}, {at}", cols.row.file.display(), cols.row.index);
+                super::images::image_source(value, &self.image_base(), &name).map_err(|problem| {
+                    row_images(cols.row, super::images::ImagesError::Source { at, problem })
+                })
+            })
+            .collect()
+    }
+
+    /// torchtune's placement of a ShareGPT row's images: all in the first user message, each
+    /// replacing one `image_tag` of its text (`format_content_with_images`: as many tags as
+    /// images, empty text between them dropped) or, with no tag, before the text; the row's
+    /// prompts are then masked whatever `train_on_input` says, so that is refused.
+    fn place_sharegpt_images(
+        &self,
+        messages: &mut [LabeledMessage],
+        images: Vec<ImageSource>,
+    ) -> std::result::Result<(), super::images::ImagesError> {
+        use super::images::ImagesError;
+        if self.train_on_input {
+            return Err(ImagesError::TrainOnInput);
+        }
+        let first = messages
+            .iter_mut()
+            .find(|m| m.message.role == Role::User)
+            .ok_or(ImagesError::NoUserMessage)?;
+        let text = std::mem::take(&mut first.message.content);
+        let mut parts = Vec::new();
+        match &self.image_tag {
+            None => {
+                parts.extend(images.iter().map(|_| ContentPart::Image));
+                parts.push(ContentPart::Text(text.clone()));
+                first.message.content = text;
+            }
+            Some(tag) => {
+                let tags = text.matches(tag.as_str()).count();
+                if tags != images.len() {
+                    return Err(ImagesError::Tags {
+                        tag: tag.clone(),
+                        tags,
+                        images: images.len(),
+                    });
+                }
+                let pieces: Vec<&str> = text.split(tag.as_str()).collect();
+                for (i, piece) in pieces.iter().enumerate() {
+                    if !piece.is_empty() {
+                        parts.push(ContentPart::Text(piece.to_string()));
+                    }
+                    if i + 1 < pieces.len() {
+                        parts.push(ContentPart::Image);
+                    }
+                }
+                first.message.content = pieces.concat();
+            }
+        }
+        first.message.parts = parts;
+        first.images = images;
+        Ok(())
     }
 
     /// Prepends `new_system_prompt` (existing system messages were dropped while parsing).
@@ -302,15 +392,18 @@ impl RowTransform {
         self.message_list_with(cols, key, style, &mut none)
     }
 
-    /// The row's `images` column (or `image`, one), as sources in order: what OpenAI-style
-    /// image parts without their own path take, one each; and the columns' names. A ShareGPT
-    /// row's images are refused (torchtune places them by `<image>` tags, which tune does not).
+    /// An OpenAI-style row's `images` column (or `image`, one), as sources in order: what
+    /// image parts without their own path take, one each; and the columns' names. (A ShareGPT
+    /// row's images are [`Self::sharegpt_images`].)
     fn column_images(
         &self,
         cols: &Cols<'_>,
     ) -> Result<(std::collections::VecDeque<ImageSource>, String)> {
         let mut out = std::collections::VecDeque::new();
         let mut columns = Vec::new();
+        if self.style == ConversationStyle::Sharegpt {
+            return Ok((out, String::new()));
+        }
         for key in ["images", "image"] {
             let column = cols.name(key);
             let values = match cols.obj.get(&column) {
@@ -318,10 +411,6 @@ impl RowTransform {
                 Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
                 Some(one) => vec![one],
             };
-            if self.style == ConversationStyle::Sharegpt {
-                let refused = super::images::ImagesError::ShareGptImages { column };
-                return Err(row_images(cols.row, refused));
-            }
             for (i, value) in values.into_iter().enumerate() {
                 let at = format!("column `{column}`, image {i}");
                 let name = format!("{}: row {}, {at}", cols.row.file.display(), cols.row.index);

@@ -7,7 +7,7 @@ use crate::config::components::TokenizerKind;
 use crate::config::paths::resolve_tokenizer_json;
 use crate::config::schema::{DatasetConfig, TokenizerConfig, TruncationType};
 use crate::data::images::ImagePlan;
-use crate::data::{DataLoader, Dataset, DatasetSpec, LoaderConfig};
+use crate::data::{DataLoader, Dataset, DatasetKind, DatasetSpec, LoaderConfig};
 use crate::tokenizer::{ConfigFiles, MessageFormat, ModelFormat, Tokenizer, Truncation};
 use crate::training::validation::Validation;
 
@@ -202,6 +202,10 @@ pub fn spec(cfg: &DatasetConfig) -> DatasetSpec {
         add_eos: cfg.add_eos,
         partition: cfg.partition.clone(),
         apply_chat_template: cfg.apply_chat_template,
+        image_tag: match builder.kind {
+            DatasetKind::MultimodalChat => cfg.image_tag.clone(),
+            _ => defaults.image_tag.clone(),
+        },
         ..defaults
     };
     if let (None, None, Some(files)) = (&cfg.source, &cfg.data_files, builder.default_data_files) {

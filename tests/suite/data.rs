@@ -26,6 +26,7 @@ impl Entry {
             DatasetKind::Alpaca => "alpaca_dataset",
             DatasetKind::Instruct => "instruct_dataset",
             DatasetKind::Chat => "chat_dataset",
+            DatasetKind::MultimodalChat => "multimodal_chat_dataset",
             DatasetKind::TextCompletion => "text_completion_dataset",
             DatasetKind::Preference => "preference_dataset",
             DatasetKind::StackExchangePaired => "stack_exchange_paired_dataset",

@@ -228,21 +228,6 @@ fn bad_images_are_refused_naming_row_and_file() {
         msg.contains("rows.json: row 0: column `images`, image 0: expected an image path"),
         "{msg}"
     );
-    // ShareGPT rows with an image (torchtune places it by `<image>` tags): refused by name, not
-    // trained text-only.
-    let mut spec = chat_spec(Some(plan()));
-    spec.conversation_style = ConversationStyle::Sharegpt;
-    let sharegpt = json!({"image": "red_circle.png", "conversations": [
-        {"from": "human", "value": "<image>What colour?"}, {"from": "gpt", "value": "Red."}]});
-    let msg = Dataset::from_rows(&rows(vec![sharegpt]), &spec, &tokenizer(), Some(128))
-        .expect_err("refused")
-        .to_string();
-    assert!(
-        msg.contains("row 0")
-            && msg.contains("`image` column")
-            && msg.contains("multimodal_chat_dataset"),
-        "{msg}"
-    );
     // A URL: tune reads local files.
     let msg = refusal(
         vec![question(
@@ -325,4 +310,79 @@ fn tiny_vision_lora_trains() {
             .join("epoch_4/preprocessor_config.json")
             .is_file()
     );
+}
+
+fn sharegpt(image: Value, first: &str) -> Value {
+    json!({"image": image, "conversations": [
+        {"from": "human", "value": first}, {"from": "gpt", "value": "Red."}]})
+}
+
+fn sharegpt_spec(kind: DatasetKind, image_tag: Option<&str>) -> DatasetSpec {
+    let mut spec = chat_spec(Some(plan()));
+    spec.kind = kind;
+    spec.conversation_style = ConversationStyle::Sharegpt;
+    spec.image_tag = image_tag.map(String::from);
+    spec
+}
+
+fn sharegpt_tokens(spec: &DatasetSpec, row: Value) -> Result<Vec<u32>, String> {
+    Dataset::from_rows(&rows(vec![row]), spec, &tokenizer(), Some(128))
+        .map(|ds| sft(&ds)[0].tokens.clone())
+        .map_err(|e| e.to_string())
+}
+
+/// torchtune's ShareGPTToMessages: a ShareGPT row's `image` goes into its first user message,
+/// at the `<image>` tag (chat_dataset), at multimodal_chat_dataset's `image_tag`, or before the
+/// text when it has none: the same tokens as the OpenAI row with the image part there.
+#[test]
+fn sharegpt_rows_place_their_image_as_torchtune_does() {
+    let openai = |parts: Value| {
+        let row = json!({"messages": [
+            {"role": "user", "content": parts}, {"role": "assistant", "content": "Red."}]});
+        sharegpt_tokens(&chat_spec(Some(plan())), row).expect("builds")
+    };
+    let image = json!({"type": "image", "path": "red_circle.png"});
+    let text = |t: &str| json!({"type": "text", "text": t});
+    let before = openai(json!([image, text("What colour?")]));
+    let between = openai(json!([text("Look: "), image, text("What colour?")]));
+    assert_ne!(before, between);
+
+    let chat = sharegpt_spec(DatasetKind::Chat, Some("<image>"));
+    let row = sharegpt(json!("red_circle.png"), "<image>What colour?");
+    assert_eq!(sharegpt_tokens(&chat, row).unwrap(), before);
+    let row = sharegpt(json!("red_circle.png"), "Look: <image>What colour?");
+    assert_eq!(sharegpt_tokens(&chat, row).unwrap(), between);
+    // multimodal_chat_dataset with no image_tag: before the text, which keeps any literal tag.
+    let mm = sharegpt_spec(DatasetKind::MultimodalChat, None);
+    let row = sharegpt(json!("red_circle.png"), "What colour?");
+    assert_eq!(sharegpt_tokens(&mm, row).unwrap(), before);
+    let mm_tag = sharegpt_spec(DatasetKind::MultimodalChat, Some("[img]"));
+    let row = sharegpt(json!("red_circle.png"), "Look: [img]What colour?");
+    assert_eq!(sharegpt_tokens(&mm_tag, row).unwrap(), between);
+    // A null image is a text-only row.
+    let text_only = sharegpt_tokens(&mm, sharegpt(Value::Null, "What colour?")).unwrap();
+    assert!(!text_only.contains(&plan().vision.image_token_id));
+
+    // Refused, naming the row: tags that do not match the images, train_on_input, an `images`
+    // column (torchtune reads `image`).
+    let msg =
+        sharegpt_tokens(&chat, sharegpt(json!("red_circle.png"), "What colour?")).unwrap_err();
+    assert!(
+        msg.contains("row 0") && msg.contains("0 `<image>` tags for the row's 1 images"),
+        "{msg}"
+    );
+    let mut trains = chat.clone();
+    trains.train_on_input = true;
+    let msg = sharegpt_tokens(&trains, sharegpt(json!("red_circle.png"), "<image>x")).unwrap_err();
+    assert!(msg.contains("train_on_input: true"), "{msg}");
+    let row = json!({"images": ["red_circle.png"], "conversations": [
+        {"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "Red."}]});
+    let msg = sharegpt_tokens(&chat, row).unwrap_err();
+    assert!(
+        msg.contains("`images` column") && msg.contains("column_map: {image: images}"),
+        "{msg}"
+    );
+    // A missing image file, named.
+    let msg = sharegpt_tokens(&chat, sharegpt(json!("nope.png"), "<image>x")).unwrap_err();
+    assert!(msg.contains("row 0") && msg.contains("nope.png"), "{msg}");
 }

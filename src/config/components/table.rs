@@ -77,8 +77,8 @@ const fn quant(kind: QuantizerKind, module_swap: bool) -> Component {
 }
 
 use DatasetKind::{
-    Alpaca, Chat, Gsm8k, Gsm8kSft, Instruct, Preference, Prompt, StackExchangePaired,
-    TextCompletion,
+    Alpaca, Chat, Gsm8k, Gsm8kSft, Instruct, MultimodalChat, Preference, Prompt,
+    StackExchangePaired, TextCompletion,
 };
 
 static TABLE: &[Entry] = &[
@@ -171,6 +171,11 @@ static TABLE: &[Entry] = &[
         "tune.datasets.chat_dataset",
         &["torchtune.datasets.chat_dataset"],
         ds("chat_dataset", Chat, None),
+    ),
+    e(
+        "tune.datasets.multimodal_chat_dataset",
+        &["torchtune.datasets.multimodal.multimodal_chat_dataset"],
+        ds("multimodal_chat_dataset", MultimodalChat, None),
     ),
     e(
         "tune.datasets.slimorca_dataset",

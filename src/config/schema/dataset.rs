@@ -80,6 +80,10 @@ keys! {
     /// Chat datasets with images: the directory relative image paths start at (torchtune's
     /// `image_dir`, prepended to them; default: the working directory).
     image_dir: Option<String> = optional(),
+    /// multimodal_chat_dataset: the tag in the first user message's text each of a row's
+    /// `image` column images replaces (default none: the images go before its text;
+    /// chat_dataset's ShareGPT rows use `<image>`, as torchtune's).
+    image_tag: Option<String> = optional(),
     /// A Python filter: only null (filter the file beforehand).
     filter_fn: Option<String> = optional().refuse(
         "dataset filter functions are Python callables, which tune cannot run, and training on the unfiltered rows would change the data; filter the data file beforehand and set `filter_fn: null`",
@@ -194,6 +198,7 @@ fn dataset_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
             );
         }
     }
+    multimodal_chat_rules(d, path, cx);
     if builder.default_source.is_none() && d.source.is_none() {
         cx.problem(
             Problem::new(
@@ -224,6 +229,59 @@ fn dataset_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
             "file",
             f,
             "a local JSON/CSV/Parquet/text file",
+        );
+    }
+}
+
+/// torchtune's `multimodal_chat_dataset` reads ShareGPT rows and never trains their prompts
+/// (it takes no `train_on_input`), nor packs; `image_tag` is its key alone (`chat_dataset`
+/// places ShareGPT images at `<image>`, as torchtune's).
+fn multimodal_chat_rules(d: &DatasetConfig, path: &str, cx: &mut Checker) {
+    let name = d.component.name;
+    let refuse = |cx: &mut Checker, key: &str, message: String, fix: &str| {
+        cx.problem(Problem::new(ProblemKind::InvalidValue, join(path, key), message).with_fix(fix));
+    };
+    if d.component.kind != DatasetKind::MultimodalChat {
+        if d.image_tag.is_some() {
+            refuse(
+                cx,
+                "image_tag",
+                format!("`image_tag` is multimodal_chat_dataset's key; `{name}` does not read it"),
+                "use `torchtune.datasets.multimodal.multimodal_chat_dataset`, or drop `image_tag` (chat_dataset's ShareGPT rows place their image at `<image>`)",
+            );
+        }
+        return;
+    }
+    if d.train_on_input == Some(true) {
+        refuse(
+            cx,
+            "train_on_input",
+            format!("`{name}` never trains the prompts of rows with images (torchtune masks them)"),
+            "set `train_on_input: false`, or drop it",
+        );
+    }
+    if d.packed {
+        refuse(
+            cx,
+            "packed",
+            format!("`{name}` is not packed (torchtune refuses packing multimodal datasets)"),
+            "set `packed: false`",
+        );
+    }
+    if d.conversation_style == Some(ConversationStyle::Openai) {
+        refuse(
+            cx,
+            "conversation_style",
+            format!("`{name}` reads ShareGPT rows"),
+            "for OpenAI-style messages with image parts use `torchtune.datasets.chat_dataset` with `conversation_style: openai`",
+        );
+    }
+    if d.image_tag.as_deref() == Some("") {
+        refuse(
+            cx,
+            "image_tag",
+            "an empty `image_tag` marks no place".into(),
+            "e.g. `image_tag: \"<image>\"`, or `image_tag: null` to put the image before the text",
         );
     }
 }
@@ -302,6 +360,29 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn multimodal_chat_dataset_takes_its_torchtune_keys_and_refuses_the_others() {
+        let mm = "dataset._component_=torchtune.datasets.multimodal.multimodal_chat_dataset";
+        let ok = validated(&[mm, "dataset.source=json", "dataset.image_tag=<image>"]).unwrap();
+        assert_eq!(ok[0].image_tag.as_deref(), Some("<image>"));
+        let e = validated(&[mm, "dataset.train_on_input=true", "dataset.packed=true"]).unwrap_err();
+        assert!(
+            e.has("dataset.train_on_input", "never trains the prompts"),
+            "{e}"
+        );
+        assert!(e.has("dataset.packed", "is not packed"), "{e}");
+        let e = validated(&[mm, "dataset.conversation_style=openai"]).unwrap_err();
+        assert!(
+            e.has("dataset.conversation_style", "reads ShareGPT rows"),
+            "{e}"
+        );
+        let e = validated(&["dataset.image_tag=<image>"]).unwrap_err();
+        assert!(
+            e.has("dataset.image_tag", "multimodal_chat_dataset's key"),
+            "{e}"
+        );
     }
 
     #[test]
