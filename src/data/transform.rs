@@ -304,7 +304,13 @@ impl RowTransform {
             let refused = super::images::ImagesError::ShareGptImages { column: others };
             return Err(row_images(cols.row, refused));
         }
-        let values = match cols.obj.get(&column) {
+        self.cell_images(cols, &column)
+    }
+
+    /// The images of a row's `column` cell (one, or a list; none when absent or null), each
+    /// error naming the file, row, column and image.
+    fn cell_images(&self, cols: &Cols<'_>, column: &str) -> Result<Vec<ImageSource>> {
+        let values = match cols.obj.get(column) {
             None | Some(Value::Null) => return Ok(Vec::new()),
             Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
             Some(one) => vec![one],
@@ -406,20 +412,10 @@ impl RowTransform {
         }
         for key in ["images", "image"] {
             let column = cols.name(key);
-            let values = match cols.obj.get(&column) {
-                None | Some(Value::Null) => continue,
-                Some(Value::Array(list)) => list.iter().collect::<Vec<_>>(),
-                Some(one) => vec![one],
-            };
-            for (i, value) in values.into_iter().enumerate() {
-                let at = format!("column `{column}`, image {i}");
-                let name = format!("{}: row {}, {at}", cols.row.file.display(), cols.row.index);
-                let source = super::images::image_source(value, &self.image_base(), &name)
-                    .map_err(|problem| {
-                        row_images(cols.row, super::images::ImagesError::Source { at, problem })
-                    })?;
-                out.push_back(source);
+            if cols.obj.get(&column).is_none_or(Value::is_null) {
+                continue;
             }
+            out.extend(self.cell_images(cols, &column)?);
             columns.push(format!("`{column}`"));
         }
         Ok((out, columns.join(" and ")))
