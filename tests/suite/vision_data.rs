@@ -386,3 +386,49 @@ fn sharegpt_rows_place_their_image_as_torchtune_does() {
     let msg = sharegpt_tokens(&chat, sharegpt(json!("nope.png"), "<image>x")).unwrap_err();
     assert!(msg.contains("row 0") && msg.contains("nope.png"), "{msg}");
 }
+
+/// torchtune's own placement (`make_sharegpt_images_fixture.py` ran torchtune 0.6.1's
+/// ShareGPTToMessages on each case): the ShareGPT row gives the tokens and labels of the OpenAI
+/// row holding torchtune's messages, the image at the part torchtune put it.
+#[test]
+fn sharegpt_images_go_where_torchtunes_sharegpt_to_messages_puts_them() {
+    let text = std::fs::read_to_string(crate::support::fixture("sharegpt_images.json")).unwrap();
+    let fixture: Value = serde_json::from_str(&text).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 6);
+    let openai = chat_spec(Some(plan()));
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let tag = case["image_tag"].as_str();
+        let kind = if name.starts_with("multimodal_chat_dataset") {
+            DatasetKind::MultimodalChat
+        } else {
+            DatasetKind::Chat
+        };
+        let messages: Vec<Value> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let parts = m["content"].as_array().unwrap();
+                let content = match parts.as_slice() {
+                    [only] if only["type"] == "text" => only["text"].clone(),
+                    _ => Value::Array(parts.clone()),
+                };
+                let masked = m["role"] != "assistant";
+                assert_eq!(m["masked"].as_bool(), Some(masked), "{name}");
+                json!({"role": m["role"], "content": content})
+            })
+            .collect();
+        let sample = |spec: &DatasetSpec, row: Value| {
+            let ds = Dataset::from_rows(&rows(vec![row]), spec, &tokenizer(), Some(256))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let s = &sft(&ds)[0];
+            (s.tokens.clone(), s.labels.clone())
+        };
+        let want = sample(&openai, json!({ "messages": messages }));
+        let got = sample(&sharegpt_spec(kind, tag), case["row"].clone());
+        assert_eq!(got, want, "{name}");
+        assert!(want.0.contains(&IMAGE_PAD), "{name}: the image is in");
+    }
+}
