@@ -400,10 +400,10 @@ fn sharegpt_images_go_where_torchtunes_sharegpt_to_messages_puts_them() {
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let tag = case["image_tag"].as_str();
-        let kind = if name.starts_with("multimodal_chat_dataset") {
-            DatasetKind::MultimodalChat
-        } else {
-            DatasetKind::Chat
+        let kind = match case["builder"].as_str() {
+            Some("multimodal_chat_dataset") => DatasetKind::MultimodalChat,
+            Some("chat_dataset") => DatasetKind::Chat,
+            other => panic!("{name}: builder {other:?}"),
         };
         let messages: Vec<Value> = case["messages"]
             .as_array()
